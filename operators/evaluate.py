@@ -1,0 +1,25 @@
+"""Held-out evaluation on the service (greedy decoding, exact verification)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from plexrl.batch import EvalStats
+from plexrl.operator import OpContext, operator
+
+
+@operator(placement="service")
+def evaluate(
+    ctx: OpContext,
+    *,
+    size: Annotated[int, Field(ge=1)] = 400,
+    max_new_tokens: Annotated[int, Field(ge=1)] = 8,
+) -> EvalStats:
+    """Greedy accuracy of the current policy on the first `size` held-out problems."""
+    from plexrl.models import greedy_accuracy
+
+    problems = ctx.task.held_out[:size]
+    acc, length = greedy_accuracy(ctx.engine, ctx.tokenizer, problems, max_new_tokens)
+    return EvalStats(accuracy=acc, size=len(problems), response_length=length)

@@ -1,0 +1,58 @@
+"""Generation-side service operators: `rollout` samples responses, `logprob` scores them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from plexrl.batch import LogProbs, Prompts, Rollouts
+from plexrl.operator import OpContext, operator
+
+
+@operator(placement="service")
+def rollout(
+    prompts: Prompts,
+    ctx: OpContext,
+    *,
+    n: Annotated[int, Field(ge=1, le=1024)] = 8,
+    temperature: Annotated[float, Field(gt=0, le=10)] = 1.0,
+    max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 8,
+) -> Rollouts:
+    """Sample `n` responses per prompt with the job's current policy; records token ids, masks,
+    behaviour log-probs (temperature applied), lengths and finish reasons. Rows: [P*n], grouped by prompt."""
+    import torch
+
+    engine, tok = ctx.engine, ctx.tokenizer
+    gen = engine.generate(
+        prompts.token_ids, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout")
+    )
+    lp = gen.prompt_ids.shape[1]
+    input_ids = torch.cat([gen.prompt_ids, gen.response_ids], 1).cpu()
+    attention = torch.cat([gen.prompt_mask, gen.response_mask], 1).cpu()
+    response_mask = torch.cat([torch.zeros_like(gen.prompt_mask), gen.response_mask], 1).float().cpu()
+    behaviour = torch.cat([torch.zeros_like(gen.prompt_mask, dtype=torch.float32), gen.logprobs.float()], 1).cpu()
+    return Rollouts(
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=response_mask,
+        behaviour_logprobs=behaviour,
+        prompt_len=lp,
+        response_lengths=gen.lengths.cpu(),
+        finish_reasons=gen.finish_reasons,
+        completions=tok.batch_decode(gen.response_ids, skip_special_tokens=True),
+        answers=[a for a in prompts.answers for _ in range(n)],
+        group_size=n,
+        temperature=temperature,
+        weight_version=engine.weight_version,
+    )
+
+
+@operator(placement="service")
+def logprob(rollouts: Rollouts, ctx: OpContext, *, which: Literal["reference", "policy"] = "reference") -> LogProbs:
+    """Per-token log-probs [N, L] of the rollout under the reference or the current policy (the
+    rollout's temperature applied, as in the behaviour log-probs)."""
+    values = ctx.engine.logprobs(
+        rollouts.input_ids, rollouts.attention_mask, temperature=rollouts.temperature, which=which
+    )
+    return LogProbs(values=values * rollouts.response_mask, which=which)

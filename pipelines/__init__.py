@@ -1,0 +1,1 @@
+"""Built-in algorithms declared as pipelines (installed as `plexrl.pipelines`)."""

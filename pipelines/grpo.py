@@ -1,0 +1,39 @@
+"""GRPO (Shao et al., 2024) as one iteration's DAG:
+
+    prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
+                  \\-> ref_logprob (only with KL) --/
+"""
+
+from __future__ import annotations
+
+from plexrl.graph import Pipeline, PipelineGraph
+
+
+def grpo(
+    *,
+    batch_size: int = 32,
+    n: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 8,
+    lr: float = 1e-3,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+    minibatches: int = 1,
+    epochs: int = 1,
+    max_grad_norm: float = 1.0,
+    loss_agg: str = "token_mean",
+    eval_every: int = 10,
+    eval_size: int = 400,
+) -> PipelineGraph:
+    p = Pipeline("grpo")
+    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
+    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+    rewards = p.add("verify", "verify", rollouts=rollouts)
+    adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards)
+    ref = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts, which="reference")} if kl_coef > 0 else {}
+    train = p.add(
+        "train", "train", rollouts=rollouts, advantages=adv, **ref, lr=lr, clip_eps=clip_eps, kl_coef=kl_coef,
+        minibatches=minibatches, epochs=epochs, max_grad_norm=max_grad_norm, loss_agg=loss_agg,
+    )
+    p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
+    return p.build()

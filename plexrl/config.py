@@ -1,0 +1,264 @@
+"""The one typed source of truth for job configuration (pydantic, `extra="forbid"` everywhere).
+
+`load_job(path, overrides)` reads a YAML job, applies `--set key=value` overrides, validates it and compiles
+its pipeline, and raises one `ConfigError` listing every problem (unknown keys, wrong types, values out of
+range, a missing file, and all pipeline problems) so a user fixes them in one pass.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, validate_call
+
+from plexrl.errors import ConfigError, Problem
+from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(StrictModel):
+    """A small Llama-architecture model built locally (no hub): sizes, or `path` to an existing HF dir."""
+
+    layers: int = Field(2, ge=1, le=64, description="Transformer layers.")
+    hidden: int = Field(128, ge=8, le=8192, description="Hidden size; must be divisible by `heads`.")
+    heads: int = Field(4, ge=1, le=128, description="Attention heads.")
+    intermediate: int = Field(512, ge=8, le=32768, description="MLP inner size.")
+    max_position: int = Field(64, ge=16, le=32768, description="Maximum sequence length (prompt + response).")
+    path: str | None = Field(None, description="Load this local HF model directory instead of building one.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}); change one of them")
+        return self
+
+
+class TaskConfig(StrictModel):
+    """A verifiable task generated from a seed, with disjoint train and held-out splits."""
+
+    name: Literal["arithmetic"] = Field("arithmetic", description="Task family: multi-digit addition.")
+    digits: int = Field(3, ge=1, le=9, description="Digits per operand.")
+    train_size: int = Field(20000, ge=16, description="Problems in the train split.")
+    eval_size: int = Field(400, ge=8, le=100000, description="Problems in the held-out split.")
+    seed: int = Field(1234, description="Seed of the data generator (independent of the job seed).")
+
+
+class WarmStartConfig(StrictModel):
+    """Supervised warm start on the train split, stopped once held-out greedy accuracy reaches a target."""
+
+    enabled: bool = Field(True, description="Run the warm start (cached under run_dir/cache).")
+    max_steps: int = Field(3000, ge=0, description="Upper bound on optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Sequences per step.")
+    lr: float = Field(3e-3, gt=0, lt=1, description="AdamW learning rate.")
+    stop_at_accuracy: float = Field(0.3, gt=0, le=1, description="Stop when held-out greedy accuracy reaches this.")
+    eval_every: int = Field(25, ge=1, description="Steps between accuracy checks.")
+    eval_size: int = Field(200, ge=8, description="Held-out problems used by the checks.")
+
+
+class NodeConfig(StrictModel):
+    """One node of an explicitly listed pipeline."""
+
+    name: str = Field(description="Unique node name.")
+    op: str = Field(description="Built-in operator name, or dotted path `pkg.module:operator`.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Operator parameters.")
+    inputs: dict[str, str] = Field(default_factory=dict, description="Input port -> source node (the edges).")
+    after: list[str] = Field(default_factory=list, description="Extra ordering edges: run after these nodes.")
+    every: int | None = Field(None, description="Run only every N iterations (and on the last).")
+
+
+class PipelineConfig(StrictModel):
+    """Either a built-in (or dotted-path) pipeline `name` with `params`, or an explicit list of `nodes`."""
+
+    name: str | None = Field(None, description="Built-in pipeline (e.g. grpo) or `pkg.module:builder`.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the pipeline builder.")
+    nodes: list[NodeConfig] | None = Field(None, description="Explicit nodes; edges come from their inputs.")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PipelineConfig:
+        if (self.name is None) == (self.nodes is None):
+            raise ValueError("give exactly one of `name` (a built-in pipeline such as grpo) or `nodes`")
+        if self.nodes is not None and self.params:
+            raise ValueError("`params` applies to a named pipeline; with `nodes`, put params on each node")
+        return self
+
+
+class TrackingConfig(StrictModel):
+    """MLflow tracking. The default store is a sqlite file under the run directory; the environment
+    variable MLFLOW_TRACKING_URI, or `uri`, overrides it."""
+
+    mlflow: bool = Field(True, description="Log params, metrics and artifacts to MLflow.")
+    experiment: str = Field("plexrl", description="MLflow experiment name.")
+    uri: str | None = Field(None, description="Tracking URI; default sqlite:///<run_dir>/mlflow.db.")
+    log_model: bool = Field(True, description="Log the final model as an artifact.")
+    progress: bool = Field(True, description="Show a progress bar on the terminal.")
+
+
+class JobConfig(StrictModel):
+    """One RLVR job: pipeline + model + data + hyper-parameters + iterations + seed."""
+
+    name: str = Field("grpo-arithmetic", description="Job name (MLflow run name).")
+    seed: int = Field(0, description="Seed of everything random in the job.")
+    iterations: int = Field(60, ge=1, description="Pipeline iterations to run.")
+    run_dir: str = Field("runs", description="Directory for caches, MLflow store, timelines and models.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
+    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    task: TaskConfig = Field(default_factory=TaskConfig)  # type: ignore[arg-type]
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)  # type: ignore[arg-type]
+    pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo"))
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
+
+
+BUILTIN_PIPELINES: dict[str, str] = {"grpo": "plexrl.pipelines.grpo:grpo"}
+
+
+@dataclass(slots=True)
+class LoadedJob:
+    """A validated config, its compiled pipeline, and the raw dict it came from (saved as an artifact)."""
+
+    config: JobConfig
+    graph: PipelineGraph
+    raw: dict[str, Any]
+    source: str
+
+
+def build_pipeline(cfg: PipelineConfig, where: str = "pipeline") -> PipelineGraph:
+    """Compile a pipeline config (named builder or explicit nodes); raises `ConfigError`."""
+    if cfg.nodes is not None:
+        specs = [NodeSpec(n.name, n.op, n.params, n.inputs, n.after, n.every) for n in cfg.nodes]
+        return compile_pipeline("custom", specs, where)
+    assert cfg.name is not None
+    ref = BUILTIN_PIPELINES.get(cfg.name, cfg.name)
+    if ":" not in ref:
+        close = difflib.get_close_matches(cfg.name, BUILTIN_PIPELINES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError([Problem(f"{where}.name", f"unknown pipeline {cfg.name!r}{hint}; built-in: "
+                                   f"{', '.join(BUILTIN_PIPELINES)}, or a dotted path 'pkg.module:builder'")])
+    module_name, _, attr = ref.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError([Problem(f"{where}.name", f"cannot load pipeline builder {ref!r}: {exc}")]) from None
+    try:
+        graph = validate_call(config=ConfigDict(extra="forbid"))(builder)(**cfg.params)
+    except ValidationError as exc:
+        raise ConfigError([_problem(e, f"{where}.params", None) for e in exc.errors()]) from None
+    if not isinstance(graph, PipelineGraph):
+        raise ConfigError([Problem(f"{where}.name", f"builder {ref!r} must return a PipelineGraph")])
+    return graph
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
+    """Apply `a.b.c=value` overrides in place (value parsed as YAML); return problems with malformed ones."""
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            problems.append(Problem(f"--set {item}", "expected key=value, e.g. --set iterations=10"))
+            continue
+        target: Any = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(target.get(part, {}), dict):
+                problems.append(Problem(f"--set {item}", f"{part!r} is not a mapping; cannot set {key!r}"))
+                break
+            target = target.setdefault(part, {})
+        else:
+            target[parts[-1]] = yaml.safe_load(value)
+    return problems
+
+
+def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | None = None) -> LoadedJob:
+    """Read, override, validate and compile a job. `source` is a YAML path, a dict, or None (defaults)."""
+    problems: list[Problem] = []
+    name = "defaults"
+    raw: dict[str, Any] = {}
+    if isinstance(source, dict):
+        raw, name = dict(source), "config"
+    elif source is not None:
+        path, name = Path(source), str(source)
+        if not path.is_file():
+            raise ConfigError([Problem(str(path), "file not found; check the path (configs/ has examples)")], name)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError([Problem(str(path), f"not valid YAML: {exc}")], name) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError([Problem(str(path), "a job config must be a YAML mapping of keys to values")], name)
+        raw = loaded
+    problems += apply_overrides(raw, overrides or [])
+    config: JobConfig | None = None
+    try:
+        config = JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems += [_problem(e, "", JobConfig) for e in exc.errors()]
+    graph = None
+    if config is not None or not any(p.where.startswith("pipeline") for p in problems):
+        try:
+            pcfg = config.pipeline if config else PipelineConfig.model_validate(raw.get("pipeline", {"name": "grpo"}))
+            graph = build_pipeline(pcfg)
+        except ConfigError as exc:
+            problems += exc.problems
+        except ValidationError:
+            pass
+    if problems or config is None or graph is None:
+        raise ConfigError(problems, name)
+    return LoadedJob(config, graph, raw, name)
+
+
+def _problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Problem:
+    loc = [str(x) for x in err["loc"]]
+    where = ".".join(([prefix] if prefix else []) + loc)
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        known = _known_keys(model, loc[:-1]) if model else []
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        msg = f"unknown key; {hint}known keys here: {', '.join(known)}" if known else "unknown key; remove it"
+    elif err["type"] == "missing":
+        msg = "required; add this field"
+    else:
+        msg = f"{err['msg']} (got {err.get('input')!r})"
+    return Problem(where, msg)
+
+
+def _known_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        current = _unwrap(current)
+        if part.isdigit():
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return []
+        current = current.model_fields[part].annotation
+    current = _unwrap(current)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _unwrap(annotation: Any) -> Any:
+    """`list[X] | None` -> X: the model type a nested location refers to."""
+    while True:
+        args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+        if not args or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return annotation
+        annotation = args[0]
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts to dotted keys (lists kept as values), for MLflow params."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

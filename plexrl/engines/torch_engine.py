@@ -1,0 +1,211 @@
+"""`TorchEngine`: generation, log-probs and training of a transformers causal LM in plain torch.
+
+Generation is a hand-written sampling loop with a KV cache (left-padded prompts, explicit position ids),
+seeded by a `torch.Generator` per call so results depend only on the seed, never on what ran before.
+Training runs a caller-supplied loss (`LossFn`) over minibatches with AdamW and gradient clipping; the
+algorithm (GRPO, PPO, ...) lives in the operator, not here.
+
+Not done here: scheduling, swapping between jobs (the StateManager's job), tracking.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from plexrl.engines.base import GenerationOutput, LossFn
+
+log = logging.getLogger(__name__)
+
+
+def _cache_kw(model: Any) -> str:
+    """transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """Log-prob and entropy of each token given the logits of the previous position.
+
+    logits [N, L, V] (from a forward on input_ids [N, L]) -> (logprobs [N, L], entropy [N, L]), column 0 is 0
+    (the first token has no prediction).
+    """
+    logp_all = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    lp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    zero = lp.new_zeros(lp.shape[0], 1)
+    return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
+
+
+class TorchEngine:
+    """Holds one job's policy (and optionally a frozen reference) and its AdamW optimizer."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        eos_id: int,
+        pad_id: int,
+        device: str = "cpu",
+        with_reference: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
+        self.policy.eval()
+        self.reference = None
+        if with_reference:
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.weight_version = 0
+
+    # -- generation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        greedy: bool = False,
+    ) -> GenerationOutput:
+        rows = [p for p in prompts for _ in range(n)]
+        N, Lp = len(rows), max(len(p) for p in prompts)
+        ids = torch.full((N, Lp), self.pad_id, dtype=torch.long)
+        pmask = torch.zeros((N, Lp), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, Lp - len(p) :] = torch.tensor(p)
+            pmask[i, Lp - len(p) :] = 1
+        ids, pmask = ids.to(self.device), pmask.to(self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        mask = pmask
+        pos = _positions(pmask)
+        out = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        kw = _cache_kw(self.policy)
+        past, logits = getattr(out, kw), out.logits[:, -1]
+        next_pos = pos[:, -1:] + 1
+        done = torch.zeros(N, dtype=torch.bool, device=self.device)
+        toks, lps, alive = [], [], []
+        for step in range(max_new_tokens):
+            logp = F.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
+            if greedy:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            live = ~done
+            tok = torch.where(live, tok, torch.full_like(tok, self.pad_id))
+            toks.append(tok)
+            lps.append(torch.where(live, lp, torch.zeros_like(lp)))
+            alive.append(live)
+            done = done | (tok == self.eos_id)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones_like(tok[:, None])], 1)
+            out = self.policy(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{kw: past}
+            )
+            past, logits = getattr(out, kw), out.logits[:, -1]
+            next_pos = next_pos + 1
+        resp = torch.stack(toks, 1)
+        rmask = torch.stack(alive, 1).long()
+        lengths = rmask.sum(1)
+        finish = ["stop" if bool(d) else "length" for d in done.tolist()]
+        return GenerationOutput(ids, pmask, resp, rmask, torch.stack(lps, 1), lengths, finish)
+
+    # -- scoring ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0, which: str = "policy"
+    ) -> Tensor:
+        model = self.policy if which == "policy" else self.reference
+        if model is None:
+            raise RuntimeError("this engine has no reference model; create it with with_reference=True")
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        return token_logprobs(logits, ids, temperature)[0].cpu()
+
+    # -- training -----------------------------------------------------------------------------------
+    def train_step(
+        self,
+        batch: dict[str, Tensor],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        minibatches: int,
+        epochs: int = 1,
+    ) -> dict[str, float]:
+        """Run `epochs` passes of `minibatches` optimizer steps over `batch` (rows split in order).
+
+        batch must hold `input_ids` and `attention_mask` [N, L] plus whatever `loss_fn` reads.
+        Returns the mean of the loss stats over steps, plus `grad_norm` (pre-clip) and `steps`.
+        """
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=weight_decay)
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = lr, weight_decay
+        self.policy.train()
+        N = batch["input_ids"].shape[0]
+        bounds = torch.linspace(0, N, minibatches + 1).long().tolist()
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(epochs):
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                if b <= a:
+                    continue
+                mb = {k: v[a:b].to(self.device) for k, v in batch.items()}
+                mask = mb["attention_mask"]
+                logits = self.policy(input_ids=mb["input_ids"], attention_mask=mask, position_ids=_positions(mask)).logits
+                logp, ent = token_logprobs(logits, mb["input_ids"], temperature)
+                loss, stats = loss_fn(mb, logp, ent)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
+                self.optimizer.step()
+                stats = {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        self.policy.eval()
+        self.weight_version += 1
+        return {**{k: v / max(steps, 1) for k, v in totals.items()}, "steps": float(steps)}
+
+    # -- state --------------------------------------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """Everything that makes this job's engine state: weights, optimizer, reference, version."""
+        state: dict[str, Any] = {"policy": self.policy.state_dict(), "weight_version": self.weight_version}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        if "reference" in state and self.reference is not None:
+            self.reference.load_state_dict(state["reference"])
+        if "optimizer" in state:
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW(self.policy.parameters())
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.weight_version = int(state.get("weight_version", 0))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.policy.save_pretrained(str(path))

@@ -1,0 +1,112 @@
+"""MLflow tracking as a hook (operators and the planner never import mlflow).
+
+Per job, one MLflow run: the flattened config as params; per iteration, every metric of the iteration
+(step = iteration + 1; step 0 is the baseline before training); artifacts: the job YAML, a picture of the
+pipeline DAG, the timeline, and the final model. Uses `MlflowClient` with explicit run ids, so many jobs
+can be tracked at once. Default store: `sqlite:///<run_dir>/mlflow.db`; `tracking.uri` or the environment
+variable MLFLOW_TRACKING_URI overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from plexrl.config import flatten
+from plexrl.hooks.base import Hook
+
+if TYPE_CHECKING:
+    from plexrl.job import JobHandle
+
+log = logging.getLogger(__name__)
+
+
+def tracking_uri(run_dir: Path, configured: str | None = None) -> str:
+    """`configured`, else MLFLOW_TRACKING_URI, else a sqlite file under `run_dir`."""
+    if configured:
+        return configured
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+class MlflowHook(Hook):
+    def __init__(self) -> None:
+        self.clients: dict[str, Any] = {}
+        self.runs: dict[str, str] = {}
+
+    def _client(self, job: JobHandle) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        uri = tracking_uri(job.run_dir, job.config.tracking.uri)
+        if uri not in self.clients:
+            self.clients[uri] = MlflowClient(tracking_uri=uri)
+        job.tracking["uri"] = uri
+        return self.clients[uri]
+
+    def on_job_start(self, job: JobHandle) -> None:
+        from mlflow.entities import Metric, Param
+
+        client = self._client(job)
+        name = job.config.tracking.experiment
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            art = (job.run_dir / "mlartifacts").resolve().as_uri()
+            exp_id = client.create_experiment(name, artifact_location=art)
+        else:
+            exp_id = exp.experiment_id
+        run = client.create_run(exp_id, run_name=job.job_id, tags={"plexrl.pipeline": job.graph.name})
+        run_id = run.info.run_id
+        self.runs[job.job_id] = run_id
+        job.tracking.update(run_id=run_id, experiment_id=exp_id)
+        params = flatten(job.config.model_dump(mode="json"))
+        params.update({f"warm_start_result.{k}": v for k, v in job.warm_start.items()})
+        params["pipeline.graph"] = json.dumps(job.graph.describe())
+        params["engine"] = "torch"
+        client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
+        if job.baseline_accuracy is not None:
+            now = int(time.time() * 1000)
+            client.log_batch(run_id, metrics=[Metric("evaluate/accuracy", job.baseline_accuracy, now, 0)])
+        art_dir = job.run_dir / "jobs" / job.job_id
+        art_dir.mkdir(parents=True, exist_ok=True)
+        (art_dir / "job.yaml").write_text(yaml.safe_dump(job.raw or job.config.model_dump(mode="json"), sort_keys=False))
+        client.log_artifact(run_id, str(art_dir / "job.yaml"))
+        try:
+            from plexrl.viz import draw_pipeline
+
+            draw_pipeline(job.graph, art_dir / "pipeline.png")
+            client.log_artifact(run_id, str(art_dir / "pipeline.png"))
+        except Exception:  # a missing picture must not fail tracking
+            log.exception("could not draw the pipeline DAG")
+
+    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        run_id = self.runs.get(job.job_id)
+        if run_id is None:
+            return
+        now = int(time.time() * 1000)
+        rows = [Metric(k, float(v), now, iteration + 1) for k, v in sorted(metrics.items())]
+        self._client(job).log_batch(run_id, metrics=rows)
+
+    def on_job_end(self, job: JobHandle) -> None:
+        run_id = self.runs.get(job.job_id)
+        if run_id is None:
+            return
+        client = self._client(job)
+        for name, path in sorted(job.artifacts.items()):
+            if Path(path).is_dir():
+                client.log_artifacts(run_id, str(path), artifact_path=name)
+            elif Path(path).is_file():
+                client.log_artifact(run_id, str(path))
+        if job.error:
+            client.set_tag(run_id, "plexrl.error", job.error[:5000])
+        client.set_terminated(run_id, status="FINISHED" if job.status == "done" else "FAILED")

@@ -1,0 +1,80 @@
+"""Timeline recorder: every node as a span on its lane (a service id, or "cpu"); written as JSON and a
+picture (lanes x time, coloured by job) under `<run_dir>/timelines/`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from plexrl.hooks.base import Hook
+
+if TYPE_CHECKING:
+    from plexrl.batch import Batch
+    from plexrl.job import JobHandle
+
+
+@dataclass(slots=True)
+class Span:
+    job: str
+    iteration: int
+    node: str
+    lane: str
+    start: float
+    end: float
+
+
+class TimelineRecorder(Hook):
+    def __init__(self, out_dir: Path, draw: bool = True) -> None:
+        self.out_dir = Path(out_dir)
+        self.draw = draw
+        self.spans: list[Span] = []
+        self.t0: float | None = None
+
+    def after_node(
+        self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
+    ) -> None:
+        if self.t0 is None:
+            self.t0 = start
+        self.spans.append(Span(job.job_id, iteration, node, lane, start - self.t0, end - self.t0))
+
+    def busy_seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.spans:
+            out[s.lane] = out.get(s.lane, 0.0) + (s.end - s.start)
+        return out
+
+    def on_job_end(self, job: JobHandle) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        mine = [s for s in self.spans if s.job == job.job_id]
+        path = self.out_dir / f"{job.job_id}.json"
+        path.write_text(json.dumps([asdict(s) for s in mine]))
+        job.artifacts["timeline.json"] = path
+        if self.draw and mine:
+            png = self.out_dir / f"{job.job_id}.png"
+            draw_timeline(mine, png)
+            job.artifacts["timeline.png"] = png
+
+
+def draw_timeline(spans: list[Span], path: Path) -> None:
+    """Lanes x time; one colour per job, node names shaded by node."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = sorted({s.lane for s in spans}, key=lambda x: (x == "cpu", x))
+    nodes = sorted({s.node for s in spans})
+    cmap = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(lanes)))
+    for s in spans:
+        y = lanes.index(s.lane)
+        ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=cmap(nodes.index(s.node) % 10))
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(nodes))]
+    ax.legend(handles, nodes, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(nodes), 6), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,81 @@
+"""A job at run time: its validated config and pipeline, task, tokenizer and starting model, and what it
+has produced so far (metrics per iteration, artifacts, status)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexrl.config import JobConfig, LoadedJob
+from plexrl.graph import PipelineGraph
+from plexrl.planner.events import JobPlan, NodePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class JobHandle:
+    job_id: str
+    config: JobConfig
+    graph: PipelineGraph
+    raw: dict[str, Any]
+    task: Any
+    tokenizer: Any
+    model_path: Path
+    run_dir: Path
+    warm_start: dict[str, Any] = field(default_factory=dict)
+    baseline_accuracy: float | None = None
+    status: str = "pending"
+    error: str = ""
+    history: list[dict[str, float]] = field(default_factory=list)
+    artifacts: dict[str, Path] = field(default_factory=dict)
+    tracking: dict[str, Any] = field(default_factory=dict)
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def plan(self) -> JobPlan:
+        """The planner's view of this job's pipeline."""
+        nodes = {
+            n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes
+        }
+        return JobPlan(nodes, self.config.iterations, tuple(self.graph.order))
+
+    def final_metric(self, name: str) -> float | None:
+        for row in reversed(self.history):
+            if name in row:
+                return row[name]
+        return None
+
+
+def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:
+    """Generate the task and build (or load from cache) the warm-started model of a validated job."""
+    from plexrl.models import prepare_model
+    from plexrl.tasks import make_task
+
+    cfg = loaded.config
+    run_dir = Path(cfg.run_dir).resolve()
+    task = make_task(cfg.task)
+    prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir)
+    log.info(
+        "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
+        prepared.path, "cached" if prepared.cached else "built", prepared.warm_start_steps,
+        prepared.warm_start_accuracy, prepared.warm_start_seconds,
+    )
+    return JobHandle(
+        job_id=job_id or cfg.name,
+        config=cfg,
+        graph=loaded.graph,
+        raw=loaded.raw,
+        task=task,
+        tokenizer=prepared.tokenizer,
+        model_path=prepared.path,
+        run_dir=run_dir,
+        warm_start={
+            "steps": prepared.warm_start_steps,
+            "accuracy": prepared.warm_start_accuracy,
+            "seconds": prepared.warm_start_seconds,
+            "cached": prepared.cached,
+        },
+    )

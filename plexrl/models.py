@@ -1,0 +1,170 @@
+"""A small Llama-architecture model and a character tokenizer, built locally (nothing is downloaded),
+saved in standard Hugging Face format (safetensors + tokenizer files) so any engine (torch, vLLM) loads it,
+plus a supervised warm start. Both are cached under `<run_dir>/cache/<key>/` keyed by their configs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plexrl.config import ModelConfig, TaskConfig, WarmStartConfig
+from plexrl.tasks.arithmetic import ALPHABET, ArithmeticTask, verify_answers
+
+log = logging.getLogger(__name__)
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+
+
+def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET) -> Any:
+    """Train a character-level tokenizer on `alphabet` with the `tokenizers` library and save it."""
+    from tokenizers import Tokenizer, decoders, models, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIALS) + len(alphabet), special_tokens=SPECIALS, initial_alphabet=list(alphabet),
+        show_progress=False,
+    )
+    tok.train_from_iterator([alphabet], trainer=trainer)
+    tok.decoder = decoders.Fuse()
+    bos = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.padding_side = "left"
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_model(cfg: ModelConfig, tokenizer: Any, out_dir: Path, seed: int) -> None:
+    """Build a randomly initialised `LlamaForCausalLM` of the configured size and save it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        max_position_embeddings=cfg.max_position,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    LlamaForCausalLM(config).save_pretrained(str(out_dir))
+
+
+@dataclass(slots=True)
+class PreparedModel:
+    """Where the job's starting model lives, and what the warm start reached."""
+
+    path: Path
+    tokenizer: Any
+    warm_start_accuracy: float | None
+    warm_start_steps: int
+    warm_start_seconds: float
+    cached: bool
+
+
+def cache_key(*parts: Any) -> str:
+    blob = json.dumps([p.model_dump() if hasattr(p, "model_dump") else p for p in parts], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def prepare_model(
+    model_cfg: ModelConfig, task_cfg: TaskConfig, warm: WarmStartConfig, task: ArithmeticTask, seed: int, run_dir: Path
+) -> PreparedModel:
+    """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train."""
+    from transformers import PreTrainedTokenizerFast
+
+    if model_cfg.path is not None:
+        path = Path(model_cfg.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path} has no config.json; point it at a saved HF model directory")
+        return PreparedModel(path, PreTrainedTokenizerFast.from_pretrained(str(path)), None, 0, 0.0, True)
+    root = run_dir / "cache" / cache_key(model_cfg, task_cfg, warm, seed)
+    final = root / ("warm" if warm.enabled else "base")
+    info_file = final / "plexrl_warm_start.json"
+    if info_file.is_file():
+        info = json.loads(info_file.read_text())
+        tok = PreTrainedTokenizerFast.from_pretrained(str(final))
+        return PreparedModel(final, tok, info["accuracy"], info["steps"], info["seconds"], True)
+    start = time.perf_counter()
+    base = root / "base"
+    base.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(base)
+    build_model(model_cfg, tok, base, seed)
+    acc, steps = None, 0
+    if warm.enabled:
+        final.mkdir(parents=True, exist_ok=True)
+        acc, steps = warm_start(base, final, tok, task, warm, seed)
+        tok.save_pretrained(str(final))
+    seconds = time.perf_counter() - start
+    info_file.write_text(json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds}))
+    return PreparedModel(final, tok, acc, steps, seconds, False)
+
+
+def greedy_accuracy(engine: Any, tokenizer: Any, problems: list[Any], max_new_tokens: int) -> tuple[float, float]:
+    """Held-out greedy accuracy and mean response length of `engine`'s policy on `problems`."""
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    out = engine.generate(prompts, n=1, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, greedy=True)
+    texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+    scores = verify_answers(texts, [p.answer for p in problems])
+    return sum(s or 0.0 for s in scores) / len(scores), float(out.lengths.float().mean())
+
+
+def warm_start(
+    base: Path, out: Path, tokenizer: Any, task: ArithmeticTask, cfg: WarmStartConfig, seed: int
+) -> tuple[float, int]:
+    """Supervised fine-tuning on the train split (cross-entropy on answer tokens) until held-out greedy
+    accuracy reaches `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`."""
+    import torch
+
+    from plexrl.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    model = engine.policy
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    checks = task.held_out[: cfg.eval_size]
+    max_new = task.max_answer_chars + 1
+    acc, step = 0.0, 0
+    for step in range(1, cfg.max_steps + 1):
+        batch = rng.sample(task.train, cfg.batch_size)
+        p_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
+        a_ids = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in batch]
+        L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids, strict=True))
+        ids = torch.full((len(batch), L), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(batch), L), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), L), dtype=torch.long)
+        for i, (p, a) in enumerate(zip(p_ids, a_ids, strict=True)):
+            off = L - len(p) - len(a)
+            ids[i, off:] = torch.tensor(p + a)
+            labels[i, off + len(p) :] = torch.tensor(a)
+            mask[i, off:] = 1
+        model.train()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        model.eval()
+        if step % cfg.eval_every == 0:
+            acc, _ = greedy_accuracy(engine, tokenizer, checks, max_new)
+            log.info("warm start step %d loss %.3f held-out accuracy %.3f", step, loss.item(), acc)
+            if acc >= cfg.stop_at_accuracy:
+                break
+    model.save_pretrained(str(out))
+    return acc, step

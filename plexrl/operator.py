@@ -1,0 +1,203 @@
+"""Operators: typed, reusable units of RLVR work.
+
+An operator is a plain function wrapped by `@operator(placement=...)`:
+
+    @operator(placement="cpu")
+    def verify(rollouts: Rollouts, ctx: OpContext, *, correct_reward: float = 1.0) -> Rewards: ...
+
+- positional parameters annotated with a `Batch` subclass are the *inputs* (an `X | None = None` input is
+  optional); one parameter annotated `OpContext` receives the run context;
+- keyword-only parameters are the *parameters*, validated by a pydantic model built from their hints
+  (use `Annotated[float, Field(gt=0)]` for ranges) with `extra="forbid"`;
+- the return annotation, a `Batch` subclass, is the *output type*.
+
+The placement says where a node of the operator runs: `service` (inside the job's LLM service, with the
+engine in `ctx.engine`) or `cpu` (the CPU pool; `ctx.engine` is None). Operators never import mlflow and
+never touch another job's state.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import types
+import typing
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from plexrl.batch import Batch
+from plexrl.errors import Problem
+
+Placement = Literal["service", "cpu"]
+
+
+@dataclass(slots=True)
+class OpContext:
+    """What a running node may see: its own job's identity, task, tokenizer and (service nodes) engine.
+
+    `engine` is the job's `Engine` on its service; None for cpu nodes. `seed(*keys)` derives a stable
+    seed from the job seed, the iteration, the node and any extra keys, so that results do not depend on
+    what other jobs run in between (DESIGN.md invariant 4).
+    """
+
+    job_id: str
+    iteration: int
+    node: str
+    job_seed: int
+    task: Any = None
+    tokenizer: Any = None
+    engine: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def seed(self, *keys: object) -> int:
+        text = "/".join(str(k) for k in (self.job_seed, self.iteration, self.node, *keys))
+        return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class Port:
+    """A named input of an operator: its type and whether it may be left unconnected."""
+
+    name: str
+    type: type[Batch]
+    optional: bool
+
+
+class Operator:
+    """A typed operator; call `run(ctx, inputs, params)` to execute it."""
+
+    def __init__(self, fn: Callable[..., Batch], placement: Placement, name: str | None = None) -> None:
+        if placement not in ("service", "cpu"):
+            raise ValueError(f"placement must be 'service' or 'cpu', got {placement!r}")
+        self.fn = fn
+        self.placement: Placement = placement
+        self.name = name or fn.__name__
+        self.ref = f"{fn.__module__}:{fn.__name__}"
+        self.doc = inspect.getdoc(fn) or ""
+        self.inputs: dict[str, Port] = {}
+        self.ctx_arg: str | None = None
+        hints = typing.get_type_hints(fn, include_extras=True)
+        fields: dict[str, Any] = {}
+        for p in inspect.signature(fn).parameters.values():
+            hint = hints.get(p.name)
+            if p.kind is p.KEYWORD_ONLY:
+                if hint is None:
+                    raise TypeError(f"operator {self.ref}: parameter {p.name!r} needs a type hint")
+                default = ... if p.default is p.empty else p.default
+                fields[p.name] = (hint, default)
+            elif hint is OpContext:
+                self.ctx_arg = p.name
+            else:
+                port_type, optional = _port_type(hint)
+                if port_type is None:
+                    raise TypeError(
+                        f"operator {self.ref}: input {p.name!r} must be annotated with a Batch subclass "
+                        f"(or X | None), got {hint!r}; make parameters keyword-only (after `*`)"
+                    )
+                self.inputs[p.name] = Port(p.name, port_type, optional or p.default is None)
+        out = hints.get("return")
+        if not (isinstance(out, type) and issubclass(out, Batch)):
+            raise TypeError(f"operator {self.ref}: return annotation must be a Batch subclass, got {out!r}")
+        self.output: type[Batch] = out
+        self.params_model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+            f"{self.name}_params", __config__=ConfigDict(extra="forbid"), **fields
+        )
+
+    def check_params(self, raw: dict[str, Any], where: str) -> tuple[BaseModel | None, list[Problem]]:
+        """Validate raw parameters; return the parsed model or the problems, each naming the field."""
+        try:
+            return self.params_model(**raw), []
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                loc = ".".join(str(x) for x in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    known = ", ".join(self.params_model.model_fields) or "none"
+                    msg = f"unknown parameter of operator {self.name!r}; known parameters: {known}"
+                elif err["type"] == "missing":
+                    msg = f"required parameter of operator {self.name!r} is missing; set it under params"
+                else:
+                    msg = f"{err['msg']} (got {err.get('input')!r})"
+                problems.append(Problem(f"{where}.params.{loc}", msg))
+            return None, problems
+
+    def run(self, ctx: OpContext, inputs: dict[str, Batch], params: BaseModel) -> Batch:
+        kwargs: dict[str, Any] = {name: inputs.get(name) for name in self.inputs}
+        if self.ctx_arg:
+            kwargs[self.ctx_arg] = ctx
+        kwargs.update(params.model_dump())
+        out = self.fn(**kwargs)
+        if not isinstance(out, self.output):
+            raise TypeError(f"operator {self.ref} returned {type(out).__name__}, declared {self.output.__name__}")
+        return out
+
+    def __repr__(self) -> str:
+        return f"Operator({self.ref}, placement={self.placement!r})"
+
+
+def _port_type(hint: Any) -> tuple[type[Batch] | None, bool]:
+    if isinstance(hint, type) and issubclass(hint, Batch):
+        return hint, False
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], Batch):
+            return args[0], True
+    return None, False
+
+
+def operator(placement: Placement, name: str | None = None) -> Callable[[Callable[..., Batch]], Operator]:
+    """Decorator turning a typed function into an `Operator` (see the module docstring)."""
+
+    def wrap(fn: Callable[..., Batch]) -> Operator:
+        return Operator(fn, placement, name)
+
+    return wrap
+
+
+# Built-in operators by short name; modules are imported only when an operator is used.
+BUILTIN_OPERATORS: dict[str, str] = {
+    "sample_prompts": "plexrl.operators.data:sample_prompts",
+    "rollout": "plexrl.operators.rollout:rollout",
+    "logprob": "plexrl.operators.rollout:logprob",
+    "verify": "plexrl.operators.verify:verify",
+    "grpo_advantage": "plexrl.operators.advantage:grpo_advantage",
+    "train": "plexrl.operators.train:train",
+    "evaluate": "plexrl.operators.evaluate:evaluate",
+}
+
+
+def resolve_operator(ref: str | Operator) -> Operator:
+    """Find an operator by built-in name (`verify`) or dotted path (`mypkg.ops:length_penalty`).
+
+    Raises LookupError with a message that says what to write instead.
+    """
+    if isinstance(ref, Operator):
+        return ref
+    if ":" not in ref:
+        if ref not in BUILTIN_OPERATORS:
+            close = difflib.get_close_matches(ref, BUILTIN_OPERATORS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise LookupError(
+                f"unknown operator {ref!r}; {hint}built-in operators: {', '.join(sorted(BUILTIN_OPERATORS))}; "
+                "a user operator is named by dotted path, e.g. 'mypkg.ops:length_penalty'"
+            )
+        ref = BUILTIN_OPERATORS[ref]
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(
+            f"cannot import module {module_name!r} of operator {ref!r} ({exc}); "
+            "check the path and that the module is importable (installed, or on PYTHONPATH)"
+        ) from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise LookupError(f"module {module_name!r} has no attribute {attr!r} (operator {ref!r})")
+    if not isinstance(obj, Operator):
+        raise LookupError(f"{ref!r} is not an operator; decorate the function with @plexrl.operator(placement=...)")
+    return obj

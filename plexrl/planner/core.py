@@ -1,0 +1,308 @@
+"""The global planner: ONE pure state machine for all jobs and services.
+
+`Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted,
+node finished, job cancelled) and returns the instructions a driver must carry out (place job, run node,
+iteration done, job done, fail job). Time comes from an injected clock; nothing here sleeps, awaits, or
+imports Dask, torch or mlflow.
+
+States (each change goes through one table; an illegal move raises `InvalidTransition` with recent history):
+- job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
+- node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
+  go waiting -> done directly.
+
+Invariants (`validate()`, on in tests): a service runs at most one node, of a job placed on it (DESIGN.md
+invariant 3); a job never changes service once placed (invariant 2); cpu nodes never occupy a service.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plexrl.planner.events import (
+    Event,
+    FailJob,
+    Instruction,
+    IterationDone,
+    JobCancelled,
+    JobDone,
+    JobPlan,
+    JobSubmitted,
+    NodeFinished,
+    PlaceJob,
+    RunNode,
+    ServiceJoined,
+    ServiceLost,
+    Transition,
+)
+from plexrl.planner.policies import Fifo, OrderingPolicy, Pack, PlacementPolicy, QueuedNode
+
+JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
+NodeStatus = Literal["waiting", "ready", "running", "done"]
+
+JOB_TRANSITIONS: set[tuple[JobStatus, JobStatus]] = {
+    ("queued", "placed"),
+    ("queued", "failed"),
+    ("queued", "cancelled"),
+    ("placed", "done"),
+    ("placed", "failed"),
+    ("placed", "cancelled"),
+}
+NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
+    ("waiting", "ready"),
+    ("waiting", "done"),  # inactive this iteration
+    ("ready", "running"),
+    ("running", "done"),
+}
+TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
+
+
+class InvalidTransition(RuntimeError):
+    """An illegal state move; the message carries the planner's recent history."""
+
+
+@dataclass(slots=True)
+class JobRecord:
+    job_id: str
+    plan: JobPlan
+    status: JobStatus = "queued"
+    service: str | None = None
+    iteration: int = 0
+    nodes: dict[str, NodeStatus] = field(default_factory=dict)
+    submitted_at: float = 0.0
+    finished_at: float | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class ServiceRecord:
+    service_id: str
+    running: tuple[str, int, str] | None = None
+    queue: list[QueuedNode] = field(default_factory=list)
+    jobs: set[str] = field(default_factory=set)
+    alive: bool = True
+
+
+class Planner:
+    """Events in, instructions out. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        placement: PlacementPolicy | None = None,
+        ordering: OrderingPolicy | None = None,
+        validate: bool = False,
+        log_size: int = 200,
+        max_instructions_per_event: int = 100_000,
+    ) -> None:
+        self.clock = clock
+        self.placement: PlacementPolicy = placement or Pack()
+        self.ordering: OrderingPolicy = ordering or Fifo()
+        self.jobs: dict[str, JobRecord] = {}
+        self.services: dict[str, ServiceRecord] = {}
+        self.pending: list[str] = []  # queued job ids, in submission order
+        self.log: deque[Transition] = deque(maxlen=log_size)
+        self.validate_each_step = validate
+        self.max_instructions = max_instructions_per_event
+        self._seq = itertools.count()
+
+    # -- the one entry point -----------------------------------------------------------------------
+    def handle(self, event: Event) -> list[Instruction]:
+        out: list[Instruction] = []
+        entry = Transition(self.clock(), event, out)
+        self.log.append(entry)
+        if isinstance(event, ServiceJoined):
+            self._service_joined(event, out)
+        elif isinstance(event, ServiceLost):
+            self._service_lost(event, out)
+        elif isinstance(event, JobSubmitted):
+            self._job_submitted(event, out)
+        elif isinstance(event, NodeFinished):
+            self._node_finished(event, out)
+        elif isinstance(event, JobCancelled):
+            self._end_job(event.job_id, "cancelled", event.reason, out)
+        else:
+            raise TypeError(f"unknown event {event!r}")
+        self._admit(out)
+        self._dispatch(out)
+        if len(out) > self.max_instructions:
+            raise InvalidTransition(self._history(f"loop guard: {len(out)} instructions for one event"))
+        if self.validate_each_step:
+            self.validate()
+        return out
+
+    # -- handlers ------------------------------------------------------------------------------------
+    def _service_joined(self, ev: ServiceJoined, out: list[Instruction]) -> None:
+        if ev.service_id in self.services and self.services[ev.service_id].alive:
+            raise InvalidTransition(self._history(f"service {ev.service_id!r} joined twice"))
+        self.services[ev.service_id] = ServiceRecord(ev.service_id)
+
+    def _service_lost(self, ev: ServiceLost, out: list[Instruction]) -> None:
+        svc = self.services.get(ev.service_id)
+        if svc is None or not svc.alive:
+            return
+        svc.alive = False
+        for job_id in sorted(svc.jobs):
+            self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out)
+        svc.queue.clear()
+        svc.running = None
+
+    def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
+        if ev.job_id in self.jobs:
+            raise InvalidTransition(self._history(f"job {ev.job_id!r} submitted twice"))
+        if ev.plan.iterations < 1 or not ev.plan.nodes:
+            self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
+            self._end_job(ev.job_id, "failed", "a job needs at least one iteration and one node", out)
+            return
+        self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
+        self.pending.append(ev.job_id)
+
+    def _node_finished(self, ev: NodeFinished, out: list[Instruction]) -> None:
+        job = self.jobs.get(ev.job_id)
+        if job is None or job.status in TERMINAL:
+            return  # a late report of a job that already ended
+        if ev.iteration != job.iteration or job.nodes.get(ev.node) != "running":
+            raise InvalidTransition(self._history(f"unexpected finish of {ev.job_id}/{ev.iteration}/{ev.node}"))
+        plan = job.plan.nodes[ev.node]
+        if plan.placement == "service":
+            svc = self.services[job.service] if job.service else None
+            if svc is None or svc.running != (ev.job_id, ev.iteration, ev.node):
+                raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
+            svc.running = None
+        if not ev.ok:
+            self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}", out)
+            return
+        self._set_node(job, ev.node, "done")
+        self._advance(job, out)
+
+    # -- job progress --------------------------------------------------------------------------------
+    def _admit(self, out: list[Instruction]) -> None:
+        still: list[str] = []
+        for job_id in self.pending:
+            job = self.jobs[job_id]
+            load = {s.service_id: len(s.jobs) for s in self.services.values() if s.alive}
+            target = self.placement.place(job_id, load)
+            if target is None:
+                still.append(job_id)
+                continue
+            self._set_job(job, "placed")
+            job.service = target
+            self.services[target].jobs.add(job_id)
+            out.append(PlaceJob(job_id, target))
+            self._start_iteration(job, out)
+        self.pending = still
+
+    def _start_iteration(self, job: JobRecord, out: list[Instruction]) -> None:
+        job.nodes = {name: "waiting" for name in job.plan.nodes}
+        for name, node in job.plan.nodes.items():
+            if not node.active(job.iteration, job.plan.iterations):
+                self._set_node(job, name, "done")
+        self._advance(job, out)
+
+    def _advance(self, job: JobRecord, out: list[Instruction]) -> None:
+        """Make ready every waiting node whose deps are done; end the iteration when all are done."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for name in job.plan.order or tuple(job.plan.nodes):
+                if job.nodes[name] != "waiting":
+                    continue
+                if all(job.nodes[d] == "done" for d in job.plan.nodes[name].deps):
+                    self._make_ready(job, name, out)
+                    progressed = True
+            if all(s == "done" for s in job.nodes.values()):
+                out.append(IterationDone(job.job_id, job.iteration))
+                job.iteration += 1
+                if job.iteration >= job.plan.iterations:
+                    self._end_job(job.job_id, "done", "", out)
+                    return
+                self._start_iteration(job, out)
+                return
+
+    def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
+        self._set_node(job, name, "ready")
+        if job.plan.nodes[name].placement == "cpu":
+            self._set_node(job, name, "running")
+            out.append(RunNode(job.job_id, job.iteration, name, "cpu", None))
+        else:
+            assert job.service is not None
+            q = QueuedNode(job.job_id, job.iteration, name, self.clock(), next(self._seq))
+            self.services[job.service].queue.append(q)
+
+    def _dispatch(self, out: list[Instruction]) -> None:
+        for svc in sorted(self.services.values(), key=lambda s: s.service_id):
+            if svc.alive and svc.running is None and svc.queue:
+                q = svc.queue.pop(self.ordering.pick(svc.service_id, svc.queue, self.clock()))
+                job = self.jobs[q.job_id]
+                self._set_node(job, q.node, "running")
+                svc.running = (q.job_id, q.iteration, q.node)
+                out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id))
+
+    def _end_job(self, job_id: str, status: JobStatus, reason: str, out: list[Instruction]) -> None:
+        job = self.jobs.get(job_id)
+        if job is None or job.status in TERMINAL:
+            return
+        self._set_job(job, status)
+        job.reason, job.finished_at = reason, self.clock()
+        if job_id in self.pending:
+            self.pending.remove(job_id)
+        svc = self.services.get(job.service) if job.service else None
+        if svc is not None:
+            svc.queue = [q for q in svc.queue if q.job_id != job_id]
+            if svc.running is not None and svc.running[0] == job_id:
+                svc.running = None  # the driver abandons the node's result
+            svc.jobs.discard(job_id)
+        if status == "done":
+            out.append(JobDone(job_id, job.service))
+        else:
+            out.append(FailJob(job_id, reason or status, job.service))
+
+    # -- state table ---------------------------------------------------------------------------------
+    def _set_job(self, job: JobRecord, new: JobStatus) -> None:
+        if (job.status, new) not in JOB_TRANSITIONS:
+            raise InvalidTransition(self._history(f"job {job.job_id}: illegal {job.status} -> {new}"))
+        job.status = new
+
+    def _set_node(self, job: JobRecord, name: str, new: NodeStatus) -> None:
+        old = job.nodes[name]
+        if (old, new) not in NODE_TRANSITIONS:
+            raise InvalidTransition(self._history(f"node {job.job_id}/{name}: illegal {old} -> {new}"))
+        job.nodes[name] = new
+
+    # -- checks --------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every invariant; raise `InvalidTransition` with history on the first violation."""
+        for svc in self.services.values():
+            if svc.running is not None:
+                job_id, it, node = svc.running
+                job = self.jobs[job_id]
+                if job.service != svc.service_id or job.status != "placed":
+                    raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}, not placed there"))
+                if job.iteration != it or job.nodes.get(node) != "running":
+                    raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}/{node} not marked running"))
+            for q in svc.queue:
+                if self.jobs[q.job_id].service != svc.service_id:
+                    raise InvalidTransition(self._history(f"{q.job_id} queued on foreign service {svc.service_id}"))
+        for job in self.jobs.values():
+            if job.status == "placed":
+                if job.service is None or job.job_id not in self.services[job.service].jobs:
+                    raise InvalidTransition(self._history(f"{job.job_id} placed but not on its service"))
+                running = [n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].placement == "service"]
+                if len(running) > 1:
+                    raise InvalidTransition(self._history(f"{job.job_id} runs {running} at once on one service"))
+            elif job.status == "queued" and job.service is not None:
+                raise InvalidTransition(self._history(f"{job.job_id} queued yet has a service"))
+
+    def _history(self, message: str) -> str:
+        lines = [message, "recent history (oldest first):"]
+        for t in list(self.log)[-10:]:
+            lines.append(f"  t={t.time:.3f} {t.event!r} -> {t.instructions!r}")
+        return "\n".join(lines)
+
+    @property
+    def finished(self) -> bool:
+        return all(j.status in TERMINAL for j in self.jobs.values())

@@ -1,0 +1,116 @@
+"""Planner inputs (events) and outputs (instructions): slotted, immutable records.
+
+The planner never performs I/O; a driver turns instructions into work and reports back with events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Placement = Literal["service", "cpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """What the planner needs to know of one pipeline node."""
+
+    placement: Placement
+    deps: tuple[str, ...] = ()
+    every: int | None = None
+
+    def active(self, iteration: int, iterations: int) -> bool:
+        return self.every is None or (iteration + 1) % self.every == 0 or iteration == iterations - 1
+
+
+@dataclass(frozen=True, slots=True)
+class JobPlan:
+    """A job as the planner sees it: nodes of one iteration (in a deterministic topological order)."""
+
+    nodes: dict[str, NodePlan]
+    iterations: int
+    order: tuple[str, ...] = ()
+
+
+# -- events -------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ServiceJoined:
+    service_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLost:
+    service_id: str
+    reason: str = "worker lost"
+
+
+@dataclass(frozen=True, slots=True)
+class JobSubmitted:
+    job_id: str
+    plan: JobPlan
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFinished:
+    job_id: str
+    iteration: int
+    node: str
+    ok: bool = True
+    error: str | None = None
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobCancelled:
+    job_id: str
+    reason: str = "cancelled by user"
+
+
+Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | JobCancelled
+
+
+# -- instructions -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PlaceJob:
+    job_id: str
+    service_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunNode:
+    job_id: str
+    iteration: int
+    node: str
+    placement: Placement
+    service_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IterationDone:
+    job_id: str
+    iteration: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobDone:
+    job_id: str
+    service_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FailJob:
+    job_id: str
+    reason: str
+    service_id: str | None = None
+
+
+Instruction = PlaceJob | RunNode | IterationDone | JobDone | FailJob
+
+
+@dataclass(slots=True)
+class Transition:
+    """One entry of the planner's bounded log."""
+
+    time: float
+    event: Event
+    instructions: list[Instruction] = field(default_factory=list)

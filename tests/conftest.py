@@ -1,0 +1,37 @@
+"""Shared fixtures: small job configs that run in seconds on 2 CPU cores."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "seed": 0,
+    "iterations": 2,
+    "model": {"layers": 1, "hidden": 32, "heads": 2, "intermediate": 64},
+    "task": {"digits": 2, "train_size": 200, "eval_size": 16},
+    "warm_start": {"max_steps": 4, "batch_size": 16, "eval_every": 2, "eval_size": 16, "stop_at_accuracy": 0.9},
+    "pipeline": {"name": "grpo", "params": {"batch_size": 4, "n": 4, "max_new_tokens": 4, "eval_every": 2, "eval_size": 16}},
+    "tracking": {"progress": False, "log_model": False},
+}
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> dict[str, Any]:
+    """A complete job config (dict) for a tiny model, with its run directory under tmp_path."""
+    cfg = copy.deepcopy(TINY)
+    cfg["run_dir"] = str(tmp_path / "runs")
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _no_env_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
