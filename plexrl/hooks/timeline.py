@@ -1,5 +1,5 @@
 """Timeline recorder: every node as a span on its lane (a service id, or "cpu"); written as JSON and a
-picture (lanes x time, coloured by job) under `<run_dir>/timelines/`."""
+picture (lanes x time, coloured by node) under `<run_dir>/timelines/<job>/`."""
 
 from __future__ import annotations
 
@@ -46,13 +46,13 @@ class TimelineRecorder(Hook):
         return out
 
     def on_job_end(self, job: JobHandle) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         mine = [s for s in self.spans if s.job == job.job_id]
-        path = self.out_dir / f"{job.job_id}.json"
+        (self.out_dir / job.job_id).mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / job.job_id / "timeline.json"
         path.write_text(json.dumps([asdict(s) for s in mine]))
         job.artifacts["timeline.json"] = path
         if self.draw and mine:
-            png = self.out_dir / f"{job.job_id}.png"
+            png = self.out_dir / job.job_id / "timeline.png"
             draw_timeline(mine, png)
             job.artifacts["timeline.png"] = png
 

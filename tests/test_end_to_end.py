@@ -1,0 +1,74 @@
+"""End to end on the real stack: torch engine, local driver, planner, MLflow (sqlite) — tiny sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plexrl.config import load_job
+from plexrl.runner import run_jobs
+
+VOLATILE = ("time/", "tokens_per_s")
+
+
+def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
+
+
+def test_two_iterations_log_to_mlflow_and_read_back(tiny_config: dict[str, Any]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    tiny_config["tracking"]["log_model"] = True
+    (job,) = run_jobs([load_job(tiny_config)], progress=False)
+    assert job.status == "done", job.error
+    assert len(job.history) == 2
+    last = job.history[-1]
+    for key in ("verify/reward_mean", "rollout/response_length", "train/loss", "train/kl", "train/clip_frac",
+                "train/entropy", "train/grad_norm", "time/rollout", "time/train", "evaluate/accuracy"):
+        assert key in last, key
+    client = MlflowClient(tracking_uri=job.tracking["uri"])
+    assert job.tracking["uri"] == f"sqlite:///{Path(tiny_config['run_dir']).resolve() / 'mlflow.db'}"
+    run = client.get_run(job.tracking["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["pipeline.params.batch_size"] == "4" and run.data.params["seed"] == "0"
+    rewards = client.get_metric_history(run.info.run_id, "verify/reward_mean")
+    assert [m.step for m in rewards] == [1, 2]
+    assert [m.value for m in rewards] == [row["verify/reward_mean"] for row in job.history]
+    acc = client.get_metric_history(run.info.run_id, "evaluate/accuracy")
+    assert [m.step for m in acc] == [0, 2]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"job.yaml", "pipeline.png", "timeline.json", "model"} <= artifacts
+
+
+def test_same_seed_same_metrics_and_warm_start_is_cached(tiny_config: dict[str, Any]) -> None:
+    tiny_config["tracking"]["mlflow"] = False
+    (first,) = run_jobs([load_job(tiny_config)], progress=False)
+    (second,) = run_jobs([load_job(tiny_config)], progress=False)
+    assert first.status == second.status == "done"
+    assert first.warm_start["cached"] is False and second.warm_start["cached"] is True
+    assert stable(first.history) == stable(second.history)
+    (other,) = run_jobs([load_job({**tiny_config, "seed": 1})], progress=False)
+    assert stable(other.history) != stable(first.history)
+
+
+def test_operator_exception_fails_the_job_with_its_message(tiny_config: dict[str, Any], tmp_path: Path) -> None:
+    tiny_config["tracking"]["mlflow"] = False
+    tiny_config["pipeline"] = {"nodes": [
+        {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 2}},
+        {"name": "rollout", "op": "rollout", "inputs": {"prompts": "prompts"}, "params": {"n": 2, "max_new_tokens": 3}},
+        {"name": "verify", "op": "verify", "inputs": {"rollouts": "rollout"}},
+        {"name": "boom", "op": "failing_ops:explode", "inputs": {"rewards": "verify"}},
+    ]}
+    (tmp_path / "failing_ops.py").write_text(
+        "from plexrl import operator, Rewards\n"
+        "@operator(placement='cpu')\n"
+        "def explode(rewards: Rewards) -> Rewards:\n"
+        "    raise ValueError('tool crashed')\n"
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(tmp_path))
+        (job,) = run_jobs([load_job(tiny_config)], progress=False)
+    assert job.status == "failed"
+    assert "boom" in job.error and "ValueError: tool crashed" in job.error

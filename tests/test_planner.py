@@ -1,0 +1,138 @@
+"""The planner as a pure state machine: feed events, compare instructions. No cluster, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl.planner import (
+    FailJob,
+    InvalidTransition,
+    Isolated,
+    IterationDone,
+    JobCancelled,
+    JobDone,
+    JobPlan,
+    JobSubmitted,
+    NodeFinished,
+    NodePlan,
+    PlaceJob,
+    Planner,
+    RunNode,
+    ServiceJoined,
+    ServiceLost,
+)
+
+GRPO = JobPlan(
+    nodes={
+        "prompts": NodePlan("cpu"),
+        "rollout": NodePlan("service", ("prompts",)),
+        "verify": NodePlan("cpu", ("rollout",)),
+        "advantage": NodePlan("cpu", ("rollout", "verify")),
+        "train": NodePlan("service", ("advantage", "rollout")),
+        "evaluate": NodePlan("service", ("train",), every=2),
+    },
+    iterations=3,
+    order=("prompts", "rollout", "verify", "advantage", "train", "evaluate"),
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def planner(**kw: object) -> Planner:
+    return Planner(clock=Clock(), validate=True, **kw)  # type: ignore[arg-type]
+
+
+def finish(p: Planner, ins: RunNode, ok: bool = True) -> list[object]:
+    return p.handle(NodeFinished(ins.job_id, ins.iteration, ins.node, ok=ok, error=None if ok else "boom"))
+
+
+def drive(p: Planner, first: list[object]) -> list[object]:
+    """Finish every RunNode in order (FIFO), as a synchronous driver would; return all instructions."""
+    seen, todo = list(first), [i for i in first if isinstance(i, RunNode)]
+    while todo:
+        out = finish(p, todo.pop(0))  # type: ignore[arg-type]
+        seen += out
+        todo += [i for i in out if isinstance(i, RunNode)]
+    return seen
+
+
+def test_single_job_runs_nodes_in_dependency_order_with_periodic_eval() -> None:
+    p = planner()
+    assert p.handle(ServiceJoined("s0")) == []
+    out = p.handle(JobSubmitted("a", GRPO))
+    assert out == [PlaceJob("a", "s0"), RunNode("a", 0, "prompts", "cpu", None)]
+    seen = drive(p, out)
+    runs = [(i.iteration, i.node) for i in seen if isinstance(i, RunNode)]
+    per_iter = ["prompts", "rollout", "verify", "advantage", "train"]
+    assert runs == (
+        [(0, n) for n in per_iter] + [(1, n) for n in [*per_iter, "evaluate"]] + [(2, n) for n in [*per_iter, "evaluate"]]
+    )
+    assert [i for i in seen if isinstance(i, IterationDone)] == [IterationDone("a", k) for k in range(3)]
+    assert seen[-1] == JobDone("a", "s0")
+    assert all(i.service_id == "s0" for i in seen if isinstance(i, RunNode) and i.placement == "service")
+    assert p.jobs["a"].status == "done" and p.finished
+
+
+def test_service_runs_one_node_at_a_time_fifo_across_jobs() -> None:
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    a = p.handle(JobSubmitted("a", GRPO))
+    b = p.handle(JobSubmitted("b", GRPO))
+    ra = finish(p, a[1])  # a's prompts -> a's rollout starts
+    assert ra == [RunNode("a", 0, "rollout", "service", "s0")]
+    rb = finish(p, b[1])  # b's rollout is ready but the service is busy
+    assert rb == []
+    out = finish(p, ra[0])  # a's rollout done: a's verify (cpu) and b's rollout (service)
+    assert RunNode("a", 0, "verify", "cpu", None) in out and RunNode("b", 0, "rollout", "service", "s0") in out
+
+
+def test_failed_node_fails_only_that_job() -> None:
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    a = p.handle(JobSubmitted("a", GRPO))
+    b = p.handle(JobSubmitted("b", GRPO))
+    out = finish(p, a[1], ok=False)
+    assert out == [FailJob("a", "node 'prompts' (iteration 0): boom", "s0")]
+    seen = drive(p, b[1:])
+    assert seen[-1] == JobDone("b", "s0") and p.jobs["a"].status == "failed"
+
+
+def test_isolated_placement_queues_jobs_until_a_service_frees() -> None:
+    p = planner(placement=Isolated())
+    p.handle(ServiceJoined("s0"))
+    a = p.handle(JobSubmitted("a", GRPO))
+    assert p.handle(JobSubmitted("b", GRPO)) == [] and p.jobs["b"].status == "queued"
+    seen = drive(p, a)
+    assert seen.index(PlaceJob("b", "s0")) == seen.index(JobDone("a", "s0")) + 1
+    assert p.jobs["b"].status == "done" and seen[-1] == JobDone("b", "s0")
+
+
+def test_cancel_and_lost_service() -> None:
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    p.handle(ServiceJoined("s1"))
+    a = p.handle(JobSubmitted("a", GRPO))
+    b = p.handle(JobSubmitted("b", GRPO))
+    assert a[0] == PlaceJob("a", "s0") and b[0] == PlaceJob("b", "s1")
+    assert p.handle(JobCancelled("a")) == [FailJob("a", "cancelled by user", "s0")]
+    assert finish(p, a[1]) == []  # late report of a cancelled job is ignored
+    assert p.handle(ServiceLost("s1", "worker died")) == [FailJob("b", "service 's1' lost: worker died", "s1")]
+    assert p.jobs["a"].status == "cancelled" and p.jobs["b"].status == "failed" and p.finished
+
+
+def test_illegal_moves_raise_with_history() -> None:
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    a = p.handle(JobSubmitted("a", GRPO))
+    with pytest.raises(InvalidTransition, match="recent history"):
+        p.handle(NodeFinished("a", 0, "train"))
+    with pytest.raises(InvalidTransition, match="submitted twice"):
+        p.handle(JobSubmitted("a", GRPO))
+    assert a  # the planner is still usable for other checks
