@@ -100,15 +100,27 @@ def train(
 
     def loss_fn(mb: dict[str, Tensor], logp: Tensor, entropy: Tensor) -> tuple[Tensor, dict[str, float]]:
         loss, stats = grpo_loss(
-            logp, mb["old_logp"], mb["adv"], mb["mask"], clip_eps=clip_eps,
-            ref_logp=mb.get("ref_logp"), kl_coef=kl_coef, agg=loss_agg,
+            logp,
+            mb["old_logp"],
+            mb["adv"],
+            mb["mask"],
+            clip_eps=clip_eps,
+            ref_logp=mb.get("ref_logp"),
+            kl_coef=kl_coef,
+            agg=loss_agg,
         )
         with torch.no_grad():
             stats["entropy"] = float(masked_mean(entropy, mb["mask"]))
         return loss, stats
 
     stats = ctx.engine.train_step(
-        batch, loss_fn, temperature=rollouts.temperature, lr=lr, weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm, minibatches=minibatches, epochs=epochs,
+        batch,
+        loss_fn,
+        temperature=rollouts.temperature,
+        lr=lr,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        minibatches=minibatches,
+        epochs=epochs,
     )
     return TrainStats(stats=stats, weight_version=ctx.engine.weight_version)

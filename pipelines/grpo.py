@@ -1,7 +1,7 @@
 """GRPO (Shao et al., 2024) as one iteration's DAG:
 
-    prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
-                  \\-> ref_logprob (only with KL) --/
+prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
+              \\-> ref_logprob (only with KL) --/
 """
 
 from __future__ import annotations
@@ -32,8 +32,18 @@ def grpo(
     adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards)
     ref = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts, which="reference")} if kl_coef > 0 else {}
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, **ref, lr=lr, clip_eps=clip_eps, kl_coef=kl_coef,
-        minibatches=minibatches, epochs=epochs, max_grad_norm=max_grad_norm, loss_agg=loss_agg,
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        **ref,
+        lr=lr,
+        clip_eps=clip_eps,
+        kl_coef=kl_coef,
+        minibatches=minibatches,
+        epochs=epochs,
+        max_grad_norm=max_grad_norm,
+        loss_agg=loss_agg,
     )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

@@ -10,6 +10,18 @@ from plexrl.operator import OpContext, Operator, operator
 __version__ = "0.1.0"
 
 __all__ = [
-    "Advantages", "Batch", "EvalStats", "LogProbs", "NodeRef", "OpContext", "Operator", "Pipeline",
-    "PipelineGraph", "Prompts", "Rewards", "Rollouts", "TrainStats", "operator",
+    "Advantages",
+    "Batch",
+    "EvalStats",
+    "LogProbs",
+    "NodeRef",
+    "OpContext",
+    "Operator",
+    "Pipeline",
+    "PipelineGraph",
+    "Prompts",
+    "Rewards",
+    "Rollouts",
+    "TrainStats",
+    "operator",
 ]

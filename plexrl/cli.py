@@ -43,7 +43,9 @@ def run(
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
 ) -> None:
     """Run a job (warm start cached under run_dir), track it in MLflow, print the summary."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         loaded = _load(config, set_)
         from plexrl.runner import run_jobs

@@ -112,7 +112,7 @@ class JobConfig(StrictModel):
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
     task: TaskConfig = Field(default_factory=TaskConfig)  # type: ignore[arg-type]
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)  # type: ignore[arg-type]
-    pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo"))
+    pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo", nodes=None))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
 
 
@@ -139,8 +139,15 @@ def build_pipeline(cfg: PipelineConfig, where: str = "pipeline") -> PipelineGrap
     if ":" not in ref:
         close = difflib.get_close_matches(cfg.name, BUILTIN_PIPELINES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError([Problem(f"{where}.name", f"unknown pipeline {cfg.name!r}{hint}; built-in: "
-                                   f"{', '.join(BUILTIN_PIPELINES)}, or a dotted path 'pkg.module:builder'")])
+        raise ConfigError(
+            [
+                Problem(
+                    f"{where}.name",
+                    f"unknown pipeline {cfg.name!r}{hint}; built-in: "
+                    f"{', '.join(BUILTIN_PIPELINES)}, or a dotted path 'pkg.module:builder'",
+                )
+            ]
+        )
     module_name, _, attr = ref.partition(":")
     try:
         builder = getattr(importlib.import_module(module_name), attr)

@@ -169,33 +169,47 @@ def compile_pipeline(name: str, specs: list[NodeSpec], where: str = "pipeline") 
         for port, src in spec.inputs.items():
             if port not in op.inputs:
                 known = ", ".join(op.inputs) or "none"
-                problems.append(Problem(f"{here}.inputs.{port}", f"operator {op.name!r} has no input {port!r}; its inputs: {known}"))
+                problems.append(
+                    Problem(f"{here}.inputs.{port}", f"operator {op.name!r} has no input {port!r}; its inputs: {known}")
+                )
                 continue
             if src not in seen:
-                problems.append(Problem(f"{here}.inputs.{port}", f"refers to unknown node {src!r}; nodes: {', '.join(sorted(seen))}"))
+                problems.append(
+                    Problem(
+                        f"{here}.inputs.{port}", f"refers to unknown node {src!r}; nodes: {', '.join(sorted(seen))}"
+                    )
+                )
                 continue
             if src not in nodes:
                 continue  # the source node has its own problem
             produced, wanted = nodes[src].operator.output, op.inputs[port].type
             if not issubclass(produced, wanted):
-                problems.append(Problem(
-                    f"{here}.inputs.{port}",
-                    f"node {src!r} outputs {produced.__name__} but input {port!r} of operator {op.name!r} expects "
-                    f"{wanted.__name__}; connect a node whose operator returns {wanted.__name__}",
-                ))
+                problems.append(
+                    Problem(
+                        f"{here}.inputs.{port}",
+                        f"node {src!r} outputs {produced.__name__} but input {port!r} of operator {op.name!r} expects "
+                        f"{wanted.__name__}; connect a node whose operator returns {wanted.__name__}",
+                    )
+                )
                 continue
             if nodes[src].every is not None and node.every != nodes[src].every:
-                problems.append(Problem(
-                    f"{here}.inputs.{port}",
-                    f"node {src!r} runs only every {nodes[src].every} iterations; a node that consumes it must use the same `every`",
-                ))
+                problems.append(
+                    Problem(
+                        f"{here}.inputs.{port}",
+                        f"node {src!r} runs only every {nodes[src].every} iterations; "
+                        "a node that consumes it must use the same `every`",
+                    )
+                )
             g.add_edge(src, spec.name, port=port)
         for port, p in op.inputs.items():
             if port not in spec.inputs and not p.optional:
-                problems.append(Problem(
-                    f"{here}.inputs",
-                    f"missing input {port!r} ({p.type.__name__}) of operator {op.name!r}; connect it to a node that outputs {p.type.__name__}",
-                ))
+                problems.append(
+                    Problem(
+                        f"{here}.inputs",
+                        f"missing input {port!r} ({p.type.__name__}) of operator {op.name!r}; "
+                        f"connect it to a node that outputs {p.type.__name__}",
+                    )
+                )
         for src in spec.after:
             if src not in seen:
                 problems.append(Problem(f"{here}.after", f"refers to unknown node {src!r}"))
@@ -206,7 +220,9 @@ def compile_pipeline(name: str, specs: list[NodeSpec], where: str = "pipeline") 
     try:
         cycle = nx.find_cycle(g)
         path = " -> ".join([str(e[0]) for e in cycle] + [str(cycle[0][0])])
-        problems.append(Problem(where, f"the pipeline has a cycle: {path}; an iteration must be a DAG, remove one of these edges"))
+        problems.append(
+            Problem(where, f"the pipeline has a cycle: {path}; an iteration must be a DAG, remove one of these edges")
+        )
     except nx.NetworkXNoCycle:
         pass
     if problems:

@@ -37,9 +37,7 @@ class JobHandle:
 
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline."""
-        nodes = {
-            n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes
-        }
+        nodes = {n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes}
         return JobPlan(nodes, self.config.iterations, tuple(self.graph.order))
 
     def final_metric(self, name: str) -> float | None:
@@ -60,8 +58,11 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:
     prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir)
     log.info(
         "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
-        prepared.path, "cached" if prepared.cached else "built", prepared.warm_start_steps,
-        prepared.warm_start_accuracy, prepared.warm_start_seconds,
+        prepared.path,
+        "cached" if prepared.cached else "built",
+        prepared.warm_start_steps,
+        prepared.warm_start_accuracy,
+        prepared.warm_start_seconds,
     )
     return JobHandle(
         job_id=job_id or cfg.name,

@@ -29,7 +29,9 @@ def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET) -> Any:
 
     tok = Tokenizer(models.BPE(unk_token=None))
     trainer = trainers.BpeTrainer(
-        vocab_size=len(SPECIALS) + len(alphabet), special_tokens=SPECIALS, initial_alphabet=list(alphabet),
+        vocab_size=len(SPECIALS) + len(alphabet),
+        special_tokens=SPECIALS,
+        initial_alphabet=list(alphabet),
         show_progress=False,
     )
     tok.train_from_iterator([alphabet], trainer=trainer)
@@ -156,7 +158,9 @@ def warm_start(
         model.train()
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

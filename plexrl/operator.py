@@ -104,7 +104,7 @@ class Operator:
         if not (isinstance(out, type) and issubclass(out, Batch)):
             raise TypeError(f"operator {self.ref}: return annotation must be a Batch subclass, got {out!r}")
         self.output: type[Batch] = out
-        self.params_model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        self.params_model: type[BaseModel] = create_model(
             f"{self.name}_params", __config__=ConfigDict(extra="forbid"), **fields
         )
 

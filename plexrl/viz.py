@@ -25,8 +25,18 @@ def draw_pipeline(graph: PipelineGraph, path: Path) -> Path:
     labels = {n: f"{n}\n{graph.node(n).operator.name}" for n in g.nodes}
     width = max(6.0, 2.2 * (1 + max(nx.get_node_attributes(g, "layer").values(), default=0)))
     fig, ax = plt.subplots(figsize=(width, 4))
-    nx.draw_networkx(g, pos, ax=ax, labels=labels, node_color=colors, node_size=2600, font_size=8,
-                     font_color="white", arrowsize=15, node_shape="s")
+    nx.draw_networkx(
+        g,
+        pos,
+        ax=ax,
+        labels=labels,
+        node_color=colors,
+        node_size=2600,
+        font_size=8,
+        font_color="white",
+        arrowsize=15,
+        node_shape="s",
+    )
     edge_labels = {(u, v): d["port"] for u, v, d in g.edges(data=True) if d.get("port")}
     nx.draw_networkx_edge_labels(g, pos, edge_labels=edge_labels, font_size=7, ax=ax)
     ax.set_title(f"pipeline {graph.name}  (blue: service, orange: cpu)")

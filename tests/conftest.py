@@ -19,7 +19,10 @@ TINY: dict[str, Any] = {
     "model": {"layers": 1, "hidden": 32, "heads": 2, "intermediate": 64},
     "task": {"digits": 2, "train_size": 200, "eval_size": 16},
     "warm_start": {"max_steps": 4, "batch_size": 16, "eval_every": 2, "eval_size": 16, "stop_at_accuracy": 0.9},
-    "pipeline": {"name": "grpo", "params": {"batch_size": 4, "n": 4, "max_new_tokens": 4, "eval_every": 2, "eval_size": 16}},
+    "pipeline": {
+        "name": "grpo",
+        "params": {"batch_size": 4, "n": 4, "max_new_tokens": 4, "eval_every": 2, "eval_size": 16},
+    },
     "tracking": {"progress": False, "log_model": False},
 }
 

@@ -25,8 +25,18 @@ def test_two_iterations_log_to_mlflow_and_read_back(tiny_config: dict[str, Any])
     assert job.status == "done", job.error
     assert len(job.history) == 2
     last = job.history[-1]
-    for key in ("verify/reward_mean", "rollout/response_length", "train/loss", "train/kl", "train/clip_frac",
-                "train/entropy", "train/grad_norm", "time/rollout", "time/train", "evaluate/accuracy"):
+    for key in (
+        "verify/reward_mean",
+        "rollout/response_length",
+        "train/loss",
+        "train/kl",
+        "train/clip_frac",
+        "train/entropy",
+        "train/grad_norm",
+        "time/rollout",
+        "time/train",
+        "evaluate/accuracy",
+    ):
         assert key in last, key
     client = MlflowClient(tracking_uri=job.tracking["uri"])
     assert job.tracking["uri"] == f"sqlite:///{Path(tiny_config['run_dir']).resolve() / 'mlflow.db'}"
@@ -55,12 +65,19 @@ def test_same_seed_same_metrics_and_warm_start_is_cached(tiny_config: dict[str, 
 
 def test_operator_exception_fails_the_job_with_its_message(tiny_config: dict[str, Any], tmp_path: Path) -> None:
     tiny_config["tracking"]["mlflow"] = False
-    tiny_config["pipeline"] = {"nodes": [
-        {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 2}},
-        {"name": "rollout", "op": "rollout", "inputs": {"prompts": "prompts"}, "params": {"n": 2, "max_new_tokens": 3}},
-        {"name": "verify", "op": "verify", "inputs": {"rollouts": "rollout"}},
-        {"name": "boom", "op": "failing_ops:explode", "inputs": {"rewards": "verify"}},
-    ]}
+    tiny_config["pipeline"] = {
+        "nodes": [
+            {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 2}},
+            {
+                "name": "rollout",
+                "op": "rollout",
+                "inputs": {"prompts": "prompts"},
+                "params": {"n": 2, "max_new_tokens": 3},
+            },
+            {"name": "verify", "op": "verify", "inputs": {"rollouts": "rollout"}},
+            {"name": "boom", "op": "failing_ops:explode", "inputs": {"rewards": "verify"}},
+        ]
+    }
     (tmp_path / "failing_ops.py").write_text(
         "from plexrl import operator, Rewards\n"
         "@operator(placement='cpu')\n"

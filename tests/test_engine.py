@@ -74,7 +74,9 @@ def test_train_step_changes_weights_and_state_round_trips(model_dir: tuple[Path,
     }
     mask = torch.cat([torch.zeros_like(g.prompt_mask), g.response_mask], 1).float()
 
-    def loss_fn(mb: dict[str, torch.Tensor], logp: torch.Tensor, ent: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(
+        mb: dict[str, torch.Tensor], logp: torch.Tensor, ent: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         m = mask[: logp.shape[0]]
         return -(logp * m).sum() / m.sum(), {}
 

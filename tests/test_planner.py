@@ -72,7 +72,9 @@ def test_single_job_runs_nodes_in_dependency_order_with_periodic_eval() -> None:
     runs = [(i.iteration, i.node) for i in seen if isinstance(i, RunNode)]
     per_iter = ["prompts", "rollout", "verify", "advantage", "train"]
     assert runs == (
-        [(0, n) for n in per_iter] + [(1, n) for n in [*per_iter, "evaluate"]] + [(2, n) for n in [*per_iter, "evaluate"]]
+        [(0, n) for n in per_iter]
+        + [(1, n) for n in [*per_iter, "evaluate"]]
+        + [(2, n) for n in [*per_iter, "evaluate"]]
     )
     assert [i for i in seen if isinstance(i, IterationDone)] == [IterationDone("a", k) for k in range(3)]
     assert seen[-1] == JobDone("a", "s0")

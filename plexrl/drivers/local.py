@@ -122,8 +122,14 @@ class LocalDriver:
             end = self.clock()
             log.exception("job %s node %s (iteration %d) failed", job.job_id, ins.node, ins.iteration)
             self.hooks.after_node(job, ins.iteration, ins.node, lane, start, end, None)
-            return NodeFinished(job.job_id, ins.iteration, ins.node, ok=False,
-                                error=f"{type(exc).__name__}: {exc}", duration=end - start)
+            return NodeFinished(
+                job.job_id,
+                ins.iteration,
+                ins.node,
+                ok=False,
+                error=f"{type(exc).__name__}: {exc}",
+                duration=end - start,
+            )
         end = self.clock()
         outputs[ins.node] = out
         self.seconds[job.job_id][ins.node] = end - start

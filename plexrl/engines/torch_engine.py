@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,8 @@ class TorchEngine:
 
         self.device = torch.device(device)
         self.eos_id, self.pad_id = eos_id, pad_id
-        self.policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.policy = model.to(self.device)  # type: ignore[arg-type]
         self.policy.eval()
         self.reference = None
         if with_reference:
@@ -102,10 +104,7 @@ class TorchEngine:
         toks, lps, alive = [], [], []
         for step in range(max_new_tokens):
             logp = F.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
-            if greedy:
-                tok = logp.argmax(-1)
-            else:
-                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            tok = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
             lp = logp.gather(-1, tok[:, None]).squeeze(-1)
             live = ~done
             tok = torch.where(live, tok, torch.full_like(tok, self.pad_id))
@@ -167,12 +166,14 @@ class TorchEngine:
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(epochs):
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            for a, b in itertools.pairwise(bounds):
                 if b <= a:
                     continue
                 mb = {k: v[a:b].to(self.device) for k, v in batch.items()}
                 mask = mb["attention_mask"]
-                logits = self.policy(input_ids=mb["input_ids"], attention_mask=mask, position_ids=_positions(mask)).logits
+                logits = self.policy(
+                    input_ids=mb["input_ids"], attention_mask=mask, position_ids=_positions(mask)
+                ).logits
                 logp, ent = token_logprobs(logits, mb["input_ids"], temperature)
                 loss, stats = loss_fn(mb, logp, ent)
                 self.optimizer.zero_grad(set_to_none=True)

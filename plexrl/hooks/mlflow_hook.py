@@ -77,7 +77,9 @@ class MlflowHook(Hook):
             client.log_batch(run_id, metrics=[Metric("evaluate/accuracy", job.baseline_accuracy, now, 0)])
         art_dir = job.run_dir / "jobs" / job.job_id
         art_dir.mkdir(parents=True, exist_ok=True)
-        (art_dir / "job.yaml").write_text(yaml.safe_dump(job.raw or job.config.model_dump(mode="json"), sort_keys=False))
+        (art_dir / "job.yaml").write_text(
+            yaml.safe_dump(job.raw or job.config.model_dump(mode="json"), sort_keys=False)
+        )
         client.log_artifact(run_id, str(art_dir / "job.yaml"))
         try:
             from plexrl.viz import draw_pipeline

@@ -18,7 +18,22 @@ from plexrl.planner.events import (
 from plexrl.planner.policies import Fifo, Isolated, Pack
 
 __all__ = [
-    "FailJob", "Fifo", "InvalidTransition", "Isolated", "IterationDone", "JobCancelled", "JobDone", "JobPlan",
-    "JobRecord", "JobSubmitted", "NodeFinished", "NodePlan", "Pack", "PlaceJob", "Planner", "RunNode",
-    "ServiceJoined", "ServiceLost",
+    "FailJob",
+    "Fifo",
+    "InvalidTransition",
+    "Isolated",
+    "IterationDone",
+    "JobCancelled",
+    "JobDone",
+    "JobPlan",
+    "JobRecord",
+    "JobSubmitted",
+    "NodeFinished",
+    "NodePlan",
+    "Pack",
+    "PlaceJob",
+    "Planner",
+    "RunNode",
+    "ServiceJoined",
+    "ServiceLost",
 ]

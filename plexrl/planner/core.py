@@ -291,7 +291,9 @@ class Planner:
             if job.status == "placed":
                 if job.service is None or job.job_id not in self.services[job.service].jobs:
                     raise InvalidTransition(self._history(f"{job.job_id} placed but not on its service"))
-                running = [n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].placement == "service"]
+                running = [
+                    n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].placement == "service"
+                ]
                 if len(running) > 1:
                     raise InvalidTransition(self._history(f"{job.job_id} runs {running} at once on one service"))
             elif job.status == "queued" and job.service is not None:

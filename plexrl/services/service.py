@@ -38,12 +38,17 @@ class Service:
 
         tok = job.tokenizer
         self.engines[job.job_id] = TorchEngine(
-            job.model_path, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=self.device,
+            job.model_path,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            device=self.device,
             with_reference=needs_reference(job),
         )
 
     def context(self, job: JobHandle, iteration: int, node: str) -> OpContext:
-        return OpContext(job.job_id, iteration, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id])
+        return OpContext(
+            job.job_id, iteration, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id]
+        )
 
     def run(self, job: JobHandle, iteration: int, node: Node, inputs: dict[str, Batch]) -> Batch:
         return node.operator.run(self.context(job, iteration, node.name), inputs, node.params)
