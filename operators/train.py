@@ -80,10 +80,15 @@ def train(
     minibatches: Annotated[int, Field(ge=1)] = 1,
     epochs: Annotated[int, Field(ge=1)] = 1,
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean",
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9,
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999,
+    skip_zero_advantage: bool = True,
 ) -> TrainStats:
     """One policy update from a rollout: `epochs` x `minibatches` AdamW steps on the GRPO loss
     (`grpo_loss`), gradient clipping at `max_grad_norm`; KL to the reference when `ref_logprobs` is given
-    and `kl_coef` > 0. Reports loss, pg_loss, kl, clip_frac, entropy, grad_norm."""
+    and `kl_coef` > 0. With `skip_zero_advantage`, rows whose advantage is exactly 0 (groups where every
+    sample got the same reward) are left out: they add no policy gradient, only compute. Reports loss,
+    pg_loss, kl, clip_frac, entropy, grad_norm, and `rows` trained on."""
     import torch
 
     batch = {
@@ -93,10 +98,14 @@ def train(
         "old_logp": rollouts.behaviour_logprobs,
         "adv": advantages.values,
     }
-    use_kl = ref_logprobs is not None and kl_coef > 0
-    if use_kl:
-        assert ref_logprobs is not None
+    if ref_logprobs is not None and kl_coef > 0:
         batch["ref_logp"] = ref_logprobs.values
+    if skip_zero_advantage:
+        keep = advantages.values != 0
+        batch = {k: v[keep] for k, v in batch.items()}
+    rows = int(batch["adv"].shape[0])
+    if rows == 0:
+        return TrainStats(stats={"rows": 0.0, "steps": 0.0}, weight_version=ctx.engine.weight_version)
 
     def loss_fn(mb: dict[str, Tensor], logp: Tensor, entropy: Tensor) -> tuple[Tensor, dict[str, float]]:
         loss, stats = grpo_loss(
@@ -122,5 +131,6 @@ def train(
         max_grad_norm=max_grad_norm,
         minibatches=minibatches,
         epochs=epochs,
+        betas=(adam_beta1, adam_beta2),
     )
-    return TrainStats(stats=stats, weight_version=ctx.engine.weight_version)
+    return TrainStats(stats={**stats, "rows": float(rows)}, weight_version=ctx.engine.weight_version)

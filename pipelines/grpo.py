@@ -22,6 +22,8 @@ def grpo(
     epochs: int = 1,
     max_grad_norm: float = 1.0,
     loss_agg: str = "token_mean",
+    adam_beta2: float = 0.999,
+    skip_zero_advantage: bool = True,
     eval_every: int = 10,
     eval_size: int = 400,
 ) -> PipelineGraph:
@@ -44,6 +46,8 @@ def grpo(
         epochs=epochs,
         max_grad_norm=max_grad_norm,
         loss_agg=loss_agg,
+        adam_beta2=adam_beta2,
+        skip_zero_advantage=skip_zero_advantage,
     )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

@@ -61,6 +61,7 @@ class WarmStartConfig(StrictModel):
     stop_at_accuracy: float = Field(0.3, gt=0, le=1, description="Stop when held-out greedy accuracy reaches this.")
     eval_every: int = Field(25, ge=1, description="Steps between accuracy checks.")
     eval_size: int = Field(200, ge=8, description="Held-out problems used by the checks.")
+    keep_optimizer: bool = Field(True, description="Hand the warm start's AdamW state on to RL training.")
 
 
 class NodeConfig(StrictModel):

@@ -133,7 +133,7 @@ def warm_start(
     accuracy reaches `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`."""
     import torch
 
-    from plexrl.engines.torch_engine import TorchEngine
+    from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine
 
     engine = TorchEngine(base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
     model = engine.policy
@@ -171,4 +171,6 @@ def warm_start(
             if acc >= cfg.stop_at_accuracy:
                 break
     model.save_pretrained(str(out))
+    if cfg.keep_optimizer:
+        torch.save(opt.state_dict(), out / OPTIMIZER_FILE)
     return acc, step

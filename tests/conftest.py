@@ -21,7 +21,14 @@ TINY: dict[str, Any] = {
     "warm_start": {"max_steps": 4, "batch_size": 16, "eval_every": 2, "eval_size": 16, "stop_at_accuracy": 0.9},
     "pipeline": {
         "name": "grpo",
-        "params": {"batch_size": 4, "n": 4, "max_new_tokens": 4, "eval_every": 2, "eval_size": 16},
+        "params": {
+            "batch_size": 4,
+            "n": 4,
+            "max_new_tokens": 4,
+            "eval_every": 2,
+            "eval_size": 16,
+            "skip_zero_advantage": False,
+        },
     },
     "tracking": {"progress": False, "log_model": False},
 }

@@ -63,6 +63,7 @@ class Engine(Protocol):
         max_grad_norm: float,
         minibatches: int,
         epochs: int,
+        betas: tuple[float, float],
     ) -> dict[str, float]: ...
 
     def load_state(self, state: dict[str, Any]) -> None: ...

@@ -25,6 +25,8 @@ from plexrl.engines.base import GenerationOutput, LossFn
 
 log = logging.getLogger(__name__)
 
+OPTIMIZER_FILE = "optimizer.pt"
+
 
 def _cache_kw(model: Any) -> str:
     """transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`."""
@@ -72,6 +74,10 @@ class TorchEngine:
             self.reference = copy.deepcopy(self.policy).requires_grad_(False)
         self.optimizer: torch.optim.Optimizer | None = None
         self.weight_version = 0
+        opt_file = Path(model_dir) / OPTIMIZER_FILE
+        if opt_file.is_file():  # e.g. the warm start's AdamW moments: training continues where it stopped
+            self.optimizer = torch.optim.AdamW(self.policy.parameters())
+            self.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
 
     # -- generation ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,6 +156,7 @@ class TorchEngine:
         max_grad_norm: float,
         minibatches: int,
         epochs: int = 1,
+        betas: tuple[float, float] = (0.9, 0.999),
     ) -> dict[str, float]:
         """Run `epochs` passes of `minibatches` optimizer steps over `batch` (rows split in order).
 
@@ -159,7 +166,7 @@ class TorchEngine:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=weight_decay)
         for group in self.optimizer.param_groups:
-            group["lr"], group["weight_decay"] = lr, weight_decay
+            group["lr"], group["weight_decay"], group["betas"] = lr, weight_decay, betas
         self.policy.train()
         N = batch["input_ids"].shape[0]
         bounds = torch.linspace(0, N, minibatches + 1).long().tolist()
