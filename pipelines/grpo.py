@@ -11,21 +11,21 @@ from plexrl.graph import Pipeline, PipelineGraph
 
 def grpo(
     *,
-    batch_size: int = 32,
+    batch_size: int = 64,
     n: int = 8,
     temperature: float = 1.0,
-    max_new_tokens: int = 8,
-    lr: float = 1e-3,
+    max_new_tokens: int = 6,
+    lr: float = 3e-4,
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
-    minibatches: int = 1,
+    minibatches: int = 2,
     epochs: int = 1,
     max_grad_norm: float = 1.0,
     loss_agg: str = "token_mean",
-    adam_beta2: float = 0.999,
+    adam_beta2: float = 0.98,
     skip_zero_advantage: bool = True,
-    eval_every: int = 10,
-    eval_size: int = 400,
+    eval_every: int = 20,
+    eval_size: int = 500,
 ) -> PipelineGraph:
     p = Pipeline("grpo")
     prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)

@@ -32,6 +32,10 @@ class ModelConfig(StrictModel):
     heads: int = Field(4, ge=1, le=128, description="Attention heads.")
     intermediate: int = Field(512, ge=8, le=32768, description="MLP inner size.")
     max_position: int = Field(64, ge=16, le=32768, description="Maximum sequence length (prompt + response).")
+    tie_embeddings: bool = Field(True, description="Share the input embedding and the output head.")
+    attention: Literal["eager", "sdpa"] = Field(
+        "eager", description="Attention kernel; eager is faster for tiny models on CPU, sdpa for larger ones."
+    )
     path: str | None = Field(None, description="Load this local HF model directory instead of building one.")
 
     @model_validator(mode="after")
@@ -47,7 +51,7 @@ class TaskConfig(StrictModel):
     name: Literal["arithmetic"] = Field("arithmetic", description="Task family: multi-digit addition.")
     digits: int = Field(3, ge=1, le=9, description="Digits per operand.")
     train_size: int = Field(20000, ge=16, description="Problems in the train split.")
-    eval_size: int = Field(400, ge=8, le=100000, description="Problems in the held-out split.")
+    eval_size: int = Field(500, ge=8, le=100000, description="Problems in the held-out split.")
     seed: int = Field(1234, description="Seed of the data generator (independent of the job seed).")
 
 
@@ -56,11 +60,15 @@ class WarmStartConfig(StrictModel):
 
     enabled: bool = Field(True, description="Run the warm start (cached under run_dir/cache).")
     max_steps: int = Field(3000, ge=0, description="Upper bound on optimizer steps.")
-    batch_size: int = Field(64, ge=1, description="Sequences per step.")
-    lr: float = Field(3e-3, gt=0, lt=1, description="AdamW learning rate.")
-    stop_at_accuracy: float = Field(0.3, gt=0, le=1, description="Stop when held-out greedy accuracy reaches this.")
-    eval_every: int = Field(25, ge=1, description="Steps between accuracy checks.")
-    eval_size: int = Field(200, ge=8, description="Held-out problems used by the checks.")
+    batch_size: int = Field(128, ge=1, description="Sequences per step.")
+    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate.")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping.")
+    stop_at_accuracy: float = Field(
+        0.25, gt=0, le=1, description="Stop when held-out greedy accuracy reaches this (checks every eval_every)."
+    )
+    eval_every: int = Field(10, ge=1, description="Steps between accuracy checks.")
+    eval_size: int = Field(500, ge=8, description="Held-out problems used by the checks.")
     keep_optimizer: bool = Field(True, description="Hand the warm start's AdamW state on to RL training.")
 
 
@@ -107,7 +115,7 @@ class JobConfig(StrictModel):
 
     name: str = Field("grpo-arithmetic", description="Job name (MLflow run name).")
     seed: int = Field(0, description="Seed of everything random in the job.")
-    iterations: int = Field(60, ge=1, description="Pipeline iterations to run.")
+    iterations: int = Field(600, ge=1, description="Pipeline iterations to run.")
     run_dir: str = Field("runs", description="Directory for caches, MLflow store, timelines and models.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]

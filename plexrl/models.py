@@ -61,7 +61,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, out_dir: Path, seed: int) -> N
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=cfg.tie_embeddings,
         dtype="float32",
     )
     LlamaForCausalLM(config).save_pretrained(str(out_dir))
@@ -110,7 +110,7 @@ def prepare_model(
     acc, steps = None, 0
     if warm.enabled:
         final.mkdir(parents=True, exist_ok=True)
-        acc, steps = warm_start(base, final, tok, task, warm, seed)
+        acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg)
         tok.save_pretrained(str(final))
     seconds = time.perf_counter() - start
     info_file.write_text(json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds}))
@@ -127,7 +127,13 @@ def greedy_accuracy(engine: Any, tokenizer: Any, problems: list[Any], max_new_to
 
 
 def warm_start(
-    base: Path, out: Path, tokenizer: Any, task: ArithmeticTask, cfg: WarmStartConfig, seed: int
+    base: Path,
+    out: Path,
+    tokenizer: Any,
+    task: ArithmeticTask,
+    cfg: WarmStartConfig,
+    seed: int,
+    model_cfg: ModelConfig,
 ) -> tuple[float, int]:
     """Supervised fine-tuning on the train split (cross-entropy on answer tokens) until held-out greedy
     accuracy reaches `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`."""
@@ -135,9 +141,11 @@ def warm_start(
 
     from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine
 
-    engine = TorchEngine(base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine = TorchEngine(
+        base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention
+    )
     model = engine.policy
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=0.0)
     rng = random.Random(seed)
     checks = task.held_out[: cfg.eval_size]
     max_new = task.max_answer_chars + 1
@@ -163,6 +171,7 @@ def warm_start(
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
         model.eval()
         if step % cfg.eval_every == 0:

@@ -61,12 +61,13 @@ class TorchEngine:
         pad_id: int,
         device: str = "cpu",
         with_reference: bool = False,
+        attention: str = "sdpa",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         self.eos_id, self.pad_id = eos_id, pad_id
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attention)
         self.policy = model.to(self.device)  # type: ignore[arg-type]
         self.policy.eval()
         self.reference = None
@@ -102,7 +103,7 @@ class TorchEngine:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         mask = pmask
         pos = _positions(pmask)
-        out = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         kw = _cache_kw(self.policy)
         past, logits = getattr(out, kw), out.logits[:, -1]
         next_pos = pos[:, -1:] + 1

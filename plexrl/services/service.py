@@ -43,6 +43,7 @@ class Service:
             pad_id=tok.pad_token_id,
             device=self.device,
             with_reference=needs_reference(job),
+            attention=job.config.model.attention,
         )
 
     def context(self, job: JobHandle, iteration: int, node: str) -> OpContext:
