@@ -86,14 +86,18 @@ class NodeConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """Either a built-in (or dotted-path) pipeline `name` with `params`, or an explicit list of `nodes`."""
 
-    name: str | None = Field(None, description="Built-in pipeline (e.g. grpo) or `pkg.module:builder`.")
+    name: str | None = Field(
+        None, description="Built-in pipeline or `pkg.module:builder`; grpo when neither name nor nodes is given."
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the pipeline builder.")
     nodes: list[NodeConfig] | None = Field(None, description="Explicit nodes; edges come from their inputs.")
 
     @model_validator(mode="after")
     def _one_of(self) -> PipelineConfig:
-        if (self.name is None) == (self.nodes is None):
-            raise ValueError("give exactly one of `name` (a built-in pipeline such as grpo) or `nodes`")
+        if self.name is None and self.nodes is None:
+            self.name = "grpo"  # the default algorithm
+        if self.name is not None and self.nodes is not None:
+            raise ValueError("give either `name` (a built-in pipeline such as grpo) or `nodes`, not both")
         if self.nodes is not None and self.params:
             raise ValueError("`params` applies to a named pipeline; with `nodes`, put params on each node")
         return self

@@ -1,0 +1,50 @@
+"""The command line: clear messages and exit codes for bad input, no tracebacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from typer.testing import CliRunner
+
+from plexrl.cli import app
+
+runner = CliRunner()
+
+
+def test_validate_reports_every_problem_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("iterations: -1\nmodle: {}\npipeline: {name: grpo, params: {n: 0.5}}\n")
+    result = runner.invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 2
+    out = result.output
+    assert "3 problem(s)" in out and "iterations" in out and "modle: unknown key" in out and "pipeline.params.n" in out
+    assert "Traceback" not in out
+
+
+def test_validate_ok_and_set_overrides(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", "--set", "pipeline.params.n=4", "--set", "iterations=3"])
+    assert result.exit_code == 0, result.output
+    assert "OK" in result.output and "rollout" in result.output
+    result = runner.invoke(app, ["validate", "--set", "iterations"])
+    assert result.exit_code == 2 and "expected key=value" in result.output
+
+
+def test_run_missing_file_and_missing_model_path(tmp_path: Path, tiny_config: dict[str, Any]) -> None:
+    result = runner.invoke(app, ["run", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2 and "file not found" in result.output
+    tiny_config["model"]["path"] = str(tmp_path / "no-model")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tiny_config))
+    result = runner.invoke(app, ["run", str(path), "--no-progress"])
+    assert result.exit_code == 2 and "has no config.json" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_graph_draws_a_png(tmp_path: Path) -> None:
+    out = tmp_path / "dag.png"
+    config = Path(__file__).parents[1] / "configs" / "grpo_arithmetic.yaml"
+    result = runner.invoke(app, ["graph", str(config), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
