@@ -50,7 +50,7 @@ class TaskConfig(StrictModel):
 
     name: Literal["arithmetic"] = Field("arithmetic", description="Task family: multi-digit addition.")
     digits: int = Field(3, ge=1, le=9, description="Digits per operand.")
-    train_size: int = Field(20000, ge=16, description="Problems in the train split.")
+    train_size: int = Field(200000, ge=16, description="Problems in the train split.")
     eval_size: int = Field(500, ge=8, le=100000, description="Problems in the held-out split.")
     seed: int = Field(1234, description="Seed of the data generator (independent of the job seed).")
 

@@ -48,6 +48,9 @@ def build_model(cfg: ModelConfig, tokenizer: Any, out_dir: Path, seed: int) -> N
     """Build a randomly initialised `LlamaForCausalLM` of the configured size and save it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     torch.manual_seed(seed)
     config = LlamaConfig(

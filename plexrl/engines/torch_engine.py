@@ -64,6 +64,9 @@ class TorchEngine:
         attention: str = "sdpa",
     ) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Loading weights" bars in job output
 
         self.device = torch.device(device)
         self.eos_id, self.pad_id = eos_id, pad_id
