@@ -228,6 +228,14 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
             problems += exc.problems
         except ValidationError:
             pass
+    if config is not None and config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
+        problems.append(
+            Problem(
+                "model.path",
+                f"{config.model.path} is not a saved HF model directory (no config.json); "
+                "point it at one, or remove model.path to build a model locally",
+            )
+        )
     if problems or config is None or graph is None:
         raise ConfigError(problems, name)
     return LoadedJob(config, graph, raw, name)

@@ -38,7 +38,7 @@ def test_run_missing_file_and_missing_model_path(tmp_path: Path, tiny_config: di
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(tiny_config))
     result = runner.invoke(app, ["run", str(path), "--no-progress"])
-    assert result.exit_code == 2 and "has no config.json" in result.output
+    assert result.exit_code == 2 and "model.path" in result.output and "no config.json" in result.output
     assert "Traceback" not in result.output
 
 

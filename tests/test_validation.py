@@ -173,3 +173,10 @@ def test_every_shipped_yaml_validates() -> None:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "plexrl" in first, f"{path} must open with the command that runs it"
         load_job(path)
+
+
+def test_main_job_yaml_equals_embedded_defaults() -> None:
+    path = Path(__file__).parents[1] / "configs" / "grpo_arithmetic.yaml"
+    from_yaml, defaults = load_job(path), load_job(None)
+    assert from_yaml.config.model_dump(exclude={"pipeline"}) == defaults.config.model_dump(exclude={"pipeline"})
+    assert from_yaml.graph.describe() == defaults.graph.describe()  # the YAML spells out grpo's defaults
