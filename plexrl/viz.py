@@ -22,23 +22,25 @@ def draw_pipeline(graph: PipelineGraph, path: Path) -> Path:
             g.nodes[name]["layer"] = layer
     pos = nx.multipartite_layout(g, subset_key="layer")
     colors = ["#4C78A8" if graph.node(n).placement == "service" else "#F58518" for n in g.nodes]
-    labels = {n: f"{n}\n{graph.node(n).operator.name}" for n in g.nodes}
-    width = max(6.0, 2.2 * (1 + max(nx.get_node_attributes(g, "layer").values(), default=0)))
+    labels = {n: n if graph.node(n).operator.name == n else f"{n}\n({graph.node(n).operator.name})" for n in g.nodes}
+    layers = nx.get_node_attributes(g, "layer")
+    width = max(6.0, 2.4 * (1 + max(layers.values(), default=0)))
     fig, ax = plt.subplots(figsize=(width, 4))
-    nx.draw_networkx(
-        g,
-        pos,
-        ax=ax,
-        labels=labels,
-        node_color=colors,
-        node_size=2600,
-        font_size=8,
-        font_color="white",
-        arrowsize=15,
-        node_shape="s",
-    )
-    edge_labels = {(u, v): d["port"] for u, v, d in g.edges(data=True) if d.get("port")}
-    nx.draw_networkx_edge_labels(g, pos, edge_labels=edge_labels, font_size=7, ax=ax)
+    nx.draw_networkx_nodes(g, pos, ax=ax, node_color=colors, node_size=4200, node_shape="s")
+    nx.draw_networkx_labels(g, pos, labels=labels, ax=ax, font_size=6.5, font_color="white")
+    for u, v, port in g.edges(data="port"):
+        skip = abs(layers[v] - layers[u]) > 1  # bend edges that jump a layer so they do not hide behind others
+        nx.draw_networkx_edges(
+            g,
+            pos,
+            edgelist=[(u, v)],
+            ax=ax,
+            node_size=4200,
+            node_shape="s",
+            arrowsize=14,
+            style="solid" if port else "dashed",
+            connectionstyle=f"arc3,rad={0.35 if skip else 0.0}",
+        )
     ax.set_title(f"pipeline {graph.name}  (blue: service, orange: cpu)")
     ax.axis("off")
     fig.tight_layout()

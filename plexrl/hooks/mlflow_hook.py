@@ -77,9 +77,9 @@ class MlflowHook(Hook):
             client.log_batch(run_id, metrics=[Metric("evaluate/accuracy", job.baseline_accuracy, now, 0)])
         art_dir = job.run_dir / "jobs" / job.job_id
         art_dir.mkdir(parents=True, exist_ok=True)
-        (art_dir / "job.yaml").write_text(
-            yaml.safe_dump(job.raw or job.config.model_dump(mode="json"), sort_keys=False)
-        )
+        # the resolved config: a job YAML that reproduces this run (defaults and --set overrides applied)
+        resolved = yaml.safe_dump(job.config.model_dump(mode="json"), sort_keys=False)
+        (art_dir / "job.yaml").write_text(f"# plexrl run {art_dir / 'job.yaml'}\n{resolved}")
         client.log_artifact(run_id, str(art_dir / "job.yaml"))
         try:
             from plexrl.viz import draw_pipeline
