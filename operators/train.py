@@ -55,11 +55,13 @@ def grpo_loss(
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     pg = -torch.minimum(unclipped, clipped)
     pg_loss = masked_mean(pg, mask, agg)
-    clip_frac = masked_mean(((ratio - 1).abs() > clip_eps).float(), mask, "token_mean")
+    # tokens where the clipped term is the one used (its gradient is zero)
+    clipped_now = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+    clip_frac = masked_mean(clipped_now.float(), mask, "token_mean")
     kl = torch.zeros(())
     loss = pg_loss
     if ref_logp is not None:
-        d = ref_logp - logp
+        d = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))  # exp() of masked columns overflows
         kl = masked_mean(torch.exp(d) - d - 1, mask, agg)
         loss = loss + kl_coef * kl
     return loss, {"pg_loss": float(pg_loss.detach()), "kl": float(kl.detach()), "clip_frac": float(clip_frac)}

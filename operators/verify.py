@@ -9,7 +9,8 @@ from plexrl.operator import OpContext, operator
 @operator(placement="cpu")
 def verify(rollouts: Rollouts, ctx: OpContext, *, correct_reward: float = 1.0, wrong_reward: float = 0.0) -> Rewards:
     """Score each completion with the task's pure verifier: `correct_reward` if exactly right, else
-    `wrong_reward` (malformed output included; it never raises). Rows without a reference score 0."""
+    `wrong_reward` (malformed output included; it never raises). Rows without a reference answer get
+    `wrong_reward` too."""
     import torch
 
     scores = ctx.task.verify(rollouts.completions, rollouts.answers)

@@ -6,13 +6,17 @@ prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import Field
+
 from plexrl.graph import Pipeline, PipelineGraph
 
 
 def grpo(
     *,
     batch_size: int = 64,
-    n: int = 8,
+    n: Annotated[int, Field(ge=2, description="samples per prompt; group advantages need at least 2")] = 8,
     temperature: float = 1.0,
     max_new_tokens: int = 6,
     lr: float = 3e-4,

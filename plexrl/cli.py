@@ -39,7 +39,10 @@ def _fail(exc: BaseException, code: int = 2) -> None:
 def run(
     config: ConfigArg = None,
     set_: SetOpt = None,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    progress: Annotated[
+        bool | None,
+        typer.Option("--progress/--no-progress", help="Progress bar (default: tracking.progress on a TTY)."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
 ) -> None:
     """Run a job (warm start cached under run_dir), track it in MLflow, print the summary."""
@@ -50,18 +53,25 @@ def run(
         loaded = _load(config, set_)
         from plexrl.runner import run_jobs
 
-        jobs = run_jobs([loaded], progress=progress and sys.stderr.isatty())
+        if progress is None:
+            progress = loaded.config.tracking.progress and sys.stderr.isatty()
+        jobs = run_jobs([loaded], progress=progress)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        typer.secho("interrupted; finished iterations stay recorded in MLflow", fg="red", err=True)
+        raise typer.Exit(130) from None
     failed = False
     for job in jobs:
-        acc = job.final_metric("evaluate/accuracy")
+        name = job.eval_metric()
+        accs = job.series(name) if name else []
+        acc = f"held-out accuracy {accs[0]:.3f} -> {accs[-1]:.3f}; " if len(accs) > 1 else ""
         wall = (job.finished_at or 0) - (job.started_at or 0)
+        iters = job.iterations_done
         typer.echo(
-            f"job {job.job_id}: {job.status}; held-out accuracy {job.baseline_accuracy} -> {acc} "
-            f"after {len(job.history)} iterations in {wall:.1f}s (warm start {job.warm_start.get('seconds', 0):.1f}s, "
-            f"cached={job.warm_start.get('cached')})"
+            f"job {job.job_id}: {job.status}; {acc}{iters} iterations in {wall:.1f}s "
+            f"(warm start {job.warm_start.get('seconds', 0):.1f}s, cached={job.warm_start.get('cached')})"
         )
         if job.tracking.get("uri"):
             typer.echo(f"  MLflow: {job.tracking['uri']} run {job.tracking.get('run_id')}")

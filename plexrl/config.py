@@ -7,6 +7,7 @@ range, a missing file, and all pipeline problems) so a user fixes them in one pa
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class ModelConfig(StrictModel):
     def _heads_divide(self) -> ModelConfig:
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}); change one of them")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(
+                f"head size hidden/heads = {self.hidden // self.heads} must be even (rotary embeddings); "
+                "change hidden or heads"
+            )
         return self
 
 
@@ -53,6 +59,17 @@ class TaskConfig(StrictModel):
     train_size: int = Field(200000, ge=16, description="Problems in the train split.")
     eval_size: int = Field(500, ge=8, le=100000, description="Problems in the held-out split.")
     seed: int = Field(1234, description="Seed of the data generator (independent of the job seed).")
+
+    @model_validator(mode="after")
+    def _enough_problems(self) -> TaskConfig:
+        lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
+        space = (10**self.digits - lo) ** 2
+        if self.train_size + self.eval_size > space:
+            raise ValueError(
+                f"train_size + eval_size = {self.train_size + self.eval_size} exceeds the {space} distinct "
+                f"{self.digits}-digit problems; lower them or raise digits"
+            )
+        return self
 
 
 class WarmStartConfig(StrictModel):
@@ -128,6 +145,15 @@ class JobConfig(StrictModel):
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo", nodes=None))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
 
+    @model_validator(mode="after")
+    def _warm_start_fits(self) -> JobConfig:
+        if self.warm_start.enabled and self.warm_start.batch_size > self.task.train_size:
+            raise ValueError(
+                f"warm_start.batch_size ({self.warm_start.batch_size}) exceeds task.train_size "
+                f"({self.task.train_size}); lower the batch or raise the train split"
+            )
+        return self
+
 
 BUILTIN_PIPELINES: dict[str, str] = {"grpo": "plexrl.pipelines.grpo:grpo"}
 
@@ -170,9 +196,16 @@ def build_pipeline(cfg: PipelineConfig, where: str = "pipeline") -> PipelineGrap
         graph = validate_call(config=ConfigDict(extra="forbid"))(builder)(**cfg.params)
     except ValidationError as exc:
         raise ConfigError([_problem(e, f"{where}.params", None) for e in exc.errors()]) from None
+    except ConfigError as exc:
+        raise _named(exc, cfg.name) from None
     if not isinstance(graph, PipelineGraph):
         raise ConfigError([Problem(f"{where}.name", f"builder {ref!r} must return a PipelineGraph")])
     return graph
+
+
+def _named(exc: ConfigError, name: str) -> ConfigError:
+    hint = f" (node built by pipeline {name!r}: set its parameters under pipeline.params)"
+    return ConfigError([Problem(p.where, p.message + hint) for p in exc.problems], exc.source)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
@@ -191,7 +224,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
                 break
             target = target.setdefault(part, {})
         else:
-            target[parts[-1]] = yaml.safe_load(value)
+            try:
+                target[parts[-1]] = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                why = getattr(exc, "problem", None) or "parse error"
+                problems.append(Problem(f"--set {item}", f"value is not valid YAML ({why}); quote strings"))
     return problems
 
 
@@ -201,7 +238,7 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
     name = "defaults"
     raw: dict[str, Any] = {}
     if isinstance(source, dict):
-        raw, name = dict(source), "config"
+        raw, name = copy.deepcopy(source), "config"
     elif source is not None:
         path, name = Path(source), str(source)
         if not path.is_file():

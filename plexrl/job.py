@@ -26,8 +26,8 @@ class JobHandle:
     model_path: Path
     run_dir: Path
     warm_start: dict[str, Any] = field(default_factory=dict)
-    baseline_accuracy: float | None = None
     status: str = "pending"
+    iterations_done: int = 0
     error: str = ""
     history: list[dict[str, float]] = field(default_factory=list)
     artifacts: dict[str, Path] = field(default_factory=dict)
@@ -38,7 +38,25 @@ class JobHandle:
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline."""
         nodes = {n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes}
-        return JobPlan(nodes, self.config.iterations, tuple(self.graph.order))
+        return JobPlan(nodes, self.config.iterations, tuple(self.graph.order), tuple(self.baseline_nodes()))
+
+    def baseline_nodes(self) -> list[str]:
+        """Periodic nodes that read no data (evaluations) also run once before the first iteration; their
+        metrics are logged at step 0, the starting point of every curve."""
+        return [n.name for n in self.graph.nodes if n.every is not None and not n.inputs]
+
+    def eval_metric(self) -> str | None:
+        """The held-out accuracy metric of this job's pipeline, if it has an evaluation node."""
+        from plexrl.batch import EvalStats
+
+        for n in self.graph.nodes:
+            if issubclass(n.operator.output, EvalStats):
+                return f"{n.name}/accuracy"
+        return None
+
+    def series(self, name: str) -> list[float]:
+        """Values of metric `name` over the job's history (baseline row first, when there is one)."""
+        return [row[name] for row in self.history if name in row]
 
     def final_metric(self, name: str) -> float | None:
         for row in reversed(self.history):

@@ -48,3 +48,9 @@ def test_graph_draws_a_png(tmp_path: Path) -> None:
     result = runner.invoke(app, ["graph", str(config), "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_malformed_set_value_is_a_clear_error() -> None:
+    result = runner.invoke(app, ["validate", "--set", "name=[oops"])
+    assert result.exit_code == 2 and "--set name=[oops" in result.output and "not valid YAML" in result.output
+    assert "Traceback" not in result.output

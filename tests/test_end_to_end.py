@@ -23,7 +23,8 @@ def test_two_iterations_log_to_mlflow_and_read_back(tiny_config: dict[str, Any])
     tiny_config["tracking"]["log_model"] = True
     (job,) = run_jobs([load_job(tiny_config)], progress=False)
     assert job.status == "done", job.error
-    assert len(job.history) == 2
+    assert len(job.history) == 3 and job.iterations_done == 2  # baseline row (step 0) + 2 iterations
+    assert set(job.history[0]) == {"evaluate/accuracy", "evaluate/response_length", "time/evaluate"}
     last = job.history[-1]
     for key in (
         "verify/reward_mean",
@@ -45,7 +46,7 @@ def test_two_iterations_log_to_mlflow_and_read_back(tiny_config: dict[str, Any])
     assert run.data.params["pipeline.params.batch_size"] == "4" and run.data.params["seed"] == "0"
     rewards = client.get_metric_history(run.info.run_id, "verify/reward_mean")
     assert [m.step for m in rewards] == [1, 2]
-    assert [m.value for m in rewards] == [row["verify/reward_mean"] for row in job.history]
+    assert [m.value for m in rewards] == job.series("verify/reward_mean")
     acc = client.get_metric_history(run.info.run_id, "evaluate/accuracy")
     assert [m.step for m in acc] == [0, 2]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -89,3 +90,40 @@ def test_operator_exception_fails_the_job_with_its_message(tiny_config: dict[str
         (job,) = run_jobs([load_job(tiny_config)], progress=False)
     assert job.status == "failed"
     assert "boom" in job.error and "ValueError: tool crashed" in job.error
+
+
+def test_multiplexed_job_learns_exactly_as_alone_and_failures_stay_isolated(
+    tiny_config: dict[str, Any], tmp_path: Path
+) -> None:
+    """Invariants 4 and 5 on the LocalDriver: two jobs on ONE service (time-sliced) give each the metrics
+    it has alone; a job whose evaluation raises fails alone, and the others finish."""
+    from plexrl.drivers.local import LocalDriver
+    from plexrl.job import prepare_job
+
+    tiny_config["tracking"]["mlflow"] = False
+    (tmp_path / "bad_eval.py").write_text(
+        "from plexrl import operator, EvalStats, OpContext\n"
+        "@operator(placement='service')\n"
+        "def bad_eval(ctx: OpContext) -> EvalStats:\n"
+        "    raise RuntimeError('evaluator down')\n"
+    )
+    other = {**tiny_config, "name": "other", "seed": 5}
+    broken = {
+        **tiny_config,
+        "name": "broken",
+        "pipeline": {
+            "nodes": [
+                {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 2}},
+                {"name": "probe", "op": "bad_eval:bad_eval", "every": 2},
+            ]
+        },
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(tmp_path))
+        (alone,) = LocalDriver().run([prepare_job(load_job(tiny_config))])
+        jobs = [prepare_job(load_job(c)) for c in (tiny_config, other, broken)]
+        shared = LocalDriver(services=1).run(jobs)
+    assert [j.status for j in shared] == ["done", "done", "failed"]
+    assert "probe" in shared[2].error or "evaluator down" in shared[2].error
+    assert stable(shared[0].history) == stable(alone.history)
+    assert stable(shared[1].history) != stable(alone.history)

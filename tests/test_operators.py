@@ -67,3 +67,14 @@ def test_verifier_on_malformed_output_never_raises() -> None:
     scores = verify_answers(completions, ["579"] * len(completions))
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert verify_answers([None], ["1"]) == [0.0]  # type: ignore[list-item]
+
+
+def test_kl_ignores_masked_positions_with_extreme_logprobs() -> None:
+    logp = torch.tensor([[0.0, -120.0, -1.0]], requires_grad=True)
+    mask = torch.tensor([[0.0, 0.0, 1.0]])
+    loss, stats = grpo_loss(
+        logp, logp.detach(), torch.ones(1), mask, clip_eps=0.2, ref_logp=torch.zeros(1, 3), kl_coef=0.1
+    )
+    loss.backward()
+    assert math.isfinite(float(loss)) and math.isfinite(stats["kl"])
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()

@@ -11,6 +11,7 @@ from plexrl.planner import (
     IterationDone,
     JobCancelled,
     JobDone,
+    JobFailed,
     JobPlan,
     JobSubmitted,
     NodeFinished,
@@ -138,3 +139,33 @@ def test_illegal_moves_raise_with_history() -> None:
     with pytest.raises(InvalidTransition, match="submitted twice"):
         p.handle(JobSubmitted("a", GRPO))
     assert a  # the planner is still usable for other checks
+
+
+def test_baseline_nodes_run_first_as_iteration_minus_one() -> None:
+    plan = JobPlan(GRPO.nodes, iterations=1, order=GRPO.order, baseline=("evaluate",))
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    out = p.handle(JobSubmitted("a", plan))
+    assert out == [PlaceJob("a", "s0"), RunNode("a", -1, "evaluate", "service", "s0")]
+    seen = drive(p, out)
+    assert seen[2] == IterationDone("a", -1) and seen[3] == RunNode("a", 0, "prompts", "cpu", None)
+    assert [i.node for i in seen if isinstance(i, RunNode) and i.iteration == 0][-1] == "evaluate"
+
+
+def test_driver_reported_failure_ends_the_job() -> None:
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    p.handle(JobSubmitted("a", GRPO))
+    assert p.handle(JobFailed("a", "engine did not load")) == [FailJob("a", "engine did not load", "s0")]
+    assert p.jobs["a"].status == "failed" and not p.services["s0"].jobs
+
+
+def test_many_idle_iterations_in_a_row_do_not_recurse() -> None:
+    plan = JobPlan({"probe": NodePlan("cpu", every=5000)}, iterations=6000)
+    p = planner()
+    p.handle(ServiceJoined("s0"))
+    out = p.handle(JobSubmitted("a", plan))
+    assert out[-1] == RunNode("a", 4999, "probe", "cpu", None)
+    assert sum(isinstance(i, IterationDone) for i in out) == 4999
+    seen = drive(p, out)
+    assert seen[-1] == JobDone("a", "s0")

@@ -2,8 +2,9 @@
 
 The loop: pop an event, hand it to the planner, carry out each instruction (load a placed job on its
 service, run a node, close an iteration or a job), and queue the events the work produced. Nodes run
-synchronously, so the clock is real and results are deterministic. An exception inside an operator fails
-that job only (DESIGN.md invariant 5); the other jobs go on.
+synchronously, so the clock is real and results are deterministic. Anything that goes wrong with one job
+(an operator raising, its engine failing to load, its metrics failing to compute) fails that job only
+(DESIGN.md invariant 5): the driver reports it to the planner and the other jobs go on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from plexrl.batch import Batch, EvalStats
+from plexrl.batch import Batch
 from plexrl.hooks.base import Hook, HookList
 from plexrl.job import JobHandle
 from plexrl.operator import OpContext
@@ -21,6 +22,7 @@ from plexrl.planner import (
     FailJob,
     IterationDone,
     JobDone,
+    JobFailed,
     JobSubmitted,
     NodeFinished,
     PlaceJob,
@@ -45,7 +47,7 @@ class LocalDriver:
         ordering: OrderingPolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
         device: str = "cpu",
-        validate: bool = False,
+        validate: bool = True,
     ) -> None:
         self.clock = clock
         self.hooks = HookList(hooks)
@@ -55,6 +57,7 @@ class LocalDriver:
         self.outputs: dict[str, dict[str, Batch]] = {}
         self.seconds: dict[str, dict[str, float]] = {}
         self.iter_start: dict[str, float] = {}
+        self.failing: set[str] = set()  # reported to the planner, FailJob not yet received
 
     def run(self, jobs: list[JobHandle]) -> list[JobHandle]:
         """Run `jobs` to completion (or failure); returns them with status, history and artifacts."""
@@ -70,39 +73,48 @@ class LocalDriver:
                     ev = self._carry_out(ins)
                     if ev is not None:
                         events.append(ev)
+        except BaseException as exc:  # interrupted (Ctrl-C) or a driver bug: close what is open, keep records
+            for job in jobs:
+                if job.status == "running":
+                    self._close(job, "failed", f"interrupted: {type(exc).__name__}: {exc}", None)
+            raise
         finally:
             self.hooks.close()
         return jobs
 
     def _carry_out(self, ins: Instruction) -> Event | None:
+        if ins.job_id in self.failing and not isinstance(ins, FailJob):
+            return None  # the job is being failed; do no more of its work
         if isinstance(ins, RunNode):
             return self._run_node(ins)
         job = self.jobs[ins.job_id]
         if isinstance(ins, PlaceJob):
-            self._place(job, ins.service_id)
-        elif isinstance(ins, IterationDone):
-            self._end_iteration(job, ins.iteration)
-        elif isinstance(ins, JobDone):
+            return self._place(job, ins.service_id)
+        if isinstance(ins, IterationDone):
+            return self._end_iteration(job, ins.iteration)
+        if isinstance(ins, JobDone):
             self._end_job(job, "done", "", ins.service_id)
         elif isinstance(ins, FailJob):
+            self.failing.discard(job.job_id)
             self._end_job(job, "failed", ins.reason, ins.service_id)
         return None
 
-    def _place(self, job: JobHandle, service_id: str) -> None:
+    def _fail(self, job: JobHandle, what: str, exc: BaseException) -> JobFailed:
+        log.error("job %s: %s failed: %s", job.job_id, what, exc, exc_info=log.isEnabledFor(logging.INFO))
+        self.failing.add(job.job_id)
+        return JobFailed(job.job_id, f"{what}: {type(exc).__name__}: {exc}")
+
+    def _place(self, job: JobHandle, service_id: str) -> Event | None:
         job.started_at = self.clock()
-        service = self.services[service_id]
-        service.load_job(job)
         self.outputs[job.job_id], self.seconds[job.job_id] = {}, {}
-        # Baseline: evaluation nodes (no inputs, EvalStats out) once before the first update, as step 0.
-        for node in job.graph.nodes:
-            if issubclass(node.operator.output, EvalStats) and not node.operator.inputs and node.placement == "service":
-                out = service.run(job, -1, node, {})
-                assert isinstance(out, EvalStats)
-                job.baseline_accuracy = out.accuracy
-                break
         job.status = "running"
         self.hooks.on_job_start(job)
         self.iter_start[job.job_id] = self.clock()
+        try:
+            self.services[service_id].load_job(job)
+        except Exception as exc:
+            return self._fail(job, f"loading the job on {service_id}", exc)
+        return None
 
     def _run_node(self, ins: RunNode) -> NodeFinished:
         job = self.jobs[ins.job_id]
@@ -120,46 +132,53 @@ class LocalDriver:
                 out = node.operator.run(ctx, inputs, node.params)
         except Exception as exc:  # fails this job only
             end = self.clock()
-            log.exception("job %s node %s (iteration %d) failed", job.job_id, ins.node, ins.iteration)
+            log.error(
+                "job %s node %s (iteration %d) failed: %s", job.job_id, ins.node, ins.iteration, exc,
+                exc_info=log.isEnabledFor(logging.INFO),
+            )  # fmt: skip
             self.hooks.after_node(job, ins.iteration, ins.node, lane, start, end, None)
-            return NodeFinished(
-                job.job_id,
-                ins.iteration,
-                ins.node,
-                ok=False,
-                error=f"{type(exc).__name__}: {exc}",
-                duration=end - start,
-            )
+            error = f"{type(exc).__name__}: {exc}"
+            return NodeFinished(job.job_id, ins.iteration, ins.node, ok=False, error=error, duration=end - start)
         end = self.clock()
         outputs[ins.node] = out
         self.seconds[job.job_id][ins.node] = end - start
         self.hooks.after_node(job, ins.iteration, ins.node, lane, start, end, out)
         return NodeFinished(job.job_id, ins.iteration, ins.node, ok=True, duration=end - start)
 
-    def _end_iteration(self, job: JobHandle, iteration: int) -> None:
+    def _end_iteration(self, job: JobHandle, iteration: int) -> Event | None:
+        """Collect the iteration's metrics (iteration -1 is the baseline pass, logged as step 0)."""
         now = self.clock()
         metrics: dict[str, float] = {}
-        for name, out in self.outputs[job.job_id].items():
-            for key, value in out.metrics().items():
-                metrics[f"{name}/{key}"] = float(value)
+        try:
+            for name, out in self.outputs[job.job_id].items():
+                for key, value in out.metrics().items():
+                    metrics[f"{name}/{key}"] = float(value)
+        except Exception as exc:
+            return self._fail(job, f"metrics of iteration {iteration}", exc)
         for name, sec in self.seconds[job.job_id].items():
             metrics[f"time/{name}"] = sec
             if f"{name}/tokens" in metrics and sec > 0:
                 metrics[f"{name}/tokens_per_s"] = metrics[f"{name}/tokens"] / sec
-        metrics["time/iteration"] = now - self.iter_start[job.job_id]
+        if iteration >= 0:
+            metrics["time/iteration"] = now - self.iter_start[job.job_id]  # includes the previous hooks
+            job.iterations_done += 1
+        self.iter_start[job.job_id] = now
         job.history.append(metrics)
         self.hooks.on_iteration_end(job, iteration, metrics)
         self.outputs[job.job_id], self.seconds[job.job_id] = {}, {}
-        self.iter_start[job.job_id] = self.clock()
+        return None
 
     def _end_job(self, job: JobHandle, status: str, reason: str, service_id: str | None) -> None:
-        job.status, job.error, job.finished_at = status, reason, self.clock()
         service = self.services.get(service_id) if service_id else None
         if status == "done" and service is not None and job.config.tracking.log_model:
             try:
                 job.artifacts["model"] = service.save_model(job, job.run_dir / "jobs" / job.job_id / "model")
             except Exception:
                 log.exception("could not save the final model of job %s", job.job_id)
+        self._close(job, status, reason, service)
+
+    def _close(self, job: JobHandle, status: str, reason: str, service: Service | None) -> None:
+        job.status, job.error, job.finished_at = status, reason, self.clock()
         if status != "done":
             log.error("job %s failed: %s", job.job_id, reason)
         if job.started_at is not None:

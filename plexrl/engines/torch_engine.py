@@ -33,6 +33,10 @@ def _cache_kw(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _copy_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
 def _positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -201,12 +205,16 @@ class TorchEngine:
 
     # -- state --------------------------------------------------------------------------------------
     def export_state(self) -> dict[str, Any]:
-        """Everything that makes this job's engine state: weights, optimizer, reference, version."""
-        state: dict[str, Any] = {"policy": self.policy.state_dict(), "weight_version": self.weight_version}
+        """A copy (not views) of everything that makes this job's engine state: weights, optimizer state,
+        reference weights, weight version. Later training does not change an exported state."""
+        state: dict[str, Any] = {
+            "policy": _copy_tensors(self.policy.state_dict()),
+            "weight_version": self.weight_version,
+        }
         if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
+            state["reference"] = _copy_tensors(self.reference.state_dict())
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:

@@ -53,7 +53,7 @@ class MlflowHook(Hook):
         return self.clients[uri]
 
     def on_job_start(self, job: JobHandle) -> None:
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Param
 
         client = self._client(job)
         name = job.config.tracking.experiment
@@ -72,9 +72,6 @@ class MlflowHook(Hook):
         params["pipeline.graph"] = json.dumps(job.graph.describe())
         params["engine"] = "torch"
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
-        if job.baseline_accuracy is not None:
-            now = int(time.time() * 1000)
-            client.log_batch(run_id, metrics=[Metric("evaluate/accuracy", job.baseline_accuracy, now, 0)])
         art_dir = job.run_dir / "jobs" / job.job_id
         art_dir.mkdir(parents=True, exist_ok=True)
         # the resolved config: a job YAML that reproduces this run (defaults and --set overrides applied)

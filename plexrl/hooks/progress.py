@@ -27,12 +27,11 @@ class ProgressBar(Hook):
 
     def on_job_start(self, job: JobHandle) -> None:
         self.tasks[job.job_id] = self.progress.add_task(job.job_id, total=job.config.iterations, stats="")
-        if job.baseline_accuracy is not None:
-            self.acc[job.job_id] = job.baseline_accuracy
 
     def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
-        if "evaluate/accuracy" in metrics:
-            self.acc[job.job_id] = metrics["evaluate/accuracy"]
+        name = job.eval_metric()
+        if name and name in metrics:
+            self.acc[job.job_id] = metrics[name]
         parts = [f"reward {metrics.get('verify/reward_mean', float('nan')):.3f}"]
         if job.job_id in self.acc:
             parts.append(f"acc {self.acc[job.job_id]:.3f}")

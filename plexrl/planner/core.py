@@ -10,8 +10,10 @@ States (each change goes through one table; an illegal move raises `InvalidTrans
 - node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
   go waiting -> done directly.
 
-Invariants (`validate()`, on in tests): a service runs at most one node, of a job placed on it (DESIGN.md
-invariant 3); a job never changes service once placed (invariant 2); cpu nodes never occupy a service.
+Invariants (`validate()`; the LocalDriver and the tests run it after every event): a service runs at most
+one node, of a job placed on it (DESIGN.md invariant 3); what a service runs or queues belongs to a job
+placed on that service, and a job's service is fixed once placed (invariant 2: `_admit` is the only place
+that sets it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from plexrl.planner.events import (
     IterationDone,
     JobCancelled,
     JobDone,
+    JobFailed,
     JobPlan,
     JobSubmitted,
     NodeFinished,
@@ -125,6 +128,8 @@ class Planner:
             self._node_finished(event, out)
         elif isinstance(event, JobCancelled):
             self._end_job(event.job_id, "cancelled", event.reason, out)
+        elif isinstance(event, JobFailed):
+            self._end_job(event.job_id, "failed", event.reason, out)
         else:
             raise TypeError(f"unknown event {event!r}")
         self._admit(out)
@@ -193,10 +198,14 @@ class Planner:
             job.service = target
             self.services[target].jobs.add(job_id)
             out.append(PlaceJob(job_id, target))
+            job.iteration = -1 if job.plan.baseline else 0
             self._start_iteration(job, out)
         self.pending = still
 
     def _start_iteration(self, job: JobRecord, out: list[Instruction]) -> None:
+        if job.iteration < 0:  # the baseline pass: only the baseline nodes, without their deps
+            job.nodes = {name: "waiting" for name in job.plan.baseline}
+            return self._advance(job, out)
         job.nodes = {name: "waiting" for name in job.plan.nodes}
         for name, node in job.plan.nodes.items():
             if not node.active(job.iteration, job.plan.iterations):
@@ -204,24 +213,31 @@ class Planner:
         self._advance(job, out)
 
     def _advance(self, job: JobRecord, out: list[Instruction]) -> None:
-        """Make ready every waiting node whose deps are done; end the iteration when all are done."""
-        progressed = True
-        while progressed:
-            progressed = False
-            for name in job.plan.order or tuple(job.plan.nodes):
-                if job.nodes[name] != "waiting":
-                    continue
-                if all(job.nodes[d] == "done" for d in job.plan.nodes[name].deps):
-                    self._make_ready(job, name, out)
-                    progressed = True
-            if all(s == "done" for s in job.nodes.values()):
-                out.append(IterationDone(job.job_id, job.iteration))
-                job.iteration += 1
-                if job.iteration >= job.plan.iterations:
-                    self._end_job(job.job_id, "done", "", out)
-                    return
-                self._start_iteration(job, out)
+        """Make ready every waiting node whose deps are done; close iterations whose nodes are all done
+        (a loop, not recursion: many iterations in a row may have nothing to run)."""
+        while True:
+            order = job.plan.baseline if job.iteration < 0 else (job.plan.order or tuple(job.plan.nodes))
+            progressed = True
+            while progressed:
+                progressed = False
+                for name in order:
+                    if job.nodes[name] != "waiting":
+                        continue
+                    deps = () if job.iteration < 0 else job.plan.nodes[name].deps
+                    if all(job.nodes[d] == "done" for d in deps):
+                        self._make_ready(job, name, out)
+                        progressed = True
+            if not all(s == "done" for s in job.nodes.values()):
                 return
+            out.append(IterationDone(job.job_id, job.iteration))
+            job.iteration += 1
+            if job.iteration >= job.plan.iterations:
+                self._end_job(job.job_id, "done", "", out)
+                return
+            job.nodes = {name: "waiting" for name in job.plan.nodes}
+            for name, node in job.plan.nodes.items():
+                if not node.active(job.iteration, job.plan.iterations):
+                    self._set_node(job, name, "done")
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")

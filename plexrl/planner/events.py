@@ -25,11 +25,13 @@ class NodePlan:
 
 @dataclass(frozen=True, slots=True)
 class JobPlan:
-    """A job as the planner sees it: nodes of one iteration (in a deterministic topological order)."""
+    """A job as the planner sees it: nodes of one iteration (in a deterministic topological order), and
+    `baseline` nodes that also run once, alone, before the first iteration (as iteration -1)."""
 
     nodes: dict[str, NodePlan]
     iterations: int
     order: tuple[str, ...] = ()
+    baseline: tuple[str, ...] = ()
 
 
 # -- events -------------------------------------------------------------------------------------------
@@ -66,7 +68,15 @@ class JobCancelled:
     reason: str = "cancelled by user"
 
 
-Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | JobCancelled
+@dataclass(frozen=True, slots=True)
+class JobFailed:
+    """The driver could not carry out work of this job outside a node (loading it, reading its metrics)."""
+
+    job_id: str
+    reason: str
+
+
+Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | JobCancelled | JobFailed
 
 
 # -- instructions -------------------------------------------------------------------------------------
