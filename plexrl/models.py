@@ -142,7 +142,7 @@ def warm_start(
     accuracy reaches `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`."""
     import torch
 
-    from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine
+    from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions
 
     engine = TorchEngine(
         base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention
@@ -167,8 +167,7 @@ def warm_start(
             labels[i, off + len(p) :] = torch.tensor(a)
             mask[i, off:] = 1
         model.train()
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
         )

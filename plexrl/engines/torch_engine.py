@@ -37,7 +37,8 @@ def _copy_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
-def _positions(mask: Tensor) -> Tensor:
+def positions(mask: Tensor) -> Tensor:
+    """Position ids of left-padded rows: 0 at the first real token (padding clamped to 0)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -109,7 +110,7 @@ class TorchEngine:
         ids, pmask = ids.to(self.device), pmask.to(self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         mask = pmask
-        pos = _positions(pmask)
+        pos = positions(pmask)
         out = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         kw = _cache_kw(self.policy)
         past, logits = getattr(out, kw), out.logits[:, -1]
@@ -149,7 +150,7 @@ class TorchEngine:
         if model is None:
             raise RuntimeError("this engine has no reference model; create it with with_reference=True")
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
         return token_logprobs(logits, ids, temperature)[0].cpu()
 
     # -- training -----------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class TorchEngine:
                 mb = {k: v[a:b].to(self.device) for k, v in batch.items()}
                 mask = mb["attention_mask"]
                 logits = self.policy(
-                    input_ids=mb["input_ids"], attention_mask=mask, position_ids=_positions(mask)
+                    input_ids=mb["input_ids"], attention_mask=mask, position_ids=positions(mask)
                 ).logits
                 logp, ent = token_logprobs(logits, mb["input_ids"], temperature)
                 loss, stats = loss_fn(mb, logp, ent)

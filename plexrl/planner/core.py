@@ -203,14 +203,19 @@ class Planner:
         self.pending = still
 
     def _start_iteration(self, job: JobRecord, out: list[Instruction]) -> None:
-        if job.iteration < 0:  # the baseline pass: only the baseline nodes, without their deps
+        self._reset_nodes(job)
+        self._advance(job, out)
+
+    def _reset_nodes(self, job: JobRecord) -> None:
+        """Node states for `job.iteration`: the baseline pass (-1) has only the baseline nodes, without their
+        deps; a normal iteration has every node, those inactive this iteration already done."""
+        if job.iteration < 0:
             job.nodes = {name: "waiting" for name in job.plan.baseline}
-            return self._advance(job, out)
+            return
         job.nodes = {name: "waiting" for name in job.plan.nodes}
         for name, node in job.plan.nodes.items():
             if not node.active(job.iteration, job.plan.iterations):
                 self._set_node(job, name, "done")
-        self._advance(job, out)
 
     def _advance(self, job: JobRecord, out: list[Instruction]) -> None:
         """Make ready every waiting node whose deps are done; close iterations whose nodes are all done
@@ -234,10 +239,7 @@ class Planner:
             if job.iteration >= job.plan.iterations:
                 self._end_job(job.job_id, "done", "", out)
                 return
-            job.nodes = {name: "waiting" for name in job.plan.nodes}
-            for name, node in job.plan.nodes.items():
-                if not node.active(job.iteration, job.plan.iterations):
-                    self._set_node(job, name, "done")
+            self._reset_nodes(job)
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")
