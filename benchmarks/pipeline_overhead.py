@@ -1,6 +1,7 @@
 """What the pipeline machinery costs: the same GRPO iterations run (a) through PlexRL (planner,
-LocalDriver, hooks incl. MLflow; `time/iteration` counts the hooks) and (b) as a hand-written loop calling the same operator functions
-directly, side by side in one process. Prints seconds per iteration of each and their ratio.
+LocalDriver, hooks incl. MLflow; `time/iteration` counts the hooks) and (b) as a hand-written loop
+calling the same operator functions directly, side by side in one process. Prints seconds per iteration
+of each and their ratio.
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--iterations 30] [--mlflow/--no-mlflow]
 """
