@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +56,13 @@ def test_malformed_set_value_is_a_clear_error() -> None:
     result = runner.invoke(app, ["validate", "--set", "name=[oops"])
     assert result.exit_code == 2 and "--set name=[oops" in result.output and "not valid YAML" in result.output
     assert "Traceback" not in result.output
+
+
+def test_validate_does_not_import_heavy_libraries() -> None:
+    code = (
+        "import sys; from plexrl.cli import app; from plexrl.config import load_job; load_job(None); "
+        "heavy = [m for m in ('torch', 'transformers', 'mlflow', 'vllm') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

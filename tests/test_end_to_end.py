@@ -127,3 +127,23 @@ def test_multiplexed_job_learns_exactly_as_alone_and_failures_stay_isolated(
     assert "probe" in shared[2].error or "evaluator down" in shared[2].error
     assert stable(shared[0].history) == stable(alone.history)
     assert stable(shared[1].history) != stable(alone.history)
+
+
+def test_user_operator_from_yaml_runs_end_to_end(tiny_config: dict[str, Any]) -> None:
+    tiny_config["tracking"]["mlflow"] = False
+    tiny_config["iterations"] = 1
+    tiny_config["pipeline"] = {"nodes": [
+        {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 4}},
+        {"name": "rollout", "op": "rollout", "inputs": {"prompts": "prompts"}, "params": {"n": 4, "max_new_tokens": 4}},
+        {"name": "verify", "op": "verify", "inputs": {"rollouts": "rollout"}},
+        {"name": "shaped", "op": "user_ops:length_penalty", "params": {"per_token": 0.25},
+         "inputs": {"rollouts": "rollout", "rewards": "verify"}},
+        {"name": "advantage", "op": "grpo_advantage", "inputs": {"rollouts": "rollout", "rewards": "shaped"}},
+        {"name": "train", "op": "train", "params": {"skip_zero_advantage": False},
+         "inputs": {"rollouts": "rollout", "advantages": "advantage"}},
+    ]}  # fmt: skip
+    (job,) = run_jobs([load_job(tiny_config)], progress=False)
+    assert job.status == "done", job.error
+    (row,) = job.history
+    expected = row["verify/reward_mean"] - 0.25 * row["rollout/response_length"]
+    assert abs(row["shaped/reward_mean"] - expected) < 1e-5 and "train/loss" in row
