@@ -155,7 +155,9 @@ class JobConfig(StrictModel):
         return self
 
 
-BUILTIN_PIPELINES: dict[str, str] = {"grpo": "plexrl.pipelines.grpo:grpo"}
+BUILTIN_PIPELINES: dict[str, str] = {
+    name: f"plexrl.pipelines.{name}:{name}" for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo")
+}
 
 
 @dataclass(slots=True)

@@ -166,6 +166,9 @@ BUILTIN_OPERATORS: dict[str, str] = {
     "logprob": "plexrl.operators.rollout:logprob",
     "verify": "plexrl.operators.verify:verify",
     "grpo_advantage": "plexrl.operators.advantage:grpo_advantage",
+    "rloo_advantage": "plexrl.operators.advantage:rloo_advantage",
+    "reinforce_pp_advantage": "plexrl.operators.advantage:reinforce_pp_advantage",
+    "overlong_penalty": "plexrl.operators.shaping:overlong_penalty",
     "train": "plexrl.operators.train:train",
     "evaluate": "plexrl.operators.evaluate:evaluate",
 }

@@ -8,15 +8,16 @@ import math
 import torch
 
 import plexrl.operators.advantage as advantage_mod
+import plexrl.operators.shaping as shaping_mod
 import plexrl.operators.train as train_mod
 import plexrl.tasks.arithmetic as arithmetic_mod
 from plexrl.operators.advantage import group_advantages
-from plexrl.operators.train import grpo_loss
+from plexrl.operators.train import policy_loss
 from plexrl.tasks.arithmetic import verify_answers
 
 
 def test_doctests() -> None:
-    for mod in (advantage_mod, train_mod, arithmetic_mod):
+    for mod in (advantage_mod, train_mod, arithmetic_mod, shaping_mod):
         result = doctest.testmod(mod)
         assert result.attempted > 0 and result.failed == 0, mod.__name__
 
@@ -39,15 +40,15 @@ def test_clipped_loss_sign_and_value() -> None:
     old = torch.zeros(1, 3)
     # positive advantage, ratio 1.5 on token 1 (clipped to 1.2), 0.9 on token 2 (unclipped): -(1.2 + 0.9)/2
     logp = torch.log(torch.tensor([[1.0, 1.5, 0.9]]))
-    loss, stats = grpo_loss(logp, old, torch.tensor([2.0]), mask, clip_eps=0.2)
+    loss, stats = policy_loss(logp, old, torch.tensor([2.0]), mask, clip_eps=0.2)
     assert math.isclose(float(loss), -(1.2 * 2 + 0.9 * 2) / 2, rel_tol=1e-6)
     assert stats["clip_frac"] == 0.5
     # negative advantage: min picks the larger penalty; ratio 1.5 stays unclipped (pessimistic bound)
-    loss, _ = grpo_loss(logp, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    loss, _ = policy_loss(logp, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
     assert math.isclose(float(loss), (1.5 + 0.9) / 2, rel_tol=1e-6)
     # the gradient pushes up the log-prob of tokens with positive advantage (when not clipped)
     lp = torch.zeros(1, 3, requires_grad=True)
-    loss, _ = grpo_loss(lp, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss, _ = policy_loss(lp, old, torch.tensor([1.0]), mask, clip_eps=0.2)
     loss.backward()
     assert lp.grad is not None and (lp.grad[0, 1:] < 0).all() and lp.grad[0, 0] == 0
 
@@ -55,9 +56,9 @@ def test_clipped_loss_sign_and_value() -> None:
 def test_kl_term_is_zero_at_reference_and_positive_elsewhere() -> None:
     mask = torch.ones(2, 2)
     logp = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.9]]))
-    _, stats = grpo_loss(logp, logp, torch.zeros(2), mask, clip_eps=0.2, ref_logp=logp.clone(), kl_coef=0.1)
+    _, stats = policy_loss(logp, logp, torch.zeros(2), mask, clip_eps=0.2, ref_logp=logp.clone(), kl_coef=0.1)
     assert stats["kl"] == 0.0
-    loss, stats = grpo_loss(logp, logp, torch.zeros(2), mask, clip_eps=0.2, ref_logp=logp - 0.3, kl_coef=0.1)
+    loss, stats = policy_loss(logp, logp, torch.zeros(2), mask, clip_eps=0.2, ref_logp=logp - 0.3, kl_coef=0.1)
     k3 = math.exp(-0.3) + 0.3 - 1
     assert math.isclose(stats["kl"], k3, rel_tol=1e-5) and math.isclose(float(loss), 0.1 * k3, rel_tol=1e-5)
 
@@ -72,7 +73,7 @@ def test_verifier_on_malformed_output_never_raises() -> None:
 def test_kl_ignores_masked_positions_with_extreme_logprobs() -> None:
     logp = torch.tensor([[0.0, -120.0, -1.0]], requires_grad=True)
     mask = torch.tensor([[0.0, 0.0, 1.0]])
-    loss, stats = grpo_loss(
+    loss, stats = policy_loss(
         logp, logp.detach(), torch.ones(1), mask, clip_eps=0.2, ref_logp=torch.zeros(1, 3), kl_coef=0.1
     )
     loss.backward()

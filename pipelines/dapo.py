@@ -1,0 +1,49 @@
+"""DAPO (Yu et al., 2025): GRPO with clip-higher (a wider upper clip), token-level loss averaging, a soft
+overlong penalty on the reward, and dynamic sampling.
+
+Departure: dynamic sampling here drops the groups whose rewards are all equal from the update
+(`skip_zero_advantage`) but does not sample more prompts to refill the batch.
+
+prompts -> rollout -> verify -> overlong -> advantage -> train (clip 0.2 / 0.28, token_mean) -> evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from plexrl.graph import Pipeline, PipelineGraph
+
+
+def dapo(
+    *,
+    batch_size: int = 64,
+    n: Annotated[int, Field(ge=2)] = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 6,
+    overlong_buffer: int = 2,
+    lr: float = 3e-4,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.28,
+    minibatches: int = 2,
+    adam_beta2: float = 0.98,
+    eval_every: int = 20,
+    eval_size: int = 500,
+) -> PipelineGraph:
+    p = Pipeline("dapo")
+    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
+    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+    rewards = p.add("verify", "verify", rollouts=rollouts)
+    shaped = p.add(
+        "overlong", "overlong_penalty", rollouts=rollouts, rewards=rewards, max_length=max_new_tokens,
+        buffer=overlong_buffer,
+    )  # fmt: skip
+    adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=shaped)
+    train = p.add(
+        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps_low,
+        clip_eps_high=clip_eps_high, minibatches=minibatches, adam_beta2=adam_beta2, loss_agg="token_mean",
+        skip_zero_advantage=True,
+    )  # fmt: skip
+    p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
+    return p.build()

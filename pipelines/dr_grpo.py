@@ -1,0 +1,40 @@
+"""Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its two biases:
+advantages are not divided by the group's std, and the loss sums each response's tokens and divides by a
+constant (the generation budget) instead of the response's own length.
+
+prompts -> rollout -> verify -> advantage (r - group mean) -> train (seq_sum_token_mean) -> evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from plexrl.graph import Pipeline, PipelineGraph
+
+
+def dr_grpo(
+    *,
+    batch_size: int = 64,
+    n: Annotated[int, Field(ge=2)] = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 6,
+    lr: float = 3e-4,
+    clip_eps: float = 0.2,
+    minibatches: int = 2,
+    adam_beta2: float = 0.98,
+    eval_every: int = 20,
+    eval_size: int = 500,
+) -> PipelineGraph:
+    p = Pipeline("dr_grpo")
+    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
+    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+    rewards = p.add("verify", "verify", rollouts=rollouts)
+    adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards, scale=False)
+    train = p.add(
+        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps, minibatches=minibatches,
+        adam_beta2=adam_beta2, loss_agg="seq_sum_token_mean", norm_length=float(max_new_tokens),
+    )  # fmt: skip
+    p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
+    return p.build()

@@ -1,0 +1,40 @@
+"""RLOO (Ahmadian et al., 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline per prompt.
+
+Departure: the update uses the clipped surrogate; with one minibatch (the default here) the ratio is 1
+and the update is exactly REINFORCE with the RLOO baseline.
+
+prompts -> rollout -> verify -> advantage (leave-one-out) -> train (seq_mean) -> evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from plexrl.graph import Pipeline, PipelineGraph
+
+
+def rloo(
+    *,
+    batch_size: int = 64,
+    n: Annotated[int, Field(ge=2)] = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 6,
+    lr: float = 3e-4,
+    minibatches: int = 1,
+    adam_beta2: float = 0.98,
+    eval_every: int = 20,
+    eval_size: int = 500,
+) -> PipelineGraph:
+    p = Pipeline("rloo")
+    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
+    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+    rewards = p.add("verify", "verify", rollouts=rollouts)
+    adv = p.add("advantage", "rloo_advantage", rollouts=rollouts, rewards=rewards)
+    train = p.add(
+        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, minibatches=minibatches, adam_beta2=adam_beta2,
+        loss_agg="seq_mean",
+    )  # fmt: skip
+    p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
+    return p.build()

@@ -1,0 +1,124 @@
+"""Advantage estimators and policy-loss variants against hand-computed examples, property tests of their
+invariants, and every built-in pipeline end to end for 2 iterations."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexrl.config import BUILTIN_PIPELINES, load_job
+from plexrl.operators.advantage import batch_normalized_advantages, group_advantages, leave_one_out_advantages
+from plexrl.operators.shaping import overlong_penalties
+from plexrl.operators.train import kl_penalty, masked_mean, policy_loss
+from plexrl.runner import run_jobs
+
+
+def test_rloo_hand_computed_and_edge_cases() -> None:
+    # group of 3: rewards 1, 0, 0 -> 1 - 0, 0 - 0.5, 0 - 0.5
+    adv = leave_one_out_advantages(torch.tensor([1.0, 0.0, 0.0]), 3)
+    assert torch.allclose(adv, torch.tensor([1.0, -0.5, -0.5]))
+    assert leave_one_out_advantages(torch.tensor([2.0, 2.0]), 2).tolist() == [0.0, 0.0]  # all equal
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        leave_one_out_advantages(torch.tensor([1.0]), 1)  # a single-sample group has no baseline
+
+
+def test_single_sample_group_grpo_gives_zero() -> None:
+    assert group_advantages(torch.tensor([1.0, 0.0]), 1).tolist() == [0.0, 0.0]
+
+
+def test_reinforce_pp_hand_computed() -> None:
+    # with group baseline: groups (1, 0) and (1, 1) -> (0.5, -0.5, 0, 0); batch mean 0, std sqrt(0.125)
+    adv = batch_normalized_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, group_baseline=True, eps=0.0)
+    s = math.sqrt(0.125)
+    assert torch.allclose(adv, torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]))
+
+
+def test_overlong_penalty_hand_computed() -> None:
+    assert overlong_penalties(torch.tensor([1, 3, 4, 8]), max_length=4, buffer=2).tolist() == [0.0, -0.5, -1.0, -1.0]
+
+
+def test_aggregations_with_padding() -> None:
+    x = torch.tensor([[2.0, 4.0, 9.0], [6.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # the 9s are padding
+    assert float(masked_mean(x, mask, "token_mean")) == 4.0  # (2 + 4 + 6) / 3
+    assert float(masked_mean(x, mask, "seq_mean")) == 4.5  # (3 + 6) / 2
+    assert float(masked_mean(x, mask, "seq_sum_token_mean", norm_length=4.0)) == 1.5  # (6/4 + 6/4) / 2
+
+
+def test_clip_higher_dual_clip_and_sequence_ratio() -> None:
+    mask = torch.ones(1, 2)
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.25, 1.25]]))
+    # clip-higher: ratio 1.25 with A=1 is clipped at 1.2 by eps 0.2, but not by eps_high 0.28
+    loss, _ = policy_loss(logp, old, torch.ones(1), mask, clip_eps=0.2)
+    assert math.isclose(float(loss), -1.2, rel_tol=1e-6)
+    loss, s = policy_loss(logp, old, torch.ones(1), mask, clip_eps=0.2, clip_eps_high=0.28)
+    assert math.isclose(float(loss), -1.25, rel_tol=1e-6) and s["clip_frac"] == 0.0
+    # dual-clip: A=-1, ratio 5 -> -min(-5, -1.2) = 5, capped at c * |A| = 3
+    big = torch.log(torch.full((1, 2), 5.0))
+    loss, s = policy_loss(big, old, -torch.ones(1), mask, clip_eps=0.2, dual_clip=3.0)
+    assert math.isclose(float(loss), 3.0, rel_tol=1e-6) and s["clip_frac"] == 1.0
+    # sequence ratio: token log-ratios 0.4 and 0.0 (padding 9 ignored) -> exp(0.2) for the whole sequence
+    lp = torch.tensor([[0.4, 0.0, 9.0]])
+    loss, _ = policy_loss(lp, torch.zeros(1, 3), torch.ones(1), torch.tensor([[1.0, 1.0, 0.0]]),
+                          clip_eps=0.5, ratio_level="sequence", agg="seq_mean")  # fmt: skip
+    assert math.isclose(float(loss), -math.exp(0.2), rel_tol=1e-6)
+
+
+def test_kl_estimators_hand_computed() -> None:
+    logp, ref, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -9.0]]), torch.tensor([[1.0, 0.0]])
+    assert torch.allclose(kl_penalty(logp, ref, mask, "k1"), torch.tensor([[0.5, 0.0]]))
+    assert torch.allclose(kl_penalty(logp, ref, mask, "k2"), torch.tensor([[0.125, 0.0]]))
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert torch.allclose(kl_penalty(logp, ref, mask, "k3"), torch.tensor([[k3, 0.0]]))
+
+
+rewards_strategy = st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=2, max_size=8)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(groups=st.lists(rewards_strategy.filter(lambda r: len(r) == 4), min_size=1, max_size=4))
+def test_group_estimators_sum_to_zero_per_group(groups: list[list[float]]) -> None:
+    r = torch.tensor([x for g in groups for x in g])
+    for adv in (group_advantages(r, 4), group_advantages(r, 4, scale=False), leave_one_out_advantages(r, 4)):
+        assert torch.allclose(adv.view(-1, 4).sum(1), torch.zeros(len(groups)), atol=1e-5)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(
+    log_ratio=st.lists(st.floats(-3, 3), min_size=4, max_size=4),
+    adv=st.floats(-2, 2),
+    eps_high=st.sampled_from([None, 0.28]),
+    dual=st.sampled_from([None, 3.0]),
+)
+def test_clipped_loss_is_bounded_and_masked_tokens_get_no_gradient(
+    log_ratio: list[float], adv: float, eps_high: float | None, dual: float | None
+) -> None:
+    logp = torch.tensor([log_ratio], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    loss, _ = policy_loss(logp, torch.zeros(1, 4), torch.tensor([adv]), mask, clip_eps=0.2, clip_eps_high=eps_high,
+                          dual_clip=dual)  # fmt: skip
+    loss.backward()
+    assert logp.grad is not None and (logp.grad[0, 2:] == 0).all()
+    if adv >= 0:  # a positive advantage gains at most (1 + eps_high) * A per token
+        assert float(loss.detach()) >= -(1 + (eps_high or 0.2)) * adv - 1e-6
+    elif dual is not None:  # dual-clip caps the penalty of a negative advantage
+        assert float(loss.detach()) <= dual * -adv + 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_PIPELINES))
+def test_every_builtin_pipeline_runs_two_iterations(name: str, tiny_config: dict[str, Any]) -> None:
+    tiny_config["tracking"]["mlflow"] = False
+    tiny_config["pipeline"] = {
+        "name": name,
+        "params": {"batch_size": 4, "n": 4, "max_new_tokens": 4, "eval_every": 2, "eval_size": 16},
+    }
+    (job,) = run_jobs([load_job(tiny_config)], progress=False)
+    assert job.status == "done", job.error
+    assert job.iterations_done == 2 and "verify/reward_mean" in job.history[-1]
+    assert job.series("evaluate/accuracy")  # baseline and final evaluation logged
