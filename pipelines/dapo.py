@@ -1,6 +1,10 @@
 """DAPO (Yu et al., 2025): GRPO with clip-higher (a wider upper clip), token-level loss averaging, a soft
 overlong penalty on the reward, and dynamic sampling.
 
+The overlong penalty starts `overlong_buffer` tokens before the generation budget; on short-answer tasks
+keep the buffer small, or it penalises correct answers (a buffer of 2 with a 6-token budget cut 3-digit
+addition from 80% to 33% after 200 iterations in our runs).
+
 Departure: dynamic sampling here drops the groups whose rewards are all equal from the update
 (`skip_zero_advantage`) but does not sample more prompts to refill the batch.
 
@@ -22,7 +26,7 @@ def dapo(
     n: Annotated[int, Field(ge=2)] = 8,
     temperature: float = 1.0,
     max_new_tokens: int = 6,
-    overlong_buffer: int = 2,
+    overlong_buffer: int = 1,
     lr: float = 3e-4,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.28,
