@@ -2,8 +2,8 @@
 overlong penalty on the reward, and dynamic sampling.
 
 The overlong penalty starts `overlong_buffer` tokens before the generation budget; on short-answer tasks
-keep the buffer small, or it penalises correct answers (a buffer of 2 with a 6-token budget cut 3-digit
-addition from 80% to 33% after 200 iterations in our runs).
+keep the buffer small, or it penalises correct answers (on 3-digit addition with a 6-token budget, 200
+iterations reached 77% held-out accuracy with a buffer of 1 and 33% with a buffer of 2).
 
 Departure: dynamic sampling here drops the groups whose rewards are all equal from the update
 (`skip_zero_advantage`) but does not sample more prompts to refill the batch.
