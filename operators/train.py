@@ -82,7 +82,8 @@ def policy_loss(
         pg    = min(pg, -dual_clip * A) where A < 0                           (dual-clip, c > 1)
         loss  = agg(pg) + kl_coef * agg(kl_estimator(logp, ref))
 
-    Returns (loss, {pg_loss, kl, clip_frac}); clip_frac is the share of tokens where a clipped term is used.
+    advantages may also be per token, [N, L] (GAE). Returns (loss, {pg_loss, kl, clip_frac}); clip_frac is
+    the share of tokens where a clipped term is used.
 
     >>> import torch
     >>> one = torch.ones(1, 1)
@@ -93,7 +94,7 @@ def policy_loss(
     import torch
 
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
     log_ratio = logp - old_logp
     if ratio_level == "sequence":
         seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -161,6 +162,8 @@ def train(
         batch["ref_logp"] = ref_logprobs.values
     if skip_zero_advantage:
         keep = advantages.values != 0
+        if keep.dim() == 2:  # per-token advantages (GAE): keep rows with any non-zero token
+            keep = keep.any(1)
         batch = {k: v[keep] for k, v in batch.items()}
     rows = int(batch["adv"].shape[0])
     if rows == 0:

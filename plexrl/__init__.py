@@ -3,7 +3,7 @@
 Light imports only: torch, transformers and mlflow load when a job runs, not when a pipeline is validated.
 """
 
-from plexrl.batch import Advantages, Batch, EvalStats, LogProbs, Prompts, Rewards, Rollouts, TrainStats
+from plexrl.batch import Advantages, Batch, EvalStats, LogProbs, Prompts, Rewards, Rollouts, TrainStats, Values
 from plexrl.graph import NodeRef, Pipeline, PipelineGraph
 from plexrl.operator import OpContext, Operator, operator
 
@@ -23,5 +23,6 @@ __all__ = [
     "Rewards",
     "Rollouts",
     "TrainStats",
+    "Values",
     "operator",
 ]

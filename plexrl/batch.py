@@ -97,9 +97,11 @@ class Rewards(Batch):
 
 @dataclass(slots=True)
 class Advantages(Batch):
-    """Per-row advantages `values` [N] float (broadcast over response tokens by the loss)."""
+    """Advantages `values`: per row [N] (broadcast over response tokens by the loss) or per token [N, L]
+    (GAE). `returns` [N, L]: value targets, set by estimators that use a critic."""
 
     values: Tensor
+    returns: Tensor | None = None
 
     def metrics(self) -> dict[str, float]:
         return {"abs_mean": float(self.values.abs().mean())}
@@ -111,6 +113,16 @@ class LogProbs(Batch):
 
     values: Tensor
     which: str = "reference"
+
+
+@dataclass(slots=True)
+class Values(Batch):
+    """Critic estimates `values` [N, L] float: column j is V of the state before token j (0 where masked)."""
+
+    values: Tensor
+
+    def metrics(self) -> dict[str, float]:
+        return {"mean": float(self.values.mean())}
 
 
 @dataclass(slots=True)

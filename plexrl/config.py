@@ -156,7 +156,8 @@ class JobConfig(StrictModel):
 
 
 BUILTIN_PIPELINES: dict[str, str] = {
-    name: f"plexrl.pipelines.{name}:{name}" for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo")
+    name: f"plexrl.pipelines.{name}:{name}"
+    for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo")
 }
 
 

@@ -169,6 +169,9 @@ BUILTIN_OPERATORS: dict[str, str] = {
     "rloo_advantage": "plexrl.operators.advantage:rloo_advantage",
     "reinforce_pp_advantage": "plexrl.operators.advantage:reinforce_pp_advantage",
     "overlong_penalty": "plexrl.operators.shaping:overlong_penalty",
+    "value_estimate": "plexrl.operators.critic:value_estimate",
+    "gae_advantage": "plexrl.operators.critic:gae_advantage",
+    "train_critic": "plexrl.operators.critic:train_critic",
     "train": "plexrl.operators.train:train",
     "evaluate": "plexrl.operators.evaluate:evaluate",
 }

@@ -122,3 +122,24 @@ def test_every_builtin_pipeline_runs_two_iterations(name: str, tiny_config: dict
     assert job.status == "done", job.error
     assert job.iterations_done == 2 and "verify/reward_mean" in job.history[-1]
     assert job.series("evaluate/accuracy")  # baseline and final evaluation logged
+
+
+def test_gae_hand_computed_with_padding() -> None:
+    from plexrl.operators.critic import gae
+
+    # row 0: prompt column, 2 response tokens, 1 pad; row 1: 1 response token. gamma 0.5, lambda 1.
+    values = torch.tensor([[0.0, 0.4, 0.2, 9.0], [0.0, 0.3, 9.0, 9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    adv, ret = gae(torch.tensor([1.0, 0.0]), values, mask, gamma=0.5, lam=1.0)
+    # row 0: t=2: delta = 1 - 0.2 = 0.8; t=1: delta = 0 + 0.5*0.2 - 0.4 = -0.3, A = -0.3 + 0.5*0.8 = 0.1
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.1, 0.8, 0.0], [0.0, -0.3, 0.0, 0.0]]))
+    assert torch.allclose(ret, torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_value_loss_clips_against_old_values() -> None:
+    from plexrl.operators.critic import value_loss
+
+    mask = torch.ones(1, 1)
+    # V moved from 0 to 1, return 1: unclipped error 0, clipped V = 0.2 -> error 0.64; loss takes the max
+    loss = value_loss(torch.ones(1, 1), torch.zeros(1, 1), torch.ones(1, 1), mask, clip=0.2)
+    assert math.isclose(float(loss), 0.5 * 0.64, rel_tol=1e-6)

@@ -8,6 +8,7 @@ import math
 import torch
 
 import plexrl.operators.advantage as advantage_mod
+import plexrl.operators.critic as critic_mod
 import plexrl.operators.shaping as shaping_mod
 import plexrl.operators.train as train_mod
 import plexrl.tasks.arithmetic as arithmetic_mod
@@ -17,7 +18,7 @@ from plexrl.tasks.arithmetic import verify_answers
 
 
 def test_doctests() -> None:
-    for mod in (advantage_mod, train_mod, arithmetic_mod, shaping_mod):
+    for mod in (advantage_mod, train_mod, arithmetic_mod, shaping_mod, critic_mod):
         result = doctest.testmod(mod)
         assert result.attempted > 0 and result.failed == 0, mod.__name__
 

@@ -82,6 +82,9 @@ class TorchEngine:
         if with_reference:
             self.reference = copy.deepcopy(self.policy).requires_grad_(False)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.model_dir = Path(model_dir)
+        self.critic: Any = None  # created on first use (PPO): the policy's backbone with a scalar head
+        self.critic_optimizer: torch.optim.Optimizer | None = None
         self.weight_version = 0
         opt_file = Path(model_dir) / OPTIMIZER_FILE
         if opt_file.is_file():  # e.g. the warm start's AdamW moments: training continues where it stopped
@@ -204,6 +207,72 @@ class TorchEngine:
         self.weight_version += 1
         return {**{k: v / max(steps, 1) for k, v in totals.items()}, "steps": float(steps)}
 
+    # -- critic (value model) -----------------------------------------------------------------------
+    def _ensure_critic(self) -> Any:
+        if self.critic is None:
+            from transformers import AutoModelForTokenClassification
+            from transformers.utils import logging as hf_logging
+
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # the new head is expected to be missing from the checkpoint
+            try:
+                critic = AutoModelForTokenClassification.from_pretrained(
+                    str(self.model_dir), num_labels=1, dtype=torch.float32
+                )
+            finally:
+                hf_logging.set_verbosity(level)
+            critic.score.weight.data.zero_()  # V = 0 at the start: deterministic, no random head
+            if getattr(critic.score, "bias", None) is not None:
+                critic.score.bias.data.zero_()
+            self.critic = critic.to(self.device)
+            self.critic.eval()
+        return self.critic
+
+    def _critic_forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        out = self._ensure_critic()(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+        v = out[..., 0].float()
+        return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], 1)  # column j: state before token j
+
+    @torch.no_grad()
+    def values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Critic values [N, L], aligned like `logprobs` (column j scores the state before token j)."""
+        return self._critic_forward(input_ids.to(self.device), attention_mask.to(self.device)).cpu()
+
+    def train_critic_step(
+        self,
+        batch: dict[str, Tensor],
+        loss_fn: Any,
+        *,
+        lr: float,
+        max_grad_norm: float,
+        minibatches: int,
+    ) -> dict[str, float]:
+        """Minibatch AdamW steps on `loss_fn(minibatch, values [n, L]) -> (loss, stats)` for the critic."""
+        critic = self._ensure_critic()
+        if self.critic_optimizer is None:
+            self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=0.0)
+        for group in self.critic_optimizer.param_groups:
+            group["lr"] = lr
+        critic.train()
+        n = batch["input_ids"].shape[0]
+        bounds = torch.linspace(0, n, minibatches + 1).long().tolist()
+        totals: dict[str, float] = {}
+        steps = 0
+        for a, b in itertools.pairwise(bounds):
+            if b <= a:
+                continue
+            mb = {k: v[a:b].to(self.device) for k, v in batch.items()}
+            loss, stats = loss_fn(mb, self._critic_forward(mb["input_ids"], mb["attention_mask"]))
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
+            self.critic_optimizer.step()
+            for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
+                totals[k] = totals.get(k, 0.0) + v
+            steps += 1
+        critic.eval()
+        return {k: v / max(steps, 1) for k, v in totals.items()}
+
     # -- state --------------------------------------------------------------------------------------
     def export_state(self) -> dict[str, Any]:
         """A copy (not views) of everything that makes this job's engine state: weights, optimizer state,
@@ -216,6 +285,10 @@ class TorchEngine:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         if self.reference is not None:
             state["reference"] = _copy_tensors(self.reference.state_dict())
+        if self.critic is not None:
+            state["critic"] = _copy_tensors(self.critic.state_dict())
+        if self.critic_optimizer is not None:
+            state["critic_optimizer"] = copy.deepcopy(self.critic_optimizer.state_dict())
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -226,6 +299,11 @@ class TorchEngine:
             if self.optimizer is None:
                 self.optimizer = torch.optim.AdamW(self.policy.parameters())
             self.optimizer.load_state_dict(state["optimizer"])
+        if "critic" in state:
+            self._ensure_critic().load_state_dict(state["critic"])
+        if "critic_optimizer" in state:
+            self.critic_optimizer = torch.optim.AdamW(self._ensure_critic().parameters())
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.weight_version = int(state.get("weight_version", 0))
 
     def save_pretrained(self, path: str | Path) -> None:
