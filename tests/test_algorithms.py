@@ -143,3 +143,18 @@ def test_value_loss_clips_against_old_values() -> None:
     # V moved from 0 to 1, return 1: unclipped error 0, clipped V = 0.2 -> error 0.64; loss takes the max
     loss = value_loss(torch.ones(1, 1), torch.zeros(1, 1), torch.ones(1, 1), mask, clip=0.2)
     assert math.isclose(float(loss), 0.5 * 0.64, rel_tol=1e-6)
+
+
+def test_ppo_does_not_depend_on_the_global_rng(tiny_config: dict[str, Any]) -> None:
+    """The critic must not draw from torch's global RNG (e.g. dropout), or a job's results would depend on
+    what other jobs ran before it in the same process."""
+    tiny_config["tracking"]["mlflow"] = False
+    tiny_config["pipeline"] = {"name": "ppo", "params": {"batch_size": 4, "n": 4, "max_new_tokens": 4}}
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)  # a different global RNG state before each run
+        (job,) = run_jobs([load_job(tiny_config)], progress=False)
+        runs.append(
+            [{k: v for k, v in row.items() if not k.startswith("time/") and "per_s" not in k} for row in job.history]
+        )
+    assert runs[0] == runs[1] and "critic/value_loss" in runs[0][-1]

@@ -14,6 +14,7 @@ import copy
 import inspect
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,42 @@ def _cache_kw(model: Any) -> str:
 
 def _copy_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+def _optimize(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, Tensor],
+    forward: Callable[[dict[str, Tensor]], tuple[Tensor, ...]],
+    loss_fn: Callable[..., tuple[Tensor, dict[str, float]]],
+    device: torch.device,
+    *,
+    minibatches: int,
+    epochs: int,
+    max_grad_norm: float,
+) -> tuple[dict[str, float], int]:
+    """`epochs` passes of `minibatches` AdamW steps over `batch` (rows split in order):
+    loss, stats = loss_fn(minibatch, *forward(minibatch)). Returns the mean stats (plus `loss` and the
+    pre-clip `grad_norm`) and the number of steps."""
+    model.train()
+    bounds = torch.linspace(0, batch["input_ids"].shape[0], minibatches + 1).long().tolist()
+    totals: dict[str, float] = {}
+    steps = 0
+    for _ in range(epochs):
+        for a, b in itertools.pairwise(bounds):
+            if b <= a:
+                continue
+            mb = {k: v[a:b].to(device) for k, v in batch.items()}
+            loss, stats = loss_fn(mb, *forward(mb))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
+                totals[k] = totals.get(k, 0.0) + v
+            steps += 1
+    model.eval()
+    return {k: v / max(steps, 1) for k, v in totals.items()}, steps
 
 
 def positions(mask: Tensor) -> Tensor:
@@ -179,45 +216,34 @@ class TorchEngine:
             self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=weight_decay)
         for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"], group["betas"] = lr, weight_decay, betas
-        self.policy.train()
-        N = batch["input_ids"].shape[0]
-        bounds = torch.linspace(0, N, minibatches + 1).long().tolist()
-        totals: dict[str, float] = {}
-        steps = 0
-        for _ in range(epochs):
-            for a, b in itertools.pairwise(bounds):
-                if b <= a:
-                    continue
-                mb = {k: v[a:b].to(self.device) for k, v in batch.items()}
-                mask = mb["attention_mask"]
-                logits = self.policy(
-                    input_ids=mb["input_ids"], attention_mask=mask, position_ids=positions(mask)
-                ).logits
-                logp, ent = token_logprobs(logits, mb["input_ids"], temperature)
-                loss, stats = loss_fn(mb, logp, ent)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
-                self.optimizer.step()
-                stats = {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        self.policy.eval()
+
+        def forward(mb: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            mask = mb["attention_mask"]
+            logits = self.policy(input_ids=mb["input_ids"], attention_mask=mask, position_ids=positions(mask)).logits
+            return token_logprobs(logits, mb["input_ids"], temperature)
+
+        stats, steps = _optimize(
+            self.policy, self.optimizer, batch, forward, loss_fn, self.device,
+            minibatches=minibatches, epochs=epochs, max_grad_norm=max_grad_norm,
+        )  # fmt: skip
         self.weight_version += 1
-        return {**{k: v / max(steps, 1) for k, v in totals.items()}, "steps": float(steps)}
+        return {**stats, "steps": float(steps)}
 
     # -- critic (value model) -----------------------------------------------------------------------
     def _ensure_critic(self) -> Any:
         if self.critic is None:
-            from transformers import AutoModelForTokenClassification
+            from transformers import AutoConfig, AutoModelForTokenClassification
             from transformers.utils import logging as hf_logging
 
             level = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()  # the new head is expected to be missing from the checkpoint
             try:
+                # no dropout: in train() mode it would draw from the global RNG, so a job's results would
+                # depend on what other jobs ran before it (DESIGN.md invariant 4)
+                config = AutoConfig.from_pretrained(str(self.model_dir), num_labels=1)
+                config.classifier_dropout = 0.0
                 critic = AutoModelForTokenClassification.from_pretrained(
-                    str(self.model_dir), num_labels=1, dtype=torch.float32
+                    str(self.model_dir), config=config, dtype=torch.float32
                 )
             finally:
                 hf_logging.set_verbosity(level)
@@ -253,25 +279,15 @@ class TorchEngine:
             self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=0.0)
         for group in self.critic_optimizer.param_groups:
             group["lr"] = lr
-        critic.train()
-        n = batch["input_ids"].shape[0]
-        bounds = torch.linspace(0, n, minibatches + 1).long().tolist()
-        totals: dict[str, float] = {}
-        steps = 0
-        for a, b in itertools.pairwise(bounds):
-            if b <= a:
-                continue
-            mb = {k: v[a:b].to(self.device) for k, v in batch.items()}
-            loss, stats = loss_fn(mb, self._critic_forward(mb["input_ids"], mb["attention_mask"]))
-            self.critic_optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
-            self.critic_optimizer.step()
-            for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
-                totals[k] = totals.get(k, 0.0) + v
-            steps += 1
-        critic.eval()
-        return {k: v / max(steps, 1) for k, v in totals.items()}
+
+        def forward(mb: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            return (self._critic_forward(mb["input_ids"], mb["attention_mask"]),)
+
+        stats, _ = _optimize(
+            critic, self.critic_optimizer, batch, forward, loss_fn, self.device,
+            minibatches=minibatches, epochs=1, max_grad_norm=max_grad_norm,
+        )  # fmt: skip
+        return stats
 
     # -- state --------------------------------------------------------------------------------------
     def export_state(self) -> dict[str, Any]:
