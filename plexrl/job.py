@@ -38,7 +38,22 @@ class JobHandle:
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline."""
         nodes = {n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes}
-        return JobPlan(nodes, self.config.iterations, tuple(self.graph.order), tuple(self.baseline_nodes()))
+        order, baseline = tuple(self.graph.order), tuple(self.baseline_nodes())
+        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes())
+
+    def state_bytes(self) -> int:
+        """Upper bound of the bytes the StateManager moves for this job: fp32 policy weights, two AdamW
+        moments, plus a reference copy when the pipeline uses KL and a critic (weights + moments) for PPO."""
+        weights = model_bytes(self.model_path)
+        copies = 3
+        ops = {n.operator.name for n in self.graph.nodes}
+        if any(
+            n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in self.graph.nodes
+        ):
+            copies += 1
+        if ops & {"value_estimate", "train_critic"}:
+            copies += 3
+        return weights * copies
 
     def baseline_nodes(self) -> list[str]:
         """Periodic nodes that read no data (evaluations) also run once before the first iteration; their
@@ -63,6 +78,14 @@ class JobHandle:
             if name in row:
                 return row[name]
         return None
+
+
+def model_bytes(model_dir: Path) -> int:
+    """Bytes of the fp32 weights saved in a HF model directory (safetensors files; header included)."""
+    files = list(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return sum(f.stat().st_size for f in files)
 
 
 def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:

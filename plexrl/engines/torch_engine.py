@@ -290,6 +290,34 @@ class TorchEngine:
         return stats
 
     # -- state --------------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The live tensors (not copies) that make this job's state, by a stable name: policy parameters,
+        optimizer moments, reference and critic weights. Shared tensors (tied embeddings) appear once.
+        The StateManager's swaps move exactly these; buffers derived from the config (rotary tables) stay."""
+        out: dict[str, Tensor] = {}
+        seen: set[int] = set()
+
+        def add(prefix: str, named: Any) -> None:
+            for name, t in named:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out[f"{prefix}.{name}"] = t
+
+        add("policy", self.policy.named_parameters(remove_duplicate=True))
+        if self.reference is not None:
+            add("reference", self.reference.named_parameters(remove_duplicate=True))
+        if self.critic is not None:
+            add("critic", self.critic.named_parameters(remove_duplicate=True))
+        for label, opt in (("optimizer", self.optimizer), ("critic_optimizer", self.critic_optimizer)):
+            if opt is None:
+                continue
+            for gi, group in enumerate(opt.param_groups):
+                for pi, param in enumerate(group["params"]):
+                    for key, value in opt.state.get(param, {}).items():
+                        if isinstance(value, Tensor) and value.dim() > 0:  # `step` scalars stay on the host
+                            add(label, [(f"{gi}.{pi}.{key}", value)])
+        return out
+
     def export_state(self) -> dict[str, Any]:
         """A copy (not views) of everything that makes this job's engine state: weights, optimizer state,
         reference weights, weight version. Later training does not change an exported state."""

@@ -24,6 +24,9 @@ class Hook:
         self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
     ) -> None: ...
 
+    def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
+        """State moved on service `lane` before one of `job`'s nodes (the blocking part only)."""
+
     def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None: ...
 
     def on_job_end(self, job: JobHandle) -> None: ...
@@ -53,6 +56,9 @@ class HookList(Hook):
         self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
     ) -> None:
         self._call("after_node", job, iteration, node, lane, start, end, output)
+
+    def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
+        self._call("on_swap", job, lane, start, end, nbytes)
 
     def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
         self._call("on_iteration_end", job, iteration, metrics)

@@ -108,4 +108,5 @@ class MlflowHook(Hook):
                 client.log_artifact(run_id, str(path))
         if job.error:
             client.set_tag(run_id, "plexrl.error", job.error[:5000])
-        client.set_terminated(run_id, status="FINISHED" if job.status == "done" else "FAILED")
+        status = {"done": "FINISHED", "cancelled": "KILLED"}.get(job.status, "FAILED")
+        client.set_terminated(run_id, status=status)

@@ -1,6 +1,7 @@
 """The pure global planner: events in, instructions out (see `core`)."""
 
 from plexrl.planner.core import InvalidTransition, JobRecord, Planner
+from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
     FailJob,
     IterationDone,
@@ -16,11 +17,16 @@ from plexrl.planner.events import (
     ServiceJoined,
     ServiceLost,
 )
-from plexrl.planner.policies import Fifo, Isolated, Pack
+from plexrl.planner.policies import ORDERINGS, PLACEMENTS, Fifo, Hrrs, Isolated, Pack, Spread, SpreadBackfill
+from plexrl.planner.state import Move, NoRoom, StateManager, Tier
 
 __all__ = [
+    "ORDERINGS",
+    "PLACEMENTS",
+    "CostModel",
     "FailJob",
     "Fifo",
+    "Hrrs",
     "InvalidTransition",
     "Isolated",
     "IterationDone",
@@ -30,6 +36,8 @@ __all__ = [
     "JobPlan",
     "JobRecord",
     "JobSubmitted",
+    "Move",
+    "NoRoom",
     "NodeFinished",
     "NodePlan",
     "Pack",
@@ -38,4 +46,8 @@ __all__ = [
     "RunNode",
     "ServiceJoined",
     "ServiceLost",
+    "Spread",
+    "SpreadBackfill",
+    "StateManager",
+    "Tier",
 ]

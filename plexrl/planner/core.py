@@ -1,29 +1,37 @@
 """The global planner: ONE pure state machine for all jobs and services.
 
 `Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted,
-node finished, job cancelled) and returns the instructions a driver must carry out (place job, run node,
-iteration done, job done, fail job). Time comes from an injected clock; nothing here sleeps, awaits, or
-imports Dask, torch or mlflow.
+node finished, job cancelled or failed) and returns the instructions a driver must carry out (place job,
+run node with the swaps that make its job resident and a prefetch of the next job's state, iteration done,
+job done, fail job). Time comes from an injected clock; nothing here sleeps, awaits, or imports Dask,
+torch or mlflow.
+
+Each service has a pure `StateManager` (tiers device/host/disk with byte budgets); the planner asks it for
+the moves before every service node. A `CostModel` fitted online to node durations and swap bandwidth
+feeds the policies: predicted busy fraction for placement, predicted node and swap time for HRRS, and
+predicted next use for choosing which state to evict or prefetch.
 
 States (each change goes through one table; an illegal move raises `InvalidTransition` with recent history):
 - job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
 - node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
   go waiting -> done directly.
 
-Invariants (`validate()`; the LocalDriver and the tests run it after every event): a service runs at most
-one node, of a job placed on it (DESIGN.md invariant 3); what a service runs or queues belongs to a job
-placed on that service, and a job's service is fixed once placed (invariant 2: `_admit` is the only place
-that sets it).
+Invariants (`validate()`; the drivers and the tests run it after every event): a service runs at most
+one node, of a job placed on it, whose state is on device (DESIGN.md invariant 3); what a service runs or
+queues belongs to a job placed on that service, and a job's service is fixed once placed (invariant 2:
+`_admit` is the only place that sets it); every tier stays within its budget.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
     Event,
     FailJob,
@@ -41,7 +49,16 @@ from plexrl.planner.events import (
     ServiceLost,
     Transition,
 )
-from plexrl.planner.policies import Fifo, OrderingPolicy, Pack, PlacementPolicy, QueuedNode
+from plexrl.planner.policies import (
+    Fifo,
+    OrderingPolicy,
+    OrderingView,
+    PlacementPolicy,
+    QueuedNode,
+    ServiceView,
+    Spread,
+)
+from plexrl.planner.state import Move, NoRoom, StateManager
 
 JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
 NodeStatus = Literal["waiting", "ready", "running", "done"]
@@ -76,8 +93,10 @@ class JobRecord:
     iteration: int = 0
     nodes: dict[str, NodeStatus] = field(default_factory=dict)
     submitted_at: float = 0.0
+    placed_at: float | None = None
     finished_at: float | None = None
     reason: str = ""
+    cpu_started: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -87,6 +106,9 @@ class ServiceRecord:
     queue: list[QueuedNode] = field(default_factory=list)
     jobs: set[str] = field(default_factory=set)
     alive: bool = True
+    state: StateManager = field(default_factory=lambda: StateManager(""))
+    resident: str | None = None  # the job that ran last here (its state is on device)
+    prefetching: str | None = None
 
 
 class Planner:
@@ -99,12 +121,14 @@ class Planner:
         placement: PlacementPolicy | None = None,
         ordering: OrderingPolicy | None = None,
         validate: bool = False,
+        costs: CostModel | None = None,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
         self.clock = clock
-        self.placement: PlacementPolicy = placement or Pack()
+        self.placement: PlacementPolicy = placement or Spread()
         self.ordering: OrderingPolicy = ordering or Fifo()
+        self.costs = costs or CostModel()
         self.jobs: dict[str, JobRecord] = {}
         self.services: dict[str, ServiceRecord] = {}
         self.pending: list[str] = []  # queued job ids, in submission order
@@ -144,7 +168,8 @@ class Planner:
     def _service_joined(self, ev: ServiceJoined, out: list[Instruction]) -> None:
         if ev.service_id in self.services and self.services[ev.service_id].alive:
             raise InvalidTransition(self._history(f"service {ev.service_id!r} joined twice"))
-        self.services[ev.service_id] = ServiceRecord(ev.service_id)
+        budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
+        self.services[ev.service_id] = ServiceRecord(ev.service_id, state=StateManager(ev.service_id, budgets))  # type: ignore[arg-type]
 
     def _service_lost(self, ev: ServiceLost, out: list[Instruction]) -> None:
         svc = self.services.get(ev.service_id)
@@ -155,6 +180,7 @@ class Planner:
             self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out)
         svc.queue.clear()
         svc.running = None
+        svc.resident = svc.prefetching = None
 
     def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
         if ev.job_id in self.jobs:
@@ -173,6 +199,10 @@ class Planner:
         if ev.iteration != job.iteration or job.nodes.get(ev.node) != "running":
             raise InvalidTransition(self._history(f"unexpected finish of {ev.job_id}/{ev.iteration}/{ev.node}"))
         plan = job.plan.nodes[ev.node]
+        job.cpu_started.pop(ev.node, None)
+        if ev.ok:
+            self.costs.observe(ev.job_id, ev.node, ev.duration)
+            self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
             svc = self.services[job.service] if job.service else None
             if svc is None or svc.running != (ev.job_id, ev.iteration, ev.node):
@@ -186,21 +216,59 @@ class Planner:
 
     # -- job progress --------------------------------------------------------------------------------
     def _admit(self, out: list[Instruction]) -> None:
+        if not self.pending:
+            return
+        alive = [s for s in self.services.values() if s.alive]
+        if not alive:
+            return
+        load = {s.service_id: sum(self.job_load(j) for j in s.jobs) for s in alive}
         still: list[str] = []
         for job_id in self.pending:
             job = self.jobs[job_id]
-            load = {s.service_id: len(s.jobs) for s in self.services.values() if s.alive}
-            target = self.placement.place(job_id, load)
+            nbytes = job.plan.state_bytes
+            if not any(s.state.can_ever_run(nbytes) for s in alive):
+                largest = max((s.state.budgets["device"] or 0) for s in alive)
+                self._end_job(
+                    job_id,
+                    "failed",
+                    f"its state ({nbytes} bytes) exceeds the device budget of every service (largest {largest}); "
+                    "raise device_bytes or use a smaller model",
+                    out,
+                    keep_pending=True,
+                )
+                continue
+            mine = self.job_load(job_id)
+            views = [ServiceView(s.service_id, len(s.jobs), load[s.service_id], s.state.fits(nbytes)) for s in alive]
+            target = self.placement.place(job_id, mine, views)
             if target is None:
                 still.append(job_id)
                 continue
+            svc = self.services[target]
+            tier = svc.state.admit(job_id, nbytes)
+            if tier is None:
+                raise InvalidTransition(self._history(f"placement chose {target} for {job_id} but it does not fit"))
             self._set_job(job, "placed")
-            job.service = target
-            self.services[target].jobs.add(job_id)
-            out.append(PlaceJob(job_id, target))
+            job.service, job.placed_at = target, self.clock()
+            svc.jobs.add(job_id)
+            load[target] += mine
+            out.append(PlaceJob(job_id, target, tier))
             job.iteration = -1 if job.plan.baseline else 0
             self._start_iteration(job, out)
         self.pending = still
+
+    def job_load(self, job_id: str) -> float:
+        """Predicted busy fraction of a job on its service: predicted service seconds per iteration over
+        service + CPU seconds (nodes that run every k iterations count 1/k). Before any observation the
+        cost model's prior makes it the share of service nodes."""
+        plan = self.jobs[job_id].plan
+        busy = gap = 0.0
+        for name, node in plan.nodes.items():
+            sec = self.costs.predict(job_id, name) / (node.every or 1)
+            if node.placement == "service":
+                busy += sec
+            else:
+                gap += sec
+        return busy / (busy + gap) if busy + gap > 0 else 0.0
 
     def _start_iteration(self, job: JobRecord, out: list[Instruction]) -> None:
         self._reset_nodes(job)
@@ -245,6 +313,7 @@ class Planner:
         self._set_node(job, name, "ready")
         if job.plan.nodes[name].placement == "cpu":
             self._set_node(job, name, "running")
+            job.cpu_started[name] = self.clock()
             out.append(RunNode(job.job_id, job.iteration, name, "cpu", None))
         else:
             assert job.service is not None
@@ -254,19 +323,73 @@ class Planner:
     def _dispatch(self, out: list[Instruction]) -> None:
         for svc in sorted(self.services.values(), key=lambda s: s.service_id):
             if svc.alive and svc.running is None and svc.queue:
-                q = svc.queue.pop(self.ordering.pick(svc.service_id, svc.queue, self.clock()))
-                job = self.jobs[q.job_id]
-                self._set_node(job, q.node, "running")
-                svc.running = (q.job_id, q.iteration, q.node)
-                out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id))
+                self._dispatch_one(svc, out)
 
-    def _end_job(self, job_id: str, status: JobStatus, reason: str, out: list[Instruction]) -> None:
+    def _dispatch_one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
+        now = self.clock()
+        view = self._ordering_view(svc)
+        q = svc.queue.pop(self.ordering.pick(svc.queue, now, view))
+        job = self.jobs[q.job_id]
+        next_use = self._next_use(svc, now)
+        try:
+            swaps = svc.state.make_resident(q.job_id, next_use, set())
+        except NoRoom as exc:  # budgets validated at submission; reaching this is a planner bug
+            raise InvalidTransition(self._history(str(exc))) from None
+        svc.prefetching, svc.resident = None, q.job_id
+        self._set_node(job, q.node, "running")
+        svc.running = (q.job_id, q.iteration, q.node)
+        prefetch: list[Move] = []
+        nxt = self._next_job(svc, now, next_use, view, exclude=q.job_id)
+        if nxt is not None:
+            prefetch = svc.state.prefetch(nxt, next_use, {q.job_id})
+            if prefetch:
+                svc.prefetching = nxt
+        out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch)))
+
+    def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
+        def swap_time(job_id: str) -> float:
+            if svc.state.on_device(job_id):
+                return 0.0
+            return self.costs.swap_seconds(svc.state.size.get(job_id, 0))
+
+        resident = svc.resident if svc.resident is not None and svc.state.on_device(svc.resident) else None
+        return OrderingView(resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time)
+
+    def _next_use(self, svc: ServiceRecord, now: float) -> dict[str, float]:
+        """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
+        there, the predicted rest of its running CPU nodes otherwise, inf with nothing in flight."""
+        soon = {q.job_id for q in svc.queue}
+        if svc.running is not None:
+            soon.add(svc.running[0])
+        out: dict[str, float] = {}
+        for job_id in svc.jobs:
+            if job_id in soon:
+                out[job_id] = 0.0
+                continue
+            job = self.jobs[job_id]
+            rests = [max(self.costs.predict(job_id, n) - (now - t0), 0.0) for n, t0 in job.cpu_started.items()]
+            out[job_id] = min(rests) if rests else math.inf
+        return out
+
+    def _next_job(
+        self, svc: ServiceRecord, now: float, next_use: dict[str, float], view: OrderingView, exclude: str
+    ) -> str | None:
+        """The job the service will most likely run after the current node (what to prefetch)."""
+        others = [q for q in svc.queue if q.job_id != exclude]
+        if others:
+            return others[self.ordering.pick(others, now, view)].job_id
+        later = [(t, j) for j, t in next_use.items() if j != exclude and t < math.inf]
+        return min(later)[1] if later else None
+
+    def _end_job(
+        self, job_id: str, status: JobStatus, reason: str, out: list[Instruction], keep_pending: bool = False
+    ) -> None:
         job = self.jobs.get(job_id)
         if job is None or job.status in TERMINAL:
             return
         self._set_job(job, status)
         job.reason, job.finished_at = reason, self.clock()
-        if job_id in self.pending:
+        if job_id in self.pending and not keep_pending:
             self.pending.remove(job_id)
         svc = self.services.get(job.service) if job.service else None
         if svc is not None:
@@ -274,10 +397,15 @@ class Planner:
             if svc.running is not None and svc.running[0] == job_id:
                 svc.running = None  # the driver abandons the node's result
             svc.jobs.discard(job_id)
+            svc.state.release(job_id)
+            if svc.resident == job_id:
+                svc.resident = None
+            if svc.prefetching == job_id:
+                svc.prefetching = None
         if status == "done":
             out.append(JobDone(job_id, job.service))
         else:
-            out.append(FailJob(job_id, reason or status, job.service))
+            out.append(FailJob(job_id, reason or status, job.service, cancelled=status == "cancelled"))
 
     # -- state table ---------------------------------------------------------------------------------
     def _set_job(self, job: JobRecord, new: JobStatus) -> None:
@@ -295,11 +423,19 @@ class Planner:
     def validate(self) -> None:
         """Check every invariant; raise `InvalidTransition` with history on the first violation."""
         for svc in self.services.values():
+            try:
+                svc.state.validate()
+            except AssertionError as exc:
+                raise InvalidTransition(self._history(str(exc))) from None
+            if set(svc.state.where) != svc.jobs:
+                raise InvalidTransition(self._history(f"{svc.service_id}: states {set(svc.state.where)} != jobs"))
             if svc.running is not None:
                 job_id, it, node = svc.running
                 job = self.jobs[job_id]
                 if job.service != svc.service_id or job.status != "placed":
                     raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}, not placed there"))
+                if not svc.state.on_device(job_id):
+                    raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id} whose state is off device"))
                 if job.iteration != it or job.nodes.get(node) != "running":
                     raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}/{node} not marked running"))
             for q in svc.queue:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from plexrl.planner.state import Move, Tier
+
 Placement = Literal["service", "cpu"]
 
 
@@ -32,12 +34,18 @@ class JobPlan:
     iterations: int
     order: tuple[str, ...] = ()
     baseline: tuple[str, ...] = ()
+    state_bytes: int = 0  # policy + optimizer (+ reference) bytes: what the StateManager moves
 
 
 # -- events -------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ServiceJoined:
+    """A service is up. Budgets in bytes per tier (None = unlimited)."""
+
     service_id: str
+    device_bytes: int | None = None
+    host_bytes: int | None = None
+    disk_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +67,9 @@ class NodeFinished:
     node: str
     ok: bool = True
     error: str | None = None
-    duration: float = 0.0
+    duration: float = 0.0  # the node's own run time (swaps excluded): what the cost model learns
+    swap_bytes: int = 0  # state bytes moved before the node ran (blocking part)
+    swap_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +92,11 @@ Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | JobCancelled
 # -- instructions -------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class PlaceJob:
+    """Load the job on the service and materialise its state in `tier`."""
+
     job_id: str
     service_id: str
+    tier: Tier = "device"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +106,8 @@ class RunNode:
     node: str
     placement: Placement
     service_id: str | None = None
+    swaps: tuple[Move, ...] = ()  # carry out in order before the node (they make the job resident)
+    prefetch: tuple[Move, ...] = ()  # start in the background while the node runs (the next job's state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +127,7 @@ class FailJob:
     job_id: str
     reason: str
     service_id: str | None = None
+    cancelled: bool = False  # ended by the user (JobCancelled), not by an error
 
 
 Instruction = PlaceJob | RunNode | IterationDone | JobDone | FailJob

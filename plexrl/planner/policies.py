@@ -1,8 +1,14 @@
 """Pluggable planner policies: placement (where a job lives) and ordering (which ready service node a free
-service runs next). Pure functions of the planner's view; no I/O."""
+service runs next). Pure functions of the view the planner hands them; no I/O, no clock of their own.
+
+Placement sees each alive service as a `ServiceView`: how many jobs it holds, their predicted busy fraction
+(`load`, from the cost model) and whether the new job's state fits its memory budgets now (`fits`).
+A policy returns a service id, or None to keep the job queued (it is retried after every event).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,17 +24,34 @@ class QueuedNode:
     seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceView:
+    service_id: str
+    jobs: int
+    load: float
+    fits: bool
+
+
 class PlacementPolicy(Protocol):
     name: str
 
-    def place(self, job_id: str, jobs_per_service: dict[str, int]) -> str | None:
-        """The service to place `job_id` on, or None to keep it queued."""
+    def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
+        """The service to place `job_id` (predicted busy fraction `job_load`) on, or None to keep it queued."""
+
+
+@dataclass(frozen=True, slots=True)
+class OrderingView:
+    """What an ordering policy may ask about the nodes queued on one service."""
+
+    resident: str | None  # the job whose state is on device and that ran last here
+    service_time: Callable[[QueuedNode], float]  # predicted duration of the node
+    swap_time: Callable[[str], float]  # predicted seconds to bring the job's state on device (0 if there)
 
 
 class OrderingPolicy(Protocol):
     name: str
 
-    def pick(self, service_id: str, queue: list[QueuedNode], now: float) -> int:
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
         """Index into `queue` (non-empty) of the node the free service runs next."""
 
 
@@ -37,20 +60,45 @@ class Isolated:
 
     name = "isolated"
 
-    def place(self, job_id: str, jobs_per_service: dict[str, int]) -> str | None:
-        free = sorted(s for s, n in jobs_per_service.items() if n == 0)
-        return free[0] if free else None
+    def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
+        free = [s.service_id for s in services if s.jobs == 0 and s.fits]
+        return min(free) if free else None
 
 
 class Pack:
-    """Every job is admitted at once, on the service with the fewest jobs (ties: lowest id)."""
+    """Concentrate: the fitting service that already holds the most jobs (ties: lowest id). Leaves other
+    services empty for jobs that need one alone; waits only when no service has memory room."""
 
     name = "pack"
 
-    def place(self, job_id: str, jobs_per_service: dict[str, int]) -> str | None:
-        if not jobs_per_service:
-            return None
-        return min(sorted(jobs_per_service), key=lambda s: jobs_per_service[s])
+    def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
+        fit = [s for s in services if s.fits]
+        return min(fit, key=lambda s: (-s.jobs, s.service_id)).service_id if fit else None
+
+
+class Spread:
+    """Balance: the fitting service with the lowest predicted load (ties: fewer jobs, lowest id)."""
+
+    name = "spread"
+
+    def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
+        fit = [s for s in services if s.fits]
+        return min(fit, key=lambda s: (s.load, s.jobs, s.service_id)).service_id if fit else None
+
+
+class SpreadBackfill:
+    """Spread, but admit a job only where the predicted load leaves room for it (load + job_load <=
+    `max_load`); an empty service always admits. Queued jobs are backfilled as predictions settle and
+    jobs end."""
+
+    name = "spread+backfill"
+
+    def __init__(self, max_load: float = 1.0) -> None:
+        self.max_load = max_load
+
+    def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
+        room = [s for s in services if s.fits and (s.jobs == 0 or s.load + job_load <= self.max_load + 1e-9)]
+        return min(room, key=lambda s: (s.load, s.jobs, s.service_id)).service_id if room else None
 
 
 class Fifo:
@@ -58,9 +106,42 @@ class Fifo:
 
     name = "fifo"
 
-    def pick(self, service_id: str, queue: list[QueuedNode], now: float) -> int:
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
         return min(range(len(queue)), key=lambda i: (queue[i].ready_at, queue[i].seq))
 
 
-PLACEMENTS: dict[str, type] = {"isolated": Isolated, "pack": Pack}
-ORDERINGS: dict[str, type] = {"fifo": Fifo}
+class Hrrs:
+    """Highest response ratio next: ratio = (wait + cost) / cost, cost = predicted node time + predicted
+    swap-in time of the job's state. Short nodes and nodes of resident jobs go first, yet every ratio grows
+    with waiting, so no job starves. On near ties (the resident job's ratio within `tie` of the best) the
+    resident job wins, so the service does not thrash between states."""
+
+    name = "hrrs"
+
+    def __init__(self, tie: float = 0.1, floor: float = 1e-3) -> None:
+        self.tie, self.floor = tie, floor
+
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
+        def ratio(i: int) -> float:
+            q = queue[i]
+            cost = max(view.service_time(q) + view.swap_time(q.job_id), self.floor)
+            return (max(now - q.ready_at, 0.0) + cost) / cost
+
+        ratios = [ratio(i) for i in range(len(queue))]
+        best = max(range(len(queue)), key=lambda i: (ratios[i], -queue[i].ready_at, -queue[i].seq))
+        if view.resident is not None and queue[best].job_id != view.resident:
+            mine = [i for i in range(len(queue)) if queue[i].job_id == view.resident]
+            if mine:
+                top = max(mine, key=lambda i: (ratios[i], -queue[i].seq))
+                if ratios[top] * (1 + self.tie) >= ratios[best]:
+                    return top
+        return best
+
+
+PLACEMENTS: dict[str, Callable[[], PlacementPolicy]] = {
+    "isolated": Isolated,
+    "pack": Pack,
+    "spread": Spread,
+    "spread+backfill": SpreadBackfill,
+}
+ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {"fifo": Fifo, "hrrs": Hrrs}

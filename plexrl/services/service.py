@@ -1,19 +1,35 @@
-"""A `Service` hosts the engines of every job placed on it and runs their service nodes, one at a time
-(the planner guarantees that; the service does not schedule). For now each placed job keeps its own
-`TorchEngine` resident; moving job state between device, host and disk tiers is the StateManager's work.
+"""A `Service` hosts the engines of every job placed on it, carries out the StateManager's moves, and runs
+the jobs' service nodes one at a time (the planner guarantees that; the service does not schedule).
+
+Before a node it applies the blocking moves the planner attached (evictions, then the job's swap-in), then
+starts the attached prefetch in a background thread (a separate CUDA stream on GPU) so that the next job's
+state arrives while this node computes, and runs the node. It reports the node's own run time and the time
+it spent moving state (blocking swaps plus any wait for an unfinished prefetch) separately: the first is
+`busy`, the second `swap` in the accounting. In validate mode it checksums a job's state at swap-out and
+checks it at swap-in.
+
+Strict affinity: a job's engine is created here and stays here until the job ends; only its tensors move.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plexrl.operator import OpContext
+from plexrl.planner.state import Move
+from plexrl.services import swap as sw
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
-    from plexrl.graph import Node
     from plexrl.job import JobHandle
 
 log = logging.getLogger(__name__)
@@ -26,38 +42,257 @@ def needs_reference(job: JobHandle) -> bool:
     )
 
 
-class Service:
-    def __init__(self, service_id: str, device: str = "cpu") -> None:
-        self.service_id = service_id
-        self.device = device
-        self.engines: dict[str, Any] = {}
+@dataclass(slots=True)
+class NodeResult:
+    """What running one node produced, with its timing (seconds on the service's clock)."""
 
-    def load_job(self, job: JobHandle) -> None:
-        """Create the job's engine from its starting model (strict affinity: it stays here)."""
+    job_id: str
+    iteration: int
+    node: str
+    output: Batch | None
+    error: str | None
+    start: float
+    end: float
+    swap_start: float = 0.0
+    swap_end: float = 0.0
+    swap_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class SwapStats:
+    blocking_seconds: float = 0.0  # moves the node had to wait for (evictions + swap-in)
+    prefetch_seconds: float = 0.0  # moves done in the background
+    prefetch_wait_seconds: float = 0.0  # part of a prefetch a node still had to wait for
+    bytes_moved: int = 0
+    moves: int = 0
+    per_tier: dict[str, int] = field(default_factory=dict)
+
+
+def run_cpu_node(
+    job: JobHandle, iteration: int, node_name: str, inputs: dict[str, Batch], clock: Callable[[], float]
+) -> NodeResult:
+    """Run one CPU-pool node of `job` (no engine). Errors are returned, never raised."""
+    node = job.graph.node(node_name)
+    ctx = OpContext(job.job_id, iteration, node.name, job.config.seed, job.task, job.tokenizer)
+    start = clock()
+    try:
+        out = node.operator.run(ctx, inputs, node.params)
+    except Exception as exc:
+        log.error("job %s node %s (iteration %d) failed: %s", job.job_id, node_name, iteration, exc,
+                  exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
+        return NodeResult(job.job_id, iteration, node_name, None, f"{type(exc).__name__}: {exc}", start, clock())
+    return NodeResult(job.job_id, iteration, node_name, out, None, start, clock())
+
+
+class Service:
+    def __init__(
+        self,
+        service_id: str,
+        device: str = "cpu",
+        *,
+        spill_dir: str | Path | None = None,
+        validate: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        import torch
+
+        self.service_id = service_id
+        self.device = torch.device(device)
+        self.clock = clock
+        self.validate = validate
+        self._own_spill = spill_dir is None
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="plexrl-spill-"))
+        self.jobs: dict[str, JobHandle] = {}
+        self.engines: dict[str, Any] = {}
+        self.states: dict[str, sw.Placement] = {}
+        self.stats = SwapStats()
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{service_id}-prefetch")
+        self._inflight: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def load_job(self, job: JobHandle, tier: str = "device") -> int:
+        """Create the job's engine from its starting model and put its state in `tier` (strict affinity: it
+        stays on this service). Returns the state's size in bytes."""
         from plexrl.engines.torch_engine import TorchEngine
 
         tok = job.tokenizer
-        self.engines[job.job_id] = TorchEngine(
+        engine = TorchEngine(
             job.model_path,
             eos_id=tok.eos_token_id,
             pad_id=tok.pad_token_id,
-            device=self.device,
+            device=str(self.device),
             with_reference=needs_reference(job),
             attention=job.config.model.attention,
         )
+        self.jobs[job.job_id], self.engines[job.job_id] = job, engine
+        self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
+        if tier != "device":
+            self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
+        return self.states[job.job_id].nbytes
+
+    def tier(self, job_id: str) -> str:
+        return self.states[job_id].tier
 
     def context(self, job: JobHandle, iteration: int, node: str) -> OpContext:
         return OpContext(
             job.job_id, iteration, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id]
         )
 
-    def run(self, job: JobHandle, iteration: int, node: Node, inputs: dict[str, Batch]) -> Batch:
-        return node.operator.run(self.context(job, iteration, node.name), inputs, node.params)
+    def run_node(
+        self,
+        job_id: str,
+        iteration: int,
+        node_name: str,
+        inputs: dict[str, Batch],
+        swaps: Sequence[Move] = (),
+        prefetch: Sequence[Move] = (),
+    ) -> NodeResult:
+        """Apply `swaps`, start `prefetch` in the background, run the node. Errors are returned."""
+        job = self.jobs[job_id]
+        swap_start = self.clock()
+        moved = 0
+        try:
+            moved += self.apply(swaps)
+            self._wait_for(job_id)
+            if self.states[job_id].tier != "device":
+                raise sw.StateCorrupted(f"job {job_id} is on {self.states[job_id].tier}, not device, at run time")
+        except Exception as exc:
+            now = self.clock()
+            return NodeResult(job_id, iteration, node_name, None, f"swap failed: {type(exc).__name__}: {exc}",
+                              now, now, swap_start, now, moved)  # fmt: skip
+        swap_end = self.clock()
+        self.stats.blocking_seconds += swap_end - swap_start
+        if prefetch:
+            self._start_prefetch(list(prefetch))
+        node = job.graph.node(node_name)
+        start = self.clock()
+        try:
+            out = node.operator.run(self.context(job, iteration, node_name), inputs, node.params)
+        except Exception as exc:
+            log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
+                      exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
+            return NodeResult(job_id, iteration, node_name, None, f"{type(exc).__name__}: {exc}", start,
+                              self.clock(), swap_start, swap_end, moved)  # fmt: skip
+        return NodeResult(job_id, iteration, node_name, out, None, start, self.clock(), swap_start, swap_end, moved)
 
-    def save_model(self, job: JobHandle, path: Path) -> Path:
-        self.engines[job.job_id].save_pretrained(path)
-        job.tokenizer.save_pretrained(str(path))
+    def save_model(self, job_id: str, path: Path) -> Path:
+        self._wait_for(job_id)
+        if self.states[job_id].tier != "device":
+            self._move(Move(job_id, self.states[job_id].tier, "device", 0))  # type: ignore[arg-type]
+        self.engines[job_id].save_pretrained(path)
+        self.jobs[job_id].tokenizer.save_pretrained(str(path))
         return path
 
     def release(self, job_id: str) -> None:
+        """Forget the job: engine, host copies and spill file."""
+        self._wait_for(job_id)
+        state = self.states.pop(job_id, None)
+        if state is not None and state.disk is not None:
+            state.disk.unlink(missing_ok=True)
         self.engines.pop(job_id, None)
+        self.jobs.pop(job_id, None)
+
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=True)
+        for job_id in list(self.states):
+            self.release(job_id)
+        if self._own_spill:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+    def report(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "service": self.service_id,
+            "device": str(self.device),
+            "blocking_swap_seconds": s.blocking_seconds,
+            "prefetch_seconds": s.prefetch_seconds,
+            "prefetch_wait_seconds": s.prefetch_wait_seconds,
+            "bytes_moved": s.bytes_moved,
+            "moves": s.moves,
+            "bytes_to_tier": dict(s.per_tier),
+        }
+
+    # -- moves --------------------------------------------------------------------------------------
+    def apply(self, moves: Sequence[Move]) -> int:
+        """Carry out `moves` in order (blocking). Returns the bytes moved."""
+        total = 0
+        for move in moves:
+            self._wait_for(move.job_id)
+            total += self._move(move)
+        return total
+
+    def _start_prefetch(self, moves: list[Move]) -> None:
+        def work() -> None:
+            t0 = time.perf_counter()
+            if self._copy_stream is not None:
+                import torch
+
+                with torch.cuda.stream(self._copy_stream):
+                    for m in moves:
+                        self._move(m)
+                self._copy_stream.synchronize()
+            else:
+                for m in moves:
+                    self._move(m)
+            with self._lock:
+                self.stats.prefetch_seconds += time.perf_counter() - t0
+
+        for m in moves:
+            self._wait_for(m.job_id)
+        fut = self._prefetcher.submit(work)
+        for m in moves:
+            self._inflight[m.job_id] = fut
+
+    def _wait_for(self, job_id: str) -> None:
+        fut = self._inflight.pop(job_id, None)
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        fut.result()
+        with self._lock:
+            self.stats.prefetch_wait_seconds += time.perf_counter() - t0
+
+    def _move(self, move: Move) -> int:
+        state = self.states[move.job_id]
+        if state.tier != move.src:
+            raise sw.StateCorrupted(
+                f"job {move.job_id}: the planner moves it from {move.src} but it is on {state.tier} "
+                f"(service {self.service_id})"
+            )
+        if move.src == move.dst:
+            return 0
+        live = self.engines[move.job_id].state_tensors()
+        pin = self.device.type == "cuda"
+        if move.src == "device":
+            state.nbytes = sw.nbytes(live)  # grows once the optimizer has state
+            state.host = sw.device_to_host(live, self.device)
+            if self.validate:
+                state.checksum = sw.checksum(state.host)
+        elif move.src == "disk":
+            assert state.disk is not None
+            state.host, state.disk = sw.disk_to_host(state.disk, pin), None
+        if move.dst == "disk":
+            assert state.host is not None
+            path = self.spill_dir / f"{move.job_id}.safetensors"
+            sw.host_to_disk(state.host, path)
+            state.disk, state.host = path, None
+        elif move.dst == "device":
+            assert state.host is not None
+            sw.host_to_device(live, state.host, self.device)
+            state.host = None
+            if self.validate and state.checksum is not None:
+                now = sw.checksum(live)
+                if now != state.checksum:
+                    raise sw.StateCorrupted(f"job {move.job_id}: state checksum changed between swap-out and swap-in")
+        state.tier = move.dst
+        with self._lock:
+            self.stats.bytes_moved += state.nbytes
+            self.stats.moves += 1
+            self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
+        return state.nbytes

@@ -1,0 +1,171 @@
+"""`StateManager`: where each job's state lives on ONE service, and which moves keep the budgets.
+
+Pure (DESIGN.md invariant 1): it never copies a byte; it answers "which moves make job J runnable" and the
+service carries the moves out in the order given. Tiers, fastest first: `device` (runnable), `host` (CPU
+memory), `disk` (safetensors files). Each tier has a byte budget (None = unlimited). A job's state (policy
+weights + optimizer state + reference weights when its pipeline uses KL) lives in exactly one tier.
+
+Victims are chosen by predicted next use: the job whose next service node is furthest away leaves first
+(ties: job id). A job that runs or is being prefetched is never a victim. Moves go one tier down at a time
+when the lower tier has room (device -> host -> disk), so a spill to disk happens only when host is full.
+Not done here: timing, checksums, actually moving tensors (the service does that).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Tier = Literal["device", "host", "disk"]
+TIERS: tuple[Tier, ...] = ("device", "host", "disk")
+
+
+class NoRoom(RuntimeError):
+    """The budgets cannot hold the states asked for (a config error, caught at validation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Move `job_id`'s state (`nbytes`) from tier `src` to tier `dst` on the service."""
+
+    job_id: str
+    src: Tier
+    dst: Tier
+    nbytes: int
+
+
+@dataclass(slots=True)
+class StateManager:
+    service_id: str
+    budgets: dict[Tier, int | None] = field(default_factory=lambda: {t: None for t in TIERS})
+    where: dict[str, Tier] = field(default_factory=dict)
+    size: dict[str, int] = field(default_factory=dict)
+
+    # -- queries --------------------------------------------------------------------------------------
+    def used(self, tier: Tier) -> int:
+        return sum(self.size[j] for j, t in self.where.items() if t == tier)
+
+    def free(self, tier: Tier) -> float:
+        budget = self.budgets.get(tier)
+        return math.inf if budget is None else budget - self.used(tier)
+
+    def capacity(self) -> float:
+        total = 0.0
+        for tier in TIERS:
+            budget = self.budgets.get(tier)
+            total += math.inf if budget is None else budget
+        return total
+
+    def can_ever_run(self, nbytes: int) -> bool:
+        """A state of `nbytes` fits on device once everything else is moved away."""
+        budget = self.budgets.get("device")
+        return budget is None or nbytes <= budget
+
+    def fits(self, nbytes: int) -> bool:
+        """A new state of `nbytes` can be admitted now (into some tier with room, without moving others)."""
+        return self.can_ever_run(nbytes) and any(self.free(t) >= nbytes for t in TIERS)
+
+    def on_device(self, job_id: str) -> bool:
+        return self.where.get(job_id) == "device"
+
+    # -- decisions ------------------------------------------------------------------------------------
+    def admit(self, job_id: str, nbytes: int) -> Tier | None:
+        """Record a new job's state in the fastest tier with room (the service materialises it there)."""
+        if job_id in self.where:
+            raise ValueError(f"job {job_id!r} already has state on {self.service_id}")
+        if not self.can_ever_run(nbytes):
+            return None
+        for tier in TIERS:
+            if self.free(tier) >= nbytes:
+                self.where[job_id], self.size[job_id] = tier, nbytes
+                return tier
+        return None
+
+    def release(self, job_id: str) -> None:
+        self.where.pop(job_id, None)
+        self.size.pop(job_id, None)
+
+    def make_resident(self, job_id: str, next_use: Mapping[str, float], pinned: set[str]) -> list[Move]:
+        """Moves that put `job_id` on device (evicting by next use); [] when it is there already.
+        Raises `NoRoom` when the jobs in `pinned` leave too little device memory."""
+        src = self.where[job_id]
+        if src == "device":
+            return []
+        snapshot = dict(self.where)
+        try:
+            moves = self._room_on("device", self.size[job_id], next_use, pinned | {job_id}, None)
+        except NoRoom:
+            self.where = snapshot
+            raise
+        self.where[job_id] = "device"
+        moves.append(Move(job_id, src, "device", self.size[job_id]))
+        return moves
+
+    def prefetch(self, job_id: str, next_use: Mapping[str, float], pinned: set[str]) -> list[Move]:
+        """Like `make_resident`, but only evicting jobs needed later than `job_id`; [] if that is not enough."""
+        if self.where.get(job_id, "device") == "device":
+            return []
+        horizon = next_use.get(job_id, math.inf)
+        snapshot = dict(self.where)
+        try:
+            moves = self._room_on("device", self.size[job_id], next_use, pinned | {job_id}, horizon)
+        except NoRoom:
+            self.where = snapshot
+            return []
+        moves.append(Move(job_id, self.where[job_id], "device", self.size[job_id]))
+        self.where[job_id] = "device"
+        return moves
+
+    def _room_on(
+        self, tier: Tier, need: int, next_use: Mapping[str, float], keep: set[str], horizon: float | None
+    ) -> list[Move]:
+        """Demote residents of `tier` (latest next use first) until `need` bytes are free there."""
+        moves: list[Move] = []
+        if self.free(tier) >= need:
+            return moves
+        lower = TIERS[TIERS.index(tier) + 1 :]
+        victims = sorted(
+            (j for j, t in self.where.items() if t == tier and j not in keep),
+            key=lambda j: (-next_use.get(j, math.inf), j),
+        )
+        for victim in victims:
+            if self.free(tier) >= need:
+                break
+            if horizon is not None and next_use.get(victim, math.inf) <= horizon:
+                raise NoRoom(f"prefetch would evict {victim}, needed sooner")
+            moves += self._demote(victim, lower, next_use, keep)
+        if self.free(tier) < need:
+            raise NoRoom(
+                f"service {self.service_id}: {need} bytes do not fit in tier {tier} "
+                f"(budget {self.budgets.get(tier)}, pinned jobs {sorted(keep)})"
+            )
+        return moves
+
+    def _demote(
+        self, victim: str, lower: tuple[Tier, ...], next_use: Mapping[str, float], keep: set[str]
+    ) -> list[Move]:
+        nbytes, src = self.size[victim], self.where[victim]
+        for tier in lower:
+            if self.free(tier) >= nbytes:
+                self.where[victim] = tier
+                return [Move(victim, src, tier, nbytes)]
+        for tier in lower[:-1]:  # make room one level further down (host -> disk), then move there
+            try:
+                moves = self._room_on(tier, nbytes, next_use, keep | {victim}, None)
+            except NoRoom:
+                continue
+            self.where[victim] = tier
+            return [*moves, Move(victim, src, tier, nbytes)]
+        raise NoRoom(f"service {self.service_id}: no tier below {src} has room for {victim} ({nbytes} bytes)")
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        for tier in TIERS:
+            if self.free(tier) < 0:
+                raise AssertionError(
+                    f"service {self.service_id}: tier {tier} over budget ({self.used(tier)} > {self.budgets[tier]})"
+                )
+        if set(self.where) != set(self.size):
+            raise AssertionError(f"service {self.service_id}: state records out of step")
