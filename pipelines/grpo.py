@@ -30,11 +30,15 @@ def grpo(
     skip_zero_advantage: bool = True,
     eval_every: int = 20,
     eval_size: int = 500,
+    verifier_latency_s: Annotated[
+        float, Field(ge=0, description="> 0: verify through a remote verifier with this round trip (remote_verify)")
+    ] = 0.0,
 ) -> PipelineGraph:
     p = Pipeline("grpo")
     prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
     rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
-    rewards = p.add("verify", "verify", rollouts=rollouts)
+    remote = {"latency_s": verifier_latency_s} if verifier_latency_s > 0 else {}
+    rewards = p.add("verify", "remote_verify" if remote else "verify", rollouts=rollouts, **remote)
     adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards)
     ref = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts, which="reference")} if kl_coef > 0 else {}
     train = p.add(

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -44,11 +44,21 @@ def run(
         typer.Option("--progress/--no-progress", help="Progress bar (default: tracking.progress on a TTY)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
+    scheduler: Annotated[
+        str | None, typer.Option("--scheduler", help="Cluster configs: run on this Dask scheduler address.")
+    ] = None,
 ) -> None:
-    """Run a job (warm start cached under run_dir), track it in MLflow, print the summary."""
+    """Run a job, or a cluster config (a YAML with `jobs:`) of many jobs on shared services; track them in
+    MLflow; print the summary (and, for a cluster, the accounting table)."""
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    from plexrl.cluster import is_cluster_file
+
+    if is_cluster_file(config):
+        assert config is not None
+        _run_cluster(config, (set_ or []) + ([f"scheduler={scheduler}"] if scheduler else []), progress)
+        return
     try:
         loaded = _load(config, set_)
         from plexrl.runner import run_jobs
@@ -62,6 +72,10 @@ def run(
     except KeyboardInterrupt:
         typer.secho("interrupted; finished iterations stay recorded in MLflow", fg="red", err=True)
         raise typer.Exit(130) from None
+    raise typer.Exit(_summarise(jobs))
+
+
+def _summarise(jobs: list[Any]) -> int:
     failed = False
     for job in jobs:
         name = job.eval_metric()
@@ -78,12 +92,55 @@ def run(
         if job.status != "done":
             typer.secho(f"  error: {job.error}", fg="red", err=True)
             failed = True
-    raise typer.Exit(1 if failed else 0)
+    return 1 if failed else 0
+
+
+def _run_cluster(config: Path, overrides: list[str], progress: bool | None) -> None:
+    from plexrl.accounting import format_report
+    from plexrl.cluster import load_cluster, run_cluster
+
+    try:
+        loaded = load_cluster(config, overrides)
+        if progress is None:
+            progress = loaded.config.progress and sys.stderr.isatty()
+        result = run_cluster(loaded, progress=progress)
+    except (PlexRLError, FileNotFoundError, ValueError) as exc:
+        _fail(exc)
+        return
+    except KeyboardInterrupt:
+        typer.secho("interrupted; the jobs are marked KILLED in MLflow, finished iterations stay", fg="red", err=True)
+        raise typer.Exit(130) from None
+    code = _summarise(result.jobs)
+    typer.echo(format_report(result.report))
+    if result.timeline is not None:
+        typer.echo(f"timeline: {result.timeline}")
+    if result.tracking:
+        typer.echo(f"cluster MLflow run: {result.tracking['uri']} run {result.tracking['run_id']}")
+    raise typer.Exit(code)
 
 
 @app.command()
 def validate(config: ConfigArg = None, set_: SetOpt = None) -> None:
-    """Check a job config and its pipeline; report every problem at once."""
+    """Check a job or cluster config and its pipelines; report every problem at once."""
+    from plexrl.cluster import is_cluster_file
+
+    if is_cluster_file(config):
+        from plexrl.cluster import load_cluster
+
+        assert config is not None
+        try:
+            cluster = load_cluster(config, set_ or [])
+        except PlexRLError as exc:
+            _fail(exc)
+            return
+        c = cluster.config
+        typer.echo(
+            f"{config}: OK — {len(cluster.jobs)} jobs on {c.services.count} service(s), "
+            f"placement {c.placement}, ordering {c.ordering}, driver {c.driver}"
+        )
+        for job in cluster.jobs:
+            typer.echo(f"  {job.config.name:<24} pipeline {job.graph.name!r} ({len(job.graph.order)} nodes)")
+        return
     try:
         loaded = _load(config, set_)
     except PlexRLError as exc:

@@ -165,6 +165,7 @@ BUILTIN_OPERATORS: dict[str, str] = {
     "rollout": "plexrl.operators.rollout:rollout",
     "logprob": "plexrl.operators.rollout:logprob",
     "verify": "plexrl.operators.verify:verify",
+    "remote_verify": "plexrl.operators.external:remote_verify",
     "grpo_advantage": "plexrl.operators.advantage:grpo_advantage",
     "rloo_advantage": "plexrl.operators.advantage:rloo_advantage",
     "reinforce_pp_advantage": "plexrl.operators.advantage:reinforce_pp_advantage",

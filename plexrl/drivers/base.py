@@ -7,13 +7,15 @@ when* a node runs and how its result comes back.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from plexrl.batch import Batch
 from plexrl.hooks.base import Hook, HookList
 from plexrl.job import JobHandle
-from plexrl.planner import JobFailed, NodeFinished, Planner, ServiceJoined
+from plexrl.planner import JobCancelled, JobFailed, NodeFinished, Planner, ServiceJoined
 from plexrl.planner.costs import CostModel
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.services.service import NodeResult
@@ -55,6 +57,20 @@ class DriverBase:
         self.iter_start: dict[str, float] = {}
         self.failing: set[str] = set()  # reported to the planner, FailJob not yet received
         self.placed: dict[str, str] = {}  # job -> service
+        self._cancels: deque[JobCancelled] = deque()
+        self._cancel_lock = threading.Lock()
+
+    def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
+        """Cancel one job (thread-safe, callable from a hook; takes effect at the next event). Its finished
+        iterations stay recorded; the other jobs go on."""
+        with self._cancel_lock:
+            self._cancels.append(JobCancelled(job_id, reason))
+
+    def _take_cancels(self) -> list[JobCancelled]:
+        with self._cancel_lock:
+            out = list(self._cancels)
+            self._cancels.clear()
+        return out
 
     def _register(self, jobs: list[JobHandle]) -> None:
         for job in jobs:

@@ -56,6 +56,7 @@ class LocalDriver(DriverBase):
         events.extend(JobSubmitted(job.job_id, job.plan()) for job in jobs)
         try:
             while events:
+                events.extendleft(reversed(self._take_cancels()))
                 for ins in self.planner.handle(events.popleft()):
                     ev = self._carry_out(ins)
                     if ev is not None:

@@ -1,5 +1,7 @@
-"""Timeline recorder: every node as a span on its lane (a service id, or "cpu"); written as JSON and a
-picture (lanes x time, coloured by node) under `<run_dir>/timelines/<job>/`."""
+"""Timeline recorder: every node as a span on its lane (a service id, or "cpu"), and every blocking state
+move as a `swap` span on its service; written per job as JSON and a picture (lanes x time, coloured by
+node) under `<run_dir>/timelines/<job>/`. `draw_cluster_timeline` draws all jobs at once (services x time,
+coloured by job, swaps hatched)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class Span:
     lane: str
     start: float
     end: float
+    kind: str = "node"  # or "swap"
+    nbytes: int = 0
 
 
 class TimelineRecorder(Hook):
@@ -39,10 +43,16 @@ class TimelineRecorder(Hook):
             self.t0 = start
         self.spans.append(Span(job.job_id, iteration, node, lane, start - self.t0, end - self.t0))
 
+    def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
+        if self.t0 is None:
+            self.t0 = start
+        self.spans.append(Span(job.job_id, -1, "swap", lane, start - self.t0, end - self.t0, "swap", nbytes))
+
     def busy_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for s in self.spans:
-            out[s.lane] = out.get(s.lane, 0.0) + (s.end - s.start)
+            if s.kind == "node":
+                out[s.lane] = out.get(s.lane, 0.0) + (s.end - s.start)
         return out
 
     def on_job_end(self, job: JobHandle) -> None:
@@ -75,6 +85,36 @@ def draw_timeline(spans: list[Span], path: Path) -> None:
     ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(nodes))]
     ax.legend(handles, nodes, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(nodes), 6), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def draw_cluster_timeline(spans: list[Span], path: Path, title: str = "") -> None:
+    """Services (and the CPU pool) x time; one colour per job; swaps hatched in black."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = sorted({s.lane for s in spans}, key=lambda x: (x == "cpu", x))
+    jobs = sorted({s.job for s in spans})
+    cmap = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.7 * len(lanes)))
+    for s in spans:
+        y = lanes.index(s.lane)
+        if s.kind == "swap":
+            ax.barh(y, s.end - s.start, left=s.start, height=0.8, color="black", hatch="///")
+        else:
+            ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=cmap(jobs.index(s.job) % 10))
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds")
+    if title:
+        ax.set_title(title, fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(jobs))]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="black", hatch="///"))
+    ax.legend(handles, [*jobs, "swap"], loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(jobs) + 1, 6),
+              fontsize=8)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
