@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from plexrl.cluster import is_cluster_file, load_cluster
 from plexrl.config import load_job
 from plexrl.errors import ConfigError
 from plexrl.graph import NodeSpec, Pipeline, compile_pipeline
@@ -172,7 +173,10 @@ def test_every_shipped_yaml_validates() -> None:
     for path in configs:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "plexrl" in first, f"{path} must open with the command that runs it"
-        load_job(path)
+        if is_cluster_file(path):
+            load_cluster(path)
+        else:
+            load_job(path)
 
 
 def test_main_job_yaml_equals_embedded_defaults() -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from plexrl import operator
-from plexrl.batch import Rewards, Rollouts
+from plexrl.batch import EvalStats, Rewards, Rollouts
+from plexrl.operator import OpContext
 
 
 @operator(placement="cpu")
@@ -14,3 +17,11 @@ def length_penalty(rollouts: Rollouts, rewards: Rewards, *, per_token: float = 0
 
 def not_an_operator() -> None:
     """A plain function: naming it as an operator must be refused."""
+
+
+@operator(placement="service")
+def kill_own_worker(ctx: OpContext, *, at_iteration: int = 1) -> EvalStats:
+    """Simulate a lost machine: the process that hosts this job's service dies mid-node."""
+    if ctx.iteration >= at_iteration:
+        os._exit(17)
+    return EvalStats(accuracy=0.0, response_length=0.0, size=0)

@@ -247,7 +247,7 @@ class DaskDriver(DriverBase):
         try:
             for fut in list(self._inflight):
                 fut.cancel()
-            alive = set(self.client.scheduler_info()["workers"])
+            alive = self._alive()
             futs = {
                 sid: self.client.submit(_stop_service, sid, workers=[a], allow_other_workers=False, pure=False)
                 for sid, a in self.worker_of.items()
@@ -263,13 +263,18 @@ class DaskDriver(DriverBase):
             if self.cluster is not None:
                 self.cluster.close()
 
+    def _alive(self) -> set[str]:
+        """Worker addresses the scheduler knows now (asked, not the client's periodically refreshed cache)."""
+        return set(self.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.workers)))
+
     def _lost(self) -> list[str]:
-        alive = set(self.client.scheduler_info()["workers"])
+        alive = self._alive()
         return [sid for sid, addr in self.worker_of.items() if addr not in alive]
 
     # -- the loop -----------------------------------------------------------------------------------
     def _loop(self, events: deque[Event]) -> None:
         from distributed import wait
+        from distributed.client import FuturesCancelledError
 
         lost: set[str] = set()
         next_check = time.time() + self.poll
@@ -286,15 +291,14 @@ class DaskDriver(DriverBase):
                 if not self._cancels:
                     raise RuntimeError("nothing is running but jobs are unfinished (driver bug)")
                 continue
+            cancelled = False
             try:
                 done = wait(list(self._inflight), timeout=self.poll, return_when="FIRST_COMPLETED").done
             except TimeoutError:
                 done = set()
-            for fut in done:
-                ev = self._collect(fut)
-                if ev is not None:
-                    events.append(ev)
-            if time.time() >= next_check or not done:
+            except FuturesCancelledError:  # e.g. the scheduler forgot a task whose worker died
+                done, cancelled = {f for f in self._inflight if f.status == "cancelled"}, True
+            if time.time() >= next_check or not done or cancelled:
                 next_check = time.time() + self.poll
                 for sid in self._lost():
                     if sid in lost:
@@ -305,6 +309,10 @@ class DaskDriver(DriverBase):
                         if p.lane == sid:
                             del self._inflight[fut]
                     events.append(ServiceLost(sid, f"worker {self.worker_of[sid]} is gone"))
+            for fut in done:  # after the liveness check: a lost service's futures are already dropped
+                ev = self._collect(fut)
+                if ev is not None:
+                    events.append(ev)
 
     def _collect(self, fut: Any) -> Event | None:
         p = self._inflight.pop(fut, None)

@@ -136,6 +136,9 @@ class Planner:
         self.validate_each_step = validate
         self.max_instructions = max_instructions_per_event
         self._seq = itertools.count()
+        # admission is retried only after something that can change a placement: a service joined or was
+        # lost, a job was submitted or ended, or a job finished an iteration (its predicted load settled)
+        self._admission_due = True
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -168,6 +171,7 @@ class Planner:
     def _service_joined(self, ev: ServiceJoined, out: list[Instruction]) -> None:
         if ev.service_id in self.services and self.services[ev.service_id].alive:
             raise InvalidTransition(self._history(f"service {ev.service_id!r} joined twice"))
+        self._admission_due = True
         budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
         self.services[ev.service_id] = ServiceRecord(ev.service_id, state=StateManager(ev.service_id, budgets))  # type: ignore[arg-type]
 
@@ -176,6 +180,7 @@ class Planner:
         if svc is None or not svc.alive:
             return
         svc.alive = False
+        self._admission_due = True
         for job_id in sorted(svc.jobs):
             self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out)
         svc.queue.clear()
@@ -191,6 +196,7 @@ class Planner:
             return
         self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
         self.pending.append(ev.job_id)
+        self._admission_due = True
 
     def _node_finished(self, ev: NodeFinished, out: list[Instruction]) -> None:
         job = self.jobs.get(ev.job_id)
@@ -216,18 +222,20 @@ class Planner:
 
     # -- job progress --------------------------------------------------------------------------------
     def _admit(self, out: list[Instruction]) -> None:
-        if not self.pending:
+        if not self.pending or not self._admission_due:
             return
+        self._admission_due = False
         alive = [s for s in self.services.values() if s.alive]
         if not alive:
             return
         load = {s.service_id: sum(self.job_load(j) for j in s.jobs) for s in alive}
+        views: dict[int, list[ServiceView]] = {}  # by state size: `fits` depends only on it
+        largest = max(math.inf if s.state.budgets["device"] is None else s.state.budgets["device"] for s in alive)
         still: list[str] = []
         for job_id in self.pending:
             job = self.jobs[job_id]
             nbytes = job.plan.state_bytes
-            if not any(s.state.can_ever_run(nbytes) for s in alive):
-                largest = max((s.state.budgets["device"] or 0) for s in alive)
+            if nbytes > largest:
                 self._end_job(
                     job_id,
                     "failed",
@@ -237,9 +245,12 @@ class Planner:
                     keep_pending=True,
                 )
                 continue
+            if nbytes not in views:
+                views[nbytes] = [
+                    ServiceView(s.service_id, len(s.jobs), load[s.service_id], s.state.fits(nbytes)) for s in alive
+                ]
             mine = self.job_load(job_id)
-            views = [ServiceView(s.service_id, len(s.jobs), load[s.service_id], s.state.fits(nbytes)) for s in alive]
-            target = self.placement.place(job_id, mine, views)
+            target = self.placement.place(job_id, mine, views[nbytes])
             if target is None:
                 still.append(job_id)
                 continue
@@ -251,6 +262,7 @@ class Planner:
             job.service, job.placed_at = target, self.clock()
             svc.jobs.add(job_id)
             load[target] += mine
+            views.clear()  # the target's jobs, load and free memory changed
             out.append(PlaceJob(job_id, target, tier))
             job.iteration = -1 if job.plan.baseline else 0
             self._start_iteration(job, out)
@@ -303,6 +315,7 @@ class Planner:
             if not all(s == "done" for s in job.nodes.values()):
                 return
             out.append(IterationDone(job.job_id, job.iteration))
+            self._admission_due = True
             job.iteration += 1
             if job.iteration >= job.plan.iterations:
                 self._end_job(job.job_id, "done", "", out)
@@ -388,6 +401,7 @@ class Planner:
         if job is None or job.status in TERMINAL:
             return
         self._set_job(job, status)
+        self._admission_due = True
         job.reason, job.finished_at = reason, self.clock()
         if job_id in self.pending and not keep_pending:
             self.pending.remove(job_id)

@@ -6,8 +6,9 @@ memory), `disk` (safetensors files). Each tier has a byte budget (None = unlimit
 weights + optimizer state + reference weights when its pipeline uses KL) lives in exactly one tier.
 
 Victims are chosen by predicted next use: the job whose next service node is furthest away leaves first
-(ties: job id). A job that runs or is being prefetched is never a victim. Moves go one tier down at a time
-when the lower tier has room (device -> host -> disk), so a spill to disk happens only when host is full.
+(ties: job id); a pinned job (the one about to run) is never a victim. An evicted state goes to the fastest
+lower tier with room; when host is full, host residents needed later than the victim spill to disk to make
+room, otherwise the victim itself goes to disk. So the state needed last sits in the slowest tier.
 Not done here: timing, checksums, actually moving tensors (the service does that).
 """
 
@@ -134,7 +135,7 @@ class StateManager:
             if self.free(tier) >= need:
                 break
             if horizon is not None and next_use.get(victim, math.inf) <= horizon:
-                raise NoRoom(f"prefetch would evict {victim}, needed sooner")
+                raise NoRoom(f"making room would evict {victim}, which is needed sooner")
             moves += self._demote(victim, lower, next_use, keep)
         if self.free(tier) < need:
             raise NoRoom(
@@ -146,15 +147,21 @@ class StateManager:
     def _demote(
         self, victim: str, lower: tuple[Tier, ...], next_use: Mapping[str, float], keep: set[str]
     ) -> list[Move]:
+        """Move `victim` to the fastest lower tier that has room, or can make room by pushing down its own
+        residents that are needed later than the victim (so the job needed last ends up slowest)."""
         nbytes, src = self.size[victim], self.where[victim]
-        for tier in lower:
+        horizon = next_use.get(victim, math.inf)
+        for i, tier in enumerate(lower):
             if self.free(tier) >= nbytes:
                 self.where[victim] = tier
                 return [Move(victim, src, tier, nbytes)]
-        for tier in lower[:-1]:  # make room one level further down (host -> disk), then move there
+            if i == len(lower) - 1:
+                break
+            snapshot = dict(self.where)
             try:
-                moves = self._room_on(tier, nbytes, next_use, keep | {victim}, None)
+                moves = self._room_on(tier, nbytes, next_use, keep | {victim}, horizon)
             except NoRoom:
+                self.where = snapshot
                 continue
             self.where[victim] = tier
             return [*moves, Move(victim, src, tier, nbytes)]

@@ -1,0 +1,281 @@
+"""Swap throughput of one job's state against the raw copy bandwidth of the same machine, in one run.
+
+Builds a state of about `--mb` MiB of named fp32 tensors shaped like `TorchEngine.state_tensors()`: the
+weights of a small llama-like transformer (embedding, q/k/v/o and gate/up/down matrices, norm vectors) plus
+the two AdamW moments of every weight, under the same names the engine uses. Then, in one process:
+
+* raw copy, one buffer: a single `copy_` of a contiguous buffer of the state's total size, into a fresh
+  buffer each time (allocation and first-touch page faults included) and into a reused one (pure bandwidth);
+* raw copy, per tensor: for every state tensor a fresh buffer (`torch.empty` + `copy_`), which is the least
+  a swap has to do; this is the baseline the ratio is taken against;
+* swap-out `device_to_host` and swap-in `host_to_device` from `plexrl/services/swap.py`, the functions the
+  service's moves call, each timed on its own; the per-tensor raw copies are interleaved with them in every
+  repeat (raw-out just before swap-out from the same live tensors, raw-in just before swap-in from the same
+  host copies), so drift or other load on the machine hits both sides alike;
+* a disk spill round trip, `host_to_disk` into a temporary directory and `disk_to_host` back, followed by the
+  swap-in the service does next. Nothing is fsynced, so the file is written to and read from the page cache:
+  these numbers are an upper bound of what a real disk gives (use `--fsync` to time the write-back too, and
+  `--spill-dir` to pick the file system). `disk_to_host` maps the file lazily (safetensors' mmap backend), so
+  on CPU the bytes are actually read during the swap-in that follows; "load + swap-in" is the honest number.
+
+Every phase runs once untimed first (warm-up): the first touch of fresh memory costs page faults and glibc
+only starts reusing freed blocks after the first large free, which would otherwise dominate the first run.
+Reported: best and median over `--repeats` (GB/s = 10^9 bytes / s), and the ratio swap / raw per-tensor copy
+(the worse of swap-in and swap-out; goal >= 0.70). The state's checksum is compared before and after all the
+moves. On CPU the "device" tier is the engine's working copy, so both directions are memory-to-memory copies;
+with `--device cuda` host buffers are pinned and every timer stops after a device synchronize. Memory stays
+within about 2x the state size (the live state plus one copy), plus the spill file in the page cache.
+
+    .venv/bin/python benchmarks/swap.py [--mb 300] [--repeats 5] [--device cpu|cuda] [--hidden 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from plexrl.services import swap as sw
+
+MiB = 1 << 20
+
+
+def transformer_shapes(mb: float, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Weight shapes of a llama-like model (tied embedding) whose weights + two AdamW moments take about `mb`
+    MiB: the layer count and then the vocabulary are chosen so that the weights take a third of the budget."""
+    ffn = 4 * hidden
+    params = int(mb * MiB) // 4 // 3
+    per_layer = 4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden
+    layers = max(1, params * 3 // 4 // per_layer)
+    vocab = max(1, (params - layers * per_layer - hidden) // hidden)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"{p}.self_attn.{proj}.weight"] = (hidden, hidden)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.mlp.gate_proj.weight"] = (ffn, hidden)
+        shapes[f"{p}.mlp.up_proj.weight"] = (ffn, hidden)
+        shapes[f"{p}.mlp.down_proj.weight"] = (hidden, ffn)
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def transformer_state(shapes: dict[str, tuple[int, ...]], device: torch.device, seed: int = 0) -> dict[str, Tensor]:
+    """Live tensors named like `TorchEngine.state_tensors()`: policy weights, then their AdamW moments."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, Tensor] = {}
+    for name, shape in shapes.items():
+        state[f"policy.{name}"] = torch.randn(shape, generator=gen, device=device)
+    for pi, shape in enumerate(shapes.values()):  # what TorchEngine.state_tensors() names the AdamW state
+        state[f"optimizer.0.{pi}.exp_avg"] = torch.randn(shape, generator=gen, device=device) * 1e-3
+        state[f"optimizer.0.{pi}.exp_avg_sq"] = torch.rand(shape, generator=gen, device=device) * 1e-6
+    return state
+
+
+class Recorder:
+    """Times calls: wall-clock seconds (after a device synchronize on both ends on CUDA) and the process's
+    minor page faults during the call, kept per key while `on` (off for the warm-up)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device if device.type == "cuda" else None
+        self.on = False
+        self.seconds: dict[str, list[float]] = {}
+        self.faults: dict[str, list[int]] = {}
+
+    def __call__(self, key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        if self.on:
+            self.seconds.setdefault(key, []).append(seconds)
+            self.faults.setdefault(key, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        return result
+
+
+def raw_copy(src: dict[str, Tensor], device: torch.device, pin: bool, non_blocking: bool) -> dict[str, Tensor]:
+    """What a swap must do at least: a fresh buffer per tensor (pinned if `pin`), filled by one `copy_`."""
+    out = {}
+    for name, t in src.items():
+        buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+        buf.copy_(t, non_blocking=non_blocking)
+        out[name] = buf
+    return out
+
+
+def copy_into_fresh(src: Tensor, device: torch.device, pin: bool, non_blocking: bool) -> Tensor:
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device, pin_memory=pin)
+    return dst.copy_(src, non_blocking=non_blocking)
+
+
+def big_copy(rec: Recorder, tag: str, nbytes: int, src_dev: torch.device, dst_dev: torch.device, repeats: int) -> None:
+    """One contiguous buffer of `nbytes` copied by a single `copy_`: into a fresh buffer each time, and into
+    one reused buffer (keys `big_fresh{tag}`, `big_reused{tag}`)."""
+    cuda = "cuda" in (src_dev.type, dst_dev.type)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=src_dev, pin_memory=cuda and src_dev.type == "cpu")
+    src.fill_(1.0)  # touch every page
+    pin_dst = cuda and dst_dev.type == "cpu"
+    for i in range(repeats + 1):
+        rec.on = i > 0
+        rec(f"big_fresh{tag}", copy_into_fresh, src, dst_dev, pin_dst, cuda)  # freed at once
+    dst = torch.empty(src.shape, dtype=src.dtype, device=dst_dev, pin_memory=pin_dst)
+    for i in range(repeats + 1):
+        rec.on = i > 0
+        rec(f"big_reused{tag}", dst.copy_, src, non_blocking=cuda)
+    rec.on = False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=300.0, help="state size in MiB (policy weights + 2 AdamW moments)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats of every phase (after one warm-up)")
+    ap.add_argument("--disk-repeats", type=int, default=2, help="timed disk round trips (after one warm-up)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--hidden", type=int, default=1024, help="model width; matrices are hidden x hidden and x 4*hidden")
+    ap.add_argument("--spill-dir", default=None, help="directory of the disk spill file (default: system temp)")
+    ap.add_argument("--fsync", action="store_true", help="also time an fsync of the spill file (real write-back)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args()
+    if args.repeats < 1 or args.disk_repeats < 1:
+        ap.error("--repeats and --disk-repeats must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    host = torch.device("cpu")
+    rec = Recorder(device)
+    run_start = time.perf_counter()
+    shapes = transformer_shapes(args.mb, args.hidden)
+    size = 3 * 4 * sum(math.prod(s) for s in shapes.values())
+
+    # -- raw copy, one contiguous buffer (before the state exists: with it, memory would reach 3x) -------------
+    big_copy(rec, "", size, device, host, args.repeats)
+    if cuda:
+        big_copy(rec, "_in", size, host, device, args.repeats)
+
+    # -- the state ---------------------------------------------------------------------------------------------
+    live = transformer_state(shapes, device)
+    assert sw.nbytes(live) == size
+    before = sw.checksum(live)
+    largest = max(live.values(), key=Tensor.numel)
+
+    # -- swaps, interleaved with the per-tensor raw copies they are compared with ------------------------------
+    for i in range(args.repeats + 1):  # i == 0 is the warm-up
+        rec.on = i > 0
+        copies = rec("raw_out", raw_copy, live, host, cuda, cuda)
+        rec("free_host", copies.clear)  # what the service pays when it drops a host copy after a swap-in
+        parked = rec("swap_out", sw.device_to_host, live, device)
+        copies = rec("raw_in", raw_copy, parked, device, False, cuda)
+        rec("free_device", copies.clear)  # what device_to_host pays inside, for the storage it drops
+        rec("swap_in", sw.host_to_device, live, parked, device)
+        del parked, copies
+
+    # -- disk spill round trip (the service's host -> disk -> host -> device path) -----------------------------
+    with tempfile.TemporaryDirectory(prefix="plexrl-swapbench-", dir=args.spill_dir) as tmp:
+        path = Path(tmp) / "job.safetensors"
+        for i in range(args.disk_repeats + 1):
+            rec.on = i > 0
+            parked = sw.device_to_host(live, device)
+            rec("spill", sw.host_to_disk, parked, path)
+            parked.clear()
+            if args.fsync:
+                rec("fsync", _fsync, path)
+            loaded = rec("load", sw.disk_to_host, path, cuda)
+            rec("load_in", sw.host_to_device, live, loaded, device)
+            del loaded
+    rec.on = False
+    after = sw.checksum(live)
+
+    # -- report ------------------------------------------------------------------------------------------------
+    sec, flt = rec.seconds, rec.faults
+    legs = [k for k in ("spill", "fsync", "load", "load_in") if k in sec]
+    sec["round_trip"] = [sum(x) for x in zip(*(sec[k] for k in legs), strict=True)]
+    flt["round_trip"] = [sum(x) for x in zip(*(flt[k] for k in legs), strict=True)]
+    best = {k: size / min(v) / 1e9 for k, v in sec.items()}
+    median = {k: size / statistics.median(v) / 1e9 for k, v in sec.items()}
+
+    def row(label: str, key: str, ref: str | None = None) -> None:
+        vs = f"{best[key] / best[ref]:8.2f}" if ref else " " * 8
+        pages = statistics.median(flt[key]) * 4096 / size  # fraction of the state's 4 KiB pages first-touched
+        print(f"{label:<50}{best[key]:9.2f}{median[key]:9.2f}{min(sec[key]) * 1000:9.1f}{pages:8.2f}{vs}")
+
+    print(
+        f"state: {size / MiB:.1f} MiB in {len(live)} fp32 tensors ({len(shapes)} weights + 2 AdamW moments each; "
+        f"largest {tuple(largest.shape)}), device {device}, torch threads {torch.get_num_threads()}, "
+        f"repeats {args.repeats} (+1 warm-up)"
+    )
+    print(f"{'GB/s = state bytes / 1e9 / s; faults = minor faults x 4 KiB / state':<50}"
+          f"{'best':>9}{'median':>9}{'best ms':>9}{'faults':>8}{'vs raw':>8}")  # fmt: skip
+    if cuda:
+        row("raw copy, one buffer, fresh dst, device->host", "big_fresh")
+        row("raw copy, one buffer, reused dst, device->host", "big_reused")
+        row("raw copy, one buffer, fresh dst, host->device", "big_fresh_in")
+        row("raw copy, one buffer, reused dst, host->device", "big_reused_in")
+    else:
+        row("raw copy, one buffer, fresh dst", "big_fresh")
+        row("raw copy, one buffer, reused dst", "big_reused")
+    row("raw copy, per tensor, fresh dst, device->host", "raw_out")
+    row("raw copy, per tensor, fresh dst, host->device", "raw_in")
+    row("free, per tensor, device storage", "free_device")
+    row("free, per tensor, host copy", "free_host")
+    raw_out_key, raw_in_key = "raw_out", "raw_in"
+    if not cuda:  # the same memory-to-memory copy both ways: one baseline, the faster of the two
+        raw_out_key = raw_in_key = max(("raw_out", "raw_in"), key=best.__getitem__)
+    row("swap-out  device_to_host", "swap_out", raw_out_key)
+    row("swap-in   host_to_device", "swap_in", raw_in_key)
+    row("disk spill  host_to_disk (page cache)", "spill")
+    if args.fsync:
+        row("disk fsync  (write-back to the device)", "fsync")
+    row("disk load   disk_to_host (lazy mmap on CPU)", "load")
+    row("disk swap-in host_to_device from the loaded copy", "load_in")
+    row("disk round trip, spill + load + swap-in", "round_trip")
+
+    ratio = min(best["swap_out"] / best[raw_out_key], best["swap_in"] / best[raw_in_key])
+    raw_median = {k: median[k] for k in ("raw_out", "raw_in")}
+    if not cuda:
+        raw_median["raw_out"] = raw_median["raw_in"] = max(raw_median.values())
+    med_ratio = min(median["swap_out"] / raw_median["raw_out"], median["swap_in"] / raw_median["raw_in"])
+    big_in = "big_reused_in" if cuda else "big_reused"
+    vs_big = min(best["swap_out"] / best["big_reused"], best["swap_in"] / best[big_in])
+    print(f"ratio swap / raw per-tensor copy: best {ratio:.2f}, median {med_ratio:.2f}; "
+          f"swap / one reused buffer: {vs_big:.2f}")  # fmt: skip
+    verdict = "unchanged" if after == before else "CHANGED"
+    print(f"state checksum after {args.repeats + 1} swap cycles and {args.disk_repeats + 1} disk round trips: "
+          f"{verdict}; whole run {time.perf_counter() - run_start:.1f} s")  # fmt: skip
+    raw = f"{best[raw_in_key]:.1f}" if not cuda else f"in {best['raw_in']:.1f} / out {best['raw_out']:.1f}"
+    goal = "ok" if ratio >= 0.70 else "BELOW GOAL"
+    print(
+        f"swap-in {best['swap_in']:.1f} GB/s, swap-out {best['swap_out']:.1f} GB/s, raw copy {raw} GB/s "
+        f"-> ratio {ratio:.2f} (goal >= 0.70, {goal})"
+    )
+    if after != before:
+        raise SystemExit("state changed across swaps")
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    main()

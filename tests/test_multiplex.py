@@ -1,0 +1,206 @@
+"""Many jobs on shared services, on the real stack (torch engines, real swaps, a real Dask cluster, MLflow).
+
+- fidelity (DESIGN.md invariant 4): a job multiplexed with two others on ONE service whose device memory
+  holds a single job state (so every switch swaps, and the host budget forces spills to disk) produces the
+  same per-iteration metrics as the job alone, on the LocalDriver and on the DaskDriver;
+- isolation (invariant 5): a lost service worker fails only the jobs placed on it; a cancelled job ends as
+  KILLED in MLflow while the others finish;
+- the cluster config: validation errors that name the fix, and a run that ends with the accounting table
+  and a cluster-level MLflow run linked to each job's run.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import TINY
+
+from plexrl.config import load_job
+from plexrl.drivers.base import Budgets
+from plexrl.hooks.base import Hook
+from plexrl.job import JobHandle, prepare_job
+from plexrl.planner import Hrrs
+
+VOLATILE = ("time/", "tokens_per_s")
+
+
+def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
+
+
+def learning_job(run_dir: Path, name: str, seed: int, iterations: int = 3) -> dict[str, Any]:
+    """A tiny job with a real learning signal (a length penalty; the tiny model never answers right)."""
+    cfg = copy.deepcopy(TINY)
+    cfg.update(name=name, seed=seed, iterations=iterations, run_dir=str(run_dir))
+    cfg["tracking"]["mlflow"] = False
+    cfg["pipeline"] = {"nodes": [
+        {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 4}},
+        {"name": "rollout", "op": "rollout", "inputs": {"prompts": "prompts"}, "params": {"n": 4, "max_new_tokens": 4}},
+        {"name": "verify", "op": "verify", "inputs": {"rollouts": "rollout"}},
+        {"name": "shaped", "op": "user_ops:length_penalty", "params": {"per_token": 0.25},
+         "inputs": {"rollouts": "rollout", "rewards": "verify"}},
+        {"name": "advantage", "op": "grpo_advantage", "inputs": {"rollouts": "rollout", "rewards": "shaped"}},
+        {"name": "ref", "op": "logprob", "inputs": {"rollouts": "rollout"}, "params": {"which": "reference"}},
+        {"name": "train", "op": "train", "params": {"kl_coef": 0.05},
+         "inputs": {"rollouts": "rollout", "advantages": "advantage", "ref_logprobs": "ref"}},
+        {"name": "evaluate", "op": "evaluate", "after": ["train"], "every": 2, "params": {"size": 16}},
+    ]}  # fmt: skip
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mux") / "runs"
+
+
+@pytest.fixture(scope="module")
+def alone(run_dir: Path) -> JobHandle:
+    from plexrl.drivers.local import LocalDriver
+
+    (job,) = LocalDriver().run([prepare_job(load_job(learning_job(run_dir, "a", 0)))])
+    assert job.status == "done", job.error
+    return job
+
+
+def mix(run_dir: Path) -> list[JobHandle]:
+    return [prepare_job(load_job(learning_job(run_dir, name, seed))) for name, seed in (("a", 0), ("b", 1), ("c", 2))]
+
+
+def one_state_budget(jobs: list[JobHandle]) -> Budgets:
+    size = max(j.state_bytes() for j in jobs)
+    return Budgets(device=size, host=size)  # one state on device, one in host memory, the rest on disk
+
+
+def test_multiplexed_with_swaps_and_spills_learns_exactly_as_alone_local(run_dir: Path, alone: JobHandle) -> None:
+    from plexrl.drivers.local import LocalDriver
+
+    learned = stable(alone.history)
+    assert learned[1]["train/loss"] != learned[2]["train/loss"]  # weights really change between iterations
+    jobs = mix(run_dir)
+    driver = LocalDriver(services=1, ordering=Hrrs(), budgets=one_state_budget(jobs), validate=True)
+    driver.run(jobs)
+    assert [j.status for j in jobs] == ["done"] * 3, [j.error for j in jobs]
+    assert stable(jobs[0].history) == learned
+    assert stable(jobs[1].history) != learned
+    report = driver.services["service-0"].report()
+    assert report["bytes_to_tier"].get("disk", 0) > 0 and report["bytes_to_tier"]["device"] > 0
+
+
+class CancelAfterFirstIteration(Hook):
+    def __init__(self, job_id: str) -> None:
+        self.job_id, self.driver = job_id, None
+
+    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
+        if job.job_id == self.job_id and iteration == 0 and self.driver is not None:
+            self.driver.cancel(self.job_id)
+
+
+def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(run_dir: Path, alone: JobHandle) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from plexrl.drivers.dask import DaskDriver
+    from plexrl.hooks.mlflow_hook import MlflowHook
+
+    jobs = mix(run_dir)
+    for job in jobs:
+        job.config.tracking.mlflow = True
+    cancel = CancelAfterFirstIteration("c")
+    driver = DaskDriver(
+        services=1, cpu_threads=2, ordering=Hrrs(), budgets=one_state_budget(jobs), hooks=[cancel, MlflowHook()],
+        validate=True,
+    )  # fmt: skip
+    cancel.driver = driver  # type: ignore[assignment]
+    driver.run(jobs)
+    a, b, c = jobs
+    assert (a.status, b.status, c.status) == ("done", "done", "cancelled"), [j.error for j in jobs]
+    assert stable(a.history) == stable(alone.history)
+    assert c.iterations_done == 1 and "cancelled" in c.error
+    client = MlflowClient(tracking_uri=a.tracking["uri"])
+    assert client.get_run(a.tracking["run_id"]).info.status == "FINISHED"
+    killed = client.get_run(c.tracking["run_id"])
+    assert killed.info.status == "KILLED"
+    assert [m.step for m in client.get_metric_history(killed.info.run_id, "shaped/reward_mean")] == [1]
+    assert driver.service_reports["service-0"]["moves"] > 0
+
+
+def test_a_lost_service_worker_fails_its_jobs_only(run_dir: Path) -> None:
+    from plexrl.drivers.dask import DaskDriver
+
+    doomed = learning_job(run_dir, "doomed", 3)
+    doomed["pipeline"]["nodes"].append(
+        {"name": "crash", "op": "user_ops:kill_own_worker", "after": ["train"], "params": {"at_iteration": 1}}
+    )
+    jobs = [prepare_job(load_job(doomed)), prepare_job(load_job(learning_job(run_dir, "survivor", 4)))]
+    driver = DaskDriver(services=2, cpu_threads=1, poll=0.2)  # spread: one job per service
+    driver.run(jobs)
+    lost, survivor = jobs
+    assert survivor.status == "done" and survivor.iterations_done == 3
+    assert lost.status == "failed" and "lost" in lost.error and lost.iterations_done == 1
+    assert driver.placed["doomed"] != driver.placed["survivor"]
+
+
+def test_cluster_config_errors_name_the_fix(tmp_path: Path) -> None:
+    from plexrl.cluster import load_cluster
+    from plexrl.errors import ConfigError
+
+    job = learning_job(tmp_path / "runs", "j", 0)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({
+        "services": {"count": 1, "device_memory": "10KB", "threads": 1},
+        "jobs": [{"job": job}, {"job": job}, {"config": "missing.yaml"}, {"job": job, "set": {"iterations": 0}}],
+        "placment": "pack",
+    }))  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_cluster(path)
+    assert "placment" in str(err.value) and "placement" in str(err.value)
+    path.write_text(path.read_text().replace("placment", "placement"))
+    with pytest.raises(ConfigError) as err:
+        load_cluster(path)
+    text = str(err.value)
+    assert "services.device_memory is 0.0 MiB" in text and "raise services.device_memory" in text
+    assert "two jobs are named 'j'" in text
+    assert "jobs[2]" in text and "file not found" in text
+    assert "jobs[3].iterations" in text
+
+
+def test_cluster_run_prints_accounting_and_links_mlflow_runs(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from plexrl.accounting import format_report
+    from plexrl.cluster import load_cluster, run_cluster
+
+    runs = tmp_path / "runs"
+    jobs = []
+    for name, seed in (("x", 0), ("y", 1)):
+        job = learning_job(runs, name, seed, iterations=2)
+        job["tracking"]["mlflow"] = True
+        jobs.append({"job": job})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "two", "run_dir": str(runs), "driver": "local", "placement": "pack", "progress": False,
+        "services": {"count": 2, "device_memory": "4MB"}, "jobs": jobs,
+    }))  # fmt: skip
+    result = run_cluster(load_cluster(path))
+    rep = result.report
+    assert [j.status for j in result.jobs] == ["done", "done"]
+    used = [s for s in rep.services if s.busy > 0]
+    assert len(used) == 1 and len(rep.services) == 2  # pack: both jobs on one service, the other idle
+    assert all(abs(s.busy + s.swap + s.idle - s.allocated) < 1e-6 for s in rep.services)
+    assert sum(j.allocated for j in rep.jobs) == pytest.approx(used[0].allocated, rel=1e-6)
+    assert all(j.steps == 2 and j.cost_per_step > 0 for j in rep.jobs)
+    table = format_report(rep)
+    assert "service-0" in table and "acc-s/step" in table and "x" in table
+    assert result.timeline is not None and result.timeline.is_file()
+    client = MlflowClient(tracking_uri=result.tracking["uri"])
+    run = client.get_run(result.tracking["run_id"])
+    assert run.data.tags["plexrl.kind"] == "cluster" and run.info.status == "FINISHED"
+    assert run.data.params["placement"] == "pack"
+    x = result.jobs[0]
+    assert run.data.tags["plexrl.job.x"] == x.tracking["run_id"]
+    assert client.get_run(x.tracking["run_id"]).data.tags["plexrl.cluster_run"] == run.info.run_id
+    assert run.data.metrics["job/x/steps"] == 2
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"report.txt", "report.json", "timeline.png"}

@@ -1,0 +1,232 @@
+"""Many jobs on shared services, planner only: placement and ordering policies, swaps and prefetch, and a
+seeded property test that drives random event sequences and checks every invariant after every event."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexrl.planner import (
+    FailJob,
+    Hrrs,
+    Isolated,
+    JobCancelled,
+    JobDone,
+    JobPlan,
+    JobSubmitted,
+    NodeFinished,
+    NodePlan,
+    Pack,
+    PlaceJob,
+    Planner,
+    RunNode,
+    ServiceJoined,
+    Spread,
+    SpreadBackfill,
+)
+from plexrl.planner.policies import OrderingView, QueuedNode
+
+GRPO = JobPlan(
+    nodes={
+        "prompts": NodePlan("cpu"),
+        "rollout": NodePlan("service", ("prompts",)),
+        "verify": NodePlan("cpu", ("rollout",)),
+        "advantage": NodePlan("cpu", ("rollout", "verify")),
+        "train": NodePlan("service", ("advantage", "rollout")),
+    },
+    iterations=2,
+    order=("prompts", "rollout", "verify", "advantage", "train"),
+    state_bytes=100,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_placements_isolate_pack_and_spread() -> None:
+    def placed(policy: object, n_jobs: int = 3) -> list[str]:
+        p = Planner(clock=Clock(), placement=policy, validate=True)  # type: ignore[arg-type]
+        for s in ("s0", "s1"):
+            p.handle(ServiceJoined(s))
+        out = []
+        for j in range(n_jobs):
+            out += [i.service_id for i in p.handle(JobSubmitted(f"j{j}", GRPO)) if isinstance(i, PlaceJob)]
+        return out
+
+    assert placed(Isolated()) == ["s0", "s1"]  # the third job is queued
+    assert placed(Pack()) == ["s0", "s0", "s0"]
+    assert placed(Spread()) == ["s0", "s1", "s0"]
+
+
+def test_spread_backfill_queues_until_predicted_load_leaves_room() -> None:
+    clock = Clock()
+    p = Planner(clock=clock, placement=SpreadBackfill(max_load=1.0), validate=True)
+    p.handle(ServiceJoined("s0"))
+    # prior: 2 service nodes, 3 cpu nodes of equal predicted length -> load 0.4 each; 0.8 + 0.4 > 1
+    assert isinstance(p.handle(JobSubmitted("a", GRPO))[0], PlaceJob)
+    assert isinstance(p.handle(JobSubmitted("b", GRPO))[0], PlaceJob)
+    assert p.handle(JobSubmitted("c", GRPO)) == [] and p.jobs["c"].status == "queued"
+    assert p.job_load("a") == 0.4
+    # observed: prompts (a cpu node) takes 5 s -> a's load drops, and b's too (a node's observations are the
+    # prior of the same node in other jobs); admission is retried when a finishes its iteration
+    out = p.handle(NodeFinished("a", 0, "prompts", duration=5.0))
+    assert p.job_load("a") < 0.1 and p.job_load("b") < 0.1
+    assert not any(isinstance(i, PlaceJob) for i in out)
+    for node in ("rollout", "verify", "advantage"):
+        assert not any(isinstance(i, PlaceJob) for i in p.handle(NodeFinished("a", 0, node, duration=0.01)))
+    out = p.handle(NodeFinished("a", 0, "train", duration=0.01))
+    assert PlaceJob("c", "s0", "device") in out and p.jobs["c"].status == "placed"
+
+
+def test_swaps_and_prefetch_follow_the_device_budget() -> None:
+    clock = Clock()
+    p = Planner(clock=clock, validate=True)
+    p.handle(ServiceJoined("s0", device_bytes=100, host_bytes=200, disk_bytes=None))
+    a = p.handle(JobSubmitted("a", GRPO))
+    b = p.handle(JobSubmitted("b", GRPO))
+    assert a[0] == PlaceJob("a", "s0", "device") and b[0] == PlaceJob("b", "s0", "host")
+    ra = p.handle(NodeFinished("a", 0, "prompts"))[0]
+    assert isinstance(ra, RunNode) and ra.swaps == () and ra.prefetch == ()  # a is resident; b needs nothing yet
+    assert p.handle(NodeFinished("b", 0, "prompts")) == []  # b's rollout waits for the service
+    out = p.handle(NodeFinished("a", 0, "rollout"))
+    (rb,) = [i for i in out if isinstance(i, RunNode) and i.placement == "service"]
+    assert rb.job_id == "b" and [(m.job_id, m.src, m.dst) for m in rb.swaps] == [
+        ("a", "device", "host"),
+        ("b", "host", "device"),
+    ]
+    assert p.services["s0"].state.where == {"a": "host", "b": "device"}
+
+
+def test_prefetch_brings_the_next_job_in_while_the_service_runs() -> None:
+    p = Planner(clock=Clock(), validate=True)
+    p.handle(ServiceJoined("s0", device_bytes=200, host_bytes=None))
+    for j in "abc":
+        p.handle(JobSubmitted(j, GRPO))  # a, b on device; c on host
+    runs = [i for j in "abc" for i in p.handle(NodeFinished(j, 0, "prompts")) if isinstance(i, RunNode)]
+    assert [r.job_id for r in runs] == ["a"]
+    # while a's rollout runs, b and c wait: the next job by the ordering (b) is resident, so nothing moves
+    assert runs[0].prefetch == ()
+    out = [i for i in p.handle(NodeFinished("a", 0, "rollout")) if isinstance(i, RunNode) and i.service_id]
+    assert out[0].job_id == "b" and out[0].swaps == ()
+    # with b running, c is next: a (busy with cpu nodes, predicted back later) makes room for c in the background
+    assert [(m.job_id, m.dst) for m in out[0].prefetch] == [("a", "host"), ("c", "device")]
+
+
+def test_hrrs_prefers_short_or_long_waiting_nodes_and_the_resident_job_on_near_ties() -> None:
+    hrrs = Hrrs(tie=0.1)
+    q = [QueuedNode("a", 0, "train", ready_at=0.0, seq=0), QueuedNode("b", 0, "rollout", ready_at=0.0, seq=1)]
+    times = {"train": 4.0, "rollout": 1.0}
+    view = OrderingView(None, lambda n: times[n.node], lambda j: 0.0)
+    assert hrrs.pick(q, 2.0, view) == 1  # (2+1)/1 beats (2+4)/4
+    swap_a = OrderingView(None, lambda n: 1.0, lambda j: 3.0 if j == "a" else 0.0)
+    assert hrrs.pick(q, 1.0, swap_a) == 1  # a would need a swap-in first
+    tie = OrderingView("a", lambda n: 1.0, lambda j: 0.0)
+    q2 = [QueuedNode("a", 0, "x", ready_at=0.5, seq=0), QueuedNode("b", 0, "x", ready_at=0.4, seq=1)]
+    assert hrrs.pick(q2, 1.0, tie) == 0  # b waited a little longer, but a is resident
+    assert hrrs.pick(q2, 5.0, OrderingView("a", lambda n: 1.0, lambda j: 0.0)) == 0
+    # no starvation: b's ratio keeps growing while the resident job's fresh nodes stay at ~1
+    fresh = [QueuedNode("a", 9, "x", ready_at=100.0, seq=9), QueuedNode("b", 0, "x", ready_at=0.0, seq=1)]
+    assert hrrs.pick(fresh, 100.0, tie) == 1
+
+
+def test_a_job_larger_than_every_device_fails_with_the_fix() -> None:
+    p = Planner(clock=Clock(), validate=True)
+    p.handle(ServiceJoined("s0", device_bytes=50))
+    (ins,) = p.handle(JobSubmitted("big", GRPO))
+    assert isinstance(ins, FailJob) and "exceeds the device budget" in ins.reason and "device_bytes" in ins.reason
+
+
+# -- property test ------------------------------------------------------------------------------------
+def random_plan(rng: random.Random, state_bytes: int) -> JobPlan:
+    """A random DAG: each node depends on some earlier ones; placements mixed; some periodic."""
+    names = [f"n{i}" for i in range(rng.randint(1, 6))]
+    nodes = {}
+    for i, name in enumerate(names):
+        deps = tuple(sorted(rng.sample(names[:i], k=rng.randint(0, min(i, 2)))))
+        every = rng.choice([None, None, None, 2, 3])
+        nodes[name] = NodePlan(rng.choice(["cpu", "service"]), deps, every)
+    baseline = tuple(n for n in names if nodes[n].every is not None and not nodes[n].deps)[:1]
+    return JobPlan(nodes, rng.randint(1, 4), tuple(names), baseline, state_bytes)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: int) -> None:
+    rng = random.Random(seed)
+    clock = Clock()
+    placement = rng.choice([Isolated(), Pack(), Spread(), SpreadBackfill(rng.choice([0.5, 1.0, 2.0]))])
+    ordering = rng.choice([Hrrs(), None])
+    p = Planner(clock=clock, placement=placement, ordering=ordering, validate=True)
+    n_services = rng.randint(1, 4)
+    device = rng.choice([None, 100, 250, 400])
+    host = rng.choice([None, 100, 300])
+    for s in range(n_services):
+        p.handle(ServiceJoined(f"s{s}", device_bytes=device, host_bytes=host))
+    where: dict[str, tuple[str, str]] = {}  # job -> (service, tier): a mirror of what a driver would do
+    running: list[RunNode] = []
+    iterations_done: dict[str, int] = {}
+    ended: dict[str, str] = {}
+
+    def apply(out: list[object]) -> None:
+        for ins in out:
+            if isinstance(ins, PlaceJob):
+                assert ins.job_id not in where
+                where[ins.job_id] = (ins.service_id, ins.tier)
+            elif isinstance(ins, RunNode):
+                if ins.service_id is not None:
+                    assert where[ins.job_id][0] == ins.service_id  # strict affinity
+                    for m in (*ins.swaps, *ins.prefetch):
+                        sid, tier = where[m.job_id]
+                        assert sid == ins.service_id and tier == m.src, (m, where[m.job_id])
+                        where[m.job_id] = (sid, m.dst)
+                    assert where[ins.job_id][1] == "device"
+                    busy = [r for r in running if r.service_id == ins.service_id]
+                    assert not busy, f"{ins.service_id} runs {busy} and {ins}"
+                running.append(ins)
+            elif isinstance(ins, (JobDone, FailJob)):
+                assert ins.job_id not in ended
+                ended[ins.job_id] = "done" if isinstance(ins, JobDone) else "failed"
+                where.pop(ins.job_id, None)
+                running[:] = [r for r in running if r.job_id != ins.job_id]
+            elif hasattr(ins, "iteration"):
+                iterations_done[ins.job_id] = iterations_done.get(ins.job_id, 0) + 1
+
+    jobs = {}
+    for j in range(rng.randint(1, 8)):
+        plan = random_plan(rng, rng.choice([0, 50, 100, 200]))
+        jobs[f"j{j}"] = plan
+        apply(p.handle(JobSubmitted(f"j{j}", plan)))
+    cancelled: set[str] = set()
+    for _ in range(5000):
+        if p.finished:
+            break
+        clock.t += rng.random()
+        if running and rng.random() < 0.95:
+            ins = running.pop(rng.randrange(len(running)))
+            ok = rng.random() > 0.03
+            ev = NodeFinished(
+                ins.job_id, ins.iteration, ins.node, ok=ok, error=None if ok else "x", duration=rng.random()
+            )
+            ev = replace(ev, swap_bytes=rng.randint(0, 100), swap_seconds=rng.random() / 10)
+            apply(p.handle(ev))
+        else:
+            live = [j for j in jobs if j not in ended]
+            victim = rng.choice(live)
+            cancelled.add(victim)
+            apply(p.handle(JobCancelled(victim)))
+    assert p.finished, "some job never finished"
+    assert set(ended) == set(jobs)
+    for job_id, status in ended.items():
+        if p.jobs[job_id].status == "done":
+            assert iterations_done[job_id] == jobs[job_id].iterations + (1 if jobs[job_id].baseline else 0)
+        else:
+            assert status == "failed"
+    assert not any(s.state.where for s in p.services.values())  # every state released
