@@ -7,24 +7,34 @@ the two AdamW moments of every weight, under the same names the engine uses. The
 * raw copy, one buffer: a single `copy_` of a contiguous buffer of the state's total size, into a fresh
   buffer each time (allocation and first-touch page faults included) and into a reused one (pure bandwidth);
 * raw copy, per tensor: for every state tensor a fresh buffer (`torch.empty` + `copy_`), which is the least
-  a swap has to do; this is the baseline the ratio is taken against;
+  a swap has to do; this is the baseline the ratio is taken against. Also timed: dropping such a set of
+  buffers, which a swap-out does inside (the old device storage) and the service after a swap-in (the host
+  copy);
 * swap-out `device_to_host` and swap-in `host_to_device` from `plexrl/services/swap.py`, the functions the
   service's moves call, each timed on its own; the per-tensor raw copies are interleaved with them in every
   repeat (raw-out just before swap-out from the same live tensors, raw-in just before swap-in from the same
   host copies), so drift or other load on the machine hits both sides alike;
 * a disk spill round trip, `host_to_disk` into a temporary directory and `disk_to_host` back, followed by the
-  swap-in the service does next. Nothing is fsynced, so the file is written to and read from the page cache:
-  these numbers are an upper bound of what a real disk gives (use `--fsync` to time the write-back too, and
-  `--spill-dir` to pick the file system). `disk_to_host` maps the file lazily (safetensors' mmap backend), so
-  on CPU the bytes are actually read during the swap-in that follows; "load + swap-in" is the honest number.
+  swap-in the service does next. Nothing is fsynced, so the file is written to and read back from the page
+  cache (and stays there): these numbers are an upper bound of what the disk itself gives (`--fsync` also
+  times the write-back, `--spill-dir` picks the file system). On CPU `disk_to_host` only maps the file
+  (safetensors' mmap backend), so its bytes are copied by the swap-in that follows: read the two together.
 
 Every phase runs once untimed first (warm-up): the first touch of fresh memory costs page faults and glibc
 only starts reusing freed blocks after the first large free, which would otherwise dominate the first run.
 Reported: best and median over `--repeats` (GB/s = 10^9 bytes / s), and the ratio swap / raw per-tensor copy
 (the worse of swap-in and swap-out; goal >= 0.70). The state's checksum is compared before and after all the
 moves. On CPU the "device" tier is the engine's working copy, so both directions are memory-to-memory copies;
-with `--device cuda` host buffers are pinned and every timer stops after a device synchronize. Memory stays
-within about 2x the state size (the live state plus one copy), plus the spill file in the page cache.
+with `--device cuda` host buffers are pinned and every timer stops after a device synchronize. Live buffers
+never exceed 2x the state (the state plus one copy); the process's RSS gets to about 3x above torch's own,
+as glibc keeps freed blocks for reuse and the disk copy is mapped from the page cache. Freed blocks are handed
+back to the OS between phases (`malloc_trim`), not within one, which would change what is measured.
+
+The "faults" column (minor page faults x 4 KiB / state size) tells where time goes on CPU: a copy into pages
+the allocator already holds runs at memcpy speed, one into fresh pages from the kernel at a fraction of it.
+Run it with nothing else heavy running: when other processes hold cores, each per-tensor `copy_` (one
+intra-op parallel region) waits for its preempted worker thread, and per-tensor copies, raw and swap alike,
+drop far below the one-buffer copy (compare `--threads 1`); the ratio stays meaningful, the GB/s do not.
 
     .venv/bin/python benchmarks/swap.py [--mb 300] [--repeats 5] [--device cpu|cuda] [--hidden 1024]
 """
@@ -32,6 +42,8 @@ within about 2x the state size (the live state plus one copy), plus the spill fi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import math
 import resource
 import statistics
@@ -167,6 +179,7 @@ def main() -> None:
     big_copy(rec, "", size, device, host, args.repeats)
     if cuda:
         big_copy(rec, "_in", size, host, device, args.repeats)
+    release_freed_memory()
 
     # -- the state ---------------------------------------------------------------------------------------------
     live = transformer_state(shapes, device)
@@ -184,6 +197,7 @@ def main() -> None:
         rec("free_device", copies.clear)  # what device_to_host pays inside, for the storage it drops
         rec("swap_in", sw.host_to_device, live, parked, device)
         del parked, copies
+    release_freed_memory()
 
     # -- disk spill round trip (the service's host -> disk -> host -> device path) -----------------------------
     with tempfile.TemporaryDirectory(prefix="plexrl-swapbench-", dir=args.spill_dir) as tmp:
@@ -209,18 +223,19 @@ def main() -> None:
     best = {k: size / min(v) / 1e9 for k, v in sec.items()}
     median = {k: size / statistics.median(v) / 1e9 for k, v in sec.items()}
 
-    def row(label: str, key: str, ref: str | None = None) -> None:
-        vs = f"{best[key] / best[ref]:8.2f}" if ref else " " * 8
-        pages = statistics.median(flt[key]) * 4096 / size  # fraction of the state's 4 KiB pages first-touched
-        print(f"{label:<50}{best[key]:9.2f}{median[key]:9.2f}{min(sec[key]) * 1000:9.1f}{pages:8.2f}{vs}")
+    def row(label: str, key: str, ref: str | None = None, rate: bool = True) -> None:
+        vs = f"{best[key] / best[ref]:8.2f}" if ref else ""
+        pages = statistics.median(flt[key]) * 4096 / size  # share of the state's 4 KiB pages first-touched
+        gbs = f"{best[key]:9.2f}{median[key]:9.2f}" if rate else f"{'-':>9}{'-':>9}"
+        print(f"{label:<50}{gbs}{min(sec[key]) * 1000:9.1f}{statistics.median(sec[key]) * 1000:9.1f}{pages:8.2f}{vs}")
 
     print(
         f"state: {size / MiB:.1f} MiB in {len(live)} fp32 tensors ({len(shapes)} weights + 2 AdamW moments each; "
         f"largest {tuple(largest.shape)}), device {device}, torch threads {torch.get_num_threads()}, "
         f"repeats {args.repeats} (+1 warm-up)"
     )
-    print(f"{'GB/s = state bytes / 1e9 / s; faults = minor faults x 4 KiB / state':<50}"
-          f"{'best':>9}{'median':>9}{'best ms':>9}{'faults':>8}{'vs raw':>8}")  # fmt: skip
+    print("GB/s = state bytes / 10^9 / s; ms = per run; faults = median minor page faults x 4 KiB / state bytes")
+    print(f"{'':<50}{'GB/s':>9}{'median':>9}{'ms':>9}{'median':>9}{'faults':>8}{'vs raw':>8}")
     if cuda:
         row("raw copy, one buffer, fresh dst, device->host", "big_fresh")
         row("raw copy, one buffer, reused dst, device->host", "big_reused")
@@ -231,8 +246,8 @@ def main() -> None:
         row("raw copy, one buffer, reused dst", "big_reused")
     row("raw copy, per tensor, fresh dst, device->host", "raw_out")
     row("raw copy, per tensor, fresh dst, host->device", "raw_in")
-    row("free, per tensor, device storage", "free_device")
-    row("free, per tensor, host copy", "free_host")
+    row("free, per tensor, device storage (in swap-out)", "free_device", rate=False)
+    row("free, per tensor, host copy (after swap-in)", "free_host", rate=False)
     raw_out_key, raw_in_key = "raw_out", "raw_in"
     if not cuda:  # the same memory-to-memory copy both ways: one baseline, the faster of the two
         raw_out_key = raw_in_key = max(("raw_out", "raw_in"), key=best.__getitem__)
@@ -265,6 +280,13 @@ def main() -> None:
     )
     if after != before:
         raise SystemExit("state changed across swaps")
+
+
+def release_freed_memory() -> None:
+    """Give the blocks freed so far back to the OS (glibc keeps them otherwise; the process would hold about
+    3.5x the state by the disk phase). Between phases only: the next phase's warm-up takes the faults."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _fsync(path: Path) -> None:

@@ -230,15 +230,15 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, driver_hook: A
     driver = make_driver(cfg, hooks)
     if driver_hook is not None:
         driver_hook(driver)
-    start = time.time()
-    timeline.t0 = driver.clock()
     interrupted: BaseException | None = None
     try:
         driver.run(handles)
     except KeyboardInterrupt as exc:
         interrupted = exc
-    wall = time.time() - start
-    t0 = timeline.t0
+    end = driver.clock()
+    t0 = timeline.t0 if timeline.t0 is not None else end  # set when the services were up
+    wall = end - t0
+    start = time.time()
     facts = [
         JobFacts(
             j.job_id,

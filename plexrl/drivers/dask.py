@@ -66,6 +66,19 @@ def _start_service(service_id: str, device: str, validate: bool, spill_dir: str 
     return os.getpid()
 
 
+def _warm_up() -> None:
+    """Import what every node needs once per worker, at cluster start, not inside a job's first node."""
+    import importlib
+
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    import plexrl.engines.torch_engine  # noqa: F401
+
+    for name in ("data", "rollout", "verify", "advantage", "train", "evaluate", "critic", "shaping", "external"):
+        importlib.import_module(f"plexrl.operators.{name}")
+
+
 def _service(service_id: str) -> Service:
     try:
         return _SERVICES[service_id]
@@ -73,8 +86,10 @@ def _service(service_id: str) -> Service:
         raise RuntimeError(f"service {service_id} is not running in this worker (was the worker restarted?)") from None
 
 
-def _load_job(service_id: str, job: JobHandle, tier: str) -> int:
-    return _service(service_id).load_job(job, tier)
+def _load_job(service_id: str, job: JobHandle, tier: str) -> tuple[int, float, float]:
+    start = time.time()
+    nbytes = _service(service_id).load_job(job, tier)
+    return nbytes, start, time.time()
 
 
 def _run_service_node(
@@ -170,6 +185,7 @@ class DaskDriver(DriverBase):
             for job in jobs:
                 self._job_futures[job.job_id] = self.client.scatter(job, broadcast=True, hash=False)
                 events.append(JobSubmitted(job.job_id, job.plan()))
+            self.hooks.on_start(self.clock())
             self._loop(events)
         except BaseException as exc:
             self._close_open_jobs(exc)
@@ -240,6 +256,7 @@ class DaskDriver(DriverBase):
             for sid, addr in self.worker_of.items()
         ]  # fmt: skip
         self.client.gather(futs)
+        self.client.run(_warm_up)
 
     def _shutdown(self) -> None:
         if self.client is None:
@@ -328,6 +345,8 @@ class DaskDriver(DriverBase):
             error = f"{type(exc).__name__}: {exc}"
             return NodeFinished(job.job_id, p.iteration, p.node, ok=False, error=error)
         if p.kind == "load":
+            nbytes, start, end = fut.result()
+            self.hooks.on_swap(job, p.lane, start, end, nbytes)  # the service spent this time loading the job
             return None
         res: NodeResult = fut.result()
         return self._node_done(job, res, p.lane)

@@ -54,6 +54,7 @@ class LocalDriver(DriverBase):
         self._register(jobs)
         events: deque[Event] = deque(self.budgets.joined(s) for s in self.services)
         events.extend(JobSubmitted(job.job_id, job.plan()) for job in jobs)
+        self.hooks.on_start(self.clock())
         try:
             while events:
                 events.extendleft(reversed(self._take_cancels()))
@@ -86,10 +87,12 @@ class LocalDriver(DriverBase):
             return self._node_done(job, res, lane)
         if isinstance(ins, PlaceJob):
             self._start_job(job, ins.service_id)
+            start = self.clock()
             try:
-                self.services[ins.service_id].load_job(job, ins.tier)
+                nbytes = self.services[ins.service_id].load_job(job, ins.tier)
             except Exception as exc:
                 return self._fail(job, f"loading the job on {ins.service_id}", exc)
+            self.hooks.on_swap(job, ins.service_id, start, self.clock(), nbytes)
             return None
         if isinstance(ins, IterationDone):
             return self._end_iteration(job, ins.iteration)

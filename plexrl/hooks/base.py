@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 class Hook:
     """Base class with no-op callbacks. `lane` is a service id, or "cpu" for the CPU pool."""
 
+    def on_start(self, time: float) -> None:
+        """The driver's services are up and the first event is about to be handled (`time` on its clock)."""
+
     def on_job_start(self, job: JobHandle) -> None: ...
 
     def before_node(self, job: JobHandle, iteration: int, node: str, lane: str, start: float) -> None: ...
@@ -45,6 +48,9 @@ class HookList(Hook):
             except Exception:
                 log.exception("hook %s.%s failed; disabling it", type(hook).__name__, name)
                 self.hooks.remove(hook)
+
+    def on_start(self, time: float) -> None:
+        self._call("on_start", time)
 
     def on_job_start(self, job: JobHandle) -> None:
         self._call("on_job_start", job)

@@ -36,6 +36,10 @@ class TimelineRecorder(Hook):
         self.spans: list[Span] = []
         self.t0: float | None = None
 
+    def on_start(self, time: float) -> None:
+        if self.t0 is None:
+            self.t0 = time
+
     def after_node(
         self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
     ) -> None:
@@ -44,6 +48,7 @@ class TimelineRecorder(Hook):
         self.spans.append(Span(job.job_id, iteration, node, lane, start - self.t0, end - self.t0))
 
     def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
+        """Blocking state moves, and a job's first load on its service, as `swap` spans."""
         if self.t0 is None:
             self.t0 = start
         self.spans.append(Span(job.job_id, -1, "swap", lane, start - self.t0, end - self.t0, "swap", nbytes))
