@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,27 @@ class CancelAfterFirstIteration(Hook):
             self.driver.cancel(self.job_id)
 
 
+def external_cluster() -> Any:
+    """A running Dask cluster: one worker with a GPU resource (a service), one CPU-pool worker."""
+    import dask
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": {}}):
+        return SpecCluster(
+            workers={
+                "gpu-worker": {"cls": Nanny, "options": {"nthreads": 1, "resources": {"GPU": 1}}},
+                "cpu-worker": {"cls": Nanny, "options": {"nthreads": 2}},
+            },
+            scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+            silence_logs=logging.ERROR,
+        )
+
+
 def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(run_dir: Path, alone: JobHandle) -> None:
+    from distributed import Client
     from mlflow.tracking import MlflowClient
 
+    import plexrl.drivers.dask as dask_driver
     from plexrl.drivers.dask import DaskDriver
     from plexrl.hooks.mlflow_hook import MlflowHook
 
@@ -109,12 +128,19 @@ def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(run_d
     for job in jobs:
         job.config.tracking.mlflow = True
     cancel = CancelAfterFirstIteration("c")
-    driver = DaskDriver(
-        services=1, cpu_threads=2, ordering=Hrrs(), budgets=one_state_budget(jobs), hooks=[cancel, MlflowHook()],
-        validate=True,
-    )  # fmt: skip
-    cancel.driver = driver  # type: ignore[assignment]
-    driver.run(jobs)
+    cluster = external_cluster()  # as `plexrl run --scheduler ADDRESS` would find it
+    try:
+        driver = DaskDriver(
+            scheduler=cluster.scheduler_address, ordering=Hrrs(), budgets=one_state_budget(jobs),
+            hooks=[cancel, MlflowHook()], validate=True,
+        )  # fmt: skip
+        cancel.driver = driver  # type: ignore[assignment]
+        driver.run(jobs)
+        with Client(cluster) as client:  # the cluster outlives the driver, its services are stopped
+            assert len(client.scheduler_info()["workers"]) == 2
+            assert set(client.run(lambda: len(dask_driver._SERVICES)).values()) == {0}
+    finally:
+        cluster.close()
     a, b, c = jobs
     assert (a.status, b.status, c.status) == ("done", "done", "cancelled"), [j.error for j in jobs]
     assert stable(a.history) == stable(alone.history)
@@ -204,3 +230,39 @@ def test_cluster_run_prints_accounting_and_links_mlflow_runs(tmp_path: Path) -> 
     assert client.get_run(x.tracking["run_id"]).data.tags["plexrl.cluster_run"] == run.info.run_id
     assert run.data.metrics["job/x/steps"] == 2
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"report.txt", "report.json", "timeline.png"}
+
+
+class Interrupt(Hook):
+    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
+        if job.job_id == "y" and iteration == 0:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_closes_every_job_as_killed_and_keeps_what_was_logged(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from plexrl.cluster import load_cluster, run_cluster
+
+    runs = tmp_path / "runs"
+    jobs = []
+    for name, seed in (("x", 0), ("y", 1)):
+        job = learning_job(runs, name, seed, iterations=3)
+        job["tracking"]["mlflow"] = True
+        jobs.append({"job": job})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(runs), "driver": "local", "progress": False, "jobs": jobs}))
+    seen: list[Any] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_cluster(load_cluster(path), driver_hook=lambda d: (d.hooks.hooks.append(Interrupt()), seen.append(d)))
+    (driver,) = seen
+    x, y = (driver.jobs[n] for n in ("x", "y"))
+    assert x.status == y.status == "cancelled" and "KeyboardInterrupt" in y.error
+    client = MlflowClient(tracking_uri=y.tracking["uri"])
+    for job in (x, y):
+        run = client.get_run(job.tracking["run_id"])
+        assert run.info.status == "KILLED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "evaluate/accuracy")] == [0]
+    (cluster_run,) = client.search_runs(
+        [client.get_experiment_by_name("plexrl").experiment_id], "tags.`plexrl.kind` = 'cluster'"
+    )
+    assert cluster_run.info.status == "FAILED"

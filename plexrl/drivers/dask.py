@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,15 +55,16 @@ log = logging.getLogger(__name__)
 _SERVICES: dict[str, Service] = {}
 
 
-def _start_service(service_id: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+def _start_service(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+    """Create the service `key` (`<driver token>/<service id>`: two drivers on one cluster never share one)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    old = _SERVICES.pop(service_id, None)
-    if old is not None:
-        old.close()
-    _SERVICES[service_id] = Service(service_id, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    if key in _SERVICES:
+        raise RuntimeError(f"service {key} already runs in this worker")
+    service_id = key.rpartition("/")[2]
+    _SERVICES[key] = Service(service_id, device, spill_dir=spill_dir, validate=validate, clock=time.time)
     return os.getpid()
 
 
@@ -175,6 +177,7 @@ class DaskDriver(DriverBase):
         self._job_futures: dict[str, Any] = {}  # job -> scattered JobHandle
         self.client: Any = None
         self.cluster: Any = None
+        self.token = uuid.uuid4().hex[:8]  # names this driver's services inside the workers
 
     def run(self, jobs: list[JobHandle]) -> list[JobHandle]:
         """Start (or connect to) the cluster, run `jobs` to completion, shut down what was started here."""
@@ -250,8 +253,8 @@ class DaskDriver(DriverBase):
             self.worker_of[sid] = addr
         futs = [
             self.client.submit(
-                _start_service, sid, self.device, self.validate, self.spill_dir, self.service_threads,
-                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{sid}",
+                _start_service, self._key(sid), self.device, self.validate, self.spill_dir, self.service_threads,
+                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{self._key(sid)}",
             )
             for sid, addr in self.worker_of.items()
         ]  # fmt: skip
@@ -266,7 +269,9 @@ class DaskDriver(DriverBase):
                 fut.cancel()
             alive = self._alive()
             futs = {
-                sid: self.client.submit(_stop_service, sid, workers=[a], allow_other_workers=False, pure=False)
+                sid: self.client.submit(
+                    _stop_service, self._key(sid), workers=[a], allow_other_workers=False, pure=False
+                )
                 for sid, a in self.worker_of.items()
                 if a in alive
             }
@@ -279,6 +284,9 @@ class DaskDriver(DriverBase):
             self.client.close()
             if self.cluster is not None:
                 self.cluster.close()
+
+    def _key(self, service_id: str) -> str:
+        return f"{self.token}/{service_id}"
 
     def _alive(self) -> set[str]:
         """Worker addresses the scheduler knows now (asked, not the client's periodically refreshed cache)."""
@@ -361,8 +369,8 @@ class DaskDriver(DriverBase):
             self._start_job(job, ins.service_id)
             addr = self.worker_of[ins.service_id]
             fut = self.client.submit(
-                _load_job, ins.service_id, self._job_futures[job.job_id], ins.tier,
-                workers=[addr], allow_other_workers=False, pure=False, key=f"load-{job.job_id}",
+                _load_job, self._key(ins.service_id), self._job_futures[job.job_id], ins.tier,
+                workers=[addr], allow_other_workers=False, pure=False, key=f"load-{self.token}-{job.job_id}",
             )  # fmt: skip
             self._loaded[job.job_id] = fut
             self._inflight[fut] = _Pending("load", job.job_id, ins.service_id)
@@ -394,7 +402,7 @@ class DaskDriver(DriverBase):
             involved = {job.job_id} | {m.job_id for m in (*ins.swaps, *ins.prefetch)}
             deps = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
             fut = self.client.submit(
-                _run_service_node, ins.service_id, job.job_id, ins.iteration, ins.node, inputs,
+                _run_service_node, self._key(ins.service_id), job.job_id, ins.iteration, ins.node, inputs,
                 ins.swaps, ins.prefetch, *deps,
                 workers=[self.worker_of[ins.service_id]], allow_other_workers=False, pure=False, key=key,
             )  # fmt: skip
@@ -408,7 +416,7 @@ class DaskDriver(DriverBase):
             try:
                 path = job.run_dir / "jobs" / job.job_id / "model"
                 fut = self.client.submit(
-                    _save_model, sid, job.job_id, str(path),
+                    _save_model, self._key(sid), job.job_id, str(path),
                     workers=[self.worker_of[sid]], allow_other_workers=False, pure=False,
                 )  # fmt: skip
                 job.artifacts["model"] = Path(fut.result(timeout=300))
@@ -417,7 +425,7 @@ class DaskDriver(DriverBase):
         self._close(job, status, reason)
         if alive:
             self.client.submit(
-                _release, sid, job.job_id,
+                _release, self._key(sid), job.job_id,
                 workers=[self.worker_of[sid]], allow_other_workers=False, pure=False,
             )  # fmt: skip
         self._loaded.pop(job.job_id, None)
