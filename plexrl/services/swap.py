@@ -43,7 +43,7 @@ def checksum(tensors: dict[str, Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach()
         h.update(name.encode())
-        h.update(t.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.to("cpu").contiguous().view(torch.uint8).numpy())  # the buffer itself, no extra copy
     return h.hexdigest()
 
 
@@ -85,6 +85,8 @@ def host_to_disk(host: dict[str, Tensor], path: Path) -> None:
 
 
 def disk_to_host(path: Path, pin: bool) -> dict[str, Tensor]:
+    """Read a spilled state back. On CPU safetensors maps the file and the bytes are read by the next copy
+    (host -> device); the file is unlinked at once and its pages live until that copy drops the mapping."""
     from safetensors.torch import load_file
 
     host = load_file(str(path))
