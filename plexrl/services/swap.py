@@ -43,7 +43,7 @@ def checksum(tensors: dict[str, Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach()
         h.update(name.encode())
-        h.update(memoryview(t.to("cpu").contiguous().view(torch.uint8).numpy()))  # the buffer, no extra copy
+        h.update(t.to("cpu").contiguous().view(torch.uint8).numpy().data)  # the buffer itself, no extra copy
     return h.hexdigest()
 
 
