@@ -12,6 +12,9 @@ models (the wait is the modelled part; it holds no CPU). Use `verify` when the v
 from __future__ import annotations
 
 import time
+from typing import Annotated
+
+from pydantic import Field
 
 from plexrl.batch import Rewards, Rollouts
 from plexrl.operator import OpContext, operator
@@ -22,15 +25,13 @@ def remote_verify(
     rollouts: Rollouts,
     ctx: OpContext,
     *,
-    latency_s: float = 0.5,
+    latency_s: Annotated[float, Field(ge=0, description="round trip of the remote verifier, seconds")] = 0.5,
     correct_reward: float = 1.0,
     wrong_reward: float = 0.0,
 ) -> Rewards:
     """Rewards as `verify` gives them, returned after the remote verifier's round trip `latency_s` (>= 0)."""
     import torch
 
-    if latency_s < 0:
-        raise ValueError(f"latency_s must be >= 0, got {latency_s}")
     deadline = time.monotonic() + latency_s
     scores = ctx.task.verify(rollouts.completions, rollouts.answers)
     correct = torch.tensor([s == 1.0 for s in scores])

@@ -184,3 +184,18 @@ def test_main_job_yaml_equals_embedded_defaults() -> None:
     from_yaml, defaults = load_job(path), load_job(None)
     assert from_yaml.config.model_dump(exclude={"pipeline"}) == defaults.config.model_dump(exclude={"pipeline"})
     assert from_yaml.graph.describe() == defaults.graph.describe()  # the YAML spells out grpo's defaults
+
+
+def test_remote_verifier_is_a_cpu_node_with_a_validated_latency() -> None:
+    graph = load_job({"pipeline": {"name": "grpo", "params": {"verifier_latency_s": 0.3}}}).graph
+    node = graph.node("verify")
+    assert node.operator.name == "remote_verify" and node.placement == "cpu"
+    assert node.params.model_dump()["latency_s"] == 0.3
+    with pytest.raises(ConfigError, match="verifier_latency_s"):
+        load_job({"pipeline": {"name": "grpo", "params": {"verifier_latency_s": -1}}})
+    nodes = [
+        {"name": "prompts", "op": "sample_prompts"},
+        {"name": "v", "op": "remote_verify", "params": {"latency_s": -0.5}, "inputs": {"rollouts": "prompts"}},
+    ]
+    with pytest.raises(ConfigError, match="latency_s"):
+        load_job({"pipeline": {"nodes": nodes}})
