@@ -71,9 +71,9 @@ def mix(run_dir: Path) -> list[JobHandle]:
     return [prepare_job(load_job(learning_job(run_dir, name, seed))) for name, seed in (("a", 0), ("b", 1), ("c", 2))]
 
 
-def one_state_budget(jobs: list[JobHandle]) -> Budgets:
+def one_state_budget(jobs: list[JobHandle], on_device: int = 1) -> Budgets:
     size = max(j.state_bytes() for j in jobs)
-    return Budgets(device=size, host=size)  # one state on device, one in host memory, the rest on disk
+    return Budgets(device=on_device * size, host=size)  # the rest spills to disk
 
 
 def test_multiplexed_with_swaps_and_spills_learns_exactly_as_alone_local(run_dir: Path, alone: JobHandle) -> None:
@@ -131,7 +131,7 @@ def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(run_d
     cluster = external_cluster()  # as `plexrl run --scheduler ADDRESS` would find it
     try:
         driver = DaskDriver(
-            scheduler=cluster.scheduler_address, ordering=Hrrs(), budgets=one_state_budget(jobs),
+            scheduler=cluster.scheduler_address, ordering=Hrrs(), budgets=one_state_budget(jobs, on_device=2),
             hooks=[cancel, MlflowHook()], validate=True,
         )  # fmt: skip
         cancel.driver = driver  # type: ignore[assignment]
@@ -151,6 +151,7 @@ def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(run_d
     assert killed.info.status == "KILLED"
     assert [m.step for m in client.get_metric_history(killed.info.run_id, "shaped/reward_mean")] == [1]
     assert driver.service_reports["service-0"]["moves"] > 0
+    assert driver.planner.sent_ahead > 0  # nodes were sent while another job's node ran (lookahead)
 
 
 def test_a_lost_service_worker_fails_its_jobs_only(run_dir: Path) -> None:

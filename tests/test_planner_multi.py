@@ -164,7 +164,8 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
     clock = Clock()
     placement = rng.choice([Isolated(), Pack(), Spread(), SpreadBackfill(rng.choice([0.5, 1.0, 2.0]))])
     ordering = rng.choice([Hrrs(), None])
-    p = Planner(clock=clock, placement=placement, ordering=ordering, validate=True)
+    lookahead = rng.random() < 0.5
+    p = Planner(clock=clock, placement=placement, ordering=ordering, validate=True, lookahead=lookahead)
     n_services = rng.randint(1, 4)
     device = rng.choice([None, 100, 250, 400])
     host = rng.choice([None, 100, 300])
@@ -188,8 +189,10 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
                         assert sid == ins.service_id and tier == m.src, (m, where[m.job_id])
                         where[m.job_id] = (sid, m.dst)
                     assert where[ins.job_id][1] == "device"
-                    busy = [r for r in running if r.service_id == ins.service_id]
-                    assert not busy, f"{ins.service_id} runs {busy} and {ins}"
+                    sent = [r for r in running if r.service_id == ins.service_id]
+                    # one node at a time; with lookahead one more, of another job, to run right after it
+                    assert len(sent) <= (1 if lookahead else 0), f"{ins.service_id} has {sent}, then {ins}"
+                    assert all(r.job_id != ins.job_id for r in sent)
                 running.append(ins)
             elif isinstance(ins, (JobDone, FailJob)):
                 assert ins.job_id not in ended
@@ -210,7 +213,13 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
             break
         clock.t += rng.random()
         if running and rng.random() < 0.95:
-            ins = running.pop(rng.randrange(len(running)))
+            # a service runs what it was sent in order; CPU nodes finish in any order
+            first = {}
+            for r in running:
+                first.setdefault(r.service_id, r)
+            choices = [r for r in running if r.service_id is None or first[r.service_id] is r]
+            ins = rng.choice(choices)
+            running.remove(ins)
             ok = rng.random() > 0.03
             ev = NodeFinished(
                 ins.job_id, ins.iteration, ins.node, ok=ok, error=None if ok else "x", duration=rng.random()
@@ -230,3 +239,22 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
         else:
             assert status == "failed"
     assert not any(s.state.where for s in p.services.values())  # every state released
+
+
+def test_lookahead_sends_the_next_node_of_another_job_while_one_runs() -> None:
+    p = Planner(clock=Clock(), validate=True, lookahead=True)
+    p.handle(ServiceJoined("s0", device_bytes=200))
+    for j in "abc":
+        p.handle(JobSubmitted(j, GRPO))  # a, b fit on device; c waits on host
+    (ra,) = p.handle(NodeFinished("a", 0, "prompts"))
+    assert ra == RunNode("a", 0, "rollout", "service", "s0")
+    (rb,) = p.handle(NodeFinished("b", 0, "prompts"))  # sent while a's rollout runs
+    assert isinstance(rb, RunNode) and rb.job_id == "b" and p.services["s0"].next == ("b", 0, "rollout")
+    # c cannot be sent too: one node runs, one is next; and making room for c would evict a sent job
+    assert [i for i in p.handle(NodeFinished("c", 0, "prompts")) if isinstance(i, RunNode)] == []
+    out = p.handle(NodeFinished("a", 0, "rollout"))  # b's rollout now runs; c is sent next, evicting a
+    (rc,) = [i for i in out if isinstance(i, RunNode) and i.service_id]
+    assert rc.job_id == "c" and [(m.job_id, m.dst) for m in rc.swaps] == [("a", "host"), ("c", "device")]
+    assert p.services["s0"].running == ("b", 0, "rollout") and p.services["s0"].next == ("c", 0, "rollout")
+    p.handle(NodeFinished("b", 0, "rollout"))
+    assert p.services["s0"].running == ("c", 0, "rollout")

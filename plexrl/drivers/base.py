@@ -46,11 +46,14 @@ class DriverBase:
         validate: bool,
         budgets: Budgets | None = None,
         costs: CostModel | None = None,
+        lookahead: bool = False,
     ) -> None:
         self.clock = clock
         self.hooks = HookList(hooks)
         self.budgets = budgets or Budgets()
-        self.planner = Planner(clock=clock, placement=placement, ordering=ordering, validate=validate, costs=costs)
+        self.planner = Planner(
+            clock=clock, placement=placement, ordering=ordering, validate=validate, costs=costs, lookahead=lookahead
+        )
         self.jobs: dict[str, JobHandle] = {}
         self.outputs: dict[str, dict[str, Batch]] = {}
         self.seconds: dict[str, dict[str, float]] = {}

@@ -8,7 +8,9 @@ driver submits work, waits for the first result, and feeds it back as an event.
 
 Default cluster: a local `SpecCluster` with one worker process per service (`GPU=1`, one thread) and one
 CPU-pool worker process with `cpu_threads` threads. A CPU node whose observed duration is below
-`inline_below` (default 10 ms, less than a task round trip) runs in the driver process instead.
+`inline_below` (default 10 ms, less than a task round trip) runs in the driver process instead. With
+`lookahead` (default on) the planner sends a service its next node (of another job) while the current one
+runs, so the service starts it without waiting for a round trip through the scheduler and this driver.
 `scheduler="tcp://host:8786"` connects to an existing cluster instead (start it with `dask scheduler`,
 `dask worker ADDRESS --resources GPU=1 --nthreads 1` per accelerator, and plain `dask worker ADDRESS` for
 the CPU pool; see docs/architecture.md for the environment those workers need).
@@ -161,10 +163,11 @@ class DaskDriver(DriverBase):
         spill_dir: str | Path | None = None,
         poll: float = 0.5,
         inline_below: float = 0.01,
+        lookahead: bool = True,
     ) -> None:
         super().__init__(
             hooks=hooks, placement=placement, ordering=ordering, clock=time.time, validate=validate,
-            budgets=budgets, costs=costs,
+            budgets=budgets, costs=costs, lookahead=lookahead,
         )  # fmt: skip
         self.n_services, self.cpu_threads, self.service_threads = services, cpu_threads, service_threads
         self.scheduler, self.device, self.validate, self.poll = scheduler, device, validate, poll
@@ -173,6 +176,7 @@ class DaskDriver(DriverBase):
         self.worker_of: dict[str, str] = {}  # service id -> worker address
         self.service_reports: dict[str, dict[str, Any]] = {}
         self._inflight: dict[Any, _Pending] = {}
+        self._last_on: dict[str, Any] = {}  # service -> its latest task: the next one depends on it (order)
         self._loaded: dict[str, Any] = {}  # job -> future of its load on its service
         self._job_futures: dict[str, Any] = {}  # job -> scattered JobHandle
         self.client: Any = None
@@ -401,11 +405,15 @@ class DaskDriver(DriverBase):
         else:
             involved = {job.job_id} | {m.job_id for m in (*ins.swaps, *ins.prefetch)}
             deps = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
+            previous = self._last_on.get(ins.service_id)
+            if previous is not None and previous in self._inflight:
+                deps.append(previous)  # with lookahead, the service runs its nodes in the order they were sent
             fut = self.client.submit(
                 _run_service_node, self._key(ins.service_id), job.job_id, ins.iteration, ins.node, inputs,
                 ins.swaps, ins.prefetch, *deps,
                 workers=[self.worker_of[ins.service_id]], allow_other_workers=False, pure=False, key=key,
             )  # fmt: skip
+            self._last_on[ins.service_id] = fut
         self._inflight[fut] = _Pending("node", job.job_id, lane, ins.iteration, ins.node)
         return None
 

@@ -109,6 +109,7 @@ class ServiceRecord:
     state: StateManager = field(default_factory=lambda: StateManager(""))
     resident: str | None = None  # the job that ran last here (its state is on device)
     prefetching: str | None = None
+    next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
 
 
 class Planner:
@@ -122,6 +123,7 @@ class Planner:
         ordering: OrderingPolicy | None = None,
         validate: bool = False,
         costs: CostModel | None = None,
+        lookahead: bool = False,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
@@ -129,6 +131,10 @@ class Planner:
         self.placement: PlacementPolicy = placement or Spread()
         self.ordering: OrderingPolicy = ordering or Fifo()
         self.costs = costs or CostModel()
+        # lookahead: while a service runs a node, the next one (of another job) is already chosen and sent,
+        # so a driver whose round trip is not free (Dask) can start it the moment the first one ends
+        self.lookahead = lookahead
+        self.sent_ahead = 0  # nodes sent by lookahead (a statistic)
         self.jobs: dict[str, JobRecord] = {}
         self.services: dict[str, ServiceRecord] = {}
         self.pending: list[str] = []  # queued job ids, in submission order
@@ -184,7 +190,7 @@ class Planner:
         for job_id in sorted(svc.jobs):
             self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out)
         svc.queue.clear()
-        svc.running = None
+        svc.running = svc.next = None
         svc.resident = svc.prefetching = None
 
     def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
@@ -213,7 +219,7 @@ class Planner:
             svc = self.services[job.service] if job.service else None
             if svc is None or svc.running != (ev.job_id, ev.iteration, ev.node):
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
-            svc.running = None
+            svc.running, svc.next = svc.next, None
         if not ev.ok:
             self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}", out)
             return
@@ -335,26 +341,45 @@ class Planner:
 
     def _dispatch(self, out: list[Instruction]) -> None:
         for svc in sorted(self.services.values(), key=lambda s: s.service_id):
-            if svc.alive and svc.running is None and svc.queue:
+            if not svc.alive or not svc.queue:
+                continue
+            if svc.running is None:
+                self._dispatch_one(svc, out)
+            if self.lookahead and svc.running is not None and svc.next is None and svc.queue:
                 self._dispatch_one(svc, out)
 
     def _dispatch_one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
+        """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node.
+        A job has at most one service node sent at a time, and sent jobs' states are never evicted."""
         now = self.clock()
+        busy = {key[0] for key in (svc.running, svc.next) if key is not None}
+        candidates = [i for i, q in enumerate(svc.queue) if q.job_id not in busy]
+        if not candidates:
+            return
         view = self._ordering_view(svc)
-        q = svc.queue.pop(self.ordering.pick(svc.queue, now, view))
+        pool = [svc.queue[i] for i in candidates]
+        index = candidates[self.ordering.pick(pool, now, view)]
+        q = svc.queue[index]
         job = self.jobs[q.job_id]
         next_use = self._next_use(svc, now)
         try:
-            swaps = svc.state.make_resident(q.job_id, next_use, set())
-        except NoRoom as exc:  # budgets validated at submission; reaching this is a planner bug
-            raise InvalidTransition(self._history(str(exc))) from None
+            swaps = svc.state.make_resident(q.job_id, next_use, busy)
+        except NoRoom as exc:
+            if busy:  # lookahead: the device cannot hold it beside the running job; send it later
+                return
+            raise InvalidTransition(self._history(str(exc))) from None  # budgets are validated at submission
+        svc.queue.pop(index)
         svc.prefetching, svc.resident = None, q.job_id
         self._set_node(job, q.node, "running")
-        svc.running = (q.job_id, q.iteration, q.node)
+        if svc.running is None:
+            svc.running = (q.job_id, q.iteration, q.node)
+        else:
+            svc.next = (q.job_id, q.iteration, q.node)
+            self.sent_ahead += 1
         prefetch: list[Move] = []
-        nxt = self._next_job(svc, now, next_use, view, exclude=q.job_id)
+        nxt = self._next_job(svc, now, next_use, view, exclude=busy | {q.job_id})
         if nxt is not None:
-            prefetch = svc.state.prefetch(nxt, next_use, {q.job_id})
+            prefetch = svc.state.prefetch(nxt, next_use, busy | {q.job_id})
             if prefetch:
                 svc.prefetching = nxt
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch)))
@@ -372,8 +397,9 @@ class Planner:
         """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
         there, the predicted rest of its running CPU nodes otherwise, inf with nothing in flight."""
         soon = {q.job_id for q in svc.queue}
-        if svc.running is not None:
-            soon.add(svc.running[0])
+        for key in (svc.running, svc.next):
+            if key is not None:
+                soon.add(key[0])
         out: dict[str, float] = {}
         for job_id in svc.jobs:
             if job_id in soon:
@@ -385,13 +411,13 @@ class Planner:
         return out
 
     def _next_job(
-        self, svc: ServiceRecord, now: float, next_use: dict[str, float], view: OrderingView, exclude: str
+        self, svc: ServiceRecord, now: float, next_use: dict[str, float], view: OrderingView, exclude: set[str]
     ) -> str | None:
-        """The job the service will most likely run after the current node (what to prefetch)."""
-        others = [q for q in svc.queue if q.job_id != exclude]
+        """The job the service will most likely run after the nodes sent to it (what to prefetch)."""
+        others = [q for q in svc.queue if q.job_id not in exclude]
         if others:
             return others[self.ordering.pick(others, now, view)].job_id
-        later = [(t, j) for j, t in next_use.items() if j != exclude and t < math.inf]
+        later = [(t, j) for j, t in next_use.items() if j not in exclude and t < math.inf]
         return min(later)[1] if later else None
 
     def _end_job(
@@ -408,8 +434,10 @@ class Planner:
         svc = self.services.get(job.service) if job.service else None
         if svc is not None:
             svc.queue = [q for q in svc.queue if q.job_id != job_id]
+            if svc.next is not None and svc.next[0] == job_id:
+                svc.next = None  # the driver abandons the node's result
             if svc.running is not None and svc.running[0] == job_id:
-                svc.running = None  # the driver abandons the node's result
+                svc.running, svc.next = svc.next, None  # (the service runs `next` once the abandoned node ends)
             svc.jobs.discard(job_id)
             svc.state.release(job_id)
             if svc.resident == job_id:
@@ -443,8 +471,12 @@ class Planner:
                 raise InvalidTransition(self._history(str(exc))) from None
             if set(svc.state.where) != svc.jobs:
                 raise InvalidTransition(self._history(f"{svc.service_id}: states {set(svc.state.where)} != jobs"))
-            if svc.running is not None:
-                job_id, it, node = svc.running
+            if svc.next is not None and (svc.running is None or svc.running[0] == svc.next[0]):
+                raise InvalidTransition(self._history(f"{svc.service_id}: next {svc.next} with running {svc.running}"))
+            for key in (svc.running, svc.next):
+                if key is None:
+                    continue
+                job_id, it, node = key
                 job = self.jobs[job_id]
                 if job.service != svc.service_id or job.status != "placed":
                     raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}, not placed there"))
