@@ -64,6 +64,9 @@ class ClusterConfig(StrictModel):
     )
     max_load: float = Field(1.0, gt=0, le=64, description="spread+backfill: admit while predicted load <= this.")
     ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
+    lookahead: bool = Field(
+        True, description="dask: send a service its next node while one runs (saves a round trip per node)."
+    )
     validate_state: bool = Field(False, description="Planner invariants after every event and state checksums.")
     mlflow: bool = Field(True, description="Log a cluster-level MLflow run (jobs log their own runs).")
     experiment: str = Field("plexrl", description="MLflow experiment of the cluster run.")
@@ -203,7 +206,7 @@ def make_driver(cfg: ClusterConfig, hooks: list[Any]) -> Any:
     return DaskDriver(
         services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
         hooks=hooks, placement=placement, ordering=ordering, device=s.device, validate=cfg.validate_state,
-        budgets=budgets,
+        budgets=budgets, lookahead=cfg.lookahead,
     )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ class Ewma:
     count: int = 1
 
     def update(self, x: float, alpha: float) -> None:
-        self.value = x if self.count == 0 else (1 - alpha) * self.value + alpha * x
+        self.value = (1 - alpha) * self.value + alpha * x
         self.count += 1
 
 
