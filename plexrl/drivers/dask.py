@@ -22,13 +22,14 @@ Not done here: recovery from checkpoints (a lost job is failed, not re-placed).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,9 @@ def _stop_service(service_id: str) -> dict[str, Any]:
 
 
 # -- the driver ---------------------------------------------------------------------------------------
+_SEQ = itertools.count()
+
+
 @dataclass(slots=True)
 class _Pending:
     kind: str  # "node" | "load"
@@ -143,6 +147,7 @@ class _Pending:
     lane: str
     iteration: int = 0
     node: str = ""
+    seq: int = field(default_factory=lambda: next(_SEQ))  # submission order
 
 
 class DaskDriver(DriverBase):
@@ -338,7 +343,10 @@ class DaskDriver(DriverBase):
                         if p.lane == sid:
                             del self._inflight[fut]
                     events.append(ServiceLost(sid, f"worker {self.worker_of[sid]} is gone"))
-            for fut in done:  # after the liveness check: a lost service's futures are already dropped
+            # after the liveness check (a lost service's futures are already dropped), in submission order:
+            # a service's results must reach the planner in the order its nodes were sent
+            ordered = sorted((f for f in done if f in self._inflight), key=lambda f: self._inflight[f].seq)
+            for fut in ordered:
                 ev = self._collect(fut)
                 if ev is not None:
                     events.append(ev)
