@@ -82,6 +82,17 @@ class LoadedCluster:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
+def state_parts(loaded: LoadedJob) -> list[str]:
+    """What a job's state holds, as the StateManager counts it."""
+    parts = ["weights", "2 AdamW moments"]
+    nodes = loaded.graph.nodes
+    if any(n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in nodes):
+        parts.append("reference weights")
+    if {"value_estimate", "train_critic"} & {n.operator.name for n in nodes}:
+        parts.append("critic with its moments")
+    return parts
+
+
 def estimate_state_bytes(cfg: JobConfig, loaded: LoadedJob) -> int:
     """Bytes of a job's state before its model exists: fp32 parameters of the configured Llama times the
     copies its pipeline keeps (see `JobHandle.state_bytes`)."""
@@ -151,8 +162,8 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
                 problems.append(
                     Problem(
                         f"jobs[{i}]",
-                        f"job {job.config.name!r} needs about {need / 2**20:.1f} MiB of state (weights, optimizer "
-                        f"moments, reference) but services.device_memory is {budget / 2**20:.1f} MiB; "
+                        f"job {job.config.name!r} needs about {need / 2**20:.1f} MiB of state "
+                        f"({', '.join(state_parts(job))}) but services.device_memory is {budget / 2**20:.1f} MiB; "
                         "raise services.device_memory or use a smaller model",
                     )
                 )
