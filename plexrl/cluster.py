@@ -20,7 +20,8 @@ import yaml
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
 from plexrl.config import JobConfig, LoadedJob, StrictModel, _problem, load_job
-from plexrl.errors import ConfigError, PlexRLError, Problem
+from plexrl.errors import ConfigError, Problem
+from plexrl.job import state_copies, state_parts
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,6 @@ class LoadedCluster:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def state_parts(loaded: LoadedJob) -> list[str]:
-    """What a job's state holds, as the StateManager counts it."""
-    parts = ["weights", "2 AdamW moments"]
-    nodes = loaded.graph.nodes
-    if any(n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in nodes):
-        parts.append("reference weights")
-    if {"value_estimate", "train_critic"} & {n.operator.name for n in nodes}:
-        parts.append("critic with its moments")
-    return parts
-
-
 def estimate_state_bytes(cfg: JobConfig, loaded: LoadedJob) -> int:
     """Bytes of a job's state before its model exists: fp32 parameters of the configured Llama times the
     copies its pipeline keeps (see `JobHandle.state_bytes`)."""
@@ -106,15 +96,7 @@ def estimate_state_bytes(cfg: JobConfig, loaded: LoadedJob) -> int:
         per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
         params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
         weights = params * 4
-    ops = [n.operator.name for n in loaded.graph.nodes]
-    copies = 3
-    if any(
-        n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in loaded.graph.nodes
-    ):
-        copies += 1
-    if {"value_estimate", "train_critic"} & set(ops):
-        copies += 3
-    return weights * copies
+    return weights * state_copies(loaded.graph)
 
 
 def load_cluster(source: str | Path, overrides: list[str] | None = None) -> LoadedCluster:
@@ -158,12 +140,13 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     if budget is not None:
         for i, job in enumerate(jobs):
             need = estimate_state_bytes(job.config, job)
+            holds = ", ".join(state_parts(job.graph))
             if need > budget:
                 problems.append(
                     Problem(
                         f"jobs[{i}]",
                         f"job {job.config.name!r} needs about {need / 2**20:.1f} MiB of state "
-                        f"({', '.join(state_parts(job))}) but services.device_memory is {budget / 2**20:.1f} MiB; "
+                        f"({holds}) but services.device_memory is {budget / 2**20:.1f} MiB; "
                         "raise services.device_memory or use a smaller model",
                     )
                 )
@@ -350,4 +333,4 @@ def log_cluster_run(cfg: ClusterConfig, result: ClusterResult, out_dir: Path) ->
     return {"uri": uri, "run_id": run_id}
 
 
-__all__ = ["ClusterConfig", "LoadedCluster", "PlexRLError", "is_cluster_file", "load_cluster", "run_cluster"]
+__all__ = ["ClusterConfig", "LoadedCluster", "is_cluster_file", "load_cluster", "run_cluster"]

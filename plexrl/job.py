@@ -42,18 +42,8 @@ class JobHandle:
         return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes())
 
     def state_bytes(self) -> int:
-        """Upper bound of the bytes the StateManager moves for this job: fp32 policy weights, two AdamW
-        moments, plus a reference copy when the pipeline uses KL and a critic (weights + moments) for PPO."""
-        weights = model_bytes(self.model_path)
-        copies = 3
-        ops = {n.operator.name for n in self.graph.nodes}
-        if any(
-            n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in self.graph.nodes
-        ):
-            copies += 1
-        if ops & {"value_estimate", "train_critic"}:
-            copies += 3
-        return weights * copies
+        """Upper bound of the bytes the StateManager moves for this job (see `state_copies`)."""
+        return model_bytes(self.model_path) * state_copies(self.graph)
 
     def baseline_nodes(self) -> list[str]:
         """Periodic nodes that read no data (evaluations) also run once before the first iteration; their
@@ -78,6 +68,31 @@ class JobHandle:
             if name in row:
                 return row[name]
         return None
+
+
+def uses_reference(graph: PipelineGraph) -> bool:
+    """Whether the pipeline reads reference-policy log-probs (then the engine keeps a frozen copy)."""
+    return any(n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in graph.nodes)
+
+
+def uses_critic(graph: PipelineGraph) -> bool:
+    return any(n.operator.name in ("value_estimate", "train_critic") for n in graph.nodes)
+
+
+def state_parts(graph: PipelineGraph) -> list[str]:
+    """What a job's state holds, as the StateManager counts and moves it."""
+    parts = ["weights", "2 AdamW moments"]
+    if uses_reference(graph):
+        parts.append("reference weights")
+    if uses_critic(graph):
+        parts.append("critic with its moments")
+    return parts
+
+
+def state_copies(graph: PipelineGraph) -> int:
+    """The state's size in copies of the fp32 weights: policy + 2 AdamW moments, +1 for a reference,
+    +3 for a critic (its weights and moments)."""
+    return 3 + uses_reference(graph) + 3 * uses_critic(graph)
 
 
 def model_bytes(model_dir: Path) -> int:

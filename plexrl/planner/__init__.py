@@ -1,6 +1,6 @@
 """The pure global planner: events in, instructions out (see `core`)."""
 
-from plexrl.planner.core import InvalidTransition, JobRecord, Planner
+from plexrl.planner.core import Planner
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
     FailJob,
@@ -18,6 +18,7 @@ from plexrl.planner.events import (
     ServiceLost,
 )
 from plexrl.planner.policies import ORDERINGS, PLACEMENTS, Fifo, Hrrs, Isolated, Pack, Spread, SpreadBackfill
+from plexrl.planner.records import InvalidTransition, JobRecord
 from plexrl.planner.state import Move, NoRoom, StateManager, Tier
 
 __all__ = [

@@ -28,8 +28,6 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
@@ -40,7 +38,6 @@ from plexrl.planner.events import (
     JobCancelled,
     JobDone,
     JobFailed,
-    JobPlan,
     JobSubmitted,
     NodeFinished,
     PlaceJob,
@@ -58,58 +55,17 @@ from plexrl.planner.policies import (
     ServiceView,
     Spread,
 )
+from plexrl.planner.records import (
+    JOB_TRANSITIONS,
+    NODE_TRANSITIONS,
+    TERMINAL,
+    InvalidTransition,
+    JobRecord,
+    JobStatus,
+    NodeStatus,
+    ServiceRecord,
+)
 from plexrl.planner.state import Move, NoRoom, StateManager
-
-JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
-NodeStatus = Literal["waiting", "ready", "running", "done"]
-
-JOB_TRANSITIONS: set[tuple[JobStatus, JobStatus]] = {
-    ("queued", "placed"),
-    ("queued", "failed"),
-    ("queued", "cancelled"),
-    ("placed", "done"),
-    ("placed", "failed"),
-    ("placed", "cancelled"),
-}
-NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
-    ("waiting", "ready"),
-    ("waiting", "done"),  # inactive this iteration
-    ("ready", "running"),
-    ("running", "done"),
-}
-TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
-
-
-class InvalidTransition(RuntimeError):
-    """An illegal state move; the message carries the planner's recent history."""
-
-
-@dataclass(slots=True)
-class JobRecord:
-    job_id: str
-    plan: JobPlan
-    status: JobStatus = "queued"
-    service: str | None = None
-    iteration: int = 0
-    nodes: dict[str, NodeStatus] = field(default_factory=dict)
-    submitted_at: float = 0.0
-    placed_at: float | None = None
-    finished_at: float | None = None
-    reason: str = ""
-    cpu_started: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class ServiceRecord:
-    service_id: str
-    running: tuple[str, int, str] | None = None
-    queue: list[QueuedNode] = field(default_factory=list)
-    jobs: set[str] = field(default_factory=set)
-    alive: bool = True
-    state: StateManager = field(default_factory=lambda: StateManager(""))
-    resident: str | None = None  # the job that ran last here (its state is on device)
-    prefetching: str | None = None
-    next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
 
 
 class Planner:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plexrl.job import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.services import swap as sw
@@ -33,13 +34,6 @@ if TYPE_CHECKING:
     from plexrl.job import JobHandle
 
 log = logging.getLogger(__name__)
-
-
-def needs_reference(job: JobHandle) -> bool:
-    """Whether the job's pipeline reads reference-policy log-probs (then the engine keeps a frozen copy)."""
-    return any(
-        n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in job.graph.nodes
-    )
 
 
 @dataclass(slots=True)
@@ -127,7 +121,7 @@ class Service:
             eos_id=tok.eos_token_id,
             pad_id=tok.pad_token_id,
             device=str(self.device),
-            with_reference=needs_reference(job),
+            with_reference=uses_reference(job.graph),
             attention=job.config.model.attention,
         )
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine

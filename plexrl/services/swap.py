@@ -11,7 +11,7 @@ and frees the old one, so budgets, accounting and bandwidth mean the same as on 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +31,6 @@ class Placement:
     disk: Path | None = None
     checksum: str | None = None
     nbytes: int = 0
-    moved: int = field(default=0)  # bytes moved in and out so far
 
 
 def nbytes(tensors: dict[str, Tensor]) -> int:

@@ -1,0 +1,62 @@
+"""The planner's records and its state tables: job and node states, every legal move, and the per-job and
+per-service records the planner keeps. Data only; `core.Planner` is the one thing that changes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plexrl.planner.events import JobPlan
+from plexrl.planner.policies import QueuedNode
+from plexrl.planner.state import StateManager
+
+JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
+NodeStatus = Literal["waiting", "ready", "running", "done"]
+
+JOB_TRANSITIONS: set[tuple[JobStatus, JobStatus]] = {
+    ("queued", "placed"),
+    ("queued", "failed"),
+    ("queued", "cancelled"),
+    ("placed", "done"),
+    ("placed", "failed"),
+    ("placed", "cancelled"),
+}
+NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
+    ("waiting", "ready"),
+    ("waiting", "done"),  # inactive this iteration
+    ("ready", "running"),
+    ("running", "done"),
+}
+TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
+
+
+class InvalidTransition(RuntimeError):
+    """An illegal state move; the message carries the planner's recent history."""
+
+
+@dataclass(slots=True)
+class JobRecord:
+    job_id: str
+    plan: JobPlan
+    status: JobStatus = "queued"
+    service: str | None = None
+    iteration: int = 0
+    nodes: dict[str, NodeStatus] = field(default_factory=dict)
+    submitted_at: float = 0.0
+    placed_at: float | None = None
+    finished_at: float | None = None
+    reason: str = ""
+    cpu_started: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ServiceRecord:
+    service_id: str
+    running: tuple[str, int, str] | None = None
+    queue: list[QueuedNode] = field(default_factory=list)
+    jobs: set[str] = field(default_factory=set)
+    alive: bool = True
+    state: StateManager = field(default_factory=lambda: StateManager(""))
+    resident: str | None = None  # the job that ran last here (its state is on device)
+    prefetching: str | None = None
+    next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
