@@ -93,6 +93,7 @@ class Planner:
         self.sent_ahead = 0  # nodes sent by lookahead (a statistic)
         self.jobs: dict[str, JobRecord] = {}
         self.services: dict[str, ServiceRecord] = {}
+        self._by_id: list[ServiceRecord] = []
         self.pending: list[str] = []  # queued job ids, in submission order
         self.log: deque[Transition] = deque(maxlen=log_size)
         self.validate_each_step = validate
@@ -136,6 +137,7 @@ class Planner:
         self._admission_due = True
         budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
         self.services[ev.service_id] = ServiceRecord(ev.service_id, state=StateManager(ev.service_id, budgets))  # type: ignore[arg-type]
+        self._by_id = sorted(self.services.values(), key=lambda s: s.service_id)  # dispatch order
 
     def _service_lost(self, ev: ServiceLost, out: list[Instruction]) -> None:
         svc = self.services.get(ev.service_id)
@@ -296,7 +298,7 @@ class Planner:
             self.services[job.service].queue.append(q)
 
     def _dispatch(self, out: list[Instruction]) -> None:
-        for svc in sorted(self.services.values(), key=lambda s: s.service_id):
+        for svc in self._by_id:
             if not svc.alive or not svc.queue:
                 continue
             if svc.running is None:
