@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,7 +20,7 @@ class GenerationOutput:
     - `prompt_ids` [N, Lp] left-padded prompts, `prompt_mask` [N, Lp];
     - `response_ids` [N, T] right-padded with pad, `response_mask` [N, T] 1 up to and including eos;
     - `logprobs` [N, T] log-prob of each sampled token under the sampling distribution (0 on padding);
-    - `lengths` [N]; `finish_reasons` "stop" (eos sampled) or "length".
+    - `lengths` [N]; `finish_reasons` "stop" (eos or a stop token sampled) or "length".
     """
 
     prompt_ids: Tensor
@@ -46,7 +46,11 @@ class Engine(Protocol):
         max_new_tokens: int,
         seed: int,
         greedy: bool = False,
-    ) -> GenerationOutput: ...
+        stop_token_ids: Sequence[int] = (),
+    ) -> GenerationOutput:
+        """Sample `n` responses per prompt. A response ends at eos or at any of `stop_token_ids` (the stop
+        token is part of the response, masked in, finish reason "stop") or after `max_new_tokens`."""
+        ...
 
     def logprobs(
         self, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0, which: str = "policy"

@@ -14,7 +14,7 @@ import copy
 import inspect
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +139,7 @@ class TorchEngine:
         max_new_tokens: int,
         seed: int,
         greedy: bool = False,
+        stop_token_ids: Sequence[int] = (),
     ) -> GenerationOutput:
         rows = [p for p in prompts for _ in range(n)]
         N, Lp = len(rows), max(len(p) for p in prompts)
@@ -156,6 +157,7 @@ class TorchEngine:
         past, logits = getattr(out, kw), out.logits[:, -1]
         next_pos = pos[:, -1:] + 1
         done = torch.zeros(N, dtype=torch.bool, device=self.device)
+        stops = torch.tensor([self.eos_id, *stop_token_ids], device=self.device)
         toks, lps, alive = [], [], []
         for step in range(max_new_tokens):
             logp = F.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
@@ -166,7 +168,7 @@ class TorchEngine:
             toks.append(tok)
             lps.append(torch.where(live, lp, torch.zeros_like(lp)))
             alive.append(live)
-            done = done | (tok == self.eos_id)
+            done = done | torch.isin(tok, stops)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(tok[:, None])], 1)
