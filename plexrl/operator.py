@@ -71,11 +71,15 @@ class Port:
 class Operator:
     """A typed operator; call `run(ctx, inputs, params)` to execute it."""
 
-    def __init__(self, fn: Callable[..., Batch], placement: Placement, name: str | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Batch], placement: Placement, name: str | None = None, *, inline: bool = True
+    ) -> None:
         if placement not in ("service", "cpu"):
             raise ValueError(f"placement must be 'service' or 'cpu', got {placement!r}")
         self.fn = fn
         self.placement: Placement = placement
+        # inline=False: never run in the driver process, even when fast (tool calls, untrusted code)
+        self.inline = inline
         self.name = name or fn.__name__
         self.ref = f"{fn.__module__}:{fn.__name__}"
         self.doc = inspect.getdoc(fn) or ""
@@ -150,11 +154,15 @@ def _port_type(hint: Any) -> tuple[type[Batch] | None, bool]:
     return None, False
 
 
-def operator(placement: Placement, name: str | None = None) -> Callable[[Callable[..., Batch]], Operator]:
-    """Decorator turning a typed function into an `Operator` (see the module docstring)."""
+def operator(
+    placement: Placement, name: str | None = None, *, inline: bool = True
+) -> Callable[[Callable[..., Batch]], Operator]:
+    """Decorator turning a typed function into an `Operator` (see the module docstring). `inline=False` keeps
+    a cpu operator on the CPU pool even when it is fast (the DaskDriver otherwise runs CPU nodes observed
+    under `inline_below` in the driver process): use it for tool calls and anything that runs untrusted code."""
 
     def wrap(fn: Callable[..., Batch]) -> Operator:
-        return Operator(fn, placement, name)
+        return Operator(fn, placement, name, inline=inline)
 
     return wrap
 

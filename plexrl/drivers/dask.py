@@ -401,7 +401,11 @@ class DaskDriver(DriverBase):
         inputs = self._inputs(job, ins.node)
         key = f"{job.job_id}-{ins.iteration}-{ins.node}-{time.monotonic_ns()}"
         costs = self.planner.costs
-        tiny = costs.observed(job.job_id, ins.node) and costs.predict(job.job_id, ins.node) < self.inline_below
+        tiny = (
+            job.graph.node(ins.node).operator.inline
+            and costs.observed(job.job_id, ins.node)
+            and costs.predict(job.job_id, ins.node) < self.inline_below
+        )
         if ins.service_id is None and tiny:
             # a CPU node that took less than a task round trip: run it here, as Dask inlines tiny tasks
             return self._node_done(job, run_cpu_node(job, ins.iteration, ins.node, inputs, self.clock), lane)
