@@ -147,3 +147,114 @@ class EvalStats(Batch):
 
     def metrics(self) -> dict[str, float]:
         return {"accuracy": self.accuracy, "response_length": self.response_length}
+
+
+@dataclass(slots=True)
+class Episodes(Batch):
+    """N = P*G multi-turn tool-calling episodes in flight (rows grouped by prompt as in `Rollouts`); the
+    tag format is documented in `plexrl.episodes`. Plain lists, one entry per row, so that a turn can
+    grow each row by a different number of tokens:
+
+    - `prompt_ids[i]`: the prompt's tokens (bos included); `tokens[i]`: everything after the prompt so far,
+      model turns and tool outputs in order; `model_mask[i][j]` 1 where the policy wrote `tokens[i][j]`,
+      0 on tool output (`<out>...</out>`); `logprobs[i][j]` the behaviour log-prob (temperature applied)
+      of model tokens, 0.0 on tool output.
+    - `pending[i]`: the body of a tool call the model just closed, waiting for the tool node, else None.
+    - `status[i]`: "running", or why the episode ended: "answer" (eos), "length" (a turn hit its
+      max_new_tokens), "budget" (the episode's `token_budget` of tokens after the prompt is used up);
+      `finish_episodes` marks episodes still running after the last turn "turns".
+    - per row: `turns` (model turns taken), `tool_calls`, `tool_errors`, `tool_latency_s` (summed).
+    - `answers[i]` ground truth; `episode_ids[i]` unique per job, iteration and row (tool create/release).
+    """
+
+    prompt_ids: list[list[int]]
+    tokens: list[list[int]]
+    model_mask: list[list[int]]
+    logprobs: list[list[float]]
+    pending: list[str | None]
+    status: list[str]
+    turns: list[int]
+    tool_calls: list[int]
+    tool_errors: list[int]
+    tool_latency_s: list[float]
+    answers: list[str]
+    episode_ids: list[str]
+    group_size: int
+    temperature: float
+    token_budget: int
+    weight_version: int = 0
+    new_tokens: int = 0  # tokens the node that made this batch generated (0 for tool nodes)
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.status), 1)
+        out = {"running_frac": sum(s == "running" for s in self.status) / n}
+        if self.new_tokens:
+            out["tokens"] = float(self.new_tokens)
+        return out
+
+
+@dataclass(slots=True)
+class EpisodeRollouts(Rollouts):
+    """Finished episodes as a `Rollouts` (so verify, advantage and train take them unchanged): the response
+    part of row i is every token after the prompt, model turns and tool outputs interleaved.
+
+    - `response_mask` [N, L] is 1 on model-written tokens only: tool output never enters the policy loss;
+      `tool_mask` [N, L] float is 1 on tool-output tokens (`<out>`, output, `</out>`).
+    - `response_lengths` [N] counts model-written tokens; `completions[i]` is the final answer (the text
+      after the last tool output, "" unless the episode ended with eos); `transcripts[i]` the whole episode
+      with its tags; `finish_reasons[i]` "stop" for an answer, else "length".
+    - per row: `episode_end` ("answer", "length", "budget", "turns"), `turns`, `tool_calls`,
+      `tool_errors`, `tool_latency_s`.
+    """
+
+    tool_mask: Tensor | None = None
+    transcripts: list[str] = field(default_factory=list)
+    episode_end: list[str] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    tool_calls: list[int] = field(default_factory=list)
+    tool_errors: list[int] = field(default_factory=list)
+    tool_latency_s: list[float] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.turns), 1)
+        calls = max(sum(self.tool_calls), 1)
+        rollout = {k: v for k, v in Rollouts.metrics(self).items() if k != "tokens"}  # counted per turn node
+        return {
+            **rollout,
+            **episode_metrics(self.turns, self.tool_calls, self.tool_errors, self.tool_latency_s),
+            "answered_frac": sum(e == "answer" for e in self.episode_end) / n,
+            "tool_latency_s_per_call": sum(self.tool_latency_s) / calls,
+        }
+
+
+def episode_metrics(
+    turns: list[int], tool_calls: list[int], tool_errors: list[int], tool_latency_s: list[float]
+) -> dict[str, float]:
+    """Means over episodes of the per-sample tool statistics, and the tool-use rate (share of episodes
+    with at least one call).
+
+    >>> episode_metrics([2, 1], [1, 0], [0, 0], [0.5, 0.0])["tool_use_rate"]
+    0.5
+    """
+    n = max(len(turns), 1)
+    return {
+        "turns": sum(turns) / n,
+        "tool_calls": sum(tool_calls) / n,
+        "tool_errors": sum(tool_errors) / n,
+        "tool_latency_s": sum(tool_latency_s) / n,
+        "tool_use_rate": sum(c > 0 for c in tool_calls) / n,
+    }
+
+
+@dataclass(slots=True)
+class AgentEvalStats(EvalStats):
+    """Held-out evaluation of tool-calling episodes: accuracy plus the means of `episode_metrics`
+    (`tool_use_rate`, `turns`, `tool_calls`, `tool_errors`, `tool_latency_s`) in `tools`."""
+
+    tools: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {**EvalStats.metrics(self), **self.tools}

@@ -54,20 +54,39 @@ class ModelConfig(StrictModel):
 class TaskConfig(StrictModel):
     """A verifiable task generated from a seed, with disjoint train and held-out splits."""
 
-    name: Literal["arithmetic"] = Field("arithmetic", description="Task family: multi-digit addition.")
-    digits: int = Field(3, ge=1, le=9, description="Digits per operand.")
+    name: Literal["arithmetic", "tool_arithmetic"] = Field(
+        "arithmetic",
+        description="Task family: `arithmetic` (multi-digit addition, answered directly) or `tool_arithmetic` "
+        "(multiplication, solved by calling the calculator tool; see plexrl/episodes.py for the tag format).",
+    )
+    digits: int = Field(3, ge=1, le=9, description="Digits per operand (tool_arithmetic: of the first operand).")
+    digits_b: int | None = Field(
+        None, ge=1, le=9, description="tool_arithmetic: digits of the second operand (default: `digits`)."
+    )
+    tool_demo_frac: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="tool_arithmetic: share of warm-start demonstrations that call the tool (the rest answer "
+        "directly), so that RL has a tool-use rate to raise.",
+    )
     train_size: int = Field(200000, ge=16, description="Problems in the train split.")
     eval_size: int = Field(500, ge=8, le=100000, description="Problems in the held-out split.")
     seed: int = Field(1234, description="Seed of the data generator (independent of the job seed).")
 
     @model_validator(mode="after")
     def _enough_problems(self) -> TaskConfig:
-        lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
-        space = (10**self.digits - lo) ** 2
+        def count(digits: int) -> int:
+            return 10**digits - (10 ** (digits - 1) if digits > 1 else 0)
+
+        if self.name == "arithmetic" and self.digits_b is not None:
+            raise ValueError("digits_b applies to task tool_arithmetic only; remove it (addition uses `digits`)")
+        space = count(self.digits) * count(self.digits_b or self.digits)
         if self.train_size + self.eval_size > space:
+            shape = f"{self.digits}x{self.digits_b}-digit" if self.digits_b else f"{self.digits}-digit"
             raise ValueError(
                 f"train_size + eval_size = {self.train_size + self.eval_size} exceeds the {space} distinct "
-                f"{self.digits}-digit problems; lower them or raise digits"
+                f"{shape} problems; lower them or raise digits"
             )
         return self
 
@@ -157,7 +176,7 @@ class JobConfig(StrictModel):
 
 BUILTIN_PIPELINES: dict[str, str] = {
     name: f"plexrl.pipelines.{name}:{name}"
-    for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo")
+    for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "grpo_tools")
 }
 
 

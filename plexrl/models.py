@@ -15,22 +15,27 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.config import ModelConfig, TaskConfig, WarmStartConfig
-from plexrl.tasks.arithmetic import ALPHABET, ArithmeticTask, verify_answers
+from plexrl.tasks import Task
+from plexrl.tasks.arithmetic import ALPHABET, verify_answers
 
 log = logging.getLogger(__name__)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
 
-def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET) -> Any:
-    """Train a character-level tokenizer on `alphabet` with the `tokenizers` library and save it."""
+def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET, extra_specials: tuple[str, ...] = ()) -> Any:
+    """Train a character-level tokenizer on `alphabet` with the `tokenizers` library and save it.
+
+    `extra_specials` (e.g. the tool-call tags) become special tokens with ids right after pad, bos, eos:
+    one token each, dropped by `decode(..., skip_special_tokens=True)`. Characters outside the alphabet are
+    dropped when encoding."""
     from tokenizers import Tokenizer, decoders, models, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     trainer = trainers.BpeTrainer(
-        vocab_size=len(SPECIALS) + len(alphabet),
-        special_tokens=SPECIALS,
+        vocab_size=len(SPECIALS) + len(extra_specials) + len(alphabet),
+        special_tokens=SPECIALS + list(extra_specials),
         initial_alphabet=list(alphabet),
         show_progress=False,
     )
@@ -38,7 +43,10 @@ def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET) -> Any:
     tok.decoder = decoders.Fuse()
     bos = tok.token_to_id("<bos>")
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    extra: dict[str, Any] = {"additional_special_tokens": list(extra_specials)} if extra_specials else {}
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", **extra
+    )
     fast.padding_side = "left"
     fast.save_pretrained(str(out_dir))
     return fast
@@ -88,7 +96,7 @@ def cache_key(*parts: Any) -> str:
 
 
 def prepare_model(
-    model_cfg: ModelConfig, task_cfg: TaskConfig, warm: WarmStartConfig, task: ArithmeticTask, seed: int, run_dir: Path
+    model_cfg: ModelConfig, task_cfg: TaskConfig, warm: WarmStartConfig, task: Task, seed: int, run_dir: Path
 ) -> PreparedModel:
     """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train."""
     from transformers import PreTrainedTokenizerFast
@@ -108,7 +116,7 @@ def prepare_model(
     start = time.perf_counter()
     base = root / "base"
     base.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(base)
+    tok = build_tokenizer(base, task.alphabet, task.special_tokens)
     build_model(model_cfg, tok, base, seed)
     acc, steps = None, 0
     if warm.enabled:
@@ -129,17 +137,56 @@ def greedy_accuracy(engine: Any, tokenizer: Any, problems: list[Any], max_new_to
     return sum(s or 0.0 for s in scores) / len(scores), float(out.lengths.float().mean())
 
 
+def held_out_accuracy(engine: Any, tokenizer: Any, task: Task, problems: list[Any]) -> float:
+    """Greedy accuracy on `problems`: direct answers, or (a task with a tool) tool-calling episodes of up to
+    two turns with the task's tool."""
+    if task.tool is None:
+        acc, _ = greedy_accuracy(engine, tokenizer, problems, task.max_answer_chars + 1)
+        return acc
+    from plexrl.episodes import greedy_episodes
+    from plexrl.tools import get_tool
+
+    turn = getattr(task, "max_turn_tokens", task.max_answer_chars + 1)
+    acc, _, _ = greedy_episodes(
+        engine,
+        tokenizer,
+        get_tool(task.tool),
+        problems,
+        max_turns=2,
+        max_new_tokens=turn,
+        token_budget=3 * turn,
+        max_output_tokens=turn,
+        verify=task.verify,
+        prefix="warm-start",
+    )
+    return acc
+
+
+def demonstration_ids(task: Task, tokenizer: Any, problem: Any, use_tool: bool) -> tuple[list[int], list[bool]]:
+    """Token ids of the task's demonstration after the prompt, eos appended, and for each token whether the
+    model wrote it (trained on) or a tool did (not trained on)."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for text, by_model in task.demonstration(problem, use_tool):
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += part
+        trained += [by_model] * len(part)
+    return [*ids, tokenizer.eos_token_id], [*trained, True]
+
+
 def warm_start(
     base: Path,
     out: Path,
     tokenizer: Any,
-    task: ArithmeticTask,
+    task: Task,
     cfg: WarmStartConfig,
     seed: int,
     model_cfg: ModelConfig,
 ) -> tuple[float, int]:
-    """Supervised fine-tuning on the train split (cross-entropy on answer tokens) until held-out greedy
-    accuracy reaches `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`."""
+    """Supervised fine-tuning on the train split until held-out greedy accuracy reaches
+    `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`. The targets are the task's
+    demonstrations (a `task.tool_demo_frac` share of them tool calls), cross-entropy on model-written tokens
+    only: tool output is context, never a label."""
     import torch
 
     from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions
@@ -150,21 +197,24 @@ def warm_start(
     model = engine.policy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=0.0)
     rng = random.Random(seed)
+    tool_rng = random.Random(f"{seed}/tool-demos")  # apart from `rng`: the problems drawn do not depend on it
     checks = task.held_out[: cfg.eval_size]
-    max_new = task.max_answer_chars + 1
     acc, step = 0.0, 0
     for step in range(1, cfg.max_steps + 1):
         batch = rng.sample(task.train, cfg.batch_size)
         p_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
-        a_ids = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in batch]
-        L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids, strict=True))
+        demos = [
+            demonstration_ids(task, tokenizer, p, task.tool_demo_frac > 0 and tool_rng.random() < task.tool_demo_frac)
+            for p in batch
+        ]
+        L = max(len(p) + len(a) for p, (a, _) in zip(p_ids, demos, strict=True))
         ids = torch.full((len(batch), L), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full((len(batch), L), -100, dtype=torch.long)
         mask = torch.zeros((len(batch), L), dtype=torch.long)
-        for i, (p, a) in enumerate(zip(p_ids, a_ids, strict=True)):
+        for i, (p, (a, trained)) in enumerate(zip(p_ids, demos, strict=True)):
             off = L - len(p) - len(a)
             ids[i, off:] = torch.tensor(p + a)
-            labels[i, off + len(p) :] = torch.tensor(a)
+            labels[i, off + len(p) :] = torch.tensor([t if keep else -100 for t, keep in zip(a, trained, strict=True)])
             mask[i, off:] = 1
         model.train()
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
@@ -177,7 +227,7 @@ def warm_start(
         opt.step()
         model.eval()
         if step % cfg.eval_every == 0:
-            acc, _ = greedy_accuracy(engine, tokenizer, checks, max_new)
+            acc = held_out_accuracy(engine, tokenizer, task, checks)
             log.info("warm start step %d loss %.3f held-out accuracy %.3f", step, loss.item(), acc)
             if acc >= cfg.stop_at_accuracy:
                 break

@@ -183,6 +183,11 @@ BUILTIN_OPERATORS: dict[str, str] = {
     "train_critic": "plexrl.operators.critic:train_critic",
     "train": "plexrl.operators.train:train",
     "evaluate": "plexrl.operators.evaluate:evaluate",
+    "start_episodes": "plexrl.operators.tools:start_episodes",
+    "agent_turn": "plexrl.operators.tools:agent_turn",
+    "call_tools": "plexrl.operators.tools:call_tools",
+    "finish_episodes": "plexrl.operators.tools:finish_episodes",
+    "evaluate_agent": "plexrl.operators.tools:evaluate_agent",
 }
 
 

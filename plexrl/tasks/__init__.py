@@ -1,5 +1,24 @@
-"""Verifiable tasks: seeded problem generators with train and held-out splits, and pure verifiers."""
+"""Verifiable tasks: seeded problem generators with train and held-out splits, and pure verifiers.
 
-from plexrl.tasks.arithmetic import ArithmeticTask, Problem, make_task, verify_answers
+`make_task(cfg)` dispatches on `cfg.name`: `arithmetic` (addition, answered directly) or `tool_arithmetic`
+(multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format).
+"""
 
-__all__ = ["ArithmeticTask", "Problem", "make_task", "verify_answers"]
+from __future__ import annotations
+
+from plexrl.config import TaskConfig
+from plexrl.tasks.arithmetic import ArithmeticTask, Problem, verify_answers
+from plexrl.tasks.arithmetic import make_task as make_arithmetic_task
+from plexrl.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
+
+Task = ArithmeticTask | ToolArithmeticTask
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    """Generate the task named by `cfg.name`; the same config always gives the same problems."""
+    if cfg.name == "tool_arithmetic":
+        return make_tool_task(cfg)
+    return make_arithmetic_task(cfg)
+
+
+__all__ = ["ArithmeticTask", "Problem", "Task", "ToolArithmeticTask", "make_task", "verify_answers"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from plexrl.config import TaskConfig
 
@@ -28,12 +29,21 @@ class ArithmeticTask:
     train: list[Problem]
     held_out: list[Problem]
 
+    alphabet: ClassVar[str] = ALPHABET  # characters of the tokenizer
+    special_tokens: ClassVar[tuple[str, ...]] = ()  # extra special tokens (tool tags) of the tokenizer
+    tool: ClassVar[str | None] = None  # no tool calls
+    tool_demo_frac: ClassVar[float] = 0.0
+
     @property
     def max_answer_chars(self) -> int:
         return self.digits + 1
 
     def verify(self, completions: list[str], answers: list[str]) -> list[float | None]:
         return verify_answers(completions, answers)
+
+    def demonstration(self, problem: Problem, use_tool: bool) -> list[tuple[str, bool]]:
+        """The warm start's target after the prompt as (text, trained) segments: the answer."""
+        return [(problem.answer, True)]
 
 
 def make_task(cfg: TaskConfig) -> ArithmeticTask:
