@@ -5,7 +5,7 @@ environment and an empty temporary directory; the launcher isolates the run (nam
 with only the Python installation, an unprivileged uid, rlimits) and execs Python on the code. This module
 enforces the wall-clock timeout and the output cap, kills the whole run when either is hit, and removes the
 temporary directory. What the kernel actually allowed is reported as `Isolation` on every result and logged
-once per process when it is less than asked for.
+once per Sandbox when it is less than complete.
 
 Contract: `run` never raises because of what the code does (crash, hang, fork bomb, memory bomb, huge output,
 attacks on the caller); it returns `SandboxResult(ok=False, error=...)`. It does NOT defend against kernel
@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +76,11 @@ class Isolation:
     notes: tuple[str, ...] = ()
 
     @property
+    def complete(self) -> bool:
+        """True when every protection is in place: all namespaces, the minimal root, an unprivileged uid."""
+        return set(self.namespaces) == set(NAMESPACES) and self.filesystem and self.unprivileged
+
+    @property
     def network(self) -> bool:
         """True when the run has no network (an empty network namespace)."""
         return "network" in self.namespaces
@@ -109,10 +113,6 @@ class SandboxResult:
     isolation: Isolation = field(default_factory=Isolation)
 
 
-_warned: set[Isolation] = set()
-_warn_lock = threading.Lock()
-
-
 class Sandbox:
     """Runs Python code in isolated, resource-limited processes; one fresh process tree per `run`.
 
@@ -138,6 +138,7 @@ class Sandbox:
         self.temp_root = None if temp_root is None else os.fspath(temp_root)
         self.python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         self._isolation: Isolation | None = None
+        self._warned = False
 
     @property
     def isolation(self) -> Isolation:
@@ -260,7 +261,10 @@ class Sandbox:
     ) -> SandboxResult:
         records = [json.loads(line) for line in raw.decode("utf-8", "replace").splitlines() if line.startswith("{")]
         info = next((r["isolation"] for r in records if "isolation" in r), None)
-        isolation = _isolation(info, self.namespaces)
+        isolation = _isolation(info)
+        if info is not None and not self._warned and not isolation.complete:
+            self._warned = True
+            log.warning("sandbox isolation is degraded on this machine: %s", isolation.summary())
         final: dict[str, int] = next((r for r in records if "exit" in r or "signal" in r), {})
         exit_code, sig = final.get("exit"), final.get("signal")
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
@@ -280,6 +284,10 @@ class Sandbox:
             last = _last_line(stderr)
             if "MemoryError" in last:
                 error = f"memory limit: the program needed more than {limits.memory_mb} MiB ({last})"
+            elif "File too large" in last:
+                error = f"file size limit: the program wrote a file larger than {limits.file_size_mb} MiB ({last})"
+            elif "No space left on device" in last:
+                error = f"work directory full: the program wrote more than {limits.work_dir_mb} MiB ({last})"
             else:
                 error = f"the program exited with status {exit_code}" + (f": {last}" if last else "")
         return SandboxResult(
@@ -296,7 +304,7 @@ class Sandbox:
         )
 
 
-def _isolation(info: dict[str, object] | None, asked: Sequence[str]) -> Isolation:
+def _isolation(info: dict[str, object] | None) -> Isolation:
     if info is None:
         return Isolation(notes=("the launcher reported nothing",))
     got = info.get("namespaces") or []
@@ -308,12 +316,6 @@ def _isolation(info: dict[str, object] | None, asked: Sequence[str]) -> Isolatio
         unprivileged=bool(info.get("unprivileged")),
         notes=tuple(str(n) for n in notes),
     )
-    degraded = set(asked) - set(isolation.namespaces) or ("mount" in asked and not isolation.filesystem)
-    if degraded or not isolation.unprivileged:
-        with _warn_lock:
-            if isolation not in _warned:
-                _warned.add(isolation)
-                log.warning("sandbox isolation is degraded on this machine: %s", isolation.summary())
     return isolation
 
 
