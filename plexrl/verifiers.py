@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -203,8 +204,11 @@ def code_unit_tests(
     completions: Sequence[str], tests: Sequence[str | None], *, sandbox: Sandbox | None = None, max_workers: int = 4
 ) -> Scores:
     """1.0 where the completion's code followed by its unit tests (plain asserts, or anything that exits
-    non-zero on failure) runs to completion in the sandbox, 0.0 if any fails, crashes or exceeds a limit,
-    None where the tests are None. Runs up to `max_workers` sandboxes at once.
+    non-zero on failure) runs to completion in the sandbox, 0.0 if any fails, crashes, exits early or exceeds
+    a limit, None where the tests are None. Runs up to `max_workers` sandboxes at once.
+
+    "Runs to completion" is checked by a random token printed after the tests. Code that reads its own source
+    to find the token can still fake a pass: this guards against accidents, not a policy set on cheating.
 
     >>> code_unit_tests(["```python\\ndef add(a, b):\\n    return a + b\\n```", "def add(a, b): return a - b", "x"],
     ...                 ["assert add(2, 3) == 5", "assert add(2, 3) == 5", None])
@@ -219,7 +223,9 @@ def code_unit_tests(
             return None
         if not isinstance(completion, str):
             return 0.0
-        return 1.0 if box.run(extract_code(completion) + "\n\n" + test + "\n").ok else 0.0
+        nonce = secrets.token_hex(16)  # an early sys.exit(0) in the model's code must not pass the tests
+        result = box.run(f"{extract_code(completion)}\n\n{test}\n\nprint({nonce!r})\n")
+        return 1.0 if result.ok and result.stdout.rstrip("\n").endswith(nonce) else 0.0
 
     items = list(zip(completions, tests, strict=True))
     if len(items) <= 1 or max_workers <= 1:
