@@ -150,7 +150,8 @@ class Sandbox:
     def run(self, code: str) -> SandboxResult:
         """Run `code` as a Python program; stdout/stderr decoded as UTF-8 (invalid bytes replaced)."""
         started = time.perf_counter()
-        if len(code.encode("utf-8", "replace")) > MAX_CODE_BYTES:
+        code = code.encode("utf-8", "replace").decode("utf-8")  # lone surrogates become "?"
+        if len(code.encode()) > MAX_CODE_BYTES:
             return _refused(f"program longer than {MAX_CODE_BYTES} bytes", started)
         try:
             tmp = tempfile.mkdtemp(prefix="plexrl-sandbox-", dir=self.temp_root)
@@ -209,12 +210,12 @@ class Sandbox:
         finally:
             os.close(status_w)
         with os.fdopen(status_r, "rb") as status:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.write(self._job(tmp, code, status_w))
-                proc.stdin.close()
-            except OSError:
-                pass  # the launcher died at once; its stderr says why
+            stdin = proc.stdin
+            assert stdin is not None
+            with contextlib.suppress(OSError):  # the launcher died at once: its stderr says why
+                stdin.write(self._job(tmp, code, status_w))
+            with contextlib.suppress(OSError):
+                stdin.close()
             out, err, raw_status, timed_out, truncated = self._collect(proc, status, started)
         return self._result(proc.returncode, out, err, raw_status, timed_out, truncated, started)
 

@@ -1,0 +1,108 @@
+"""Latency and throughput of tool calls, side by side in one run: the calculator, the sandboxed python tool
+alone, and the python tool while the CPU pool is busy.
+
+* calculator: `--calc-calls` sequential calls of a small expression, median and p99 latency;
+* python (idle machine): `--calls` sequential calls of `print(1)`, median and p99 latency; each call is a
+  fresh sandbox (launcher process, namespaces, read-only root, then a new Python interpreter);
+* throughput: python calls per second from a pool of `--concurrency` threads for `--seconds`, first with the
+  machine otherwise idle, then with `--burners` processes spinning on the CPU (the busy CPU pool of a job
+  whose other operators are computing). Reported: calls/s idle, calls/s busy, their ratio, and the latency
+  of the busy calls.
+
+The sandbox's isolation on this machine is printed first: without namespaces the numbers are not comparable.
+
+    .venv/bin/python benchmarks/tools.py [--calls 100] [--concurrency 4] [--seconds 6] [--burners N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from plexrl.tools import Calculator, PythonTool, ToolResult
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def latencies(call: Callable[[], ToolResult], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        result = call()
+        if not result.ok:
+            raise SystemExit(f"tool call failed: {result.error}")
+        out.append(result.latency_s)
+    return out
+
+
+def throughput(tool: PythonTool, concurrency: int, seconds: float) -> tuple[float, list[float]]:
+    """Calls per second of `print(1)` from `concurrency` threads calling back to back for `seconds`."""
+    deadline = time.perf_counter() + seconds
+
+    def worker(_: int) -> list[float]:
+        done = []
+        while time.perf_counter() < deadline:
+            result = tool.execute("bench", {"code": "print(1)"})
+            if not result.ok:
+                raise RuntimeError(result.error)
+            done.append(result.latency_s)
+        return done
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        per_thread = list(pool.map(worker, range(concurrency)))
+    elapsed = time.perf_counter() - started
+    calls = [latency for thread in per_thread for latency in thread]
+    return len(calls) / elapsed, calls
+
+
+def row(name: str, values: list[float]) -> str:
+    ms = [v * 1000 for v in values]
+    return f"{name:<34} {len(ms):>6} {statistics.median(ms):>10.2f} {percentile(ms, 0.99):>10.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=100, help="sequential python-tool calls for latency")
+    ap.add_argument("--calc-calls", type=int, default=2000, help="sequential calculator calls for latency")
+    ap.add_argument("--concurrency", type=int, default=4, help="threads calling the python tool at once")
+    ap.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput phase")
+    ap.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="CPU-spinning processes when busy")
+    args = ap.parse_args()
+
+    python, calculator = PythonTool(timeout_s=10), Calculator()
+    print(f"sandbox isolation: {python.sandbox.isolation.summary()}")
+    print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}")
+    calc = latencies(lambda: calculator.execute("bench", {"expression": "(17 * 23 + 4) ** 3 / 7"}), args.calc_calls)
+    latencies(lambda: python.execute("bench", {"code": "print(1)"}), 5)  # warm-up: page cache, imports
+    py = latencies(lambda: python.execute("bench", {"code": "print(1)"}), args.calls)
+    idle_rate, _ = throughput(python, args.concurrency, args.seconds)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
+    try:
+        busy_rate, busy = throughput(python, args.concurrency, args.seconds)
+    finally:
+        for proc in burners:
+            proc.kill()
+            proc.wait()
+
+    print(f"\n{'latency':<34} {'calls':>6} {'median ms':>10} {'p99 ms':>10}")
+    print(row("calculator", calc))
+    print(row("python print(1), idle", py))
+    print(row(f"python print(1), {args.burners} burners, x{args.concurrency}", busy))
+    print(f"\n{'python throughput':<34} {'calls/s':>10}")
+    print(f"{f'idle, {args.concurrency} threads':<34} {idle_rate:>10.1f}")
+    print(f"{f'busy ({args.burners} burners), {args.concurrency} threads':<34} {busy_rate:>10.1f}")
+    print(f"ratio busy / idle = {busy_rate / idle_rate:.2f}")
+    print(f"ratio python / calculator median latency = {statistics.median(py) / statistics.median(calc):.0f}x")
+
+
+if __name__ == "__main__":
+    main()
