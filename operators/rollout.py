@@ -18,15 +18,21 @@ def rollout(
     n: Annotated[int, Field(ge=1, le=1024)] = 8,
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0,
     max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 8,
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0,
+    stop: list[str] = [],  # noqa: B006 (validated by pydantic, which copies defaults)
 ) -> Rollouts:
-    """Sample `n` responses per prompt with the job's current policy; records token ids, masks,
-    behaviour log-probs (temperature applied), lengths and finish reasons. Rows: [P*n], grouped by prompt."""
+    """Sample `n` responses per prompt with the job's current policy (nucleus `top_p`; a response also ends
+    once it contains one of the `stop` strings); records token ids, masks, behaviour log-probs (temperature and
+    top-p applied), lengths, finish reasons and the weight version that sampled. Rows: [P*n], grouped by
+    prompt. Runs on the job's generation engine (vLLM or torch, `engine:` in the job config)."""
     import torch
 
     engine, tok = ctx.engine, ctx.tokenizer
+    version = engine.weight_version
     gen = engine.generate(
-        prompts.token_ids, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout")
-    )
+        prompts.token_ids, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout"),
+        top_p=top_p, stop=stop,
+    )  # fmt: skip
     lp = gen.prompt_ids.shape[1]
     input_ids = torch.cat([gen.prompt_ids, gen.response_ids], 1).cpu()
     attention = torch.cat([gen.prompt_mask, gen.response_mask], 1).cpu()
@@ -44,7 +50,7 @@ def rollout(
         answers=[a for a in prompts.answers for _ in range(n)],
         group_size=n,
         temperature=temperature,
-        weight_version=engine.weight_version,
+        weight_version=version,
     )
 
 

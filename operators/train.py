@@ -142,14 +142,24 @@ def train(
     adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9,
     adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999,
     skip_zero_advantage: bool = True,
+    on_policy: bool = True,
 ) -> TrainStats:
     """One policy update from a rollout: `epochs` x `minibatches` AdamW steps on `policy_loss` (see there
     for clip_eps_high, dual_clip, ratio_level, kl_estimator, loss_agg, norm_length), gradient clipping at
     `max_grad_norm`; KL to the reference when `ref_logprobs` is given
     and `kl_coef` > 0. With `skip_zero_advantage`, rows whose advantage is exactly 0 (groups where every
     sample got the same reward) are left out: they add no policy gradient, only compute. Reports loss,
-    pg_loss, kl, clip_frac, entropy, grad_norm, and `rows` trained on."""
+    pg_loss, kl, clip_frac, entropy, grad_norm, and `rows` trained on. With `on_policy` (every built-in
+    pipeline), the rollouts must have been sampled by the current weights: a stale rollout (e.g. a missed
+    weight sync to the generation engine) is an error, not a silent off-policy update."""
     import torch
+
+    if on_policy and rollouts.weight_version != ctx.engine.weight_version:
+        raise RuntimeError(
+            f"on-policy update on rollouts sampled by weight version {rollouts.weight_version}, but the policy "
+            f"is at version {ctx.engine.weight_version}: the generation engine missed a weight sync; an "
+            "off-policy pipeline must set on_policy=false on its train node"
+        )
 
     batch = {
         "input_ids": rollouts.input_ids,

@@ -53,7 +53,8 @@ class Rollouts(Batch):
       (temperature applied) at its position; 0 elsewhere.
     - `prompt_len`: L_p, the padded prompt length (responses start at column L_p).
     - `response_lengths` [N] long; `finish_reasons[i]` in {"stop", "length"}; `completions[i]` decoded text.
-    - `group_size` G; `answers[i]` ground truth per row; `weight_version` of the policy that sampled.
+    - `group_size` G; `answers[i]` ground truth per row; `weight_version` of the policy that sampled every
+      row (one generate call samples all rows at one version; on-policy `train` checks it is the latest).
     """
 
     input_ids: Tensor

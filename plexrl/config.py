@@ -150,6 +150,14 @@ class TrackingConfig(StrictModel):
     progress: bool = Field(True, description="Show a progress bar on the terminal.")
 
 
+class VLLMConfig(StrictModel):
+    """The vLLM generation engine (used when `engine` resolves to vllm)."""
+
+    kv_cache_mb: int = Field(
+        64, ge=1, le=1 << 20, description="KV cache size (MiB); counted in the service's device budget."
+    )
+
+
 class JobConfig(StrictModel):
     """One RLVR job: pipeline + model + data + hyper-parameters + iterations + seed."""
 
@@ -158,6 +166,12 @@ class JobConfig(StrictModel):
     iterations: int = Field(600, ge=1, description="Pipeline iterations to run.")
     run_dir: str = Field("runs", description="Directory for caches, MLflow store, timelines and models.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
+    engine: Literal["auto", "vllm", "torch"] = Field(
+        "auto",
+        description="Generation (rollout) engine: vllm, torch, or auto = vllm when installed and the model is "
+        "supported, else torch. Training always runs on torch; the rollout side gets its weights after each update.",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
     task: TaskConfig = Field(default_factory=TaskConfig)  # type: ignore[arg-type]
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)  # type: ignore[arg-type]
@@ -295,9 +309,25 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
                 "point it at one, or remove model.path to build a model locally",
             )
         )
+    if config is not None and config.engine == "vllm" and not any(p.where.startswith("model") for p in problems):
+        why = vllm_problem(config.model)
+        if why:
+            problems.append(Problem("engine", f"{why}; or set `engine: torch` (or auto)"))
     if problems or config is None or graph is None:
         raise ConfigError(problems, name)
     return LoadedJob(config, graph, raw, name)
+
+
+def vllm_problem(model: ModelConfig) -> str | None:
+    """Why vLLM cannot generate for this model (not installed, unsupported architecture or head size)."""
+    from plexrl.engines.vllm_engine import VLLM_EXTRA_HINT, config_problem, model_problem, vllm_installed
+
+    if not vllm_installed():
+        return f"vLLM is not installed; {VLLM_EXTRA_HINT}"
+    if model.path is not None:
+        return model_problem(model.path)
+    built = {"architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden, "num_attention_heads": model.heads}
+    return config_problem(built)
 
 
 def _problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Problem:

@@ -34,12 +34,24 @@ class JobHandle:
     tracking: dict[str, Any] = field(default_factory=dict)
     started_at: float | None = None
     finished_at: float | None = None
+    generation: str = "torch"  # the rollout engine `engine:` resolved to: "vllm" or "torch"
+    generation_reason: str = ""
 
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline."""
         nodes = {n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes}
         order, baseline = tuple(self.graph.order), tuple(self.baseline_nodes())
-        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes())
+        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine())
+
+    def engine(self) -> tuple[str, int] | None:
+        """The shared generation engine this job needs on its service: (key, device bytes), or None (torch).
+        Jobs with the same key share one engine per service: one copy of the weights plus the KV cache."""
+        if self.generation != "vllm":
+            return None
+        from plexrl.engines.vllm_engine import generator_key
+
+        kv = self.config.vllm.kv_cache_mb * 2**20
+        return generator_key(self.model_path), model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:
         """Upper bound of the bytes the StateManager moves for this job (see `state_copies`)."""
@@ -120,7 +132,11 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:
         prepared.warm_start_accuracy,
         prepared.warm_start_seconds,
     )
+    generation, reason = resolve_engine(cfg, prepared.path)
+    log.info("job %s: rollouts on %s (%s)", job_id or cfg.name, generation, reason)
     return JobHandle(
+        generation=generation,
+        generation_reason=reason,
         job_id=job_id or cfg.name,
         config=cfg,
         graph=loaded.graph,
@@ -136,3 +152,20 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:
             "cached": prepared.cached,
         },
     )
+
+
+def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
+    """The rollout engine for `engine: auto | vllm | torch`, with the reason: auto picks vLLM when it is
+    installed and can serve the model, else torch."""
+    if cfg.engine == "torch":
+        return "torch", "engine: torch"
+    from plexrl.engines.vllm_engine import model_problem
+
+    why = model_problem(model_path)
+    if cfg.engine == "vllm":
+        if why:
+            raise ValueError(f"engine: vllm cannot serve {model_path}: {why}; or set `engine: torch`")
+        return "vllm", "engine: vllm"
+    if why:
+        return "torch", f"engine: auto, and {why}"
+    return "vllm", "engine: auto, vLLM is installed and supports the model"

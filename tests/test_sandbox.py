@@ -38,13 +38,24 @@ def sandbox(temp_root: Path) -> Sandbox:
     return Sandbox(LIMITS, temp_root=temp_root)
 
 
+_EARLIER_CHILDREN: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before_the_test() -> None:
+    """Children that existed before the test (e.g. a multiprocessing helper started by earlier tests in the
+    same pytest process) are not the sandbox's."""
+    _EARLIER_CHILDREN.clear()
+    _EARLIER_CHILDREN.update(p.pid for p in psutil.Process().children(recursive=True))
+
+
 def _strays(uid: int | None) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["uids"]):
         uids = proc.info["uids"]
         if uid is not None and uids is not None and uids.real == uid:
             found.append(proc)
-    return found + psutil.Process().children(recursive=True)
+    return found + [p for p in psutil.Process().children(recursive=True) if p.pid not in _EARLIER_CHILDREN]
 
 
 def assert_clean(result: SandboxResult, deadline_s: float = 3.0) -> None:

@@ -107,6 +107,11 @@ class DriverBase:
         """Record a node's result (outputs, hook calls incl. the swap span) and make the planner's event."""
         if res.swap_end > res.swap_start:
             self.hooks.on_swap(job, lane, res.swap_start, res.swap_end, res.swap_bytes)
+        for kind, start, end, nbytes in res.weight_loads:
+            self.hooks.on_weight_load(job, lane, kind, start, end, nbytes)
+            if job.job_id in self.seconds:
+                seconds = self.seconds[job.job_id]
+                seconds[f"weight_{kind}"] = seconds.get(f"weight_{kind}", 0.0) + (end - start)
         self.hooks.after_node(job, res.iteration, res.node, lane, res.start, res.end, res.output)
         duration = res.end - res.start
         swap_sec = res.swap_end - res.swap_start

@@ -33,7 +33,7 @@ class GenerationOutput:
 
 
 class Engine(Protocol):
-    """Runs model functions of ONE job's state at a time. Implementations: `TorchEngine`."""
+    """Runs model functions of ONE job's state at a time. Implementations: `TorchEngine`, `VLLMEngine`."""
 
     weight_version: int
 
@@ -47,9 +47,13 @@ class Engine(Protocol):
         seed: int,
         greedy: bool = False,
         stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        top_p: float = 1.0,
     ) -> GenerationOutput:
-        """Sample `n` responses per prompt. A response ends at eos or at any of `stop_token_ids` (the stop
-        token is part of the response, masked in, finish reason "stop") or after `max_new_tokens`."""
+        """Sample `n` responses per prompt from the nucleus `top_p` at `temperature` (`greedy`: argmax). A
+        response ends at eos, at any of `stop_token_ids`, or once its decoded text contains one of the `stop`
+        strings (the stop token / the token completing the string is part of the response, masked in, finish
+        reason "stop"), or after `max_new_tokens`. Same seed, same weights -> same samples."""
         ...
 
     def logprobs(

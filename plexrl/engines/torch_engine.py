@@ -79,6 +79,15 @@ def positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def nucleus(logp: Tensor, top_p: float) -> Tensor:
+    """Renormalised log-probs [N, V] of the smallest set of tokens whose probability reaches `top_p` (the
+    most likely token always stays); -inf elsewhere."""
+    sorted_lp, order = logp.sort(-1, descending=True)
+    before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass of the tokens ranked above each one
+    drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
+    return F.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+
+
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """Log-prob and entropy of each token given the logits of the previous position.
 
@@ -123,6 +132,7 @@ class TorchEngine:
         self.critic: Any = None  # created on first use (PPO): the policy's backbone with a scalar head
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.weight_version = 0
+        self._tokenizer: Any = None  # loaded on first use of stop strings
         opt_file = Path(model_dir) / OPTIMIZER_FILE
         if opt_file.is_file():  # e.g. the warm start's AdamW moments: training continues where it stopped
             self.optimizer = torch.optim.AdamW(self.policy.parameters())
@@ -140,6 +150,8 @@ class TorchEngine:
         seed: int,
         greedy: bool = False,
         stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        top_p: float = 1.0,
     ) -> GenerationOutput:
         rows = [p for p in prompts for _ in range(n)]
         N, Lp = len(rows), max(len(p) for p in prompts)
@@ -161,6 +173,8 @@ class TorchEngine:
         toks, lps, alive = [], [], []
         for step in range(max_new_tokens):
             logp = F.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
+            if top_p < 1.0 and not greedy:
+                logp = nucleus(logp, top_p)
             tok = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
             lp = logp.gather(-1, tok[:, None]).squeeze(-1)
             live = ~done
@@ -169,6 +183,8 @@ class TorchEngine:
             lps.append(torch.where(live, lp, torch.zeros_like(lp)))
             alive.append(live)
             done = done | torch.isin(tok, stops)
+            if stop:
+                done = done | self._stopped(torch.stack(toks, 1), done, stop)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(tok[:, None])], 1)
@@ -182,6 +198,18 @@ class TorchEngine:
         lengths = rmask.sum(1)
         finish = ["stop" if bool(d) else "length" for d in done.tolist()]
         return GenerationOutput(ids, pmask, resp, rmask, torch.stack(lps, 1), lengths, finish)
+
+    def _stopped(self, resp: Tensor, done: Tensor, stop: Sequence[str]) -> Tensor:
+        """Rows (not done yet) whose decoded response contains a stop string."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        hit = torch.zeros_like(done)
+        for i in (~done).nonzero().flatten().tolist():
+            text = self._tokenizer.decode(resp[i].tolist(), skip_special_tokens=True)
+            hit[i] = any(s in text for s in stop)
+        return hit
 
     # -- scoring ------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -30,6 +30,10 @@ class Hook:
     def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
         """State moved on service `lane` before one of `job`'s nodes (the blocking part only)."""
 
+    def on_weight_load(self, job: JobHandle, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
+        """The job's weights were loaded into its generation engine during a node on service `lane`: `kind`
+        "sync" (new version after training) or "swap" (the shared engine held another job's weights)."""
+
     def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None: ...
 
     def on_job_end(self, job: JobHandle) -> None: ...
@@ -54,6 +58,9 @@ class HookList(Hook):
 
     def on_job_start(self, job: JobHandle) -> None:
         self._call("on_job_start", job)
+
+    def on_weight_load(self, job: JobHandle, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
+        self._call("on_weight_load", job, lane, kind, start, end, nbytes)
 
     def before_node(self, job: JobHandle, iteration: int, node: str, lane: str, start: float) -> None:
         self._call("before_node", job, iteration, node, lane, start)

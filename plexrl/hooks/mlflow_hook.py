@@ -70,7 +70,8 @@ class MlflowHook(Hook):
         params = flatten(job.config.model_dump(mode="json"))
         params.update({f"warm_start_result.{k}": v for k, v in job.warm_start.items()})
         params["pipeline.graph"] = json.dumps(job.graph.describe())
-        params["engine"] = "torch"
+        params["engine.resolved"] = job.generation  # what `engine: auto` became, and why
+        params["engine.reason"] = job.generation_reason
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
         art_dir = job.run_dir / "jobs" / job.job_id
         art_dir.mkdir(parents=True, exist_ok=True)

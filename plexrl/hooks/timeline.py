@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plexrl.hooks.base import Hook
 
@@ -25,7 +25,7 @@ class Span:
     lane: str
     start: float
     end: float
-    kind: str = "node"  # or "swap"
+    kind: str = "node"  # or "swap", or "weights" (a weight load into the generation engine, inside a node)
     nbytes: int = 0
 
 
@@ -52,6 +52,12 @@ class TimelineRecorder(Hook):
         if self.t0 is None:
             self.t0 = start
         self.spans.append(Span(job.job_id, -1, "swap", lane, start - self.t0, end - self.t0, "swap", nbytes))
+
+    def on_weight_load(self, job: JobHandle, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
+        if self.t0 is None:
+            self.t0 = start
+        span = Span(job.job_id, -1, f"weight {kind}", lane, start - self.t0, end - self.t0, "weights", nbytes)
+        self.spans.append(span)
 
     def busy_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -80,16 +86,23 @@ def draw_timeline(spans: list[Span], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lanes = sorted({s.lane for s in spans}, key=lambda x: (x == "cpu", x))
-    nodes = sorted({s.node for s in spans})
+    nodes = sorted({s.node for s in spans if s.kind != "weights"})
     cmap = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(lanes)))
     for s in spans:
         y = lanes.index(s.lane)
-        ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=cmap(nodes.index(s.node) % 10))
+        if s.kind == "weights":  # drawn over the node it happened in
+            _draw_weight_load(ax, y, s)
+        else:
+            ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=cmap(nodes.index(s.node) % 10))
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(nodes))]
-    ax.legend(handles, nodes, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(nodes), 6), fontsize=8)
+    labels = list(nodes)
+    if any(s.kind == "weights" for s in spans):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="xx"))
+        labels.append("weight load (vLLM)")
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(labels), 6), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -110,6 +123,8 @@ def draw_cluster_timeline(spans: list[Span], path: Path, title: str = "") -> Non
         y = lanes.index(s.lane)
         if s.kind == "swap":
             ax.barh(y, s.end - s.start, left=s.start, height=0.8, color="black", hatch="///")
+        elif s.kind == "weights":
+            _draw_weight_load(ax, y, s)
         else:
             ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=cmap(jobs.index(s.job) % 10))
     ax.set_yticks(range(len(lanes)), lanes)
@@ -118,8 +133,14 @@ def draw_cluster_timeline(spans: list[Span], path: Path, title: str = "") -> Non
         ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(jobs))]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="black", hatch="///"))
-    ax.legend(handles, [*jobs, "swap"], loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(jobs) + 1, 6),
-              fontsize=8)  # fmt: skip
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="xx"))
+    labels = [*jobs, "swap", "weight load"]
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(labels), 6), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _draw_weight_load(ax: Any, y: int, s: Span) -> None:
+    """A weight load into the generation engine: a thin hatched bar over the node that waited for it."""
+    ax.barh(y, s.end - s.start, left=s.start, height=0.35, facecolor="white", edgecolor="black", hatch="xx")

@@ -193,33 +193,37 @@ class Planner:
         if not alive:
             return
         load = {s.service_id: sum(self.job_load(j) for j in s.jobs) for s in alive}
-        views: dict[int, list[ServiceView]] = {}  # by state size: `fits` depends only on it
+        views: dict[tuple[int, tuple[str, int] | None], list[ServiceView]] = {}  # `fits` depends only on these
         largest = max(math.inf if s.state.budgets["device"] is None else s.state.budgets["device"] for s in alive)
         still: list[str] = []
         for job_id in self.pending:
             job = self.jobs[job_id]
-            nbytes = job.plan.state_bytes
-            if nbytes > largest:
+            nbytes, engine = job.plan.state_bytes, job.plan.engine
+            need = nbytes + (engine[1] if engine else 0)
+            if need > largest:
                 self._end_job(
                     job_id,
                     "failed",
-                    f"its state ({nbytes} bytes) exceeds the device budget of every service (largest {largest}); "
+                    f"its state ({nbytes} bytes"
+                    + (f", plus {engine[1]} for its generation engine" if engine else "")
+                    + f") exceeds the device budget of every service (largest {largest}); "
                     "raise device_bytes or use a smaller model",
                     out,
                     keep_pending=True,
                 )
                 continue
-            if nbytes not in views:
-                views[nbytes] = [
-                    ServiceView(s.service_id, len(s.jobs), load[s.service_id], s.state.fits(nbytes)) for s in alive
+            if (nbytes, engine) not in views:
+                views[nbytes, engine] = [
+                    ServiceView(s.service_id, len(s.jobs), load[s.service_id], s.state.fits(nbytes, engine))
+                    for s in alive
                 ]
             mine = self.job_load(job_id)
-            target = self.placement.place(job_id, mine, views[nbytes])
+            target = self.placement.place(job_id, mine, views[nbytes, engine])
             if target is None:
                 still.append(job_id)
                 continue
             svc = self.services[target]
-            tier = svc.state.admit(job_id, nbytes)
+            tier = svc.state.admit(job_id, nbytes, engine)
             if tier is None:
                 raise InvalidTransition(self._history(f"placement chose {target} for {job_id} but it does not fit"))
             self._set_job(job, "placed")

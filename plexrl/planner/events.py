@@ -35,6 +35,8 @@ class JobPlan:
     order: tuple[str, ...] = ()
     baseline: tuple[str, ...] = ()
     state_bytes: int = 0  # policy + optimizer (+ reference) bytes: what the StateManager moves
+    # (key, device bytes) of a generation engine the job shares with same-key jobs on its service (vLLM)
+    engine: tuple[str, int] | None = None
 
 
 # -- events -------------------------------------------------------------------------------------------

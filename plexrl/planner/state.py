@@ -9,7 +9,9 @@ Victims are chosen by predicted next use: the job whose next service node is fur
 (ties: job id); a pinned job (the one about to run) is never a victim. An evicted state goes to the fastest
 lower tier with room; when host is full, host residents needed later than the victim spill to disk to make
 room, otherwise the victim itself goes to disk. So the state needed last sits in the slowest tier.
-Not done here: timing, checksums, actually moving tensors (the service does that).
+A shared generation engine (vLLM: one weight copy plus its KV cache) is a fixed resident of the device tier
+while one of its jobs is placed here: admitting the first job of an engine reserves it, releasing the last
+frees it. Not done here: timing, checksums, actually moving tensors (the service does that).
 """
 
 from __future__ import annotations
@@ -43,10 +45,19 @@ class StateManager:
     budgets: dict[Tier, int | None] = field(default_factory=lambda: {t: None for t in TIERS})
     where: dict[str, Tier] = field(default_factory=dict)
     size: dict[str, int] = field(default_factory=dict)
+    # shared generation engines resident on device (vLLM: one weight copy + KV cache), by key, and the key
+    # each job uses; an engine stays while one of its jobs is placed here and is never evicted
+    engines: dict[str, int] = field(default_factory=dict)
+    engine_of: dict[str, str] = field(default_factory=dict)
 
     # -- queries --------------------------------------------------------------------------------------
     def used(self, tier: Tier) -> int:
-        return sum(self.size[j] for j, t in self.where.items() if t == tier)
+        states = sum(self.size[j] for j, t in self.where.items() if t == tier)
+        return states + (sum(self.engines.values()) if tier == "device" else 0)
+
+    def _new_engine_bytes(self, engine: tuple[str, int] | None) -> int:
+        """Device bytes a job using `engine` would add by bringing a new engine here (0 if it is here)."""
+        return 0 if engine is None or engine[0] in self.engines else engine[1]
 
     def free(self, tier: Tier) -> float:
         budget = self.budgets.get(tier)
@@ -59,34 +70,46 @@ class StateManager:
             total += math.inf if budget is None else budget
         return total
 
-    def can_ever_run(self, nbytes: int) -> bool:
-        """A state of `nbytes` fits on device once everything else is moved away."""
+    def can_ever_run(self, nbytes: int, engine: tuple[str, int] | None = None) -> bool:
+        """A state of `nbytes` fits on device once every other state is moved away (engines stay)."""
         budget = self.budgets.get("device")
-        return budget is None or nbytes <= budget
+        reserved = sum(self.engines.values()) + self._new_engine_bytes(engine)
+        return budget is None or nbytes + reserved <= budget
 
-    def fits(self, nbytes: int) -> bool:
-        """A new state of `nbytes` can be admitted now (into some tier with room, without moving others)."""
-        return self.can_ever_run(nbytes) and any(self.free(t) >= nbytes for t in TIERS)
+    def fits(self, nbytes: int, engine: tuple[str, int] | None = None) -> bool:
+        """A new state of `nbytes` (using `engine`) can be admitted now: its engine has room on device and the
+        state fits in some tier, without moving others."""
+        extra = self._new_engine_bytes(engine)
+        if not self.can_ever_run(nbytes, engine) or self.free("device") < extra:
+            return False
+        return any(self.free(t) - (extra if t == "device" else 0) >= nbytes for t in TIERS)
 
     def on_device(self, job_id: str) -> bool:
         return self.where.get(job_id) == "device"
 
     # -- decisions ------------------------------------------------------------------------------------
-    def admit(self, job_id: str, nbytes: int) -> Tier | None:
-        """Record a new job's state in the fastest tier with room (the service materialises it there)."""
+    def admit(self, job_id: str, nbytes: int, engine: tuple[str, int] | None = None) -> Tier | None:
+        """Record a new job's state in the fastest tier with room (the service materialises it there), and
+        its engine on device when it is the first job here to use it."""
         if job_id in self.where:
             raise ValueError(f"job {job_id!r} already has state on {self.service_id}")
-        if not self.can_ever_run(nbytes):
+        if not self.fits(nbytes, engine):
             return None
+        if engine is not None:
+            self.engines.setdefault(engine[0], engine[1])
+            self.engine_of[job_id] = engine[0]
         for tier in TIERS:
             if self.free(tier) >= nbytes:
                 self.where[job_id], self.size[job_id] = tier, nbytes
                 return tier
-        return None
+        raise AssertionError("fits() and admit() disagree")  # pragma: no cover
 
     def release(self, job_id: str) -> None:
         self.where.pop(job_id, None)
         self.size.pop(job_id, None)
+        key = self.engine_of.pop(job_id, None)
+        if key is not None and key not in self.engine_of.values():
+            del self.engines[key]  # its last job left: the service shuts the engine down
 
     def make_resident(self, job_id: str, next_use: Mapping[str, float], pinned: set[str]) -> list[Move]:
         """Moves that put `job_id` on device (evicting by next use); [] when it is there already.
@@ -176,3 +199,5 @@ class StateManager:
                 )
         if set(self.where) != set(self.size):
             raise AssertionError(f"service {self.service_id}: state records out of step")
+        if set(self.engine_of.values()) != set(self.engines) or not set(self.engine_of) <= set(self.where):
+            raise AssertionError(f"service {self.service_id}: engines {self.engines} out of step with their jobs")

@@ -50,6 +50,8 @@ class NodeResult:
     swap_start: float = 0.0
     swap_end: float = 0.0
     swap_bytes: int = 0
+    # weight loads into a vLLM engine during the node: (kind "sync" | "swap", start, end, bytes)
+    weight_loads: list[tuple[str, float, float, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -102,6 +104,7 @@ class Service:
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="plexrl-spill-"))
         self.jobs: dict[str, JobHandle] = {}
         self.engines: dict[str, Any] = {}
+        self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
         self.states: dict[str, sw.Placement] = {}
         self.stats = SwapStats()
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{service_id}-prefetch")
@@ -124,11 +127,40 @@ class Service:
             with_reference=uses_reference(job.graph),
             attention=job.config.model.attention,
         )
+        if job.generation == "vllm":
+            engine = self._vllm_engine(job, engine)
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
         self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
         if tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
+
+    def _vllm_engine(self, job: JobHandle, trainer: Any) -> Any:
+        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use)."""
+        from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
+
+        key = generator_key(job.model_path)
+        if key not in self.generators:
+            self.generators[key] = SharedLLM(
+                job.model_path,
+                eos_id=job.tokenizer.eos_token_id,
+                pad_id=job.tokenizer.pad_token_id,
+                kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20,
+                clock=self.clock,
+            )
+        return VLLMEngine(trainer, self.generators[key], job.job_id)
+
+    def _drop_generators(self, *, only_broken: bool = False) -> None:
+        """Shut down shared vLLM engines no job uses any more (or that failed); a job whose engine failed
+        gets a fresh one on its next generation."""
+        used = {id(e.llm) for e in self.engines.values() if hasattr(e, "llm")}
+        for key, llm in list(self.generators.items()):
+            if llm.broken or (not only_broken and id(llm) not in used):
+                llm.shutdown()
+                del self.generators[key]
+                for job_id, engine in self.engines.items():
+                    if getattr(engine, "llm", None) is llm:
+                        self.engines[job_id] = self._vllm_engine(self.jobs[job_id], engine.trainer)
 
     def tier(self, job_id: str) -> str:
         return self.states[job_id].tier
@@ -171,9 +203,17 @@ class Service:
         except Exception as exc:
             log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
                       exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
+            self._drop_generators(only_broken=True)
             return NodeResult(job_id, iteration, node_name, None, f"{type(exc).__name__}: {exc}", start,
-                              self.clock(), swap_start, swap_end, moved)  # fmt: skip
-        return NodeResult(job_id, iteration, node_name, out, None, start, self.clock(), swap_start, swap_end, moved)
+                              self.clock(), swap_start, swap_end, moved, self._weight_loads(job_id))  # fmt: skip
+        end = self.clock()
+        return NodeResult(
+            job_id, iteration, node_name, out, None, start, end, swap_start, swap_end, moved, self._weight_loads(job_id)
+        )
+
+    def _weight_loads(self, job_id: str) -> list[tuple[str, float, float, int]]:
+        take = getattr(self.engines.get(job_id), "take_loads", None)
+        return [(w.kind, w.start, w.end, w.nbytes) for w in take()] if take else []
 
     def save_model(self, job_id: str, path: Path) -> Path:
         self._wait_for(job_id)
@@ -191,11 +231,15 @@ class Service:
             state.disk.unlink(missing_ok=True)
         self.engines.pop(job_id, None)
         self.jobs.pop(job_id, None)
+        self._drop_generators()
 
     def close(self) -> None:
         self._prefetcher.shutdown(wait=True)
         for job_id in list(self.states):
             self.release(job_id)
+        for llm in self.generators.values():
+            llm.shutdown()
+        self.generators.clear()
         if self._own_spill:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
@@ -210,6 +254,8 @@ class Service:
             "bytes_moved": s.bytes_moved,
             "moves": s.moves,
             "bytes_to_tier": dict(s.per_tier),
+            "generation_engines": len(self.generators),
+            "weight_loads": sum(g.loads for g in self.generators.values()),
         }
 
     # -- moves --------------------------------------------------------------------------------------
