@@ -81,10 +81,10 @@ def _summarise(jobs: list[Any]) -> int:
         name = job.eval_metric()
         accs = job.series(name) if name else []
         acc = f"held-out accuracy {accs[0]:.3f} -> {accs[-1]:.3f}; " if len(accs) > 1 else ""
-        wall = (job.finished_at or 0) - (job.started_at or 0)
+        ran = "never started" if job.started_at is None else f"in {(job.finished_at or 0) - job.started_at:.1f}s"
         iters = job.iterations_done
         typer.echo(
-            f"job {job.job_id}: {job.status}; {acc}{iters} iterations in {wall:.1f}s "
+            f"job {job.job_id}: {job.status}; {acc}{iters} iterations {ran} "
             f"(warm start {job.warm_start.get('seconds', 0):.1f}s, cached={job.warm_start.get('cached')})"
         )
         if job.tracking.get("uri"):

@@ -86,6 +86,21 @@ class LoadedCluster:
 def estimate_state_bytes(cfg: JobConfig, loaded: LoadedJob) -> int:
     """Bytes of a job's state before its model exists: fp32 parameters of the configured Llama times the
     copies its pipeline keeps (see `JobHandle.state_bytes`)."""
+    return estimate_weight_bytes(cfg) * state_copies(loaded.graph)
+
+
+def estimate_engine_bytes(cfg: JobConfig) -> int:
+    """Device bytes of the vLLM engine the job's rollouts will use (one weight copy + KV cache; shared by the
+    same-architecture jobs of a service), 0 when they run on the torch engine."""
+    from plexrl.config import vllm_problem
+
+    if cfg.engine == "torch" or (cfg.engine == "auto" and vllm_problem(cfg.model)):
+        return 0
+    return estimate_weight_bytes(cfg) + cfg.vllm.kv_cache_mb * 2**20
+
+
+def estimate_weight_bytes(cfg: JobConfig) -> int:
+    """fp32 bytes of the job's model weights (the saved files for `model.path`)."""
     from plexrl.tasks.arithmetic import ALPHABET
 
     m = cfg.model
@@ -96,7 +111,7 @@ def estimate_state_bytes(cfg: JobConfig, loaded: LoadedJob) -> int:
         per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
         params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
         weights = params * 4
-    return weights * state_copies(loaded.graph)
+    return weights
 
 
 def load_cluster(source: str | Path, overrides: list[str] | None = None) -> LoadedCluster:
@@ -139,15 +154,17 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     budget = cfg.services.device_memory
     if budget is not None:
         for i, job in enumerate(jobs):
-            need = estimate_state_bytes(job.config, job)
+            need, engine = estimate_state_bytes(job.config, job), estimate_engine_bytes(job.config)
             holds = ", ".join(state_parts(job.graph))
-            if need > budget:
+            if need + engine > budget:
+                with_engine = f" plus {engine / 2**20:.1f} MiB for its vLLM engine" if engine else ""
+                fix = "; or lower vllm.kv_cache_mb, or set engine: torch" if engine else ""
                 problems.append(
                     Problem(
                         f"jobs[{i}]",
                         f"job {job.config.name!r} needs about {need / 2**20:.1f} MiB of state "
-                        f"({holds}) but services.device_memory is {budget / 2**20:.1f} MiB; "
-                        "raise services.device_memory or use a smaller model",
+                        f"({holds}){with_engine} but services.device_memory is {budget / 2**20:.1f} MiB; "
+                        f"raise services.device_memory or use a smaller model{fix}",
                     )
                 )
     if problems:

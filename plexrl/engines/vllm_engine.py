@@ -60,7 +60,9 @@ def _prepare_environment() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # its per-build warnings (LD_PRELOAD hints, eager mode) and the one per weight reload (rotary tables have
+    # no weights) say nothing actionable here; VLLM_LOGGING_LEVEL=INFO brings them back
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 
@@ -198,6 +200,7 @@ class SharedLLM:
                 kv_cache_memory_bytes=kv_cache_bytes,
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
+                use_tqdm_on_load=False,
                 seed=0,
             )
         self.build_seconds = time.perf_counter() - t0
