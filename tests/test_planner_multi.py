@@ -144,6 +144,25 @@ def test_a_job_larger_than_every_device_fails_with_the_fix() -> None:
     assert isinstance(ins, FailJob) and "exceeds the device budget" in ins.reason and "device_bytes" in ins.reason
 
 
+def test_jobs_of_one_architecture_share_one_engine_reservation() -> None:
+    p = Planner(clock=Clock(), placement=Pack(), validate=True)
+    p.handle(ServiceJoined("s0", device_bytes=400, host_bytes=1000))
+    vllm = replace(GRPO, engine=("vllm-x", 150))
+    placed = [p.handle(JobSubmitted(j, vllm))[0] for j in ("a", "b")]
+    assert [(i.service_id, i.tier) for i in placed] == [("s0", "device"), ("s0", "device")]  # type: ignore[attr-defined]
+    sm = p.services["s0"].state
+    assert sm.engines == {"vllm-x": 150} and sm.used("device") == 150 + 2 * 100
+    (third,) = [i for i in p.handle(JobSubmitted("c", vllm)) if isinstance(i, PlaceJob)]
+    assert third.tier == "host"  # the device holds the engine and two states
+    other = replace(GRPO, engine=("vllm-y", 150))
+    assert not [i for i in p.handle(JobSubmitted("d", other)) if isinstance(i, PlaceJob)]  # no room for a 2nd engine
+    (big,) = p.handle(JobSubmitted("e", replace(GRPO, engine=("vllm-z", 350))))
+    assert isinstance(big, FailJob) and "for its generation engine" in big.reason
+    for j in ("a", "b", "c"):
+        p.handle(JobCancelled(j))
+    assert sm.engines == {"vllm-y": 150} and set(sm.engine_of) == {"d"}  # d got in once the others left
+
+
 # -- property test ------------------------------------------------------------------------------------
 def random_plan(rng: random.Random, state_bytes: int) -> JobPlan:
     """A random DAG: each node depends on some earlier ones; placements mixed; some periodic."""
@@ -154,7 +173,8 @@ def random_plan(rng: random.Random, state_bytes: int) -> JobPlan:
         every = rng.choice([None, None, None, 2, 3])
         nodes[name] = NodePlan(rng.choice(["cpu", "service"]), deps, every)
     baseline = tuple(n for n in names if nodes[n].every is not None and not nodes[n].deps)[:1]
-    return JobPlan(nodes, rng.randint(1, 4), tuple(names), baseline, state_bytes)
+    engine = rng.choice([None, None, ("vllm-a", 60), ("vllm-b", 30)])  # a shared generation engine
+    return JobPlan(nodes, rng.randint(1, 4), tuple(names), baseline, state_bytes, engine)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
@@ -239,6 +259,7 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
         else:
             assert status == "failed"
     assert not any(s.state.where for s in p.services.values())  # every state released
+    assert not any(s.state.engines for s in p.services.values())  # and every engine
 
 
 def test_lookahead_sends_the_next_node_of_another_job_while_one_runs() -> None:
