@@ -12,12 +12,15 @@ driver process (`inline=False`): the job's service is free while its tools run.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator, Field
 
 from plexrl.batch import AgentEvalStats, EpisodeRollouts, Episodes, Prompts
 from plexrl.operator import OpContext, operator
+
+if TYPE_CHECKING:
+    from plexrl.tools import Tool
 
 
 def check_tool(name: str | None) -> str | None:
@@ -36,11 +39,12 @@ ToolName = Annotated[
 ]
 
 
-def task_tool(name: str | None, ctx: OpContext) -> str:
-    tool = name or getattr(ctx.task, "tool", None)
-    if tool is None:
-        raise ValueError("no tool: set the operator's `tool` parameter, or use a task with a tool (tool_arithmetic)")
-    return str(tool)
+def task_tool(name: str | None, ctx: OpContext) -> Tool | None:
+    """The tool `name`, else the task's tool; None when neither names one (a task without tool tags)."""
+    from plexrl.tools import get_tool
+
+    chosen = name or getattr(ctx.task, "tool", None)
+    return get_tool(chosen) if chosen else None
 
 
 @operator(placement="cpu")
@@ -80,11 +84,10 @@ def call_tools(
     concurrency: Annotated[int, Field(ge=1, le=1024, description="calls run at once (threads)")] = 8,
 ) -> Episodes:
     """Execute the pending calls and append each output as `<out>...</out>` (masked out of the loss);
-    counts calls, errors and latency per episode."""
+    counts calls, errors and latency per episode. `tool` None: the task's tool."""
     from plexrl.episodes import run_tools
-    from plexrl.tools import get_tool
 
-    impl = get_tool(task_tool(tool, ctx))
+    impl = task_tool(tool, ctx) if any(p is not None for p in episodes.pending) else None
     return run_tools(episodes, impl, ctx.tokenizer, max_output_tokens=max_output_tokens, concurrency=concurrency)
 
 
@@ -116,13 +119,12 @@ def evaluate_agent(
     baseline pass, step 0, like `evaluate`): meant for cheap tools such as the calculator; the python
     tool runs its code in a sandbox subprocess either way."""
     from plexrl.episodes import greedy_episodes
-    from plexrl.tools import get_tool
 
     problems = ctx.task.held_out[:size]
     acc, length, tools = greedy_episodes(
         ctx.engine,
         ctx.tokenizer,
-        get_tool(task_tool(tool, ctx)),
+        task_tool(tool, ctx),
         problems,
         max_turns=max_turns,
         max_new_tokens=max_new_tokens,

@@ -16,6 +16,8 @@ Tag format (four special tokens of the tokenizer):
 - The episode continues with the next model turn until an answer, the turn limit (the number of turn
   nodes in the pipeline), or the `token_budget` of tokens after the prompt.
 - The final answer, which the verifier checks, is the text after the last tool output.
+- A tokenizer without the tags (a task without a tool, such as `arithmetic`) gives single-turn episodes:
+  no call can be written, so the tool is never needed.
 
 Steps are functions of an `Episodes` batch that return a new one (inputs are never mutated: a node's output
 stays as it was when the iteration's metrics are read). Only `Engine.generate` is used, so any engine works.
@@ -65,10 +67,15 @@ def start_episodes(
     )
 
 
+def has_tags(tokenizer: Any) -> bool:
+    """Whether the tokenizer has the four tags as special tokens."""
+    return set(TAGS) <= set(tokenizer.all_special_tokens)
+
+
 def tag_ids(tokenizer: Any) -> dict[str, int]:
     """Ids of the four tags; raises ValueError naming the fix when the tokenizer lacks them."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
-    missing = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+    missing = [t for t in TAGS if t not in tokenizer.all_special_tokens]
     if missing:
         raise ValueError(
             f"the tokenizer has no special tokens {missing}; tool-calling episodes need a task whose tokenizer "
@@ -83,7 +90,7 @@ def take_turn(
     """One model turn for every running episode without a pending call: generate from prompt + episode so
     far until eos, `</call>` or `max_new_tokens` (cut further to what is left of the token budget)."""
     out = copy.deepcopy(eps)
-    tags = tag_ids(tokenizer)
+    tags = tag_ids(tokenizer) if has_tags(tokenizer) else {}
     active = [i for i, s in enumerate(out.status) if s == "running" and out.pending[i] is None]
     if not active:
         return out
@@ -96,7 +103,7 @@ def take_turn(
         max_new_tokens=limit,
         seed=seed,
         greedy=greedy,
-        stop_token_ids=[tags[CALL_END]],
+        stop_token_ids=[tags[CALL_END]] if tags else [],
     )
     lengths, response, logprobs = gen.lengths.tolist(), gen.response_ids.tolist(), gen.logprobs.tolist()
     generated = 0
@@ -112,7 +119,7 @@ def take_turn(
         last = toks[-1] if toks and not cut else None
         if last == tokenizer.eos_token_id:
             out.status[i] = "answer"
-        elif last == tags[CALL_END] and len(out.tokens[i]) < out.token_budget:
+        elif tags and last == tags[CALL_END] and len(out.tokens[i]) < out.token_budget:
             out.pending[i] = call_body(toks, tokenizer, tags)
         else:
             out.status[i] = "budget" if len(out.tokens[i]) >= out.token_budget else "length"
@@ -140,7 +147,9 @@ def tool_argument(tool: Tool) -> str:
     return (required or list(fields))[0]
 
 
-def run_tools(eps: Episodes, tool: Tool, tokenizer: Any, *, max_output_tokens: int, concurrency: int = 8) -> Episodes:
+def run_tools(
+    eps: Episodes, tool: Tool | None, tokenizer: Any, *, max_output_tokens: int, concurrency: int = 8
+) -> Episodes:
     """Execute every pending call (create, execute, release per call; up to `concurrency` at once) and
     append `<out>OUTPUT</out>` to its episode, masked out of the loss. A failed call (the tool never
     raises) shows `?` and its error and counts in `tool_errors`. Output beyond the token budget is cut
@@ -149,6 +158,8 @@ def run_tools(eps: Episodes, tool: Tool, tokenizer: Any, *, max_output_tokens: i
     rows = [i for i, p in enumerate(out.pending) if p is not None and out.status[i] == "running"]
     if not rows:
         return out
+    if tool is None:
+        raise ValueError("episodes have pending tool calls but no tool is configured; set the `tool` parameter")
     tags, arg = tag_ids(tokenizer), tool_argument(tool)
 
     def call(i: int) -> ToolResult:
@@ -182,9 +193,9 @@ def run_tools(eps: Episodes, tool: Tool, tokenizer: Any, *, max_output_tokens: i
 
 def final_answer(tokens: Sequence[int], tokenizer: Any) -> str:
     """The text after the last `</out>`, special tokens dropped (eos included)."""
-    end = tag_ids(tokenizer)[OUT_END]
+    end = tokenizer.convert_tokens_to_ids(OUT_END) if has_tags(tokenizer) else None
     ids = list(tokens)
-    if end in ids:
+    if end is not None and end in ids:
         ids = ids[len(ids) - ids[::-1].index(end) :]
     text: str = tokenizer.decode(ids, skip_special_tokens=True)
     return text
@@ -241,7 +252,7 @@ def finish_episodes(eps: Episodes, tokenizer: Any) -> EpisodeRollouts:
 def greedy_episodes(
     engine: Any,
     tokenizer: Any,
-    tool: Tool,
+    tool: Tool | None,
     problems: Sequence[Any],
     *,
     max_turns: int,

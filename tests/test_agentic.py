@@ -244,3 +244,13 @@ def test_tiny_tool_job_runs_end_to_end_and_logs_tool_metrics(tiny_config: dict[s
     for key in ("tool_use_rate", "turns", "tool_calls", "tool_errors", "tool_latency_s"):
         assert f"finish/{key}" in last and f"evaluate/{key}" in last, key
     assert {"time/turn0", "time/tools0", "time/turn1", "turn0/tokens_per_s", "train/rows"} <= set(last)
+
+
+def test_a_tokenizer_without_tags_gives_single_turn_episodes(tmp_path: Path) -> None:
+    """grpo_tools on a task without a tool (arithmetic): no call can be written, the tool is never needed."""
+    plain = build_tokenizer(tmp_path)
+    engine = ScriptedEngine(plain, [["579<eos>", "57"]])
+    eps = start_episodes(prompts(plain, [("123+456=", "579")]), n=2, temperature=1.0, token_budget=8, prefix="p")
+    eps = run_tools(take_turn(engine, plain, eps, max_new_tokens=4, seed=0), None, plain, max_output_tokens=4)
+    assert engine.calls[0][1]["stop_token_ids"] == [] and eps.status == ["answer", "length"]
+    assert finish_episodes(eps, plain).completions == ["579", ""]
