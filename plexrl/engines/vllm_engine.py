@@ -201,6 +201,10 @@ class SharedLLM:
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
                 use_tqdm_on_load=False,
+                # whole prompts per step: a seeded request whose prefill is split makes vLLM rewind its
+                # generator, which CPU generators cannot do ("CPU Generator does not use offset")
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(self.max_model_len, 4096),
                 seed=0,
             )
         self.build_seconds = time.perf_counter() - t0
