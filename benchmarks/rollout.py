@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,15 @@ def build(name: str, sizes: dict[str, int], root: Path) -> tuple[Path, Any]:
     return d, AutoTokenizer.from_pretrained(str(d))
 
 
-def timed(fn: Any, repeats: int) -> tuple[float, Any]:
-    fn()  # warm-up
-    times, out = [], None
-    for _ in range(repeats):
+def timed(fn: Callable[[int], int], repeats: int) -> tuple[float, float]:
+    """Median seconds of fn(seed) for seeds 1..repeats (seed 0 is an untimed warm-up), and mean tokens."""
+    fn(0)
+    times, counts = [], []
+    for seed in range(1, repeats + 1):
         t0 = time.perf_counter()
-        out = fn()
+        counts.append(fn(seed))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return statistics.median(times), statistics.mean(counts)
 
 
 def bench_model(name: str, sizes: dict[str, int], root: Path, repeats: int, tokens: int) -> dict[str, Any]:
@@ -63,7 +65,7 @@ def bench_model(name: str, sizes: dict[str, int], root: Path, repeats: int, toke
     from vllm.inputs import TokensPrompt
 
     from plexrl.engines.torch_engine import TorchEngine
-    from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine
+    from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, row_seed
 
     d, tok = build(name, sizes, root)
     prompts = [tok(f"{100 + 97 * i}+{555 - 41 * i}=")["input_ids"] for i in range(8)]
@@ -73,25 +75,33 @@ def bench_model(name: str, sizes: dict[str, int], root: Path, repeats: int, toke
     trainer = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, attention="sdpa")
     wrapper = VLLMEngine(trainer, shared, "job-a")
     wrapper.sync()
-    seed = iter(range(10**6))
-
-    def raw() -> int:
-        sp = SamplingParams(n=n, temperature=1.0, max_tokens=tokens, logprobs=0, seed=next(seed))
-        outs = shared.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return sum(len(c.token_ids) for o in outs for c in o.outputs)
-
-    def ours() -> int:
-        gen = wrapper.generate(prompts, n=n, temperature=1.0, max_new_tokens=tokens, seed=next(seed))
-        return int(gen.lengths.sum())
-
-    def torch_engine() -> int:
-        gen = trainer.generate(prompts, n=n, temperature=1.0, max_new_tokens=tokens, seed=next(seed))
-        return int(gen.lengths.sum())
-
     row: dict[str, Any] = {"model": name, "params": params_count}
-    for label, fn in (("raw vLLM", raw), ("VLLMEngine", ours), ("torch", torch_engine)):
-        sec, count = timed(fn, repeats)
-        row[label] = (count / sec, count / (len(prompts) * n))
+
+    def engines(greedy: bool) -> dict[str, Callable[[int], int]]:
+        """Each takes the call's seed and returns the tokens generated; call k of every engine uses seed k, so
+        raw and wrapper sample the same rows (greedy: all three produce the same tokens)."""
+        kw: dict[str, Any] = {"n": n, "temperature": 1.0, "max_new_tokens": tokens, "greedy": greedy}
+
+        def raw(seed: int) -> int:
+            per, reqs = (1, [p for p in prompts for _ in range(n)]) if greedy else (n, prompts)
+            temp = 0.0 if greedy else 1.0
+            sp = [
+                SamplingParams(n=per, temperature=temp, max_tokens=tokens, logprobs=0, seed=row_seed(seed, i * per))
+                for i in range(len(reqs))
+            ]
+            outs = shared.llm.generate([TokensPrompt(prompt_token_ids=p) for p in reqs], sp, use_tqdm=False)
+            return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+        return {
+            "raw vLLM": raw,
+            "VLLMEngine": lambda seed: int(wrapper.generate(prompts, seed=seed, **kw).lengths.sum()),
+            "torch": lambda seed: int(trainer.generate(prompts, seed=seed, **kw).lengths.sum()),
+        }
+
+    for greedy in (False, True):
+        for label, fn in engines(greedy).items():
+            sec, count = timed(fn, repeats)
+            row[label, greedy] = (count / sec, count / (len(prompts) * n))
 
     # weight sync: the trainer's weights change (as after train), the next generation streams them in
     def sync() -> float:
@@ -130,15 +140,17 @@ def main() -> None:
         if args.skip_large and name != next(iter(MODELS)):
             continue
         rows.append(bench_model(name, sizes, Path(args.root), args.repeats, args.tokens))
-    print(f"\nbatch 64 (8 prompts x 8 samples), temperature 1.0, <= {args.tokens} new tokens, torch threads "
-          f"{torch.get_num_threads()}, median of {args.repeats}")  # fmt: skip
-    print(f"{'model':24} {'params':>7} {'raw vLLM tok/s':>15} {'VLLMEngine':>11} {'torch':>9} "
+    print(f"\nbatch 64 (8 prompts x 8 samples), <= {args.tokens} new tokens, torch threads "
+          f"{torch.get_num_threads()}, median of {args.repeats}; sampled = temperature 1.0 (raw and wrapper with "
+          "the same seeds), greedy = the same tokens on all three")  # fmt: skip
+    print(f"{'model':24} {'decoding':8} {'params':>7} {'raw vLLM tok/s':>15} {'VLLMEngine':>11} {'torch':>9} "
           f"{'wrapper/raw':>12} {'vLLM/torch':>11} {'mean len':>15}")  # fmt: skip
     for r in rows:
-        raw, ours, tch = r["raw vLLM"][0], r["VLLMEngine"][0], r["torch"][0]
-        lens = "/".join(f"{r[k][1]:.0f}" for k in ("raw vLLM", "VLLMEngine", "torch"))
-        print(f"{r['model']:24} {r['params'] / 1e6:6.1f}M {raw:15,.0f} {ours:11,.0f} {tch:9,.0f} "
-              f"{ours / raw:12.3f} {ours / tch:11.2f} {lens:>15}")  # fmt: skip
+        for greedy in (False, True):
+            raw, ours, tch = (r[k, greedy][0] for k in ("raw vLLM", "VLLMEngine", "torch"))
+            lens = "/".join(f"{r[k, greedy][1]:.0f}" for k in ("raw vLLM", "VLLMEngine", "torch"))
+            print(f"{r['model']:24} {'greedy' if greedy else 'sampled':8} {r['params'] / 1e6:6.1f}M {raw:15,.0f} "
+                  f"{ours:11,.0f} {tch:9,.0f} {ours / raw:12.3f} {ours / tch:11.2f} {lens:>15}")  # fmt: skip
     print(f"\n{'model':24} {'weights MiB':>12} {'weight sync s':>14} {'per-job swap s':>15}")
     for r in rows:
         print(f"{r['model']:24} {r['weight_mb']:12.1f} {r['sync']:14.4f} {r['swap']:15.4f}")

@@ -9,8 +9,9 @@ be reused). That one mechanism is both the weight sync after `train` and the per
 shared engine; each is timed and reported (`take_syncs`). Jobs with the same architecture and tokenizer
 (`generator_key`) share one SharedLLM on a service: its process, KV cache and warm-up stay.
 
-Sampling: every row (prompt x sample) is its own vLLM request with its own seed derived from (seed, row),
-so a job's samples depend only on its seed and weights, never on other jobs or batch composition. Log-probs
+Sampling: one vLLM request per prompt with `n` samples, seeded from (seed, row); vLLM seeds sample j with
+seed + j, so every row has its own seed and a job's samples depend only on its seed and weights, never on
+other jobs or batch composition. Log-probs
 are vLLM's *processed* log-probs: temperature (and top-p) applied, the same distribution as the torch
 engine's behaviour log-probs.
 
@@ -130,8 +131,8 @@ def generator_key(model_dir: str | Path) -> str:
 
 
 def row_seed(seed: int, row: int) -> int:
-    """The vLLM request seed of row `row` of a generate call seeded with `seed`."""
-    return (seed * 1_000_003 + row) % (2**31 - 1)
+    """The vLLM seed of row `row` of a generate call seeded with `seed` (rows of one prompt are consecutive)."""
+    return (seed * 1_000_003) % (2**31 - 2**20) + row
 
 
 @contextlib.contextmanager
@@ -247,34 +248,37 @@ class SharedLLM:
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"{self.max_model_len} positions; raise model.max_position or shorten the generation"
             )
+        # vLLM seeds sample j of a request with seed + j: row i*n+j gets row_seed(seed, i*n) + j. Greedy
+        # decoding takes n=1 requests only: one per row (all rows of a prompt are the same anyway)
+        requests, per = (rows, 1) if greedy else (prompts, n)
         params = [
             SamplingParams(
-                n=1,
+                n=per,
                 temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else top_p,
                 max_tokens=max_new_tokens,
                 logprobs=0,
-                seed=row_seed(seed, i),
+                seed=row_seed(seed, i * per),
                 stop_token_ids=[self.eos_id, *stop_token_ids],
                 stop=list(stop) or None,
                 include_stop_str_in_output=True,
                 detokenize=bool(stop),
             )
-            for i in range(len(rows))
+            for i in range(len(requests))
         ]
         with self._lock:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in rows], params, use_tqdm=False)
-        N, T = len(rows), max(1, *(len(o.outputs[0].token_ids) for o in outs))
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False)
+        samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+        N, T = len(rows), max(1, *(len(c.token_ids) for c in samples))
         ids = torch.full((N, longest), self.pad_id, dtype=torch.long)
         pmask = torch.zeros((N, longest), dtype=torch.long)
         resp = torch.full((N, T), self.pad_id, dtype=torch.long)
         rmask = torch.zeros((N, T), dtype=torch.long)
         lps = torch.zeros((N, T), dtype=torch.float32)
         finish: list[str] = []
-        for i, (p, o) in enumerate(zip(rows, outs, strict=True)):
+        for i, (p, c) in enumerate(zip(rows, samples, strict=True)):
             ids[i, longest - len(p) :] = torch.tensor(p)
             pmask[i, longest - len(p) :] = 1
-            c = o.outputs[0]
             toks = list(c.token_ids)
             if toks:
                 resp[i, : len(toks)] = torch.tensor(toks)
