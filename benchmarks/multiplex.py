@@ -11,6 +11,7 @@ training step and the ratio multiplexed / isolated; swap figures: bytes moved, b
 the share of swap time hidden by prefetch. Identical seeds in (a) and (b); MLflow and progress bars off.
 
     .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--iterations 40]
+        [--engine auto|vllm|torch]
 
 Where the idle gaps of the default mix come from: the GRPO job's own CPU nodes (prompt sampling, reward
 verification, advantages: small) and its periodic evaluation; the two judged jobs wait for a remote
@@ -30,12 +31,14 @@ from typing import Any
 from plexrl.cluster import LoadedCluster, load_cluster, run_cluster
 
 
-def with_iterations(cluster: LoadedCluster, iterations: int | None) -> LoadedCluster:
+def with_iterations(cluster: LoadedCluster, iterations: int | None, engine: str | None = None) -> LoadedCluster:
     jobs = []
     for job in cluster.jobs:
         job = copy.deepcopy(job)
         if iterations is not None:
             job.config.iterations = iterations
+        if engine is not None:
+            job.config.engine = engine  # type: ignore[assignment]
         job.config.tracking.mlflow = False
         job.config.tracking.progress = False
         job.config.tracking.log_model = False
@@ -70,9 +73,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/multiplex.yaml")
     ap.add_argument("--iterations", type=int, default=40, help="iterations per job (default 40; None: config's)")
+    ap.add_argument("--engine", choices=["auto", "vllm", "torch"], help="override the jobs' rollout engine")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    cluster = with_iterations(load_cluster(args.config), args.iterations)
+    cluster = with_iterations(load_cluster(args.config), args.iterations, args.engine)
     n_services = cluster.config.services.count
     # warm starts first (cached), so neither side pays for them
     from plexrl.job import prepare_job
