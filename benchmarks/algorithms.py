@@ -11,7 +11,7 @@ import argparse
 import time
 
 from plexrl.config import BUILTIN_PIPELINES, load_job
-from plexrl.runner import run_jobs
+from plexrl.runtime.jobs import run_jobs
 
 
 def main() -> None:

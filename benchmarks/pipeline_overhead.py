@@ -17,7 +17,7 @@ from typing import Any
 from plexrl.config import load_job
 from plexrl.job import prepare_job
 from plexrl.operator import OpContext
-from plexrl.runner import configure_torch, run_jobs
+from plexrl.runtime.jobs import configure_torch, run_jobs
 from plexrl.services.service import Service
 
 

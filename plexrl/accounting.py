@@ -1,11 +1,11 @@
 """The accounting PlexRL is judged on (DESIGN.md), computed from timeline spans. Pure.
 
-Per service: wall time allocated (the whole run), split into `busy` (running a node), `swap` (moving
-state, blocking part) and `idle`. Per job: allocated accelerator-seconds = its own busy and swap seconds
-on its service plus a share of that service's idle time proportional to how long the job was placed
-there (so the jobs' allocations add up to the services' time when every service held a job); steps;
-cost per step = allocated / steps; completion time (submission to end).
-"""
+Per service: wall time allocated (the whole run), split into `busy` (running a node), `swap` (moving state,
+blocking part, and a job's first load on its service) and `idle`; weight loads into a generation engine happen
+inside a node's span and count once, as that node's busy time. Per job: allocated accelerator-seconds = its
+own busy and swap seconds on its service plus a share of that service's idle time proportional to how long the
+job was placed there (so the jobs' allocations add up to the services' time when every service held a job);
+steps; cost per step = allocated / steps; completion time (submission to end)."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ def account(spans: list[Any], jobs: list[JobFacts], services: list[str], wall: f
     busy: dict[tuple[str, str], float] = {}
     swap: dict[tuple[str, str], float] = {}
     for s in spans:
-        if s.lane == "cpu":
-            continue
-        table = swap if s.kind == "swap" else busy
+        if s.lane == "cpu" or s.kind == "weights":
+            continue  # weight loads lie inside their node's span: counted there once
+        table = swap if s.kind in ("swap", "load") else busy
         table[(s.lane, s.job)] = table.get((s.lane, s.job), 0.0) + (s.end - s.start)
     usage = []
     for sid in services:

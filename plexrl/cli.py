@@ -61,7 +61,7 @@ def run(
         return
     try:
         loaded = _load(config, set_)
-        from plexrl.runner import run_jobs
+        from plexrl.runtime.jobs import run_jobs
 
         if progress is None:
             progress = loaded.config.tracking.progress and sys.stderr.isatty()
@@ -78,14 +78,14 @@ def run(
 def _summarise(jobs: list[Any]) -> int:
     failed = False
     for job in jobs:
-        name = job.eval_metric()
+        name = job.spec.eval_metric()
         accs = job.series(name) if name else []
         acc = f"held-out accuracy {accs[0]:.3f} -> {accs[-1]:.3f}; " if len(accs) > 1 else ""
         ran = "never started" if job.started_at is None else f"in {(job.finished_at or 0) - job.started_at:.1f}s"
         iters = job.iterations_done
         typer.echo(
             f"job {job.job_id}: {job.status}; {acc}{iters} iterations {ran} "
-            f"(warm start {job.warm_start.get('seconds', 0):.1f}s, cached={job.warm_start.get('cached')})"
+            f"(warm start {job.spec.warm_start.get('seconds', 0):.1f}s, cached={job.spec.warm_start.get('cached')})"
         )
         if job.tracking.get("uri"):
             typer.echo(f"  MLflow: {job.tracking['uri']} run {job.tracking.get('run_id')}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +21,7 @@ from pydantic import ByteSize, Field, ValidationError, model_validator
 
 from plexrl.config import JobConfig, LoadedJob, StrictModel, _problem, load_job
 from plexrl.errors import ConfigError, Problem
-from plexrl.job import state_copies, state_parts
+from plexrl.job import estimate_state_bytes, state_parts
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,6 @@ class LoadedCluster:
     jobs: list[LoadedJob]
     source: str
     raw: dict[str, Any] = field(default_factory=dict)
-
-
-def estimate_state_bytes(cfg: JobConfig, loaded: LoadedJob) -> int:
-    """Bytes of a job's state before its model exists: fp32 parameters of the configured Llama times the
-    copies its pipeline keeps (see `JobHandle.state_bytes`)."""
-    return estimate_weight_bytes(cfg) * state_copies(loaded.graph)
 
 
 def estimate_engine_bytes(cfg: JobConfig) -> int:
@@ -154,7 +148,8 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     budget = cfg.services.device_memory
     if budget is not None:
         for i, job in enumerate(jobs):
-            need, engine = estimate_state_bytes(job.config, job), estimate_engine_bytes(job.config)
+            need = estimate_state_bytes(estimate_weight_bytes(job.config), job.graph)
+            engine = estimate_engine_bytes(job.config)
             holds = ", ".join(state_parts(job.graph))
             if need + engine > budget:
                 with_engine = f" plus {engine / 2**20:.1f} MiB for its vLLM engine" if engine else ""
@@ -186,16 +181,32 @@ def is_cluster_file(path: Path | None) -> bool:
 # -- running ------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class ClusterResult:
-    jobs: list[Any]
+    jobs: list[Any]  # JobRun records
     report: Any
     service_reports: dict[str, dict[str, Any]]
     timeline: Path | None
     tracking: dict[str, str] = field(default_factory=dict)
 
 
-def make_driver(cfg: ClusterConfig, hooks: list[Any]) -> Any:
-    from plexrl.drivers.base import Budgets
+def make_executor(cfg: ClusterConfig) -> Any:
+    """The executor a cluster config asks for: in-process (`driver: local`) or a Dask cluster."""
+    s = cfg.services
+    if cfg.driver == "local":
+        from plexrl.runtime.inline import InlineExecutor
+
+        return InlineExecutor(services=s.count, device=s.device, validate=cfg.validate_state, clock=time.time)
+    from plexrl.runtime.dask import DaskExecutor
+
+    return DaskExecutor(
+        services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
+        device=s.device, validate=cfg.validate_state,
+    )  # fmt: skip
+
+
+def make_runner(cfg: ClusterConfig, hooks: list[Any], executor: Any = None) -> Any:
+    """The one `Runner`, with the config's policies and budgets, over `executor` (default: `make_executor`)."""
     from plexrl.planner.policies import ORDERINGS, PLACEMENTS, SpreadBackfill
+    from plexrl.runtime.runner import Budgets, Runner
 
     s = cfg.services
     budgets = Budgets(
@@ -204,150 +215,46 @@ def make_driver(cfg: ClusterConfig, hooks: list[Any]) -> Any:
         int(s.disk) if s.disk is not None else None,
     )
     placement = SpreadBackfill(cfg.max_load) if cfg.placement == "spread+backfill" else PLACEMENTS[cfg.placement]()
-    ordering = ORDERINGS[cfg.ordering]()
-    if cfg.driver == "local":
-        from plexrl.drivers.local import LocalDriver
-
-        return LocalDriver(
-            services=s.count, hooks=hooks, placement=placement, ordering=ordering, device=s.device,
-            validate=cfg.validate_state, budgets=budgets, clock=time.time,
-        )  # fmt: skip
-    from plexrl.drivers.dask import DaskDriver
-
-    return DaskDriver(
-        services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
-        hooks=hooks, placement=placement, ordering=ordering, device=s.device, validate=cfg.validate_state,
-        budgets=budgets, lookahead=cfg.lookahead,
+    dask = cfg.driver == "dask"
+    return Runner(
+        executor if executor is not None else make_executor(cfg), hooks=hooks, placement=placement,
+        ordering=ORDERINGS[cfg.ordering](), budgets=budgets, validate=cfg.validate_state,
+        # a Dask round trip costs milliseconds: send each service its next node early, and let cpu nodes
+        # shorter than a round trip run next to their inputs
+        lookahead=dask and cfg.lookahead, inline_below=0.01 if dask else None,
     )  # fmt: skip
 
 
-def run_cluster(loaded: LoadedCluster, *, progress: bool = False, driver_hook: Any = None) -> ClusterResult:
-    """Prepare every job (warm starts cached), run them on the shared services, account, track."""
-    from plexrl.accounting import JobFacts, account, format_report
-    from plexrl.hooks.base import Hook
-    from plexrl.hooks.timeline import TimelineRecorder, draw_cluster_timeline
+def run_cluster(loaded: LoadedCluster, *, progress: bool = False, runner_hook: Any = None) -> ClusterResult:
+    """Prepare every job (warm starts cached), run them on the shared services, account, track. Every output
+    (timeline, accounting, the cluster MLflow run) is a hook; `runner_hook(runner)` sees the runner first."""
+    from plexrl.hooks.cluster import Accounting, ClusterMlflow
+    from plexrl.hooks.timeline import TimelineRecorder
     from plexrl.job import prepare_job
+    from plexrl.runtime.jobs import standard_hooks
 
     cfg = loaded.config
     run_dir = Path(cfg.run_dir).resolve()
-    handles = [prepare_job(job) for job in loaded.jobs]
-    timeline = TimelineRecorder(run_dir / "timelines")
-    hooks: list[Hook] = [timeline]
-    if progress:
-        from plexrl.hooks.progress import ProgressBar
-
-        hooks.append(ProgressBar())
-    if any(job.config.tracking.mlflow for job in loaded.jobs):
-        from plexrl.hooks.mlflow_hook import MlflowHook
-
-        hooks.append(MlflowHook())
-    driver = make_driver(cfg, hooks)
-    if driver_hook is not None:
-        driver_hook(driver)
-    interrupted: BaseException | None = None
-    try:
-        driver.run(handles)
-    except KeyboardInterrupt as exc:
-        interrupted = exc
-    end = driver.clock()
-    t0 = timeline.t0 if timeline.t0 is not None else end  # set when the services were up
-    wall = end - t0
-    start = time.time()
-    facts = [
-        JobFacts(
-            j.job_id,
-            driver.placed.get(j.job_id),
-            j.iterations_done,
-            (j.started_at - t0) if j.started_at is not None else 0.0,
-            ((j.finished_at or driver.clock()) - t0),
-            j.status,
-        )
-        for j in handles
-    ]
-    services = sorted(driver.services) if hasattr(driver, "services") else sorted(driver.worker_of)
-    report = account(timeline.spans, facts, services, wall)
-    service_reports = dict(getattr(driver, "service_reports", {}))
-    if not service_reports and hasattr(driver, "services"):
-        service_reports = {sid: svc.report() for sid, svc in driver.services.items()}
-    out_dir = run_dir / "clusters" / f"{cfg.name}-{int(start)}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(
-        json.dumps(
-            {"report": report.as_dict(), "services": service_reports, "config": loaded.raw}, indent=1, default=str
-        )
-    )
-    (out_dir / "report.txt").write_text(format_report(report) + "\n")
-    (out_dir / "timeline.json").write_text(json.dumps([asdict(sp) for sp in timeline.spans]))
-    png: Path | None = None
-    try:
-        png = out_dir / "timeline.png"
-        draw_cluster_timeline(timeline.spans, png, f"{cfg.name}: {cfg.placement} / {cfg.ordering}")
-    except Exception:
-        log.exception("could not draw the cluster timeline")
-        png = None
-    result = ClusterResult(handles, report, service_reports, png)
+    specs = [prepare_job(job) for job in loaded.jobs]
+    hooks = standard_hooks(run_dir, progress=progress, mlflow=any(j.config.tracking.mlflow for j in loaded.jobs))
+    out_dir = run_dir / "clusters" / f"{cfg.name}-{int(time.time())}"
+    timeline = hooks[0]
+    assert isinstance(timeline, TimelineRecorder)
+    accounting = Accounting(timeline, out_dir, f"{cfg.name}: {cfg.placement} / {cfg.ordering}", loaded.raw)
+    hooks.append(accounting)
+    tracker = None
     if cfg.mlflow:
-        try:
-            result.tracking = log_cluster_run(cfg, result, out_dir)
-        except Exception:
-            log.exception("could not log the cluster run to MLflow")
-    if interrupted is not None:
-        raise interrupted
-    return result
+        tracker = ClusterMlflow(
+            accounting, run_dir, cfg.name, cfg.experiment, cfg.model_dump(mode="json", exclude={"jobs"})
+        )
+        hooks.append(tracker)
+    runner = make_runner(cfg, hooks)
+    if runner_hook is not None:
+        runner_hook(runner)
+    runs = runner.run(specs)
+    return ClusterResult(
+        runs, accounting.report, accounting.service_reports, accounting.png, tracker.tracking if tracker else {}
+    )
 
 
-def log_cluster_run(cfg: ClusterConfig, result: ClusterResult, out_dir: Path) -> dict[str, str]:
-    """One MLflow run for the cluster: policies and budgets as params, per-service and per-job accounting
-    as metrics, the table, report and timeline as artifacts; each job's run is linked both ways by tags."""
-    from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
-
-    from plexrl.config import flatten
-    from plexrl.hooks.mlflow_hook import tracking_uri
-
-    uri = tracking_uri(Path(cfg.run_dir).resolve())
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(cfg.experiment)
-    if exp is None:
-        art = (Path(cfg.run_dir).resolve() / "mlartifacts").as_uri()
-        exp_id = client.create_experiment(cfg.experiment, artifact_location=art)
-    else:
-        exp_id = exp.experiment_id
-    run = client.create_run(exp_id, run_name=cfg.name, tags={"plexrl.kind": "cluster"})
-    run_id = run.info.run_id
-    params = flatten(cfg.model_dump(mode="json", exclude={"jobs"}))
-    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
-    now = int(time.time() * 1000)
-    rep = result.report
-    metrics = [Metric("accelerator_seconds", rep.accelerator_seconds, now, 0), Metric("wall", rep.wall, now, 0)]
-    for s in rep.services:
-        for k in ("busy", "swap", "idle"):
-            metrics.append(Metric(f"{s.service}/{k}_seconds", getattr(s, k), now, 0))
-        metrics.append(Metric(f"{s.service}/utilization", s.utilization, now, 0))
-    for j in rep.jobs:
-        metrics += [
-            Metric(f"job/{j.job_id}/allocated_seconds", j.allocated, now, 0),
-            Metric(f"job/{j.job_id}/steps", float(j.steps), now, 0),
-            Metric(f"job/{j.job_id}/completion_seconds", j.completion, now, 0),
-        ]
-        if j.steps:
-            metrics.append(Metric(f"job/{j.job_id}/cost_per_step", j.cost_per_step, now, 0))
-    client.log_batch(run_id, metrics=metrics)
-    for job in result.jobs:
-        if job.tracking.get("run_id"):
-            client.set_tag(run_id, f"plexrl.job.{job.job_id}", job.tracking["run_id"])
-            try:
-                MlflowClient(tracking_uri=job.tracking["uri"]).set_tag(
-                    job.tracking["run_id"], "plexrl.cluster_run", run_id
-                )
-            except Exception:
-                log.exception("could not link job %s to the cluster run", job.job_id)
-    for name in ("report.txt", "report.json", "timeline.png"):
-        if (out_dir / name).is_file():
-            client.log_artifact(run_id, str(out_dir / name))
-    failed = any(j.status != "done" for j in result.jobs)
-    client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
-    return {"uri": uri, "run_id": run_id}
-
-
-__all__ = ["ClusterConfig", "LoadedCluster", "is_cluster_file", "load_cluster", "run_cluster"]
+__all__ = ["ClusterConfig", "LoadedCluster", "is_cluster_file", "load_cluster", "make_runner", "run_cluster"]

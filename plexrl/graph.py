@@ -11,7 +11,7 @@ duplicate names, unknown operators, bad parameters, unknown or missing inputs, t
     ...
     graph = p.build()
 
-This module does not run anything; drivers do.
+This module does not run anything; the runtime does.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""A job at run time: its validated config and pipeline, task, tokenizer and starting model, and what it
-has produced so far (metrics per iteration, artifacts, status)."""
+"""A job at run time, in two parts kept apart: `JobSpec`, what the job is (frozen, shipped once), and
+`JobRun`, what happened to it (status, metrics per iteration, artifacts), the runner's record."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from plexrl.config import JobConfig, LoadedJob
 from plexrl.graph import PipelineGraph
@@ -15,8 +15,12 @@ from plexrl.planner.events import JobPlan, NodePlan
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class JobHandle:
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a job IS: its validated config and pipeline, task, tokenizer and starting model. Frozen: built
+    once by `prepare_job`, shipped to the workers once, never changed after submission. What HAPPENS to the
+    job is its `JobRun`, a record the runner owns."""
+
     job_id: str
     config: JobConfig
     graph: PipelineGraph
@@ -26,20 +30,15 @@ class JobHandle:
     model_path: Path
     run_dir: Path
     warm_start: dict[str, Any] = field(default_factory=dict)
-    status: str = "pending"
-    iterations_done: int = 0
-    error: str = ""
-    history: list[dict[str, float]] = field(default_factory=list)
-    artifacts: dict[str, Path] = field(default_factory=dict)
-    tracking: dict[str, Any] = field(default_factory=dict)
-    started_at: float | None = None
-    finished_at: float | None = None
     generation: str = "torch"  # the rollout engine `engine:` resolved to: "vllm" or "torch"
     generation_reason: str = ""
 
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline."""
-        nodes = {n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every) for n in self.graph.nodes}
+        nodes = {
+            n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every, n.operator.inline)
+            for n in self.graph.nodes
+        }
         order, baseline = tuple(self.graph.order), tuple(self.baseline_nodes())
         return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine())
 
@@ -54,8 +53,17 @@ class JobHandle:
         return generator_key(self.model_path), model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:
-        """Upper bound of the bytes the StateManager moves for this job (see `state_copies`)."""
-        return model_bytes(self.model_path) * state_copies(self.graph)
+        """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`)."""
+        return estimate_state_bytes(model_bytes(self.model_path), self.graph)
+
+    def inputs(self, node: str) -> dict[str, str]:
+        """Input port -> the node whose output feeds it."""
+        return dict(self.graph.node(node).inputs)
+
+    @property
+    def model_dir(self) -> Path | None:
+        """Where the runner saves the final model when the job is done (None: not saved)."""
+        return self.run_dir / "jobs" / self.job_id / "model" if self.config.tracking.log_model else None
 
     def baseline_nodes(self) -> list[str]:
         """Periodic nodes that read no data (evaluations) also run once before the first iteration; their
@@ -70,6 +78,38 @@ class JobHandle:
             if issubclass(n.operator.output, EvalStats):
                 return f"{n.name}/accuracy"
         return None
+
+
+JobStatus = Literal["pending", "running", "done", "failed", "cancelled"]
+
+
+@dataclass(slots=True, eq=False)
+class JobRun:
+    """What happened to one job: the client's record, owned by the runner (hooks may read it and add their
+    own keys to `tracking` and `artifacts`; they never touch the spec)."""
+
+    spec: JobSpec
+    status: JobStatus = "pending"
+    iterations_done: int = 0
+    error: str = ""
+    service: str | None = None  # where the planner placed it
+    history: list[dict[str, float]] = field(default_factory=list)
+    artifacts: dict[str, Path] = field(default_factory=dict)
+    tracking: dict[str, Any] = field(default_factory=dict)
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def config(self) -> JobConfig:
+        return self.spec.config
+
+    @property
+    def graph(self) -> PipelineGraph:
+        return self.spec.graph
 
     def series(self, name: str) -> list[float]:
         """Values of metric `name` over the job's history (baseline row first, when there is one)."""
@@ -101,6 +141,13 @@ def state_parts(graph: PipelineGraph) -> list[str]:
     return parts
 
 
+def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph) -> int:
+    """THE estimate of a job's state size, before it has run: fp32 weight bytes times the copies its
+    pipeline keeps. An upper bound (tied weights count twice, headers count); the planner replaces it with
+    the size a service measures at the first swap-out (`StateMeasured`)."""
+    return weight_bytes * state_copies(graph)
+
+
 def state_copies(graph: PipelineGraph) -> int:
     """The state's size in copies of the fp32 weights: policy + 2 AdamW moments, +1 for a reference,
     +3 for a critic (its weights and moments)."""
@@ -115,7 +162,7 @@ def model_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:
+def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobSpec:
     """Generate the task and build (or load from cache) the warm-started model of a validated job."""
     from plexrl.models import prepare_model
     from plexrl.tasks import make_task
@@ -134,11 +181,11 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobHandle:
     )
     generation, reason = resolve_engine(cfg, prepared.path)
     log.info("job %s: rollouts on %s (%s)", job_id or cfg.name, generation, reason)
-    return JobHandle(
+    return JobSpec(
         generation=generation,
         generation_reason=reason,
         job_id=job_id or cfg.name,
-        config=cfg,
+        config=cfg.model_copy(deep=True),  # the spec's own copy: later edits of `loaded` do not reach it
         graph=loaded.graph,
         raw=loaded.raw,
         task=task,

@@ -45,3 +45,11 @@ def tiny_config(tmp_path: Path) -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _no_env_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def local_runner(services: int = 1, *, validate: bool = True, **kwargs: Any) -> Any:
+    """The one Runner over an in-process executor, with the planner's invariants and the services' state
+    checksums checked after every event (what the tests want; production runs leave them off)."""
+    from plexrl.runtime import InlineExecutor, Runner
+
+    return Runner(InlineExecutor(services=services, validate=validate), validate=validate, **kwargs)

@@ -228,7 +228,7 @@ def test_grpo_tools_unrolls_turns_into_service_and_cpu_nodes() -> None:
 
 
 def test_tiny_tool_job_runs_end_to_end_and_logs_tool_metrics(tiny_config: dict[str, Any]) -> None:
-    from plexrl.runner import run_jobs
+    from plexrl.runtime.jobs import run_jobs
 
     cfg = copy.deepcopy(tiny_config)
     cfg["tracking"]["mlflow"] = False

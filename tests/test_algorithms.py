@@ -15,7 +15,7 @@ from plexrl.config import BUILTIN_PIPELINES, load_job
 from plexrl.operators.advantage import batch_normalized_advantages, group_advantages, leave_one_out_advantages
 from plexrl.operators.shaping import overlong_penalties
 from plexrl.operators.train import kl_penalty, masked_mean, policy_loss
-from plexrl.runner import run_jobs
+from plexrl.runtime.jobs import run_jobs
 
 
 def test_rloo_hand_computed_and_edge_cases() -> None:

@@ -1,4 +1,5 @@
-"""End to end on the real stack: torch engine, local driver, planner, MLflow (sqlite) — tiny sizes."""
+"""End to end on the real stack: torch engine, the runner over the in-process executor, planner, MLflow
+(sqlite) — tiny sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pytest
 
 from plexrl.config import load_job
-from plexrl.runner import run_jobs
+from plexrl.runtime.jobs import run_jobs
 
 VOLATILE = ("time/", "tokens_per_s")
 
@@ -95,9 +96,10 @@ def test_operator_exception_fails_the_job_with_its_message(tiny_config: dict[str
 def test_multiplexed_job_learns_exactly_as_alone_and_failures_stay_isolated(
     tiny_config: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Invariants 4 and 5 on the LocalDriver: two jobs on ONE service (time-sliced) give each the metrics
+    """Invariants 4 and 5 in-process: two jobs on ONE service (time-sliced) give each the metrics
     it has alone; a job whose evaluation raises fails alone, and the others finish."""
-    from plexrl.drivers.local import LocalDriver
+    from conftest import local_runner
+
     from plexrl.job import prepare_job
 
     tiny_config["tracking"]["mlflow"] = False
@@ -120,9 +122,9 @@ def test_multiplexed_job_learns_exactly_as_alone_and_failures_stay_isolated(
     }
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(tmp_path))
-        (alone,) = LocalDriver().run([prepare_job(load_job(tiny_config))])
+        (alone,) = local_runner().run([prepare_job(load_job(tiny_config))])
         jobs = [prepare_job(load_job(c)) for c in (tiny_config, other, broken)]
-        shared = LocalDriver(services=1).run(jobs)
+        shared = local_runner(services=1).run(jobs)
     assert [j.status for j in shared] == ["done", "done", "failed"]
     assert "probe" in shared[2].error or "evaluator down" in shared[2].error
     assert stable(shared[0].history) == stable(alone.history)

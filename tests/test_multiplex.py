@@ -1,8 +1,11 @@
 """Many jobs on shared services, on the real stack (torch engines, real swaps, a real Dask cluster, MLflow).
 
-- fidelity (DESIGN.md invariant 4): a job multiplexed with two others on ONE service whose device memory
-  holds a single job state (so every switch swaps, and the host budget forces spills to disk) produces the
-  same per-iteration metrics as the job alone, on the LocalDriver and on the DaskDriver;
+- fidelity (DESIGN.md invariant 4): a job that earns real rewards, multiplexed with two others on ONE
+  service whose device memory holds a single job state (so every switch swaps, and the host budget forces
+  spills to disk), produces the same per-iteration metrics AND bit-identical final weights as the job
+  alone, in-process and on Dask; its own state is counted moving between tiers;
+- batches stay on the workers: on Dask, the bytes that reach the client per iteration do not grow with
+  the batch (metrics only);
 - isolation (invariant 5): a lost service worker fails only the jobs placed on it; a cancelled job ends as
   KILLED in MLflow while the others finish;
 - the cluster config: validation errors that name the fix, and a run that ends with the accounting table
@@ -18,13 +21,13 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import TINY
+from conftest import TINY, local_runner
 
 from plexrl.config import load_job
-from plexrl.drivers.base import Budgets
 from plexrl.hooks.base import Hook
-from plexrl.job import JobHandle, prepare_job
+from plexrl.job import JobRun, JobSpec, prepare_job
 from plexrl.planner import Hrrs
+from plexrl.runtime import Budgets, NodeTask, Runner
 
 VOLATILE = ("time/", "tokens_per_s")
 
@@ -58,46 +61,92 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mux") / "runs"
 
 
+def rewarded_job(run_dir: Path, iterations: int = 3) -> dict[str, Any]:
+    """Job "a": 1-digit addition after a longer warm start, so its model answers some prompts right and its
+    rewards, advantages and accuracy are real numbers (not all zero), and it saves its final model."""
+    cfg = learning_job(run_dir, "a", 0, iterations)
+    cfg["task"] = {"digits": 1, "train_size": 80, "eval_size": 16}
+    cfg["warm_start"] = {
+        "max_steps": 150, "batch_size": 16, "eval_every": 10, "eval_size": 16, "stop_at_accuracy": 0.15, "lr": 1e-2,
+    }  # fmt: skip
+    cfg["tracking"]["log_model"] = True
+    return cfg
+
+
+def final_weights(run: JobRun) -> dict[str, Any]:
+    """The saved final model's tensors (read at once: a later run of the same job writes the same path)."""
+    from safetensors.torch import load_file
+
+    (path,) = Path(run.artifacts["model"]).glob("*.safetensors")
+    return load_file(str(path))
+
+
+def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.fixture(scope="module")
-def alone(run_dir: Path) -> JobHandle:
-    from plexrl.drivers.local import LocalDriver
-
-    (job,) = LocalDriver().run([prepare_job(load_job(learning_job(run_dir, "a", 0)))])
+def alone(run_dir: Path) -> tuple[JobRun, dict[str, Any]]:
+    (job,) = local_runner().run([prepare_job(load_job(rewarded_job(run_dir)))])
     assert job.status == "done", job.error
-    return job
+    return job, final_weights(job)
 
 
-def mix(run_dir: Path) -> list[JobHandle]:
-    return [prepare_job(load_job(learning_job(run_dir, name, seed))) for name, seed in (("a", 0), ("b", 1), ("c", 2))]
+def mix(run_dir: Path) -> list[JobSpec]:
+    cfgs = [rewarded_job(run_dir), learning_job(run_dir, "b", 1), learning_job(run_dir, "c", 2)]
+    return [prepare_job(load_job(cfg)) for cfg in cfgs]
 
 
-def one_state_budget(jobs: list[JobHandle], on_device: int = 1) -> Budgets:
+def one_state_budget(jobs: list[JobSpec], on_device: int = 1) -> Budgets:
     size = max(j.state_bytes() for j in jobs)
     return Budgets(device=on_device * size, host=size)  # the rest spills to disk
 
 
-def test_multiplexed_with_swaps_and_spills_learns_exactly_as_alone_local(run_dir: Path, alone: JobHandle) -> None:
-    from plexrl.drivers.local import LocalDriver
+def count_moves(runner: Runner, job_id: str) -> dict[str, int]:
+    """Wrap the executor's submit: count the moves of `job_id`'s state, by destination tier."""
+    moves: dict[str, int] = {}
+    submit = runner.executor.submit
 
-    learned = stable(alone.history)
+    def counting(task: NodeTask) -> int:
+        for m in (*task.swaps, *task.prefetch):
+            if m.job_id == job_id:
+                moves[m.dst] = moves.get(m.dst, 0) + 1
+        return submit(task)
+
+    runner.executor.submit = counting  # type: ignore[method-assign]
+    return moves
+
+
+def test_multiplexed_with_swaps_and_spills_learns_exactly_as_alone_inline(
+    run_dir: Path, alone: tuple[JobRun, dict[str, Any]]
+) -> None:
+    job, weights = alone
+    learned = stable(job.history)
     assert learned[1]["train/loss"] != learned[2]["train/loss"]  # weights really change between iterations
+    assert any(row.get("verify/reward_mean", 0) > 0 for row in learned)  # real rewards, not all zero
+    assert any(row.get("evaluate/accuracy", 0) > 0 for row in learned)
     jobs = mix(run_dir)
-    driver = LocalDriver(services=1, ordering=Hrrs(), budgets=one_state_budget(jobs), validate=True)
-    driver.run(jobs)
-    assert [j.status for j in jobs] == ["done"] * 3, [j.error for j in jobs]
-    assert stable(jobs[0].history) == learned
-    assert stable(jobs[1].history) != learned
-    report = driver.services["service-0"].report()
+    runner = local_runner(services=1, ordering=Hrrs(), budgets=one_state_budget(jobs))
+    moves = count_moves(runner, "a")
+    runs = runner.run(jobs)
+    assert [j.status for j in runs] == ["done"] * 3, [j.error for j in runs]
+    assert stable(runs[0].history) == learned
+    assert same_weights(final_weights(runs[0]), weights)
+    assert stable(runs[1].history) != learned
+    assert moves.get("device", 0) >= 2 and moves.get("host", 0) + moves.get("disk", 0) >= 2, moves
+    report = runner.service_reports["service-0"]
     assert report["bytes_to_tier"].get("disk", 0) > 0 and report["bytes_to_tier"]["device"] > 0
 
 
 class CancelAfterFirstIteration(Hook):
     def __init__(self, job_id: str) -> None:
-        self.job_id, self.driver = job_id, None
+        self.job_id, self.runner = job_id, None
 
-    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
-        if job.job_id == self.job_id and iteration == 0 and self.driver is not None:
-            self.driver.cancel(self.job_id)
+    def on_iteration_end(self, job: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        if job.job_id == self.job_id and iteration == 0 and self.runner is not None:
+            self.runner.cancel(self.job_id)
 
 
 def external_cluster() -> Any:
@@ -108,7 +157,7 @@ def external_cluster() -> Any:
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {}}):
         return SpecCluster(
             workers={
-                "gpu-worker": {"cls": Nanny, "options": {"nthreads": 1, "resources": {"GPU": 1}}},
+                "gpu-worker": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}}},
                 "cpu-worker": {"cls": Nanny, "options": {"nthreads": 2}},
             },
             scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
@@ -116,58 +165,67 @@ def external_cluster() -> Any:
         )
 
 
-def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(run_dir: Path, alone: JobHandle) -> None:
+def dask_runner(scheduler: str | None = None, **kwargs: Any) -> Runner:
+    from plexrl.runtime.dask import DaskExecutor
+
+    executor = DaskExecutor(scheduler=scheduler, validate=True, **kwargs.pop("executor", {}))
+    return Runner(executor, validate=True, lookahead=True, inline_below=0.01, **kwargs)
+
+
+def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(
+    run_dir: Path, alone: tuple[JobRun, dict[str, Any]]
+) -> None:
     from distributed import Client
     from mlflow.tracking import MlflowClient
 
-    import plexrl.drivers.dask as dask_driver
-    from plexrl.drivers.dask import DaskDriver
+    import plexrl.runtime.dask as dask_executor
     from plexrl.hooks.mlflow_hook import MlflowHook
 
-    jobs = mix(run_dir)
-    for job in jobs:
-        job.config.tracking.mlflow = True
+    cfgs = [rewarded_job(run_dir), learning_job(run_dir, "b", 1), learning_job(run_dir, "c", 2)]
+    for cfg in cfgs:
+        cfg["tracking"]["mlflow"] = True
+    jobs = [prepare_job(load_job(cfg)) for cfg in cfgs]
     cancel = CancelAfterFirstIteration("c")
     cluster = external_cluster()  # as `plexrl run --scheduler ADDRESS` would find it
     try:
-        driver = DaskDriver(
-            scheduler=cluster.scheduler_address, ordering=Hrrs(), budgets=one_state_budget(jobs, on_device=2),
-            hooks=[cancel, MlflowHook()], validate=True,
+        runner = dask_runner(
+            cluster.scheduler_address, ordering=Hrrs(), budgets=one_state_budget(jobs, on_device=2),
+            hooks=[cancel, MlflowHook()],
         )  # fmt: skip
-        cancel.driver = driver  # type: ignore[assignment]
-        driver.run(jobs)
-        with Client(cluster) as client:  # the cluster outlives the driver, its services are stopped
+        cancel.runner = runner  # type: ignore[assignment]
+        moves = count_moves(runner, "a")
+        a, b, c = runner.run(jobs)
+        with Client(cluster) as client:  # the cluster outlives the runner, its services are stopped
             assert len(client.scheduler_info()["workers"]) == 2
-            assert set(client.run(lambda: len(dask_driver._SERVICES)).values()) == {0}
+            assert set(client.run(lambda: len(dask_executor._SERVICES)).values()) == {0}
     finally:
         cluster.close()
-    a, b, c = jobs
-    assert (a.status, b.status, c.status) == ("done", "done", "cancelled"), [j.error for j in jobs]
-    assert stable(a.history) == stable(alone.history)
+    assert (a.status, b.status, c.status) == ("done", "done", "cancelled"), [j.error for j in (a, b, c)]
+    job, weights = alone
+    assert stable(a.history) == stable(job.history)
+    assert same_weights(final_weights(a), weights)
+    assert moves.get("device", 0) >= 1 and moves.get("host", 0) + moves.get("disk", 0) >= 1, moves
     assert c.iterations_done == 1 and "cancelled" in c.error
     client = MlflowClient(tracking_uri=a.tracking["uri"])
     assert client.get_run(a.tracking["run_id"]).info.status == "FINISHED"
     killed = client.get_run(c.tracking["run_id"])
     assert killed.info.status == "KILLED"
     assert [m.step for m in client.get_metric_history(killed.info.run_id, "shaped/reward_mean")] == [1]
-    assert driver.service_reports["service-0"]["moves"] > 0
-    assert driver.planner.sent_ahead > 0  # nodes were sent while another job's node ran (lookahead)
+    assert runner.service_reports["service-0"]["moves"] > 0
+    assert runner.planner.sent_ahead > 0  # nodes were sent while another job's node ran (lookahead)
 
 
 def test_a_lost_service_worker_fails_its_jobs_only(run_dir: Path) -> None:
-    from plexrl.drivers.dask import DaskDriver
-
     doomed = learning_job(run_dir, "doomed", 3)
     doomed["pipeline"]["nodes"].append(
         {"name": "crash", "op": "user_ops:kill_own_worker", "after": ["train"], "params": {"at_iteration": 1}}
     )
     jobs = [prepare_job(load_job(doomed)), prepare_job(load_job(learning_job(run_dir, "survivor", 4)))]
-    driver = DaskDriver(services=2, cpu_threads=1, poll=0.2)  # spread: one job per service
-    driver.run(jobs)
-    lost, survivor = jobs
+    runner = dask_runner(executor={"services": 2, "cpu_threads": 1, "poll": 0.2}, poll=0.2)  # spread
+    lost, survivor = runner.run(jobs)
     assert survivor.status == "done" and survivor.iterations_done == 3
     assert lost.status == "failed" and "lost" in lost.error and lost.iterations_done == 1
-    assert driver.placed["doomed"] != driver.placed["survivor"]
+    assert lost.service != survivor.service
 
 
 def test_cluster_config_errors_name_the_fix(tmp_path: Path) -> None:
@@ -234,7 +292,7 @@ def test_cluster_run_prints_accounting_and_links_mlflow_runs(tmp_path: Path) -> 
 
 
 class Interrupt(Hook):
-    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
+    def on_iteration_end(self, job: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         if job.job_id == "y" and iteration == 0:
             raise KeyboardInterrupt
 
@@ -254,9 +312,9 @@ def test_ctrl_c_closes_every_job_as_killed_and_keeps_what_was_logged(tmp_path: P
     path.write_text(yaml.safe_dump({"run_dir": str(runs), "driver": "local", "progress": False, "jobs": jobs}))
     seen: list[Any] = []
     with pytest.raises(KeyboardInterrupt):
-        run_cluster(load_cluster(path), driver_hook=lambda d: (d.hooks.hooks.append(Interrupt()), seen.append(d)))
-    (driver,) = seen
-    x, y = (driver.jobs[n] for n in ("x", "y"))
+        run_cluster(load_cluster(path), runner_hook=lambda r: (r.hooks.hooks.append(Interrupt()), seen.append(r)))
+    (runner,) = seen
+    x, y = (runner.runs[n] for n in ("x", "y"))
     assert x.status == y.status == "cancelled" and "KeyboardInterrupt" in y.error
     client = MlflowClient(tracking_uri=y.tracking["uri"])
     for job in (x, y):

@@ -13,14 +13,14 @@ import torch
 from conftest import TINY
 
 from plexrl.config import load_job
-from plexrl.job import JobHandle, prepare_job
+from plexrl.job import JobSpec, prepare_job
 from plexrl.planner.state import Move
 from plexrl.services.service import Service
 from plexrl.services.swap import StateCorrupted
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> JobHandle:
+def job(tmp_path_factory: pytest.TempPathFactory) -> JobSpec:
     cfg: dict[str, Any] = copy.deepcopy(TINY)
     cfg["run_dir"] = str(tmp_path_factory.mktemp("svc") / "runs")
     cfg["tracking"]["mlflow"] = False
@@ -32,7 +32,7 @@ def snapshot(service: Service, job_id: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in service.engines[job_id].state_tensors().items()}
 
 
-def test_state_round_trip_through_every_tier_is_bit_exact(job: JobHandle, tmp_path: Path) -> None:
+def test_state_round_trip_through_every_tier_is_bit_exact(job: JobSpec, tmp_path: Path) -> None:
     svc = Service("s0", spill_dir=tmp_path / "spill", validate=True)
     nbytes = svc.load_job(job)
     assert nbytes == sum(t.numel() * 4 for t in svc.engines[job.job_id].state_tensors().values())
@@ -52,7 +52,7 @@ def test_state_round_trip_through_every_tier_is_bit_exact(job: JobHandle, tmp_pa
     svc.close()
 
 
-def test_a_corrupted_host_copy_is_caught_at_swap_in(job: JobHandle) -> None:
+def test_a_corrupted_host_copy_is_caught_at_swap_in(job: JobSpec) -> None:
     svc = Service("s0", validate=True)
     svc.load_job(job)
     svc.apply([Move(job.job_id, "device", "host", 0)])
@@ -64,25 +64,26 @@ def test_a_corrupted_host_copy_is_caught_at_swap_in(job: JobHandle) -> None:
     svc.close()
 
 
-def test_moves_that_disagree_with_the_actual_tier_are_refused(job: JobHandle) -> None:
+def test_moves_that_disagree_with_the_actual_tier_are_refused(job: JobSpec) -> None:
     svc = Service("s0")
     svc.load_job(job, tier="host")
     assert svc.tier(job.job_id) == "host"
     with pytest.raises(StateCorrupted, match="is on host"):
         svc.apply([Move(job.job_id, "device", "disk", 0)])
     res = svc.run_node(job.job_id, 0, "evaluate", {})  # off device at run time: a clear node error
-    assert not res.ok and "not device" in (res.error or "")
+    assert not res.report.ok and "not device" in (res.report.error or "")
     svc.close()
 
 
-def test_prefetch_runs_in_the_background_and_the_next_node_waits_for_it(job: JobHandle) -> None:
+def test_prefetch_runs_in_the_background_and_the_next_node_waits_for_it(job: JobSpec) -> None:
     svc = Service("s0", validate=True)
     svc.load_job(job, tier="host")
     res = svc.run_node(job.job_id, -1, "evaluate", {}, swaps=[Move(job.job_id, "host", "device", 0)])
-    assert res.ok and res.swap_bytes > 0 and res.swap_end >= res.swap_start
+    rep = res.report
+    assert rep.ok and rep.swap_bytes > 0 and rep.swap_end >= rep.swap_start
     svc.apply([Move(job.job_id, "device", "host", 0)])
     svc._start_prefetch([Move(job.job_id, "host", "device", 0)])
     res = svc.run_node(job.job_id, -1, "evaluate", {})  # waits for the prefetch, then runs on device
-    assert res.ok and svc.tier(job.job_id) == "device"
+    assert res.report.ok and svc.tier(job.job_id) == "device"
     assert svc.report()["prefetch_seconds"] > 0
     svc.close()

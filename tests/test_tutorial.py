@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from plexrl.config import load_job
-from plexrl.runner import run_jobs
+from plexrl.runtime.jobs import run_jobs
 
 DOC = Path(__file__).parents[1] / "docs" / "tutorial-new-algorithm.md"
 

@@ -197,9 +197,10 @@ def vllm_job(run_dir: Path, name: str, seed: int, iterations: int = 3) -> dict[s
 
 
 def test_job_on_vllm_end_to_end_and_multiplexed_on_a_shared_engine(tmp_path: Path) -> None:
-    from plexrl.drivers.base import Budgets
-    from plexrl.drivers.local import LocalDriver
+    from conftest import local_runner
+
     from plexrl.hooks.timeline import TimelineRecorder
+    from plexrl.runtime import Budgets
 
     run_dir = tmp_path / "runs"
     cfg = vllm_job(run_dir, "a", 0)
@@ -207,9 +208,9 @@ def test_job_on_vllm_end_to_end_and_multiplexed_on_a_shared_engine(tmp_path: Pat
     timeline = TimelineRecorder(tmp_path / "tl", draw=False)
     from plexrl.hooks.mlflow_hook import MlflowHook
 
-    (alone,) = LocalDriver(hooks=[timeline, MlflowHook()]).run([prepare_job(load_job(cfg))])
+    (alone,) = local_runner(hooks=[timeline, MlflowHook()]).run([prepare_job(load_job(cfg))])
     assert alone.status == "done", alone.error
-    assert alone.generation == "vllm"
+    assert alone.spec.generation == "vllm"
     loads = [s for s in timeline.spans if s.kind == "weights"]
     # the first load, then one sync per update (each is followed by a generation: evaluate or rollout)
     assert [s.node for s in loads] == ["weight swap"] + ["weight sync"] * 3
@@ -223,18 +224,18 @@ def test_job_on_vllm_end_to_end_and_multiplexed_on_a_shared_engine(tmp_path: Pat
     assert jobs[0].engine() == jobs[1].engine()  # same architecture: one engine on the service
     size = max(j.state_bytes() for j in jobs)
     engine_bytes = jobs[0].engine()[1]  # type: ignore[index]
-    driver = LocalDriver(budgets=Budgets(device=size + engine_bytes, host=size))  # one state + the engine
-    done = driver.run(jobs)
+    runner = local_runner(budgets=Budgets(device=size + engine_bytes, host=size))  # one state + the engine
+    done = runner.run(jobs)
     assert [j.status for j in done] == ["done", "done"], [j.error for j in done]
     assert stable(done[0].history) == stable(alone.history)
     assert any(row.get("train/grad_norm", 0) > 0 for row in alone.history)  # the weights really changed
-    service = driver.services["service-0"]
-    assert service.stats.moves > 0  # the states were swapped too
-    assert service.report()["generation_engines"] == 0  # shut down once its last job ended
+    service = runner.service_reports["service-0"]
+    assert service["moves"] > 0  # the states were swapped too
+    assert service["generation_engines"] == 0  # shut down once its last job ended
 
 
 def test_an_engine_failure_fails_that_job_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from plexrl.drivers.local import LocalDriver
+    from conftest import local_runner
 
     jobs = [prepare_job(load_job(vllm_job(tmp_path / "runs", n, s))) for n, s in (("bad", 0), ("good", 1))]
     real = SharedLLM.generate
@@ -247,7 +248,7 @@ def test_an_engine_failure_fails_that_job_only(tmp_path: Path, monkeypatch: pyte
         return real(self, *args, **kw)
 
     monkeypatch.setattr(SharedLLM, "generate", crash_once_for_bad)
-    bad, good = LocalDriver().run(jobs)
+    bad, good = local_runner().run(jobs)
     assert bad.status == "failed" and "vLLM engine failed" in bad.error and "EngineCore died" in bad.error
     assert good.status == "done", good.error
     assert good.iterations_done == 3

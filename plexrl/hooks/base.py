@@ -1,42 +1,76 @@
-"""The hook interface. Every method is optional; `HookList` calls each hook in order and isolates
-failures: a hook that raises is logged and disabled, it never fails a job."""
+"""The hook interface: the only way out of a run. Tracking (per-job MLflow runs, the cluster-level run),
+the timeline, the accounting and progress bars are hooks; operators, the planner and executors never call
+them. Every method is optional.
+
+`HookList` calls each hook in order. A hook that raises is logged and disabled (tracking must not fail a
+job), unless it is `required`: the accounting reads the timeline, so a required hook that raises fails the
+run loudly (`HookFailed`), and the runner closes the open jobs with what they logged.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from plexrl.batch import Batch
-    from plexrl.job import JobHandle
+    from plexrl.job import JobRun
 
 log = logging.getLogger(__name__)
 
 
+class HookFailed(RuntimeError):
+    """A required hook raised: what depends on it (the accounting) would be wrong, so the run stops."""
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """What `on_end` receives: every job's record, the services and their reports, and the run's span on
+    the runner's clock (`start`: the services were up; `end`: the last job ended)."""
+
+    runs: list[JobRun]
+    services: list[str]
+    service_reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    start: float = 0.0
+    end: float = 0.0
+    interrupted: bool = False
+
+
 class Hook:
-    """Base class with no-op callbacks. `lane` is a service id, or "cpu" for the CPU pool."""
+    """Base class with no-op callbacks. `lane` is a service id, or "cpu" for the CPU pool. Hooks read the
+    job's record (`JobRun`, with its frozen spec in `.spec`); they may add to `run.tracking` and
+    `run.artifacts`, nothing else."""
+
+    required: bool = False  # True: a failure stops the run instead of disabling the hook
 
     def on_start(self, time: float) -> None:
-        """The driver's services are up and the first event is about to be handled (`time` on its clock)."""
+        """The services are up and the first event is about to be handled (`time` on the runner's clock)."""
 
-    def on_job_start(self, job: JobHandle) -> None: ...
+    def on_job_start(self, run: JobRun) -> None: ...
 
-    def before_node(self, job: JobHandle, iteration: int, node: str, lane: str, start: float) -> None: ...
+    def before_node(self, run: JobRun, iteration: int, node: str, lane: str, start: float) -> None: ...
 
     def after_node(
-        self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
-    ) -> None: ...
+        self, run: JobRun, iteration: int, node: str, lane: str, start: float, end: float, metrics: dict[str, float]
+    ) -> None:
+        """A node ended (`metrics`: its output's metrics; empty when it failed)."""
 
-    def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
-        """State moved on service `lane` before one of `job`'s nodes (the blocking part only)."""
+    def on_swap(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
+        """State moved on service `lane` before one of the job's nodes (the blocking part only)."""
 
-    def on_weight_load(self, job: JobHandle, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
+    def on_load(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
+        """The job's engine and state were created on service `lane` (its first load: set-up, not a swap)."""
+
+    def on_weight_load(self, run: JobRun, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
         """The job's weights were loaded into its generation engine during a node on service `lane`: `kind`
         "sync" (new version after training) or "swap" (the shared engine held another job's weights)."""
 
-    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None: ...
+    def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None: ...
 
-    def on_job_end(self, job: JobHandle) -> None: ...
+    def on_job_end(self, run: JobRun) -> None: ...
+
+    def on_end(self, summary: RunSummary) -> None:
+        """Every job has ended and the services are stopped (also after an interrupt)."""
 
     def close(self) -> None: ...
 
@@ -49,35 +83,46 @@ class HookList(Hook):
         for hook in list(self.hooks):
             try:
                 getattr(hook, name)(*args)
-            except Exception:
+            except Exception as exc:
+                if hook.required:
+                    raise HookFailed(
+                        f"hook {type(hook).__name__}.{name} failed: {type(exc).__name__}: {exc}; the run stops "
+                        "because its accounting depends on this hook"
+                    ) from exc
                 log.exception("hook %s.%s failed; disabling it", type(hook).__name__, name)
                 self.hooks.remove(hook)
 
     def on_start(self, time: float) -> None:
         self._call("on_start", time)
 
-    def on_job_start(self, job: JobHandle) -> None:
-        self._call("on_job_start", job)
+    def on_job_start(self, run: JobRun) -> None:
+        self._call("on_job_start", run)
 
-    def on_weight_load(self, job: JobHandle, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
-        self._call("on_weight_load", job, lane, kind, start, end, nbytes)
-
-    def before_node(self, job: JobHandle, iteration: int, node: str, lane: str, start: float) -> None:
-        self._call("before_node", job, iteration, node, lane, start)
+    def before_node(self, run: JobRun, iteration: int, node: str, lane: str, start: float) -> None:
+        self._call("before_node", run, iteration, node, lane, start)
 
     def after_node(
-        self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
+        self, run: JobRun, iteration: int, node: str, lane: str, start: float, end: float, metrics: dict[str, float]
     ) -> None:
-        self._call("after_node", job, iteration, node, lane, start, end, output)
+        self._call("after_node", run, iteration, node, lane, start, end, metrics)
 
-    def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
-        self._call("on_swap", job, lane, start, end, nbytes)
+    def on_swap(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
+        self._call("on_swap", run, lane, start, end, nbytes)
 
-    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
-        self._call("on_iteration_end", job, iteration, metrics)
+    def on_load(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
+        self._call("on_load", run, lane, start, end, nbytes)
 
-    def on_job_end(self, job: JobHandle) -> None:
-        self._call("on_job_end", job)
+    def on_weight_load(self, run: JobRun, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
+        self._call("on_weight_load", run, lane, kind, start, end, nbytes)
+
+    def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        self._call("on_iteration_end", run, iteration, metrics)
+
+    def on_job_end(self, run: JobRun) -> None:
+        self._call("on_job_end", run)
+
+    def on_end(self, summary: RunSummary) -> None:
+        self._call("on_end", summary)
 
     def close(self) -> None:
         self._call("close")

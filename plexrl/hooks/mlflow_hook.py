@@ -22,7 +22,7 @@ from plexrl.config import flatten
 from plexrl.hooks.base import Hook
 
 if TYPE_CHECKING:
-    from plexrl.job import JobHandle
+    from plexrl.job import JobRun
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +43,23 @@ class MlflowHook(Hook):
         self.clients: dict[str, Any] = {}
         self.runs: dict[str, str] = {}
 
-    def _client(self, job: JobHandle) -> Any:
+    def _client(self, job: JobRun) -> Any:
         from mlflow.tracking import MlflowClient
 
-        uri = tracking_uri(job.run_dir, job.config.tracking.uri)
+        uri = tracking_uri(job.spec.run_dir, job.config.tracking.uri)
         if uri not in self.clients:
             self.clients[uri] = MlflowClient(tracking_uri=uri)
         job.tracking["uri"] = uri
         return self.clients[uri]
 
-    def on_job_start(self, job: JobHandle) -> None:
+    def on_job_start(self, job: JobRun) -> None:
         from mlflow.entities import Param
 
         client = self._client(job)
         name = job.config.tracking.experiment
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            art = (job.run_dir / "mlartifacts").resolve().as_uri()
+            art = (job.spec.run_dir / "mlartifacts").resolve().as_uri()
             exp_id = client.create_experiment(name, artifact_location=art)
         else:
             exp_id = exp.experiment_id
@@ -68,12 +68,12 @@ class MlflowHook(Hook):
         self.runs[job.job_id] = run_id
         job.tracking.update(run_id=run_id, experiment_id=exp_id)
         params = flatten(job.config.model_dump(mode="json"))
-        params.update({f"warm_start_result.{k}": v for k, v in job.warm_start.items()})
+        params.update({f"warm_start_result.{k}": v for k, v in job.spec.warm_start.items()})
         params["pipeline.graph"] = json.dumps(job.graph.describe())
-        params["engine.resolved"] = job.generation  # what `engine: auto` became, and why
-        params["engine.reason"] = job.generation_reason
+        params["engine.resolved"] = job.spec.generation  # what `engine: auto` became, and why
+        params["engine.reason"] = job.spec.generation_reason
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
-        art_dir = job.run_dir / "jobs" / job.job_id
+        art_dir = job.spec.run_dir / "jobs" / job.job_id
         art_dir.mkdir(parents=True, exist_ok=True)
         # the resolved config: a job YAML that reproduces this run (defaults and --set overrides applied)
         resolved = yaml.safe_dump(job.config.model_dump(mode="json"), sort_keys=False)
@@ -87,7 +87,7 @@ class MlflowHook(Hook):
         except Exception:  # a missing picture must not fail tracking
             log.exception("could not draw the pipeline DAG")
 
-    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
+    def on_iteration_end(self, job: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         run_id = self.runs.get(job.job_id)
@@ -97,7 +97,7 @@ class MlflowHook(Hook):
         rows = [Metric(k, float(v), now, iteration + 1) for k, v in sorted(metrics.items())]
         self._client(job).log_batch(run_id, metrics=rows)
 
-    def on_job_end(self, job: JobHandle) -> None:
+    def on_job_end(self, job: JobRun) -> None:
         run_id = self.runs.get(job.job_id)
         if run_id is None:
             return

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from plexrl.hooks.base import Hook
 
 if TYPE_CHECKING:
-    from plexrl.job import JobHandle
+    from plexrl.job import JobRun
 
 
 class ProgressBar(Hook):
@@ -25,11 +25,11 @@ class ProgressBar(Hook):
         self.acc: dict[str, float] = {}
         self.progress.start()
 
-    def on_job_start(self, job: JobHandle) -> None:
+    def on_job_start(self, job: JobRun) -> None:
         self.tasks[job.job_id] = self.progress.add_task(job.job_id, total=job.config.iterations, stats="")
 
-    def on_iteration_end(self, job: JobHandle, iteration: int, metrics: dict[str, float]) -> None:
-        name = job.eval_metric()
+    def on_iteration_end(self, job: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        name = job.spec.eval_metric()
         if name and name in metrics:
             self.acc[job.job_id] = metrics[name]
         parts = [f"reward {metrics.get('verify/reward_mean', float('nan')):.3f}"]

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 from plexrl.hooks.base import Hook
 
 if TYPE_CHECKING:
-    from plexrl.batch import Batch
-    from plexrl.job import JobHandle
+    from plexrl.job import JobRun
 
 
 @dataclass(slots=True)
@@ -25,12 +24,18 @@ class Span:
     lane: str
     start: float
     end: float
-    kind: str = "node"  # or "swap", or "weights" (a weight load into the generation engine, inside a node)
+    # "node", "swap" (blocking state moves), "load" (a job's engine and state created on its service), or
+    # "weights" (a weight load into the generation engine, inside a node span)
+    kind: str = "node"
     nbytes: int = 0
 
 
 class TimelineRecorder(Hook):
-    def __init__(self, out_dir: Path, draw: bool = True) -> None:
+    """`required`: the accounting reads these spans, so a recorder that fails stops the run (set it when an
+    accounting hook uses this recorder)."""
+
+    def __init__(self, out_dir: Path, draw: bool = True, required: bool = False) -> None:
+        self.required = required
         self.out_dir = Path(out_dir)
         self.draw = draw
         self.spans: list[Span] = []
@@ -41,19 +46,24 @@ class TimelineRecorder(Hook):
             self.t0 = time
 
     def after_node(
-        self, job: JobHandle, iteration: int, node: str, lane: str, start: float, end: float, output: Batch | None
+        self, job: JobRun, iteration: int, node: str, lane: str, start: float, end: float, metrics: dict[str, float]
     ) -> None:
         if self.t0 is None:
             self.t0 = start
         self.spans.append(Span(job.job_id, iteration, node, lane, start - self.t0, end - self.t0))
 
-    def on_swap(self, job: JobHandle, lane: str, start: float, end: float, nbytes: int) -> None:
-        """Blocking state moves, and a job's first load on its service, as `swap` spans."""
+    def on_swap(self, job: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
+        """Blocking state moves as `swap` spans."""
         if self.t0 is None:
             self.t0 = start
         self.spans.append(Span(job.job_id, -1, "swap", lane, start - self.t0, end - self.t0, "swap", nbytes))
 
-    def on_weight_load(self, job: JobHandle, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
+    def on_load(self, job: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
+        if self.t0 is None:
+            self.t0 = start
+        self.spans.append(Span(job.job_id, -1, "load", lane, start - self.t0, end - self.t0, "load", nbytes))
+
+    def on_weight_load(self, job: JobRun, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
         if self.t0 is None:
             self.t0 = start
         span = Span(job.job_id, -1, f"weight {kind}", lane, start - self.t0, end - self.t0, "weights", nbytes)
@@ -66,7 +76,7 @@ class TimelineRecorder(Hook):
                 out[s.lane] = out.get(s.lane, 0.0) + (s.end - s.start)
         return out
 
-    def on_job_end(self, job: JobHandle) -> None:
+    def on_job_end(self, job: JobRun) -> None:
         mine = [s for s in self.spans if s.job == job.job_id]
         (self.out_dir / job.job_id).mkdir(parents=True, exist_ok=True)
         path = self.out_dir / job.job_id / "timeline.json"
@@ -121,7 +131,7 @@ def draw_cluster_timeline(spans: list[Span], path: Path, title: str = "") -> Non
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.7 * len(lanes)))
     for s in spans:
         y = lanes.index(s.lane)
-        if s.kind == "swap":
+        if s.kind in ("swap", "load"):
             ax.barh(y, s.end - s.start, left=s.start, height=0.8, color="black", hatch="///")
         elif s.kind == "weights":
             _draw_weight_load(ax, y, s)

@@ -16,6 +16,7 @@ from plexrl.planner.events import (
     RunNode,
     ServiceJoined,
     ServiceLost,
+    StateMeasured,
 )
 from plexrl.planner.policies import ORDERINGS, PLACEMENTS, Fifo, Hrrs, Isolated, Pack, Spread, SpreadBackfill
 from plexrl.planner.records import InvalidTransition, JobRecord
@@ -50,5 +51,6 @@ __all__ = [
     "Spread",
     "SpreadBackfill",
     "StateManager",
+    "StateMeasured",
     "Tier",
 ]

@@ -1,10 +1,10 @@
 """The global planner: ONE pure state machine for all jobs and services.
 
-`Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted,
-node finished, job cancelled or failed) and returns the instructions a driver must carry out (place job,
-run node with the swaps that make its job resident and a prefetch of the next job's state, iteration done,
-job done, fail job). Time comes from an injected clock; nothing here sleeps, awaits, or imports Dask,
-torch or mlflow.
+`Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted, node
+finished, a state measured, job cancelled or failed) and returns the instructions a runner must carry out
+(place job, run node with the swaps that make its job resident and a prefetch of the next job's state,
+iteration done, job done, fail job). Time comes from an injected clock; nothing here sleeps, awaits, or
+imports Dask, torch or mlflow.
 
 Each service has a pure `StateManager` (tiers device/host/disk with byte budgets); the planner asks it for
 the moves before every service node. A `CostModel` fitted online to node durations and swap bandwidth
@@ -16,7 +16,7 @@ States (each change goes through one table; an illegal move raises `InvalidTrans
 - node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
   go waiting -> done directly.
 
-Invariants (`validate()`; the drivers and the tests run it after every event): a service runs at most
+Invariants (`validate()`; the runner and the tests run it after every event): a service runs at most
 one node, of a job placed on it, whose state is on device (DESIGN.md invariant 3); what a service runs or
 queues belongs to a job placed on that service, and a job's service is fixed once placed (invariant 2:
 `_admit` is the only place that sets it); every tier stays within its budget.
@@ -44,6 +44,7 @@ from plexrl.planner.events import (
     RunNode,
     ServiceJoined,
     ServiceLost,
+    StateMeasured,
     Transition,
 )
 from plexrl.planner.policies import (
@@ -80,6 +81,7 @@ class Planner:
         validate: bool = False,
         costs: CostModel | None = None,
         lookahead: bool = False,
+        inline_below: float | None = None,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
@@ -91,6 +93,9 @@ class Planner:
         # so a driver whose round trip is not free (Dask) can start it the moment the first one ends
         self.lookahead = lookahead
         self.sent_ahead = 0  # nodes sent by lookahead (a statistic)
+        # a cpu node observed to take less than this (seconds) is marked `inline`: an executor whose pool
+        # round trip costs more than the node itself may run it next to its inputs (None: never)
+        self.inline_below = inline_below
         self.jobs: dict[str, JobRecord] = {}
         self.services: dict[str, ServiceRecord] = {}
         self._by_id: list[ServiceRecord] = []
@@ -116,6 +121,8 @@ class Planner:
             self._job_submitted(event, out)
         elif isinstance(event, NodeFinished):
             self._node_finished(event, out)
+        elif isinstance(event, StateMeasured):
+            self._state_measured(event)
         elif isinstance(event, JobCancelled):
             self._end_job(event.job_id, "cancelled", event.reason, out)
         elif isinstance(event, JobFailed):
@@ -150,6 +157,14 @@ class Planner:
         svc.queue.clear()
         svc.running = svc.next = None
         svc.resident = svc.prefetching = None
+
+    def _state_measured(self, ev: StateMeasured) -> None:
+        svc = self.services.get(ev.service_id)
+        job = self.jobs.get(ev.job_id)
+        if svc is None or job is None or job.service != ev.service_id or job.status in TERMINAL:
+            return  # a late report
+        if svc.state.measured(ev.job_id, ev.nbytes):
+            self._admission_due = True  # a smaller state may leave room for a queued job
 
     def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
         if ev.job_id in self.jobs:
@@ -295,11 +310,17 @@ class Planner:
         if job.plan.nodes[name].placement == "cpu":
             self._set_node(job, name, "running")
             job.cpu_started[name] = self.clock()
-            out.append(RunNode(job.job_id, job.iteration, name, "cpu", None))
+            out.append(RunNode(job.job_id, job.iteration, name, "cpu", None, inline=self._tiny(job, name)))
         else:
             assert job.service is not None
             q = QueuedNode(job.job_id, job.iteration, name, self.clock(), next(self._seq))
             self.services[job.service].queue.append(q)
+
+    def _tiny(self, job: JobRecord, name: str) -> bool:
+        """Whether a cpu node is predicted to take less than `inline_below` (and may run inline at all)."""
+        if self.inline_below is None or not job.plan.nodes[name].inline:
+            return False
+        return self.costs.observed(job.job_id, name) and self.costs.predict(job.job_id, name) < self.inline_below
 
     def _dispatch(self, out: list[Instruction]) -> None:
         for svc in self._by_id:

@@ -20,6 +20,9 @@ class NodePlan:
     placement: Placement
     deps: tuple[str, ...] = ()
     every: int | None = None
+    # a cpu node that may run next to its inputs, outside the CPU pool, when it is predicted to be tiny
+    # (the planner decides, see `Planner(inline_below=...)`); False for tool calls and untrusted code
+    inline: bool = True
 
     def active(self, iteration: int, iterations: int) -> bool:
         return self.every is None or (iteration + 1) % self.every == 0 or iteration == iterations - 1
@@ -75,6 +78,17 @@ class NodeFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class StateMeasured:
+    """A service measured a job's state while moving it off device (its real size, which replaces the
+    estimate the job was admitted with: optimizer moments appear after the first step, tied weights count
+    once)."""
+
+    service_id: str
+    job_id: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class JobCancelled:
     job_id: str
     reason: str = "cancelled by user"
@@ -88,7 +102,7 @@ class JobFailed:
     reason: str
 
 
-Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | JobCancelled | JobFailed
+Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | StateMeasured | JobCancelled | JobFailed
 
 
 # -- instructions -------------------------------------------------------------------------------------
@@ -110,6 +124,7 @@ class RunNode:
     service_id: str | None = None
     swaps: tuple[Move, ...] = ()  # carry out in order before the node (they make the job resident)
     prefetch: tuple[Move, ...] = ()  # start in the background while the node runs (the next job's state)
+    inline: bool = False  # cpu node predicted tiny: an executor may run it next to its inputs, off the pool
 
 
 @dataclass(frozen=True, slots=True)

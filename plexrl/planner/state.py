@@ -104,6 +104,18 @@ class StateManager:
                 return tier
         raise AssertionError("fits() and admit() disagree")  # pragma: no cover
 
+    def measured(self, job_id: str, nbytes: int) -> bool:
+        """Replace the job's estimated state size with a measured one. Applied when the state's current tier
+        still holds it (a measured state larger than its tier's room keeps its old size until it moves);
+        returns whether it was applied."""
+        tier = self.where.get(job_id)
+        if tier is None or nbytes <= 0:
+            return False
+        if nbytes > self.size[job_id] and self.free(tier) < nbytes - self.size[job_id]:
+            return False
+        self.size[job_id] = nbytes
+        return True
+
     def release(self, job_id: str) -> None:
         self.where.pop(job_id, None)
         self.size.pop(job_id, None)

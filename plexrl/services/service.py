@@ -27,35 +27,34 @@ from typing import TYPE_CHECKING, Any
 from plexrl.job import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
+from plexrl.runtime.executor import NodeReport
 from plexrl.services import swap as sw
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
-    from plexrl.job import JobHandle
+    from plexrl.job import JobSpec
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class NodeResult:
-    """What running one node produced, with its timing (seconds on the service's clock)."""
+    """A node's report and its output (None on error). Where it is made, it stays: an executor hands the
+    runner `report` and keeps `output` for the nodes that read it."""
 
-    job_id: str
-    iteration: int
-    node: str
-    output: Batch | None
-    error: str | None
-    start: float
-    end: float
-    swap_start: float = 0.0
-    swap_end: float = 0.0
-    swap_bytes: int = 0
-    # weight loads into a vLLM engine during the node: (kind "sync" | "swap", start, end, bytes)
-    weight_loads: list[tuple[str, float, float, int]] = field(default_factory=list)
+    report: NodeReport
+    output: Batch | None = None
 
-    @property
-    def ok(self) -> bool:
-        return self.error is None
+
+def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
+    """Attach the output's metrics to the report; a metrics() that raises fails the node."""
+    if out is not None:
+        try:
+            report.metrics = {k: float(v) for k, v in out.metrics().items()}
+        except Exception as exc:
+            report.error = f"metrics of node {report.node!r}: {type(exc).__name__}: {exc}"
+            return NodeResult(report, None)
+    return NodeResult(report, out)
 
 
 @dataclass(slots=True)
@@ -69,7 +68,7 @@ class SwapStats:
 
 
 def run_cpu_node(
-    job: JobHandle, iteration: int, node_name: str, inputs: dict[str, Batch], clock: Callable[[], float]
+    job: JobSpec, iteration: int, node_name: str, inputs: dict[str, Batch], clock: Callable[[], float]
 ) -> NodeResult:
     """Run one CPU-pool node of `job` (no engine). Errors are returned, never raised."""
     node = job.graph.node(node_name)
@@ -80,8 +79,9 @@ def run_cpu_node(
     except Exception as exc:
         log.error("job %s node %s (iteration %d) failed: %s", job.job_id, node_name, iteration, exc,
                   exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
-        return NodeResult(job.job_id, iteration, node_name, None, f"{type(exc).__name__}: {exc}", start, clock())
-    return NodeResult(job.job_id, iteration, node_name, out, None, start, clock())
+        error = f"{type(exc).__name__}: {exc}"
+        return NodeResult(NodeReport(job.job_id, iteration, node_name, error, start, clock()))
+    return _finish(NodeReport(job.job_id, iteration, node_name, None, start, clock()), out)
 
 
 class Service:
@@ -102,7 +102,7 @@ class Service:
         self.validate = validate
         self._own_spill = spill_dir is None
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="plexrl-spill-"))
-        self.jobs: dict[str, JobHandle] = {}
+        self.jobs: dict[str, JobSpec] = {}
         self.engines: dict[str, Any] = {}
         self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
         self.states: dict[str, sw.Placement] = {}
@@ -113,7 +113,7 @@ class Service:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- jobs ---------------------------------------------------------------------------------------
-    def load_job(self, job: JobHandle, tier: str = "device") -> int:
+    def load_job(self, job: JobSpec, tier: str = "device") -> int:
         """Create the job's engine from its starting model and put its state in `tier` (strict affinity: it
         stays on this service). Returns the state's size in bytes."""
         from plexrl.engines.torch_engine import TorchEngine
@@ -135,7 +135,7 @@ class Service:
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
 
-    def _vllm_engine(self, job: JobHandle, trainer: Any) -> Any:
+    def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
         """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use)."""
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
 
@@ -165,7 +165,7 @@ class Service:
     def tier(self, job_id: str) -> str:
         return self.states[job_id].tier
 
-    def context(self, job: JobHandle, iteration: int, node: str) -> OpContext:
+    def context(self, job: JobSpec, iteration: int, node: str) -> OpContext:
         return OpContext(
             job.job_id, iteration, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id]
         )
@@ -183,15 +183,17 @@ class Service:
         job = self.jobs[job_id]
         swap_start = self.clock()
         moved = 0
+        measured: dict[str, int] = {}
         try:
             moved += self.apply(swaps)
+            measured = {m.job_id: self.states[m.job_id].nbytes for m in swaps if m.src == "device"}
             self._wait_for(job_id)
             if self.states[job_id].tier != "device":
                 raise sw.StateCorrupted(f"job {job_id} is on {self.states[job_id].tier}, not device, at run time")
         except Exception as exc:
             now = self.clock()
-            return NodeResult(job_id, iteration, node_name, None, f"swap failed: {type(exc).__name__}: {exc}",
-                              now, now, swap_start, now, moved)  # fmt: skip
+            error = f"swap failed: {type(exc).__name__}: {exc}"
+            return NodeResult(NodeReport(job_id, iteration, node_name, error, now, now, swap_start, now, moved))
         swap_end = self.clock()
         self.stats.blocking_seconds += swap_end - swap_start
         if prefetch:
@@ -204,12 +206,14 @@ class Service:
             log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
                       exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
             self._drop_generators(only_broken=True)
-            return NodeResult(job_id, iteration, node_name, None, f"{type(exc).__name__}: {exc}", start,
-                              self.clock(), swap_start, swap_end, moved, self._weight_loads(job_id))  # fmt: skip
+            error = f"{type(exc).__name__}: {exc}"
+            report = NodeReport(job_id, iteration, node_name, error, start, self.clock(), swap_start, swap_end, moved,
+                                self._weight_loads(job_id), measured=measured)  # fmt: skip
+            return NodeResult(report)
         end = self.clock()
-        return NodeResult(
-            job_id, iteration, node_name, out, None, start, end, swap_start, swap_end, moved, self._weight_loads(job_id)
-        )
+        report = NodeReport(job_id, iteration, node_name, None, start, end, swap_start, swap_end, moved,
+                            self._weight_loads(job_id), measured=measured)  # fmt: skip
+        return _finish(report, out)
 
     def _weight_loads(self, job_id: str) -> list[tuple[str, float, float, int]]:
         take = getattr(self.engines.get(job_id), "take_loads", None)

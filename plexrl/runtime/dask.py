@@ -1,0 +1,385 @@
+"""`DaskExecutor`: the runner's work carried out on a Dask cluster; batches stay on the workers.
+
+One service per worker that has a `GPU` resource. The `Service` object (engines and job states) lives in
+that worker process (a registry in this module, filled by a start-up task), so job state stays resident
+there; every service task is pinned to its worker. CPU nodes are ordinary tasks on the CPU-pool workers.
+
+Data stays where it is made: a node task returns its `NodeResult` (report + output) and that future is
+the node's output; a later node receives it as an argument, so Dask moves it worker to worker. A second,
+tiny task on the same data returns the report alone; that is all the runner fetches (`bytes_received`
+counts it). Each job's frozen spec is scattered to every worker once.
+
+A cpu node the planner marks `inline` (predicted shorter than a round trip) may run on any worker,
+including the service worker that holds its input, instead of only the CPU pool (Dask picks the worker by
+where the data is); nodes of operators declared `inline=False` (tool calls, untrusted code) never are.
+
+Default cluster: a local `SpecCluster` with one worker process per service (`GPU=1`, one thread for
+service nodes, one for inline cpu nodes) and one CPU-pool worker process with `cpu_threads` threads.
+`scheduler="tcp://host:8786"` connects to an existing cluster instead (start it with `dask scheduler`,
+`dask worker ADDRESS --resources GPU=1 --nthreads 2` per accelerator, and plain `dask worker ADDRESS` for
+the CPU pool; see docs/architecture.md for the environment those workers need).
+
+A service worker that disappears (process killed, machine gone) is reported by `lost()` within `poll`
+seconds; its work in flight is gone. Not done here: recovery from checkpoints.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plexrl.planner.state import Move, Tier
+from plexrl.runtime.executor import Finished, Handle, LoadReport, NodeReport, NodeTask
+from plexrl.services.service import NodeResult, Service, run_cpu_node
+
+log = logging.getLogger(__name__)
+
+# -- what runs inside the workers ---------------------------------------------------------------------
+_SERVICES: dict[str, Service] = {}
+
+
+def _start_service(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+    """Create the service `key` (`<executor token>/<service id>`: two runs on one cluster never share one)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if key in _SERVICES:
+        raise RuntimeError(f"service {key} already runs in this worker")
+    service_id = key.rpartition("/")[2]
+    _SERVICES[key] = Service(service_id, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    return os.getpid()
+
+
+def _warm_up() -> None:
+    """Import what every node needs once per worker, at cluster start, not inside a job's first node."""
+    import importlib
+
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    import plexrl.engines.torch_engine  # noqa: F401
+
+    for name in ("data", "rollout", "verify", "advantage", "train", "evaluate", "critic", "shaping", "external"):
+        importlib.import_module(f"plexrl.operators.{name}")
+
+
+def _service(key: str) -> Service:
+    try:
+        return _SERVICES[key]
+    except KeyError:
+        raise RuntimeError(f"service {key} is not running in this worker (was the worker restarted?)") from None
+
+
+def _load_job(key: str, spec: Any, tier: Tier) -> LoadReport:
+    start = time.time()
+    service_id = key.rpartition("/")[2]
+    try:
+        nbytes = _service(key).load_job(spec, tier)
+    except Exception as exc:
+        return LoadReport(spec.job_id, service_id, 0, start, time.time(), f"{type(exc).__name__}: {exc}")
+    return LoadReport(spec.job_id, service_id, nbytes, start, time.time())
+
+
+def _outputs(inputs: dict[str, NodeResult]) -> dict[str, Any]:
+    return {port: res.output for port, res in inputs.items()}
+
+
+def _run_service_node(
+    key: str,
+    job_id: str,
+    iteration: int,
+    node: str,
+    inputs: dict[str, NodeResult],
+    swaps: Sequence[Move],
+    prefetch: Sequence[Move],
+    *after: Any,
+) -> NodeResult:
+    """`after`: futures this node must wait for (its job's load, the service's previous node); unused."""
+    return _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch)
+
+
+def _run_cpu_node(spec: Any, iteration: int, node: str, inputs: dict[str, NodeResult], threads: int) -> NodeResult:
+    import torch
+
+    if not _SERVICES and torch.get_num_threads() != threads:  # never change a service worker's threads
+        torch.set_num_threads(threads)
+    return run_cpu_node(spec, iteration, node, _outputs(inputs), time.time)
+
+
+def _report(result: NodeResult) -> NodeReport:
+    return result.report
+
+
+def _save_model(key: str, job_id: str, path: str) -> str:
+    return str(_service(key).save_model(job_id, Path(path)))
+
+
+def _release(key: str, job_id: str) -> None:
+    if key in _SERVICES:
+        _SERVICES[key].release(job_id)
+
+
+def _stop_service(key: str) -> dict[str, Any]:
+    svc = _SERVICES.pop(key, None)
+    if svc is None:
+        return {}
+    report = svc.report()
+    svc.close()
+    return report
+
+
+# -- the executor -------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Work:
+    report: Any  # future of the small report (what the runner waits for); None once fetched
+    result: Any  # future of the NodeResult (the output stays in it, on a worker); None for loads
+    lane: str
+    job_id: str
+    iteration: int = 0
+    node: str = ""
+
+
+class DaskExecutor:
+    def __init__(
+        self,
+        *,
+        services: int = 1,
+        cpu_threads: int = 2,
+        service_threads: int | None = None,
+        scheduler: str | None = None,
+        device: str = "cpu",
+        validate: bool = False,
+        spill_dir: str | Path | None = None,
+        poll: float = 0.5,
+    ) -> None:
+        self.clock = time.time
+        self.n_services, self.cpu_threads, self.service_threads = services, cpu_threads, service_threads
+        self.scheduler, self.device, self.validate, self.poll = scheduler, device, validate, poll
+        self.spill_dir = str(spill_dir) if spill_dir is not None else None
+        self.worker_of: dict[str, str] = {}  # service id -> worker address
+        self.cpu_workers: list[str] = []
+        self.bytes_received = 0  # pickled bytes of every result fetched into this process
+        self.client: Any = None
+        self.cluster: Any = None
+        self.token = uuid.uuid4().hex[:8]  # names this executor's services inside the workers
+        self._work: dict[Handle, _Work] = {}
+        self._specs: dict[str, Any] = {}  # job -> scattered spec future
+        self._loaded: dict[str, Any] = {}  # job -> future of its load (its service nodes run after it)
+        self._last_on: dict[str, Any] = {}  # service -> its latest task: the next one runs after it (order)
+        self._lost: set[str] = set()
+        self._next_check = 0.0
+        self._ids = itertools.count()
+
+    # -- cluster ------------------------------------------------------------------------------------
+    def start(self) -> list[str]:
+        import dask
+        from distributed import Client, Nanny, Scheduler, SpecCluster
+
+        if not logging.getLogger().isEnabledFor(logging.INFO):
+            logging.getLogger("distributed").setLevel(logging.ERROR)  # no INFO chatter on start and stop
+        if self.scheduler is None:
+            # Dask's nanny exports MALLOC_TRIM_THRESHOLD_ to its workers; glibc then stops adapting its mmap
+            # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
+            # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
+            dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
+            opts = {"memory_limit": 0, "silence_logs": logging.ERROR}
+            workers: dict[str, Any] = {
+                f"service-{i}": {
+                    "cls": Nanny,
+                    "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": f"service-{i}", **opts},
+                }
+                for i in range(self.n_services)
+            }
+            workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0", **opts}}
+            scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+            self.cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR)
+            self.client = Client(self.cluster)
+        else:
+            self.client = Client(self.scheduler)
+        self.client.wait_for_workers(1, timeout=120)
+        info = self.client.scheduler_info()["workers"]
+        gpu = sorted((w.get("name", a), a) for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1)
+        if not gpu:
+            raise RuntimeError(
+                "the Dask cluster has no worker with a GPU resource; start service workers with "
+                "`dask worker ADDRESS --resources GPU=1 --nthreads 2`"
+            )
+        few = [name for name, a in gpu if info[a].get("nthreads", 1) < 2]
+        if few:
+            raise RuntimeError(
+                f"service workers {few} have one thread; start them with `--nthreads 2` (one runs the service's "
+                "nodes, the other returns their reports while the next node runs)"
+            )
+        self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
+        if not self.cpu_workers:
+            raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
+        for i, (_, addr) in enumerate(gpu):
+            self.worker_of[f"service-{i}"] = addr
+        futs = [
+            self.client.submit(
+                _start_service, self._key(sid), self.device, self.validate, self.spill_dir, self.service_threads,
+                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{self._key(sid)}",
+            )
+            for sid, addr in self.worker_of.items()
+        ]  # fmt: skip
+        self.client.gather(futs)
+        self.client.run(_warm_up)
+        self._next_check = time.time() + self.poll
+        return list(self.worker_of)
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        reports: dict[str, dict[str, Any]] = {}
+        if self.client is None:
+            return reports
+        try:
+            for work in self._work.values():
+                work.report.cancel()
+            self._work.clear()
+            alive = self._alive()
+            futs = {
+                sid: self._on(sid, _stop_service, self._key(sid)) for sid, a in self.worker_of.items() if a in alive
+            }
+            for sid, fut in futs.items():
+                try:
+                    reports[sid] = self._fetch(fut, timeout=60)
+                except Exception:
+                    log.exception("could not stop service %s cleanly", sid)
+        finally:
+            self.client.close()
+            if self.cluster is not None:
+                self.cluster.close()
+        return reports
+
+    def _key(self, service_id: str) -> str:
+        return f"{self.token}/{service_id}"
+
+    def _on(self, service_id: str, fn: Any, *args: Any, exclusive: bool = True, **kwargs: Any) -> Any:
+        """A task pinned to the service's worker. `exclusive` (everything that touches the Service: loads,
+        nodes, saves, releases) holds the worker's one GPU slot, so they never overlap; the report tasks
+        run beside them on the worker's second thread."""
+        resources = {"GPU": 1} if exclusive else None
+        return self.client.submit(
+            fn, *args, workers=[self.worker_of[service_id]], allow_other_workers=False, pure=False,
+            resources=resources, **kwargs,
+        )  # fmt: skip
+
+    def _fetch(self, fut: Any, timeout: float | None = None) -> Any:
+        value = fut.result(timeout=timeout)
+        self.bytes_received += len(pickle.dumps(value))
+        return value
+
+    def _alive(self) -> set[str]:
+        """Worker addresses the scheduler knows now (asked, not the client's periodically refreshed cache)."""
+        return set(self.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.workers)))
+
+    # -- jobs and nodes -----------------------------------------------------------------------------
+    def ship(self, spec: Any) -> None:
+        self._specs[spec.job_id] = self.client.scatter(spec, broadcast=True, hash=False)
+
+    def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
+        fut = self._on(service_id, _load_job, self._key(service_id), self._specs[job_id], tier,
+                       key=f"load-{self.token}-{job_id}")  # fmt: skip
+        self._loaded[job_id] = fut
+        handle = next(self._ids)
+        self._work[handle] = _Work(fut, None, service_id, job_id)
+        return handle
+
+    def submit(self, task: NodeTask) -> Handle:
+        handle = next(self._ids)
+        key = f"{task.job_id}-{task.iteration}-{task.node}-{self.token}-{handle}"
+        inputs = {port: self._work[h].result for port, h in task.inputs.items()}
+        if task.service_id is None:
+            fut = self.client.submit(
+                _run_cpu_node, self._specs[task.job_id], task.iteration, task.node, inputs, 1,
+                workers=None if task.inline else self.cpu_workers, pure=False, key=key,
+            )  # fmt: skip
+            report = self.client.submit(_report, fut, pure=False, key=f"report-{key}")
+        else:
+            sid = task.service_id
+            involved = {task.job_id} | {m.job_id for m in (*task.swaps, *task.prefetch)}
+            after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
+            previous = self._last_on.get(sid)
+            if previous is not None and not previous.done():
+                after.append(previous)  # with lookahead, a service runs its nodes in the order they were sent
+            fut = self._on(
+                sid, _run_service_node, self._key(sid), task.job_id, task.iteration, task.node, inputs,
+                task.swaps, task.prefetch, *after, key=key,
+            )  # fmt: skip
+            self._last_on[sid] = fut
+            report = self._on(sid, _report, fut, key=f"report-{key}", exclusive=False)
+        self._work[handle] = _Work(report, fut, task.lane, task.job_id, task.iteration, task.node)
+        return handle
+
+    def wait(self, timeout: float) -> list[Finished]:
+        from distributed import wait
+        from distributed.client import FuturesCancelledError
+
+        by_future = {w.report: h for h, w in self._work.items() if w.report is not None}
+        if not by_future:
+            return []
+        try:
+            done = wait(list(by_future), timeout=timeout, return_when="FIRST_COMPLETED").done
+        except TimeoutError:
+            done = set()
+        except FuturesCancelledError:  # e.g. the scheduler forgot a task whose worker died
+            done = {f for f in by_future if f.status == "cancelled"}
+        out = []
+        for fut in sorted(done, key=lambda f: by_future[f]):  # submission order
+            handle = by_future[fut]
+            work = self._work[handle]
+            work.report = None  # fetched (or failed); the result future stays as the node's output
+            if work.result is None:
+                self._work.pop(handle)
+            out.append(Finished(handle, self._outcome(fut, work)))
+        return out
+
+    def _outcome(self, fut: Any, work: _Work) -> Any:
+        if fut.status == "finished":
+            return self._fetch(fut)
+        exc = fut.exception() if fut.status == "error" else RuntimeError(f"task {fut.status}")
+        error = f"{type(exc).__name__}: {exc}"
+        now = self.clock()
+        if work.result is None:  # a load
+            return LoadReport(work.job_id, work.lane, 0, now, now, error)
+        return NodeReport(work.job_id, work.iteration, work.node, error, now, now)  # its worker died, say
+
+    def lost(self) -> list[tuple[str, str]]:
+        if time.time() < self._next_check:
+            return []
+        self._next_check = time.time() + self.poll
+        alive = self._alive()
+        out = []
+        for sid, addr in self.worker_of.items():
+            if sid in self._lost or addr in alive:
+                continue
+            self._lost.add(sid)
+            for handle, work in list(self._work.items()):
+                if work.lane == sid:
+                    self._work.pop(handle)
+            out.append((sid, f"worker {addr} is gone"))
+        return out
+
+    def save(self, job_id: str, service_id: str, path: Path) -> Path:
+        if service_id in self._lost:
+            raise RuntimeError(f"service {service_id} is lost; the model of {job_id} cannot be saved")
+        return Path(self._fetch(self._on(service_id, _save_model, self._key(service_id), job_id, str(path)), 300))
+
+    def release(self, job_id: str, service_id: str) -> None:
+        self._loaded.pop(job_id, None)
+        if service_id not in self._lost:
+            self._on(service_id, _release, self._key(service_id), job_id)
+
+    def forget(self, handles: Iterable[Handle]) -> None:
+        for h in list(handles):
+            work = self._work.get(h)
+            if work is not None and work.report is None:
+                del self._work[h]  # dropping the last reference lets Dask free the output on its worker

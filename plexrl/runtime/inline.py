@@ -1,0 +1,98 @@
+"""`InlineExecutor`: in-process and synchronous. Each node runs the moment it is submitted, on a `Service` in
+this process (service nodes) or here (cpu nodes); its output stays in a dict keyed by its handle until the
+runner forgets it. Results are deterministic; `plexrl run JOB.yaml` and the tests use it. It is also the
+fastest way to run one job alone: no scheduler, no round trips, no copies of a batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from plexrl.planner.state import Tier
+from plexrl.runtime.executor import Finished, Handle, LoadReport, NodeTask
+
+
+class InlineExecutor:
+    def __init__(
+        self,
+        *,
+        services: int = 1,
+        device: str = "cpu",
+        validate: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+        spill_dir: str | Path | None = None,
+    ) -> None:
+        self.clock = clock
+        self.n_services, self.device, self.validate, self.spill_dir = services, device, validate, spill_dir
+        self.services: dict[str, Any] = {}
+        self.specs: dict[str, Any] = {}
+        self.outputs: dict[Handle, Any] = {}
+        self._done: list[Finished] = []
+        self._ids = itertools.count()
+
+    def start(self) -> list[str]:
+        from plexrl.services.service import Service
+
+        for i in range(self.n_services):
+            sid = f"service-{i}"
+            spill = Path(self.spill_dir) / sid if self.spill_dir is not None else None
+            self.services[sid] = Service(sid, self.device, spill_dir=spill, validate=self.validate, clock=self.clock)
+        return list(self.services)
+
+    def ship(self, spec: Any) -> None:
+        self.specs[spec.job_id] = spec
+
+    def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
+        handle = next(self._ids)
+        start = self.clock()
+        try:
+            nbytes = self.services[service_id].load_job(self.specs[job_id], tier)
+            report = LoadReport(job_id, service_id, nbytes, start, self.clock())
+        except Exception as exc:
+            report = LoadReport(job_id, service_id, 0, start, self.clock(), f"{type(exc).__name__}: {exc}")
+        self._done.append(Finished(handle, report))
+        return handle
+
+    def submit(self, task: NodeTask) -> Handle:
+        from plexrl.services.service import run_cpu_node
+
+        handle = next(self._ids)
+        inputs = {port: self.outputs[h] for port, h in task.inputs.items()}
+        if task.service_id is None:
+            res = run_cpu_node(self.specs[task.job_id], task.iteration, task.node, inputs, self.clock)
+        else:
+            svc = self.services[task.service_id]
+            res = svc.run_node(task.job_id, task.iteration, task.node, inputs, task.swaps, task.prefetch)
+        if res.output is not None:
+            self.outputs[handle] = res.output
+        self._done.append(Finished(handle, res.report))
+        return handle
+
+    def wait(self, timeout: float) -> list[Finished]:
+        done, self._done = self._done, []
+        return done
+
+    def lost(self) -> list[tuple[str, str]]:
+        return []
+
+    def save(self, job_id: str, service_id: str, path: Path) -> Path:
+        return Path(self.services[service_id].save_model(job_id, path))
+
+    def release(self, job_id: str, service_id: str) -> None:
+        self.services[service_id].release(job_id)
+
+    def forget(self, handles: Iterable[Handle]) -> None:
+        for h in list(handles):
+            self.outputs.pop(h, None)
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        reports = {}
+        for sid, svc in self.services.items():
+            reports[sid] = svc.report()
+            svc.close()
+        self.outputs.clear()
+        return reports

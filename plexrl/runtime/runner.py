@@ -1,0 +1,339 @@
+"""`Runner`: the ONE loop that feeds events to the planner and hands its instructions to an executor.
+
+    events --> Planner.handle() --> instructions --> Runner --> Executor (inline | Dask | simulated)
+      ^                                                             |
+      +------- NodeFinished / StateMeasured / JobFailed / ServiceLost <-- Finished reports, lost services
+
+The runner owns each job's record (`JobRun`: status, history, artifacts) and calls the hooks; the spec
+(`JobSpec`) is frozen and shipped to the executor once. It keeps, per job, the handles of the current
+iteration's node outputs (the data stays where the executor made it), the nodes' small metrics and their
+durations; when the planner closes an iteration it assembles the metrics row, calls the hooks, and tells
+the executor to drop the outputs. Anything that goes wrong with one job (an operator raising, its engine
+failing to load, a swap failing, its metrics failing to compute) fails that job only (DESIGN.md invariant
+5): the runner reports it to the planner and the other jobs go on. No scheduling decision is made here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from plexrl.hooks.base import Hook, HookList, RunSummary
+from plexrl.job import JobRun
+from plexrl.planner import (
+    FailJob,
+    IterationDone,
+    JobCancelled,
+    JobDone,
+    JobFailed,
+    JobPlan,
+    JobSubmitted,
+    NodeFinished,
+    PlaceJob,
+    Planner,
+    RunNode,
+    ServiceJoined,
+    ServiceLost,
+    StateMeasured,
+)
+from plexrl.planner.costs import CostModel
+from plexrl.planner.events import Event, Instruction
+from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
+from plexrl.runtime.executor import Executor, Finished, Handle, LoadReport, NodeTask
+
+log = logging.getLogger(__name__)
+
+
+class RunnableSpec(Protocol):
+    """What the runner needs of a job's spec (`JobSpec` for real jobs; the simulator has its own)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    def plan(self) -> JobPlan: ...
+
+    def inputs(self, node: str) -> Mapping[str, str]:
+        """Input port -> the node whose output feeds it."""
+        ...
+
+    @property
+    def model_dir(self) -> Path | None:
+        """Where to save the final model once done (None: do not)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Byte budgets per tier of every service (None = unlimited)."""
+
+    device: int | None = None
+    host: int | None = None
+    disk: int | None = None
+
+    def joined(self, service_id: str) -> ServiceJoined:
+        return ServiceJoined(service_id, self.device, self.host, self.disk)
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: str  # "node" | "load"
+    job_id: str
+    lane: str
+    iteration: int = 0
+    node: str = ""
+
+
+@dataclass(slots=True)
+class _Iteration:
+    """A job's current iteration as the runner sees it: output handles, metrics and seconds per node."""
+
+    start: float
+    outputs: dict[str, Handle] = field(default_factory=dict)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Runner:
+    """See the module docstring. `poll`: how long one `executor.wait` may block (the cancel and lost-service
+    checks run at least this often)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        hooks: list[Hook] | None = None,
+        placement: PlacementPolicy | None = None,
+        ordering: OrderingPolicy | None = None,
+        costs: CostModel | None = None,
+        budgets: Budgets | None = None,
+        lookahead: bool = False,
+        inline_below: float | None = None,
+        validate: bool = False,
+        poll: float = 0.5,
+    ) -> None:
+        self.executor = executor
+        self.clock = executor.clock
+        self.hooks = HookList(hooks)
+        self.budgets = budgets or Budgets()
+        self.planner = Planner(
+            clock=self.clock, placement=placement, ordering=ordering, validate=validate, costs=costs,
+            lookahead=lookahead, inline_below=inline_below,
+        )  # fmt: skip
+        self.poll = poll
+        self.runs: dict[str, JobRun] = {}
+        self.services: list[str] = []
+        self.service_reports: dict[str, dict[str, Any]] = {}
+        self.events_handled = 0
+        self._pending: dict[Handle, _Pending] = {}
+        self._iter: dict[str, _Iteration] = {}
+        self._failing: set[str] = set()  # reported to the planner, FailJob not yet received
+        self._cancels: deque[JobCancelled] = deque()
+        self._cancel_lock = threading.Lock()
+
+    # -- public --------------------------------------------------------------------------------------
+    def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
+        """Cancel one job (thread-safe, callable from a hook; takes effect at the next event). Its finished
+        iterations stay recorded; the other jobs go on."""
+        with self._cancel_lock:
+            self._cancels.append(JobCancelled(job_id, reason))
+
+    def run(self, specs: list[Any]) -> list[JobRun]:
+        """Run the jobs to completion (or failure); returns their records, in the order given."""
+        runs = []
+        for spec in specs:
+            if spec.job_id in self.runs:
+                raise ValueError(f"two jobs are named {spec.job_id!r}; give each job a unique name")
+            self.runs[spec.job_id] = JobRun(spec)
+            runs.append(self.runs[spec.job_id])
+        events: deque[Event] = deque()
+        start: float | None = None
+        interrupted = False
+        try:
+            self.services = list(self.executor.start())
+            events.extend(self.budgets.joined(s) for s in self.services)
+            for run in runs:
+                self.executor.ship(run.spec)
+                events.append(JobSubmitted(run.job_id, run.spec.plan()))
+            start = self.clock()
+            self.hooks.on_start(start)
+            self._loop(events)
+        except BaseException as exc:  # interrupted (Ctrl-C), a required hook failed, or a bug: keep records
+            interrupted = True
+            self._close_open_jobs(exc)
+            raise
+        finally:
+            try:
+                self.service_reports = self.executor.close()
+            finally:
+                end = self.clock()
+                summary = RunSummary(runs, self.services, self.service_reports, start or end, end, interrupted)
+                try:
+                    self.hooks.on_end(summary)
+                finally:
+                    self.hooks.close()
+        return runs
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def _loop(self, events: deque[Event]) -> None:
+        while True:
+            events.extend(self._take_cancels())
+            while events:
+                self.events_handled += 1
+                for ins in self.planner.handle(events.popleft()):
+                    events.extend(self._carry_out(ins))
+            if not self._pending:
+                if self.planner.finished:
+                    return
+                with self._cancel_lock:
+                    if not self._cancels:
+                        raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
+                continue
+            finished = self.executor.wait(self.poll)
+            for service_id, reason in self.executor.lost():
+                log.error("service %s lost: %s", service_id, reason)
+                for handle, p in list(self._pending.items()):
+                    if p.lane == service_id:
+                        del self._pending[handle]
+                events.append(ServiceLost(service_id, reason))
+            for f in finished:
+                events.extend(self._collect(f))
+
+    def _take_cancels(self) -> list[JobCancelled]:
+        with self._cancel_lock:
+            out = list(self._cancels)
+            self._cancels.clear()
+        return out
+
+    # -- instructions ---------------------------------------------------------------------------------
+    def _carry_out(self, ins: Instruction) -> list[Event]:
+        if ins.job_id in self._failing and not isinstance(ins, FailJob):
+            return []  # the job is being failed; do no more of its work
+        run = self.runs[ins.job_id]
+        if isinstance(ins, RunNode):
+            self._submit(run, ins)
+        elif isinstance(ins, PlaceJob):
+            run.status, run.service, run.started_at = "running", ins.service_id, self.clock()
+            self._iter[run.job_id] = _Iteration(self.clock())
+            self.hooks.on_job_start(run)
+            handle = self.executor.load(run.job_id, ins.service_id, ins.tier)
+            self._pending[handle] = _Pending("load", run.job_id, ins.service_id)
+        elif isinstance(ins, IterationDone):
+            self._end_iteration(run, ins.iteration)
+        elif isinstance(ins, JobDone):
+            self._end_job(run, "done", "", ins.service_id)
+        elif isinstance(ins, FailJob):
+            self._failing.discard(run.job_id)
+            self._end_job(run, "cancelled" if ins.cancelled else "failed", ins.reason, ins.service_id)
+        return []
+
+    def _submit(self, run: JobRun, ins: RunNode) -> None:
+        lane = ins.service_id or "cpu"
+        self.hooks.before_node(run, ins.iteration, ins.node, lane, self.clock())
+        outputs = self._iter[run.job_id].outputs
+        inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
+        task = NodeTask(
+            run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline
+        )
+        handle = self.executor.submit(task)
+        self._pending[handle] = _Pending("node", run.job_id, lane, ins.iteration, ins.node)
+
+    # -- results --------------------------------------------------------------------------------------
+    def _collect(self, f: Finished) -> list[Event]:
+        p = self._pending.pop(f.handle, None)
+        if p is None:
+            self.executor.forget([f.handle])
+            return []  # a lost service's late report
+        run = self.runs[p.job_id]
+        rep = f.report
+        if isinstance(rep, LoadReport):
+            if rep.error is not None:
+                return [self._fail(run, f"loading the job on {p.lane}", rep.error)]
+            self.hooks.on_load(run, p.lane, rep.start, rep.end, rep.nbytes)
+            return [StateMeasured(p.lane, run.job_id, rep.nbytes)]
+        events: list[Event] = [StateMeasured(p.lane, job_id, nbytes) for job_id, nbytes in rep.measured.items()]
+        it = self._iter.get(run.job_id)
+        if rep.swap_end > rep.swap_start:
+            self.hooks.on_swap(run, p.lane, rep.swap_start, rep.swap_end, rep.swap_bytes)
+        for kind, start, end, nbytes in rep.weight_loads:
+            self.hooks.on_weight_load(run, p.lane, kind, start, end, nbytes)
+            if it is not None:
+                it.seconds[f"weight_{kind}"] = it.seconds.get(f"weight_{kind}", 0.0) + (end - start)
+        self.hooks.after_node(run, rep.iteration, rep.node, p.lane, rep.start, rep.end, rep.metrics)
+        duration = rep.end - rep.start
+        if rep.error is not None:
+            self.executor.forget([f.handle])
+            events.append(
+                NodeFinished(run.job_id, rep.iteration, rep.node, ok=False, error=rep.error, duration=duration)
+            )
+            return events
+        if it is None:
+            self.executor.forget([f.handle])
+        else:
+            it.outputs[rep.node] = f.handle
+            it.metrics[rep.node] = rep.metrics
+            it.seconds[rep.node] = duration
+        swap_seconds = rep.swap_end - rep.swap_start
+        events.append(
+            NodeFinished(run.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)
+        )
+        return events
+
+    def _fail(self, run: JobRun, what: str, error: str) -> JobFailed:
+        log.error("job %s: %s failed: %s", run.job_id, what, error)
+        self._failing.add(run.job_id)
+        return JobFailed(run.job_id, f"{what}: {error}")
+
+    def _end_iteration(self, run: JobRun, iteration: int) -> None:
+        """Assemble the iteration's metrics (iteration -1 is the baseline pass, logged as step 0)."""
+        now = self.clock()
+        it = self._iter[run.job_id]
+        metrics: dict[str, float] = {}
+        for name, values in it.metrics.items():
+            for key, value in values.items():
+                metrics[f"{name}/{key}"] = value
+        for name, sec in it.seconds.items():
+            metrics[f"time/{name}"] = sec
+            if f"{name}/tokens" in metrics and sec > 0:
+                metrics[f"{name}/tokens_per_s"] = metrics[f"{name}/tokens"] / sec
+        if iteration >= 0:
+            metrics["time/iteration"] = now - it.start  # includes the previous iteration's hooks
+            run.iterations_done += 1
+        self.executor.forget(it.outputs.values())
+        self._iter[run.job_id] = _Iteration(now)
+        run.history.append(metrics)
+        self.hooks.on_iteration_end(run, iteration, metrics)
+
+    def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:
+        model_dir = getattr(run.spec, "model_dir", None)
+        if status == "done" and service_id is not None and model_dir is not None:
+            try:
+                run.artifacts["model"] = self.executor.save(run.job_id, service_id, model_dir)
+            except Exception:
+                log.exception("could not save the final model of job %s", run.job_id)
+        self._close(run, status, reason)
+        if service_id is not None:
+            try:
+                self.executor.release(run.job_id, service_id)
+            except Exception:
+                log.exception("could not release job %s on %s", run.job_id, service_id)
+
+    def _close(self, run: JobRun, status: str, reason: str) -> None:
+        run.status, run.error, run.finished_at = status, reason, self.clock()  # type: ignore[assignment]
+        if status == "failed":
+            log.error("job %s failed: %s", run.job_id, reason)
+        it = self._iter.pop(run.job_id, None)
+        if it is not None:
+            self.executor.forget(it.outputs.values())
+        if run.started_at is not None:
+            self.hooks.on_job_end(run)
+
+    def _close_open_jobs(self, exc: BaseException) -> None:
+        for run in self.runs.values():
+            if run.status == "running":
+                status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
+                self._close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))

@@ -1,0 +1,392 @@
+"""`SimExecutor`: the runner's work on a VIRTUAL clock, with durations from a cost model. No torch, no Dask,
+nothing sleeps: the same `Runner` and planner as a real run, on as many simulated services as asked.
+
+Contract (what it models):
+- A service runs one unit of work at a time, in the order the runner submitted it: a job's load, then
+  nodes. A node sent while its service is busy (the planner's lookahead) starts when the previous one ends.
+- Before a node, its `swaps` run in order, each `costs.swap_seconds(move.nbytes)`; a move of a job whose
+  prefetch is still in flight first waits for that prefetch. The node then waits for its own job's
+  unfinished prefetch. All of that is the node's swap time (`swap_start`..`swap_end`, `swap_bytes`), as the
+  real `Service` reports it; `measured` holds `job_id -> move.nbytes` for each swap whose source is device.
+- `prefetch` moves start in the background when the node starts, on one prefetch channel per service (one
+  batch after another, like the service's single prefetch thread), and land together at the batch's end.
+- CPU nodes run concurrently on a pool of `cpu_slots` slots (None: unlimited), first come first served.
+- Loads take `costs.load_seconds(job, nbytes)` on the job's service and occupy it.
+- `wait` advances the clock to the earliest completion and returns everything that ends at that instant,
+  in submission order. `failures` (service id -> virtual time) lose services: work that ends at or before
+  that time is still returned; the rest on that service is dropped, never returned, and `lost()` names the
+  service once. Work submitted to a lost service is dropped too.
+- A move from a tier the job is not in (as this executor tracks it) fails the node with `swap failed`,
+  as the real service does: a cheap check that the planner's moves are consistent.
+
+What it does NOT model: contention between a prefetch and a blocking swap or between services (every move
+runs at full `swap_seconds`), the runner's and Dask's round trips (the runner's own time does not advance
+the clock), data transfer between nodes, state growth (a job's size is the `state_bytes` it was submitted
+with), node errors other than inconsistent moves, memory of the CPU pool, and a job arriving later than the
+others (the runner submits every job at the start). Outputs are not kept: `inputs` of a task are ignored.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from plexrl.planner.events import JobPlan, NodePlan
+from plexrl.planner.state import Tier
+from plexrl.runtime.executor import Finished, Handle, LoadReport, NodeReport, NodeTask
+
+GB = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class SimJob:
+    """A simulated job's frozen spec: what the runner needs (`RunnableSpec`) and what a cost model reads
+    (`means`: mean seconds per node; `tails`: nodes whose durations are heavy-tailed). Its state is
+    `state_bytes`, exactly (no growth)."""
+
+    job_id: str
+    nodes: Mapping[str, NodePlan]
+    iterations: int
+    means: Mapping[str, float]
+    order: tuple[str, ...] = ()
+    baseline: tuple[str, ...] = ()
+    state_bytes: int = 0
+    tails: frozenset[str] = frozenset()
+    model_dir: Path | None = None
+
+    def plan(self) -> JobPlan:
+        return JobPlan(dict(self.nodes), self.iterations, self.order, self.baseline, self.state_bytes)
+
+    def inputs(self, node: str) -> dict[str, str]:
+        """Input port -> producing node: one port per dependency, named after it."""
+        return {dep: dep for dep in self.nodes[node].deps}
+
+
+class SimCosts(Protocol):
+    """Where the simulated time comes from. Named apart from `plexrl.planner.costs.CostModel`, which is
+    what the planner LEARNS online; this is the ground truth the simulator imposes."""
+
+    def duration(self, job: SimJob, iteration: int, node: str) -> float:
+        """Run time of one node (seconds, swaps excluded)."""
+        ...
+
+    def swap_seconds(self, nbytes: int) -> float:
+        """Time to move one job's state of `nbytes` between two tiers."""
+        ...
+
+    def load_seconds(self, job: SimJob, nbytes: int) -> float:
+        """Time to create the job's engine and state on its service."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SeededCosts:
+    """Durations drawn around each job's `means`, a pure function of (seed, job, iteration, node): the same
+    for every policy. Uniform within +-`jitter` of the mean; nodes in the job's `tails` are Pareto(`tail_alpha`)
+    scaled to the same mean (rare draws are 10-100x). Moves at `swap_bandwidth`, loads at `load_bandwidth`
+    bytes/s (None: loads are instant)."""
+
+    seed: int = 0
+    jitter: float = 0.3
+    tail_alpha: float = 1.5
+    swap_bandwidth: float = 20 * GB
+    load_bandwidth: float | None = 2 * GB
+
+    def duration(self, job: SimJob, iteration: int, node: str) -> float:
+        mean = job.means[node]
+        tail = node in job.tails
+        if not tail and self.jitter == 0:
+            return mean
+        rng = random.Random(f"{self.seed}/{job.job_id}/{iteration}/{node}")
+        if tail:
+            a = self.tail_alpha
+            return mean * rng.paretovariate(a) * (a - 1) / a  # the mean of Pareto(a) is a / (a - 1)
+        return mean * rng.uniform(1 - self.jitter, 1 + self.jitter)
+
+    def swap_seconds(self, nbytes: int) -> float:
+        return nbytes / self.swap_bandwidth
+
+    def load_seconds(self, job: SimJob, nbytes: int) -> float:
+        return 0.0 if self.load_bandwidth is None else nbytes / self.load_bandwidth
+
+
+# -- a synthetic workload -----------------------------------------------------------------------------------
+GRPO_ORDER = ("prompts", "rollout", "verify", "advantage", "train", "evaluate")
+
+
+def grpo_nodes(every: int = 10) -> dict[str, NodePlan]:
+    """A GRPO-like iteration: prompts[cpu] -> rollout[service] -> verify[cpu] -> advantage[cpu] ->
+    train[service], and evaluate[service] every `every` iterations."""
+    return {
+        "prompts": NodePlan("cpu"),
+        "rollout": NodePlan("service", ("prompts",)),
+        "verify": NodePlan("cpu", ("rollout",)),
+        "advantage": NodePlan("cpu", ("rollout", "verify")),
+        "train": NodePlan("service", ("advantage", "rollout")),
+        "evaluate": NodePlan("service", ("train",), every=every),
+    }
+
+
+def grpo_like_jobs(n: int, iterations: tuple[int, int], seed: int) -> list[SimJob]:
+    """`n` seeded GRPO-like jobs: iterations uniform in `iterations`, states of 3 or 4 GB, 30% with a
+    baseline evaluate, 20% with a heavy-tailed verify (a slow reward model or sandbox)."""
+    rng = random.Random(seed)
+    nodes = grpo_nodes(every=10)
+    jobs = []
+    for i in range(n):
+        its = rng.randint(*iterations)
+        baseline = ("evaluate",) if rng.random() < 0.3 else ()
+        state = rng.choice((3 * GB, 4 * GB))
+        means = {
+            "prompts": rng.uniform(0.005, 0.02),
+            "rollout": rng.uniform(0.1, 0.5),
+            "verify": rng.uniform(0.02, 0.2),
+            "advantage": rng.uniform(0.002, 0.01),
+            "train": rng.uniform(0.1, 0.4),
+            "evaluate": rng.uniform(0.1, 0.3),
+        }
+        tails = frozenset({"verify"}) if rng.random() < 0.2 else frozenset()
+        jobs.append(SimJob(f"job{i:03d}", nodes, its, means, GRPO_ORDER, baseline, state, tails))
+    return jobs
+
+
+# -- the executor -------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Service:
+    """One simulated service: when its work queue and its prefetch channel are free, where each of its jobs'
+    states is, when each in-flight prefetch lands, and its statistics."""
+
+    service_id: str
+    fail_at: float = math.inf
+    alive: bool = True
+    free_at: float = 0.0
+    prefetch_free_at: float = 0.0
+    tier: dict[str, Tier] = field(default_factory=dict)
+    landing: dict[str, float] = field(default_factory=dict)  # job -> end of its in-flight prefetch
+    busy_seconds: float = 0.0
+    blocking_seconds: float = 0.0
+    prefetch_seconds: float = 0.0
+    prefetch_wait_seconds: float = 0.0
+    load_seconds: float = 0.0
+    bytes_moved: int = 0
+    moves: int = 0
+    nodes: int = 0
+    loads: int = 0
+    per_tier: dict[str, int] = field(default_factory=dict)
+
+    def move(self, job_id: str, src: Tier, dst: Tier, nbytes: int) -> str | None:
+        """Record a move; the error of an inconsistent one (the job is not in `src`)."""
+        where = self.tier.get(job_id)
+        if where != src:
+            return f"job {job_id}: the planner moves it from {src} but it is on {where} (service {self.service_id})"
+        self.tier[job_id] = dst
+        self.bytes_moved += nbytes
+        self.moves += 1
+        self.per_tier[dst] = self.per_tier.get(dst, 0) + nbytes
+        return None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "service": self.service_id,
+            "device": "sim",
+            "alive": self.alive,
+            "busy_seconds": self.busy_seconds,
+            "blocking_swap_seconds": self.blocking_seconds,
+            "prefetch_seconds": self.prefetch_seconds,
+            "prefetch_wait_seconds": self.prefetch_wait_seconds,
+            "load_seconds": self.load_seconds,
+            "bytes_moved": self.bytes_moved,
+            "moves": self.moves,
+            "bytes_to_tier": dict(self.per_tier),
+            "nodes": self.nodes,
+            "loads": self.loads,
+        }
+
+
+class SimExecutor:
+    """An `Executor` on a virtual clock; see the module docstring. Services are `service-0`, `service-1`, ...
+    (`services` of them); `failures` maps some of them to the virtual time at which they are lost."""
+
+    def __init__(
+        self,
+        services: int,
+        costs: SimCosts,
+        *,
+        cpu_slots: int | None = None,
+        failures: Mapping[str, float] | None = None,
+    ) -> None:
+        if services < 1:
+            raise ValueError(f"services={services}: a simulation needs at least one service")
+        if cpu_slots is not None and cpu_slots < 1:
+            raise ValueError(f"cpu_slots={cpu_slots}: give at least one slot, or None for unlimited")
+        self.costs = costs
+        self.now = 0.0
+        self.clock: Callable[[], float] = self._clock
+        self.services = {f"service-{i}": _Service(f"service-{i}") for i in range(services)}
+        unknown = sorted(set(failures or {}) - set(self.services))
+        if unknown:
+            raise ValueError(f"failures name unknown services {unknown}; the services are service-0..{services - 1}")
+        for sid, t in (failures or {}).items():
+            self.services[sid].fail_at = t
+        self.cpu_slots = cpu_slots
+        self.specs: dict[str, SimJob] = {}
+        self._slots: list[float] = [0.0] * cpu_slots if cpu_slots is not None else []
+        self._heap: list[tuple[float, Handle, str, Finished]] = []  # (end, handle, lane, finished)
+        self._lost: list[tuple[str, str]] = []
+        self._ids = itertools.count()
+
+    def _clock(self) -> float:
+        return self.now
+
+    # -- the Executor interface -------------------------------------------------------------------------
+    def start(self) -> list[str]:
+        return list(self.services)
+
+    def ship(self, spec: Any) -> None:
+        self.specs[spec.job_id] = spec
+
+    def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
+        handle = next(self._ids)
+        svc = self.services[service_id]
+        if not svc.alive:
+            return handle  # lost with its service
+        job = self.specs[job_id]
+        start = max(self.now, svc.free_at)
+        end = start + self.costs.load_seconds(job, job.state_bytes)
+        svc.free_at = end
+        svc.tier[job_id] = tier
+        svc.loads += 1
+        svc.load_seconds += end - start
+        self._push(end, handle, service_id, LoadReport(job_id, service_id, job.state_bytes, start, end))
+        return handle
+
+    def submit(self, task: NodeTask) -> Handle:
+        handle = next(self._ids)
+        job = self.specs[task.job_id]
+        if task.service_id is None:
+            start = self.now
+            if self.cpu_slots is not None:
+                start = max(start, heapq.heappop(self._slots))
+            end = start + self.costs.duration(job, task.iteration, task.node)
+            if self.cpu_slots is not None:
+                heapq.heappush(self._slots, end)
+            self._push(end, handle, "cpu", NodeReport(task.job_id, task.iteration, task.node, None, start, end))
+            return handle
+        svc = self.services[task.service_id]
+        if svc.alive:
+            end, report = self._run_on(svc, task, job)
+            self._push(end, handle, task.service_id, report)
+        return handle
+
+    def _run_on(self, svc: _Service, task: NodeTask, job: SimJob) -> tuple[float, NodeReport]:
+        """Schedule one service node after the service's earlier work: swaps, then the node; its prefetch
+        starts with it. Returns (end, report)."""
+        swap_start = t = max(self.now, svc.free_at)
+        moved, error = 0, None
+        for m in task.swaps:
+            t = self._wait_prefetch(svc, m.job_id, t)
+            error = svc.move(m.job_id, m.src, m.dst, m.nbytes)
+            if error is not None:
+                break
+            t += self.costs.swap_seconds(m.nbytes)
+            moved += m.nbytes
+        measured = {m.job_id: m.nbytes for m in task.swaps if m.src == "device"}
+        if error is None:
+            t = self._wait_prefetch(svc, task.job_id, t)
+            if svc.tier.get(task.job_id) != "device":
+                error = f"job {task.job_id} is on {svc.tier.get(task.job_id)}, not device, at run time"
+        svc.blocking_seconds += t - swap_start
+        if error is not None:
+            svc.free_at = t
+            report = NodeReport(task.job_id, task.iteration, task.node, f"swap failed: {error}", t, t,
+                                   swap_start, t, moved, measured=measured)  # fmt: skip
+            return t, report
+        end = t + self.costs.duration(job, task.iteration, task.node)
+        svc.free_at = end
+        svc.busy_seconds += end - t
+        svc.nodes += 1
+        if task.prefetch:
+            self._prefetch(svc, task, t)
+        report = NodeReport(task.job_id, task.iteration, task.node, None, t, end, swap_start, t, moved,
+                               measured=measured)  # fmt: skip
+        return end, report
+
+    def _wait_prefetch(self, svc: _Service, job_id: str, t: float) -> float:
+        """When `job_id`'s in-flight prefetch (if any) has landed, from time `t`."""
+        landing = svc.landing.pop(job_id, None)
+        if landing is None or landing <= t:
+            return t
+        svc.prefetch_wait_seconds += landing - t
+        return landing
+
+    def _prefetch(self, svc: _Service, task: NodeTask, start: float) -> None:
+        t = max(start, svc.prefetch_free_at)  # one batch after another (earlier batches have landed by then)
+        t0 = t
+        for m in task.prefetch:
+            svc.landing.pop(m.job_id, None)
+            if svc.move(m.job_id, m.src, m.dst, m.nbytes) is not None:
+                break  # the real service's prefetch would raise; its node's swap check then fails the job
+            t += self.costs.swap_seconds(m.nbytes)
+        for m in task.prefetch:
+            svc.landing[m.job_id] = t
+        svc.prefetch_free_at = t
+        svc.prefetch_seconds += t - t0
+
+    def _push(self, end: float, handle: Handle, lane: str, report: Any) -> None:
+        heapq.heappush(self._heap, (end, handle, lane, Finished(handle, report)))
+
+    def wait(self, timeout: float) -> list[Finished]:
+        """Advance the clock to the next event: the earliest completion, or a service's failure before it.
+        `timeout` is ignored (there is no wall time to wait). Raises when nothing is in flight (the runner
+        would otherwise wait forever)."""
+        heap = self._heap
+        while heap and not self._alive(heap[0][2]):
+            heapq.heappop(heap)  # dropped with its service
+        nxt = heap[0][0] if heap else math.inf
+        failing = [s for s in self.services.values() if s.alive and s.fail_at < nxt]
+        if failing:
+            first = min(s.fail_at for s in failing)
+            self.now = max(self.now, first)
+            for svc in failing:
+                if svc.fail_at == first:
+                    svc.alive = False
+                    self._lost.append((svc.service_id, f"simulated failure at t={first:g}"))
+            return []
+        if not heap:
+            raise RuntimeError("SimExecutor.wait: nothing is in flight, so nothing can ever finish (runner bug)")
+        self.now = max(self.now, nxt)
+        out = []
+        while heap and heap[0][0] == nxt:
+            _, _, lane, finished = heapq.heappop(heap)
+            if self._alive(lane):
+                out.append(finished)
+        return out
+
+    def _alive(self, lane: str) -> bool:
+        return lane == "cpu" or self.services[lane].alive
+
+    def lost(self) -> list[tuple[str, str]]:
+        out, self._lost = self._lost, []
+        return out
+
+    def save(self, job_id: str, service_id: str, path: Path) -> Path:
+        """Writes nothing: a simulated job has no weights."""
+        return path
+
+    def release(self, job_id: str, service_id: str) -> None:
+        svc = self.services[service_id]
+        svc.tier.pop(job_id, None)
+        svc.landing.pop(job_id, None)
+
+    def forget(self, handles: Iterable[Handle]) -> None:
+        """Nothing to drop: outputs are not kept."""
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        self._heap.clear()
+        return {sid: svc.report() for sid, svc in self.services.items()}
