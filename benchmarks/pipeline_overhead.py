@@ -1,7 +1,7 @@
-"""What the pipeline machinery costs: the same GRPO iterations run (a) through PlexRL (planner,
-LocalDriver, hooks incl. MLflow; `time/iteration` counts the hooks) and (b) as a hand-written loop
-calling the same operator functions directly, side by side in one process. Prints seconds per iteration
-of each and their ratio.
+"""What the pipeline machinery costs: the same GRPO iterations run (a) through PlexRL (planner, the Runner
+over the in-process executor, hooks incl. MLflow; `time/iteration` counts the hooks) and (b) as a
+hand-written loop calling the same operator functions directly, side by side in one process. Prints
+seconds per iteration of each and their ratio.
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--iterations 30] [--mlflow/--no-mlflow]
 """
@@ -22,7 +22,7 @@ from plexrl.services.service import Service
 
 
 def hand_loop(job: Any, iterations: int) -> float:
-    """Call the operators of the job's graph in topological order with no planner, driver or hooks."""
+    """Call the operators of the job's graph in topological order with no planner, runner or hooks."""
     service = Service("bench")
     service.load_job(job)
     start = time.perf_counter()
@@ -33,7 +33,7 @@ def hand_loop(job: Any, iterations: int) -> float:
                 continue
             inputs = {p: outputs[s] for p, s in node.inputs.items()}
             if node.placement == "service":
-                outputs[node.name] = service.run(job, it, node, inputs)
+                outputs[node.name] = service.run_node(job.job_id, it, node.name, inputs).output
             else:
                 ctx = OpContext(job.job_id, it, node.name, job.config.seed, job.task, job.tokenizer)
                 outputs[node.name] = node.operator.run(ctx, inputs, node.params)

@@ -59,7 +59,7 @@ def test_same_seed_same_metrics_and_warm_start_is_cached(tiny_config: dict[str, 
     (first,) = run_jobs([load_job(tiny_config)], progress=False)
     (second,) = run_jobs([load_job(tiny_config)], progress=False)
     assert first.status == second.status == "done"
-    assert first.warm_start["cached"] is False and second.warm_start["cached"] is True
+    assert first.spec.warm_start["cached"] is False and second.spec.warm_start["cached"] is True
     assert stable(first.history) == stable(second.history)
     (other,) = run_jobs([load_job({**tiny_config, "seed": 1})], progress=False)
     assert stable(other.history) != stable(first.history)

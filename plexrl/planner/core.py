@@ -105,8 +105,12 @@ class Planner:
         self.max_instructions = max_instructions_per_event
         self._seq = itertools.count()
         # admission is retried only after something that can change a placement: a service joined or was
-        # lost, a job was submitted or ended, or a job finished an iteration (its predicted load settled)
+        # lost, a job was submitted or ended, a state was measured smaller, or (load-aware placements) a job
+        # finished an iteration (its predicted load settled)
         self._admission_due = True
+        # services whose queue, running node, jobs or states an event may have changed: only these are
+        # offered a dispatch (a service nothing happened to would make the same choice as before)
+        self._dirty: set[str] = set()
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -129,6 +133,12 @@ class Planner:
             self._end_job(event.job_id, "failed", event.reason, out)
         else:
             raise TypeError(f"unknown event {event!r}")
+        if isinstance(event, ServiceJoined):
+            self._dirty.add(event.service_id)
+        elif not isinstance(event, (ServiceLost, JobSubmitted)):
+            job = self.jobs.get(event.job_id)
+            if job is not None and job.service is not None:
+                self._dirty.add(job.service)
         self._admit(out)
         self._dispatch(out)
         if len(out) > self.max_instructions:
@@ -244,6 +254,7 @@ class Planner:
             self._set_job(job, "placed")
             job.service, job.placed_at = target, self.clock()
             svc.jobs.add(job_id)
+            self._dirty.add(target)
             load[target] += mine
             views.clear()  # the target's jobs, load and free memory changed
             out.append(PlaceJob(job_id, target, tier))
@@ -298,7 +309,8 @@ class Planner:
             if not all(s == "done" for s in job.nodes.values()):
                 return
             out.append(IterationDone(job.job_id, job.iteration))
-            self._admission_due = True
+            if getattr(self.placement, "uses_load", True):
+                self._admission_due = True  # its predicted load settled: a load-aware placement may change
             job.iteration += 1
             if job.iteration >= job.plan.iterations:
                 self._end_job(job.job_id, "done", "", out)
@@ -323,8 +335,11 @@ class Planner:
         return self.costs.observed(job.job_id, name) and self.costs.predict(job.job_id, name) < self.inline_below
 
     def _dispatch(self, out: list[Instruction]) -> None:
+        if not self._dirty:
+            return
+        dirty, self._dirty = self._dirty, set()
         for svc in self._by_id:
-            if not svc.alive or not svc.queue:
+            if svc.service_id not in dirty or not svc.alive or not svc.queue:
                 continue
             if svc.running is None:
                 self._dispatch_one(svc, out)

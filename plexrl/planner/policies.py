@@ -3,7 +3,11 @@ service runs next). Pure functions of the view the planner hands them; no I/O, n
 
 Placement sees each alive service as a `ServiceView`: how many jobs it holds, their predicted busy fraction
 (`load`, from the cost model) and whether the new job's state fits its memory budgets now (`fits`).
-A policy returns a service id, or None to keep the job queued (it is retried after every event).
+A policy returns a service id, or None to keep the job queued (it is retried after any event that can
+change the answer: a service joined or was lost, a job arrived or ended, a state was measured smaller, and,
+for a policy whose answer depends on predicted loads (`uses_load`), an iteration ended).
+
+Ordering sees the nodes queued on one service in the order they became ready (`ready_at`, then `seq`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class ServiceView:
 
 class PlacementPolicy(Protocol):
     name: str
+    # whether `place` can return None for one load and a service for another with the same views (then
+    # queued jobs are retried whenever predicted loads move, i.e. after every iteration)
+    uses_load: bool
 
     def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
         """The service to place `job_id` (predicted busy fraction `job_load`) on, or None to keep it queued."""
@@ -52,13 +59,14 @@ class OrderingPolicy(Protocol):
     name: str
 
     def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
-        """Index into `queue` (non-empty) of the node the free service runs next."""
+        """Index into `queue` (non-empty, in ready order) of the node the free service runs next."""
 
 
 class Isolated:
     """Each job gets a service of its own; a job waits while every service is taken."""
 
     name = "isolated"
+    uses_load = False
 
     def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
         free = [s.service_id for s in services if s.jobs == 0 and s.fits]
@@ -70,6 +78,7 @@ class Pack:
     services empty for jobs that need one alone; waits only when no service has memory room."""
 
     name = "pack"
+    uses_load = False
 
     def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
         fit = [s for s in services if s.fits]
@@ -80,6 +89,7 @@ class Spread:
     """Balance: the fitting service with the lowest predicted load (ties: fewer jobs, lowest id)."""
 
     name = "spread"
+    uses_load = False
 
     def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
         fit = [s for s in services if s.fits]
@@ -92,6 +102,7 @@ class SpreadBackfill:
     jobs end."""
 
     name = "spread+backfill"
+    uses_load = True
 
     def __init__(self, max_load: float = 1.0) -> None:
         self.max_load = max_load
@@ -107,7 +118,7 @@ class Fifo:
     name = "fifo"
 
     def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
-        return min(range(len(queue)), key=lambda i: (queue[i].ready_at, queue[i].seq))
+        return 0  # the queue comes in ready order
 
 
 class Hrrs:
@@ -122,19 +133,26 @@ class Hrrs:
         self.tie, self.floor = tie, floor
 
     def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
-        def ratio(i: int) -> float:
-            q = queue[i]
-            cost = max(view.service_time(q) + view.swap_time(q.job_id), self.floor)
-            return (max(now - q.ready_at, 0.0) + cost) / cost
-
-        ratios = [ratio(i) for i in range(len(queue))]
-        best = max(range(len(queue)), key=lambda i: (ratios[i], -queue[i].ready_at, -queue[i].seq))
-        if view.resident is not None and queue[best].job_id != view.resident:
-            mine = [i for i in range(len(queue)) if queue[i].job_id == view.resident]
-            if mine:
-                top = max(mine, key=lambda i: (ratios[i], -queue[i].seq))
-                if ratios[top] * (1 + self.tie) >= ratios[best]:
-                    return top
+        # one pass (this runs on every dispatch over the whole queue): the best ratio (ties: earlier ready,
+        # then earlier queued) and the resident job's best (ties: earlier queued); swap time once per job
+        service_time, swap_time, floor, resident = view.service_time, view.swap_time, self.floor, view.resident
+        swaps: dict[str, float] = {}
+        best, best_r, top, top_r = -1, -1.0, -1, -1.0
+        for i, q in enumerate(queue):
+            swap = swaps.get(q.job_id)
+            if swap is None:
+                swap = swaps[q.job_id] = swap_time(q.job_id)
+            cost = service_time(q) + swap
+            if cost < floor:
+                cost = floor
+            wait = now - q.ready_at
+            r = ((wait if wait > 0.0 else 0.0) + cost) / cost
+            if r > best_r or (r == best_r and (q.ready_at, q.seq) < (queue[best].ready_at, queue[best].seq)):
+                best, best_r = i, r
+            if q.job_id == resident and r > top_r:  # equal ratios: the earlier queued one stays
+                top, top_r = i, r
+        if top >= 0 and queue[best].job_id != resident and top_r * (1 + self.tie) >= best_r:
+            return top
         return best
 
 

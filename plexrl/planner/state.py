@@ -49,11 +49,25 @@ class StateManager:
     # each job uses; an engine stays while one of its jobs is placed here and is never evicted
     engines: dict[str, int] = field(default_factory=dict)
     engine_of: dict[str, str] = field(default_factory=dict)
+    # bytes used per tier, recomputed after any change (every write below goes through `_changed`)
+    _used: dict[Tier, int] = field(default_factory=dict, repr=False, compare=False)
 
     # -- queries --------------------------------------------------------------------------------------
     def used(self, tier: Tier) -> int:
-        states = sum(self.size[j] for j, t in self.where.items() if t == tier)
-        return states + (sum(self.engines.values()) if tier == "device" else 0)
+        used = self._used.get(tier)
+        if used is None:
+            used = sum(self.size[j] for j, t in self.where.items() if t == tier)
+            used += sum(self.engines.values()) if tier == "device" else 0
+            self._used[tier] = used
+        return used
+
+    def _put(self, job_id: str, tier: Tier) -> None:
+        self.where[job_id] = tier
+        self._used.clear()
+
+    def _restore(self, snapshot: dict[str, Tier]) -> None:
+        self.where = snapshot
+        self._used.clear()
 
     def _new_engine_bytes(self, engine: tuple[str, int] | None) -> int:
         """Device bytes a job using `engine` would add by bringing a new engine here (0 if it is here)."""
@@ -97,28 +111,34 @@ class StateManager:
             return None
         if engine is not None:
             self.engines.setdefault(engine[0], engine[1])
+            self._used.clear()
             self.engine_of[job_id] = engine[0]
         for tier in TIERS:
             if self.free(tier) >= nbytes:
-                self.where[job_id], self.size[job_id] = tier, nbytes
+                self.size[job_id] = nbytes
+                self._put(job_id, tier)
                 return tier
         raise AssertionError("fits() and admit() disagree")  # pragma: no cover
 
     def measured(self, job_id: str, nbytes: int) -> bool:
         """Replace the job's estimated state size with a measured one. Applied when the state's current tier
         still holds it (a measured state larger than its tier's room keeps its old size until it moves);
-        returns whether it was applied."""
+        returns whether the size changed."""
         tier = self.where.get(job_id)
         if tier is None or nbytes <= 0:
+            return False
+        if nbytes == self.size[job_id]:
             return False
         if nbytes > self.size[job_id] and self.free(tier) < nbytes - self.size[job_id]:
             return False
         self.size[job_id] = nbytes
+        self._used.clear()
         return True
 
     def release(self, job_id: str) -> None:
         self.where.pop(job_id, None)
         self.size.pop(job_id, None)
+        self._used.clear()
         key = self.engine_of.pop(job_id, None)
         if key is not None and key not in self.engine_of.values():
             del self.engines[key]  # its last job left: the service shuts the engine down
@@ -133,9 +153,9 @@ class StateManager:
         try:
             moves = self._room_on("device", self.size[job_id], next_use, pinned | {job_id}, None)
         except NoRoom:
-            self.where = snapshot
+            self._restore(snapshot)
             raise
-        self.where[job_id] = "device"
+        self._put(job_id, "device")
         moves.append(Move(job_id, src, "device", self.size[job_id]))
         return moves
 
@@ -148,10 +168,10 @@ class StateManager:
         try:
             moves = self._room_on("device", self.size[job_id], next_use, pinned | {job_id}, horizon)
         except NoRoom:
-            self.where = snapshot
+            self._restore(snapshot)
             return []
         moves.append(Move(job_id, self.where[job_id], "device", self.size[job_id]))
-        self.where[job_id] = "device"
+        self._put(job_id, "device")
         return moves
 
     def _room_on(
@@ -188,7 +208,7 @@ class StateManager:
         horizon = next_use.get(victim, math.inf)
         for i, tier in enumerate(lower):
             if self.free(tier) >= nbytes:
-                self.where[victim] = tier
+                self._put(victim, tier)
                 return [Move(victim, src, tier, nbytes)]
             if i == len(lower) - 1:
                 break
@@ -196,9 +216,9 @@ class StateManager:
             try:
                 moves = self._room_on(tier, nbytes, next_use, keep | {victim}, horizon)
             except NoRoom:
-                self.where = snapshot
+                self._restore(snapshot)
                 continue
-            self.where[victim] = tier
+            self._put(victim, tier)
             return [*moves, Move(victim, src, tier, nbytes)]
         raise NoRoom(f"service {self.service_id}: no tier below {src} has room for {victim} ({nbytes} bytes)")
 
