@@ -3,7 +3,8 @@ iteration, on a real local Dask cluster, for the main job's batch and a batch 16
 
 Each size runs the main job's pipeline (configs/grpo_arithmetic.yaml: GRPO, 64 prompts x 8 samples) for
 `--iterations` on `DaskExecutor` and reads `bytes_received` (pickled bytes of every result fetched into the
-client) per iteration, the first iteration and the job's load excluded. Beside it, the bytes the nodes'
+client) for each job per iteration, the first iteration and the job's load excluded; the two sizes run
+at once, one per service. Beside it, the bytes the nodes'
 outputs take when pickled (measured by running the same iterations in-process and pickling every output):
 what a design that routes batches through the client would move in each direction.
 
@@ -44,19 +45,23 @@ class PicklingInline(InlineExecutor):
         return handle
 
 
-def client_bytes(spec: Any) -> float:
-    executor = DaskExecutor(services=1, cpu_threads=1)
-    seen: dict[int, int] = {}
+def client_bytes(specs: list[Any]) -> dict[str, float]:
+    """Run the jobs at once, one per service; bytes fetched into the client per iteration, per job."""
+    executor = DaskExecutor(services=len(specs), cpu_threads=1)
+    seen: dict[tuple[str, int], int] = {}
 
     class Meter(Hook):
         def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
-            seen[iteration] = executor.bytes_received
+            seen[run.job_id, iteration] = executor.bytes_by_job[run.job_id]
 
-    (run,) = Runner(executor, hooks=[Meter()], lookahead=True, inline_below=0.01).run([spec])
-    if run.status != "done":
-        raise SystemExit(f"job {run.job_id} {run.status}: {run.error}")
-    last = max(seen)
-    return (seen[last] - seen[0]) / last
+    runs = Runner(executor, hooks=[Meter()], lookahead=True, inline_below=0.01).run(specs)
+    out = {}
+    for run in runs:
+        if run.status != "done":
+            raise SystemExit(f"job {run.job_id} {run.status}: {run.error}")
+        last = run.iterations_done - 1
+        out[run.job_id] = (seen[run.job_id, last] - seen[run.job_id, 0]) / last
+    return out
 
 
 def output_bytes(spec: Any) -> float:
@@ -82,15 +87,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         base["warm_start"] = {"max_steps": 4, "batch_size": 16, "eval_every": 2, "eval_size": 16}
         base["pipeline"]["params"].update(batch_size=4, n=4, eval_size=16)
     batch = base["pipeline"]["params"]["batch_size"]
-    print(f"{'prompts x samples':<20}{'client bytes/iteration':>24}{'node outputs bytes/iteration':>30}")
+    specs = []
     for scale in (1, args.scale):
         raw = copy.deepcopy(base)
         raw["name"] = f"bytes-x{scale}"
         raw["pipeline"]["params"]["batch_size"] = batch * scale
-        spec = prepare_job(load_job(raw))
-        got, outs = client_bytes(spec), output_bytes(spec)
-        shape = f"{batch * scale} x {raw['pipeline']['params'].get('n', 8)}"
-        print(f"{shape:<20}{got:>24,.0f}{outs:>30,.0f}", flush=True)
+        specs.append(prepare_job(load_job(raw)))
+    got = client_bytes(specs)
+    print(f"{'prompts x samples':<20}{'client bytes/iteration':>24}{'node outputs bytes/iteration':>30}")
+    for spec in specs:
+        params = spec.config.pipeline.params
+        shape = f"{params['batch_size']} x {params.get('n', 8)}"
+        print(f"{shape:<20}{got[spec.job_id]:>24,.0f}{output_bytes(spec):>30,.0f}", flush=True)
 
 
 if __name__ == "__main__":

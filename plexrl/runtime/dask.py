@@ -168,6 +168,7 @@ class DaskExecutor:
         self.worker_of: dict[str, str] = {}  # service id -> worker address
         self.cpu_workers: list[str] = []
         self.bytes_received = 0  # pickled bytes of every result fetched into this process
+        self.bytes_by_job: dict[str, int] = {}  # the part of it that belongs to each job's loads and nodes
         self.client: Any = None
         self.cluster: Any = None
         self.token = uuid.uuid4().hex[:8]  # names this executor's services inside the workers
@@ -272,9 +273,12 @@ class DaskExecutor:
             resources=resources, **kwargs,
         )  # fmt: skip
 
-    def _fetch(self, fut: Any, timeout: float | None = None) -> Any:
+    def _fetch(self, fut: Any, timeout: float | None = None, job_id: str | None = None) -> Any:
         value = fut.result(timeout=timeout)
-        self.bytes_received += len(pickle.dumps(value))
+        nbytes = len(pickle.dumps(value))
+        self.bytes_received += nbytes
+        if job_id is not None:
+            self.bytes_by_job[job_id] = self.bytes_by_job.get(job_id, 0) + nbytes
         return value
 
     def _alive(self) -> set[str]:
@@ -344,7 +348,7 @@ class DaskExecutor:
 
     def _outcome(self, fut: Any, work: _Work) -> Any:
         if fut.status == "finished":
-            return self._fetch(fut)
+            return self._fetch(fut, job_id=work.job_id)
         exc = fut.exception() if fut.status == "error" else RuntimeError(f"task {fut.status}")
         error = f"{type(exc).__name__}: {exc}"
         now = self.clock()
