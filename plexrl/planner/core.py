@@ -98,7 +98,6 @@ class Planner:
         self.inline_below = inline_below
         self.jobs: dict[str, JobRecord] = {}
         self.services: dict[str, ServiceRecord] = {}
-        self._by_id: list[ServiceRecord] = []
         self.pending: list[str] = []  # queued job ids, in submission order
         self.log: deque[Transition] = deque(maxlen=log_size)
         self.validate_each_step = validate
@@ -115,28 +114,29 @@ class Planner:
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
         out: list[Instruction] = []
-        entry = Transition(self.clock(), event, out)
-        self.log.append(entry)
-        if isinstance(event, ServiceJoined):
-            self._service_joined(event, out)
-        elif isinstance(event, ServiceLost):
-            self._service_lost(event, out)
-        elif isinstance(event, JobSubmitted):
-            self._job_submitted(event, out)
-        elif isinstance(event, NodeFinished):
-            self._node_finished(event, out)
-        elif isinstance(event, StateMeasured):
-            self._state_measured(event)
-        elif isinstance(event, JobCancelled):
-            self._end_job(event.job_id, "cancelled", event.reason, out)
-        elif isinstance(event, JobFailed):
-            self._end_job(event.job_id, "failed", event.reason, out)
+        self.log.append(Transition(self.clock(), event, out))
+        kind = type(event)
+        if kind is NodeFinished:  # by far the most frequent
+            self._node_finished(event, out)  # type: ignore[arg-type]
+        elif kind is ServiceJoined:
+            self._service_joined(event, out)  # type: ignore[arg-type]
+        elif kind is ServiceLost:
+            self._service_lost(event, out)  # type: ignore[arg-type]
+        elif kind is JobSubmitted:
+            self._job_submitted(event, out)  # type: ignore[arg-type]
+        elif kind is StateMeasured:
+            self._state_measured(event)  # type: ignore[arg-type]
+        elif kind is JobCancelled:
+            self._end_job(event.job_id, "cancelled", event.reason, out)  # type: ignore[union-attr]
+        elif kind is JobFailed:
+            self._end_job(event.job_id, "failed", event.reason, out)  # type: ignore[union-attr]
         else:
             raise TypeError(f"unknown event {event!r}")
-        if isinstance(event, ServiceJoined):
-            self._dirty.add(event.service_id)
-        elif not isinstance(event, (ServiceLost, JobSubmitted)):
-            job = self.jobs.get(event.job_id)
+        # the service this event concerns is offered a dispatch
+        if kind is ServiceJoined:
+            self._dirty.add(event.service_id)  # type: ignore[union-attr]
+        elif kind is not ServiceLost and kind is not JobSubmitted:
+            job = self.jobs.get(event.job_id)  # type: ignore[union-attr]
             if job is not None and job.service is not None:
                 self._dirty.add(job.service)
         self._admit(out)
@@ -154,7 +154,6 @@ class Planner:
         self._admission_due = True
         budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
         self.services[ev.service_id] = ServiceRecord(ev.service_id, state=StateManager(ev.service_id, budgets))  # type: ignore[arg-type]
-        self._by_id = sorted(self.services.values(), key=lambda s: s.service_id)  # dispatch order
 
     def _service_lost(self, ev: ServiceLost, out: list[Instruction]) -> None:
         svc = self.services.get(ev.service_id)
@@ -285,8 +284,10 @@ class Planner:
         deps; a normal iteration has every node, those inactive this iteration already done."""
         if job.iteration < 0:
             job.nodes = {name: "waiting" for name in job.plan.baseline}
+            job.remaining = len(job.nodes)
             return
         job.nodes = {name: "waiting" for name in job.plan.nodes}
+        job.remaining = len(job.nodes)
         for name, node in job.plan.nodes.items():
             if not node.active(job.iteration, job.plan.iterations):
                 self._set_node(job, name, "done")
@@ -295,18 +296,13 @@ class Planner:
         """Make ready every waiting node whose deps are done; close iterations whose nodes are all done
         (a loop, not recursion: many iterations in a row may have nothing to run)."""
         while True:
-            order = job.plan.baseline if job.iteration < 0 else (job.plan.order or tuple(job.plan.nodes))
-            progressed = True
-            while progressed:
-                progressed = False
-                for name in order:
-                    if job.nodes[name] != "waiting":
-                        continue
-                    deps = () if job.iteration < 0 else job.plan.nodes[name].deps
-                    if all(job.nodes[d] == "done" for d in deps):
-                        self._make_ready(job, name, out)
-                        progressed = True
-            if not all(s == "done" for s in job.nodes.values()):
+            # one pass is enough: a node made ready here is not done, so it cannot unblock another
+            nodes, plan = job.nodes, job.plan.nodes
+            baseline = job.iteration < 0
+            for name in job.plan.baseline if baseline else (job.plan.order or tuple(plan)):
+                if nodes[name] == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
+                    self._make_ready(job, name, out)
+            if job.remaining:
                 return
             out.append(IterationDone(job.job_id, job.iteration))
             if getattr(self.placement, "uses_load", True):
@@ -338,8 +334,9 @@ class Planner:
         if not self._dirty:
             return
         dirty, self._dirty = self._dirty, set()
-        for svc in self._by_id:
-            if svc.service_id not in dirty or not svc.alive or not svc.queue:
+        for service_id in sorted(dirty):  # services are offered dispatches in id order
+            svc = self.services[service_id]
+            if not svc.alive or not svc.queue:
                 continue
             if svc.running is None:
                 self._dispatch_one(svc, out)
@@ -458,6 +455,8 @@ class Planner:
         if (old, new) not in NODE_TRANSITIONS:
             raise InvalidTransition(self._history(f"node {job.job_id}/{name}: illegal {old} -> {new}"))
         job.nodes[name] = new
+        if new == "done":
+            job.remaining -= 1
 
     # -- checks --------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -487,6 +486,8 @@ class Planner:
                     raise InvalidTransition(self._history(f"{q.job_id} queued on foreign service {svc.service_id}"))
         for job in self.jobs.values():
             if job.status == "placed":
+                if job.remaining != sum(s != "done" for s in job.nodes.values()):
+                    raise InvalidTransition(self._history(f"{job.job_id}: {job.remaining} nodes counted as left"))
                 if job.service is None or job.job_id not in self.services[job.service].jobs:
                     raise InvalidTransition(self._history(f"{job.job_id} placed but not on its service"))
                 running = [

@@ -42,6 +42,7 @@ class JobRecord:
     service: str | None = None
     iteration: int = 0
     nodes: dict[str, NodeStatus] = field(default_factory=dict)
+    remaining: int = 0  # nodes of this iteration not done yet
     submitted_at: float = 0.0
     placed_at: float | None = None
     finished_at: float | None = None
