@@ -77,10 +77,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--scale", type=int, default=16, help="batch multiplier of the second row")
     ap.add_argument("--smoke", action="store_true", help="tiny model and batches, 3 iterations (for the tests)")
     args = ap.parse_args(argv)
-    run_dir = tempfile.mkdtemp(prefix="plexrl-bytes-")
+    run_dir = tempfile.mkdtemp(prefix="plexrl-bytes-") if args.smoke else "runs"  # runs/: the cached warm start
     base = load_job(CONFIG).raw
     base.update(run_dir=run_dir, iterations=3 if args.smoke else args.iterations, engine="torch")
     base["tracking"] = {"mlflow": False, "progress": False, "log_model": False}
+    base["warm_start"]["enabled"] = True
     if args.smoke:
         base["model"] = {"layers": 1, "hidden": 32, "heads": 2, "intermediate": 64}
         base["task"] = {"digits": 2, "train_size": 200, "eval_size": 16}

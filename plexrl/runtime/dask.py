@@ -7,7 +7,7 @@ there; every service task is pinned to its worker. CPU nodes are ordinary tasks 
 Data stays where it is made: a node task returns its `NodeResult` (report + output) and that future is
 the node's output; a later node receives it as an argument, so Dask moves it worker to worker. A second,
 tiny task on the same data returns the report alone; that is all the runner fetches (`bytes_received`
-counts it). Each job's frozen spec is scattered to every worker once.
+counts it). Each job's frozen spec is scattered once and reaches each worker that runs its tasks once.
 
 A cpu node the planner marks `inline` (predicted shorter than a round trip) may run on any worker,
 including the service worker that holds its input, instead of only the CPU pool (Dask picks the worker by
@@ -287,7 +287,9 @@ class DaskExecutor:
 
     # -- jobs and nodes -----------------------------------------------------------------------------
     def ship(self, spec: Any) -> None:
-        self._specs[spec.job_id] = self.client.scatter(spec, broadcast=True, hash=False)
+        # scattered once, not broadcast: Dask copies it to a worker the first time a task there needs it
+        # (a job's service worker and the CPU workers that run its nodes), then keeps it there
+        self._specs[spec.job_id] = self.client.scatter(spec, hash=False)
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         fut = self._on(service_id, _load_job, self._key(service_id), self._specs[job_id], tier,
