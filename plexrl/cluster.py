@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import ByteSize, Field, ValidationError, model_validator
@@ -22,6 +23,11 @@ from pydantic import ByteSize, Field, ValidationError, model_validator
 from plexrl.config import JobConfig, LoadedJob, StrictModel, _problem, load_job
 from plexrl.errors import ConfigError, Problem
 from plexrl.job import estimate_state_bytes, state_parts
+
+if TYPE_CHECKING:
+    from plexrl.hooks.base import Hook
+    from plexrl.runtime.executor import Executor
+    from plexrl.runtime.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +194,7 @@ class ClusterResult:
     tracking: dict[str, str] = field(default_factory=dict)
 
 
-def make_executor(cfg: ClusterConfig) -> Any:
+def make_executor(cfg: ClusterConfig) -> Executor:
     """The executor a cluster config asks for: in-process (`driver: local`) or a Dask cluster."""
     s = cfg.services
     if cfg.driver == "local":
@@ -203,7 +209,7 @@ def make_executor(cfg: ClusterConfig) -> Any:
     )  # fmt: skip
 
 
-def make_runner(cfg: ClusterConfig, hooks: list[Any], executor: Any = None) -> Any:
+def make_runner(cfg: ClusterConfig, hooks: list[Hook], executor: Executor | None = None) -> Runner:
     """The one `Runner`, with the config's policies and budgets, over `executor` (default: `make_executor`)."""
     from plexrl.planner.policies import ORDERINGS, PLACEMENTS, SpreadBackfill
     from plexrl.runtime.runner import Budgets, Runner
@@ -225,7 +231,9 @@ def make_runner(cfg: ClusterConfig, hooks: list[Any], executor: Any = None) -> A
     )  # fmt: skip
 
 
-def run_cluster(loaded: LoadedCluster, *, progress: bool = False, runner_hook: Any = None) -> ClusterResult:
+def run_cluster(
+    loaded: LoadedCluster, *, progress: bool = False, runner_hook: Callable[[Runner], Any] | None = None
+) -> ClusterResult:
     """Prepare every job (warm starts cached), run them on the shared services, account, track. Every output
     (timeline, accounting, the cluster MLflow run) is a hook; `runner_hook(runner)` sees the runner first."""
     from plexrl.hooks.cluster import Accounting, ClusterMlflow
