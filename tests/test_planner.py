@@ -22,6 +22,7 @@ from plexrl.planner import (
     ServiceJoined,
     ServiceLost,
 )
+from plexrl.planner.policies import Hrrs, OrderingView, QueuedNode
 
 GRPO = JobPlan(
     nodes={
@@ -169,3 +170,36 @@ def test_many_idle_iterations_in_a_row_do_not_recurse() -> None:
     assert sum(isinstance(i, IterationDone) for i in out) == 4999
     seen = drive(p, out)
     assert seen[-1] == JobDone("a", "s0")
+
+
+def _hrrs_reference(queue: list[QueuedNode], now: float, view: OrderingView, tie: float = 0.1) -> int:
+    """HRRS written plainly (the definition), to check the planner's one-pass version against."""
+
+    def ratio(q: QueuedNode) -> float:
+        cost = max(view.service_time(q) + view.swap_time(q.job_id), 1e-3)
+        return (max(now - q.ready_at, 0.0) + cost) / cost
+
+    best = max(range(len(queue)), key=lambda i: (ratio(queue[i]), -queue[i].ready_at, -queue[i].seq))
+    mine = [i for i, q in enumerate(queue) if q.job_id == view.resident]
+    if mine and queue[best].job_id != view.resident:
+        top = max(mine, key=lambda i: (ratio(queue[i]), -queue[i].seq))
+        if ratio(queue[top]) * (1 + tie) >= ratio(queue[best]):
+            return top
+    return best
+
+
+def test_hrrs_one_pass_pick_equals_its_definition() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        jobs = [f"j{k}" for k in range(rng.randint(1, 6))]
+        queue, t = [], 0.0
+        for seq in range(rng.randint(1, 12)):
+            t += rng.choice([0.0, 0.0, rng.uniform(0, 2)])  # equal ready times happen
+            queue.append(QueuedNode(rng.choice(jobs), 0, rng.choice(["rollout", "train"]), t, seq))
+        times = {(j, n): rng.choice([0.0, 0.1, 0.5, rng.uniform(0, 3)]) for j in jobs for n in ("rollout", "train")}
+        swaps = {j: rng.choice([0.0, 0.0, rng.uniform(0, 1)]) for j in jobs}
+        view = OrderingView(rng.choice([None, *jobs]), lambda q, t=times: t[q.job_id, q.node], swaps.__getitem__)
+        now = t + rng.uniform(0, 3)
+        assert Hrrs().pick(queue, now, view) == _hrrs_reference(queue, now, view)
