@@ -133,33 +133,3 @@ def test_state_measured_frees_room_for_a_queued_job() -> None:
     out = p.handle(StateMeasured("s0", "a", 50))  # the estimate was an upper bound
     assert p.jobs["b"].status == "placed" and any(getattr(i, "job_id", "") == "b" for i in out)
     assert p.handle(StateMeasured("s0", "a", 90)) == [] and p.services["s0"].state.size["a"] == 50  # no room
-
-
-def test_a_chain_of_tiny_cpu_nodes_is_sent_at_once() -> None:
-    """With `inline_below`, a tiny cpu node whose inputs come from tiny cpu nodes still running is sent with
-    them (the executor orders them by their data); reports may then come back in either order."""
-    nodes = {
-        "roll": NodePlan("service"),
-        "verify": NodePlan("cpu", ("roll",)),
-        "adv": NodePlan("cpu", ("roll", "verify")),
-        "train": NodePlan("service", ("roll", "adv")),
-    }
-    p = Planner(clock=lambda: 0.0, inline_below=0.01, validate=True)
-    p.handle(ServiceJoined("s0"))
-    p.handle(JobSubmitted("j", JobPlan(nodes, 3, ("roll", "verify", "adv", "train"))))
-    sent = [i.node for i in p.handle(NodeFinished("j", 0, "roll", duration=0.2)) if isinstance(i, RunNode)]
-    assert sent == ["verify"]  # never observed: one at a time
-    assert [i.node for i in p.handle(NodeFinished("j", 0, "verify", duration=0.001)) if isinstance(i, RunNode)] == [
-        "adv"
-    ]
-    p.handle(NodeFinished("j", 0, "adv", duration=0.001))
-    out = p.handle(NodeFinished("j", 0, "train", duration=0.2))  # iteration 1 starts: roll
-    assert [i.node for i in out if isinstance(i, RunNode)] == ["roll"]
-    out = p.handle(NodeFinished("j", 1, "roll", duration=0.2))
-    chain = [i for i in out if isinstance(i, RunNode)]
-    assert [(i.node, i.inline) for i in chain] == [("verify", True), ("adv", True)]
-    out = p.handle(NodeFinished("j", 1, "adv", duration=0.001))  # its report overtook its input's
-    assert [i.node for i in out if isinstance(i, RunNode)] == ["train"]  # it reads roll and adv only
-    assert p.jobs["j"].nodes["verify"] == "running"  # the iteration waits for it all the same
-    p.handle(NodeFinished("j", 1, "verify", duration=0.001))
-    assert p.jobs["j"].nodes == {"roll": "done", "verify": "done", "adv": "done", "train": "running"}

@@ -194,7 +194,6 @@ class Planner:
             raise InvalidTransition(self._history(f"unexpected finish of {ev.job_id}/{ev.iteration}/{ev.node}"))
         plan = job.plan.nodes[ev.node]
         job.cpu_started.pop(ev.node, None)
-        job.chained.discard(ev.node)
         if ev.ok:
             self.costs.observe(ev.job_id, ev.node, ev.duration)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
@@ -297,22 +296,12 @@ class Planner:
         """Make ready every waiting node whose deps are done; close iterations whose nodes are all done
         (a loop, not recursion: many iterations in a row may have nothing to run)."""
         while True:
-            # one pass in topological order is enough: a node made ready here is not done, so it unblocks only
-            # tiny cpu nodes chained after it, which come later in the order
+            # one pass is enough: a node made ready here is not done, so it cannot unblock another
             nodes, plan = job.nodes, job.plan.nodes
             baseline = job.iteration < 0
             for name in job.plan.baseline if baseline else (job.plan.order or tuple(plan)):
-                if nodes[name] != "waiting":
-                    continue
-                if baseline or all(nodes[d] == "done" for d in plan[name].deps):
+                if nodes[name] == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
                     self._make_ready(job, name, out)
-                elif (
-                    job.chained
-                    and plan[name].placement == "cpu"
-                    and all(nodes[d] == "done" or d in job.chained for d in plan[name].deps)
-                    and self._tiny(job, name)
-                ):
-                    self._make_ready(job, name, out)  # after the tiny cpu nodes it reads, without a round trip
             if job.remaining:
                 return
             out.append(IterationDone(job.job_id, job.iteration))
@@ -329,10 +318,7 @@ class Planner:
         if job.plan.nodes[name].placement == "cpu":
             self._set_node(job, name, "running")
             job.cpu_started[name] = self.clock()
-            tiny = self._tiny(job, name)
-            if tiny:
-                job.chained.add(name)
-            out.append(RunNode(job.job_id, job.iteration, name, "cpu", None, inline=tiny))
+            out.append(RunNode(job.job_id, job.iteration, name, "cpu", None, inline=self._tiny(job, name)))
         else:
             assert job.service is not None
             q = QueuedNode(job.job_id, job.iteration, name, self.clock(), next(self._seq))
@@ -509,8 +495,6 @@ class Planner:
                 ]
                 if len(running) > 1:
                     raise InvalidTransition(self._history(f"{job.job_id} runs {running} at once on one service"))
-                if any(job.nodes.get(n) != "running" or job.plan.nodes[n].placement != "cpu" for n in job.chained):
-                    raise InvalidTransition(self._history(f"{job.job_id}: chained {job.chained} not running cpu nodes"))
             elif job.status == "queued" and job.service is not None:
                 raise InvalidTransition(self._history(f"{job.job_id} queued yet has a service"))
 

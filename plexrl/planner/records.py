@@ -48,9 +48,6 @@ class JobRecord:
     finished_at: float | None = None
     reason: str = ""
     cpu_started: dict[str, float] = field(default_factory=dict)
-    # tiny cpu nodes sent while running: a tiny cpu node whose deps are all done or in here is sent at once,
-    # and the executor starts it when its inputs exist (a chain of them costs no round trip per node)
-    chained: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)

@@ -93,7 +93,7 @@ class _Iteration:
     """A job's current iteration as the runner sees it: output handles, metrics and seconds per node."""
 
     start: float
-    outputs: dict[str, Handle] = field(default_factory=dict)  # set at submit: a chained node names its input
+    outputs: dict[str, Handle] = field(default_factory=dict)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -240,7 +240,6 @@ class Runner:
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline
         )
         handle = self.executor.submit(task)
-        outputs[ins.node] = handle  # before it finishes: a tiny cpu node chained after it reads it by handle
         self._pending[handle] = _Pending("node", run.job_id, lane, ins.iteration, ins.node)
 
     # -- results --------------------------------------------------------------------------------------
@@ -267,8 +266,6 @@ class Runner:
         self.hooks.after_node(run, rep.iteration, rep.node, p.lane, rep.start, rep.end, rep.metrics)
         duration = rep.end - rep.start
         if rep.error is not None:
-            if it is not None and it.outputs.get(rep.node) == f.handle:
-                del it.outputs[rep.node]
             self.executor.forget([f.handle])
             events.append(
                 NodeFinished(run.job_id, rep.iteration, rep.node, ok=False, error=rep.error, duration=duration)
@@ -277,6 +274,7 @@ class Runner:
         if it is None:
             self.executor.forget([f.handle])
         else:
+            it.outputs[rep.node] = f.handle
             it.metrics[rep.node] = rep.metrics
             it.seconds[rep.node] = duration
         swap_seconds = rep.swap_end - rep.swap_start
