@@ -5,9 +5,11 @@ that worker process (a registry in this module, filled by a start-up task), so j
 there; every service task is pinned to its worker. CPU nodes are ordinary tasks on the CPU-pool workers.
 
 Data stays where it is made: a node task returns its `NodeResult` (report + output) and that future is
-the node's output; a later node receives it as an argument, so Dask moves it worker to worker. A second,
-tiny task on the same data returns the report alone; that is all the runner fetches (`bytes_received`
-counts it). Each job's frozen spec is scattered once and reaches each worker that runs its tasks once.
+the node's output; a later node receives it as an argument, so Dask moves it worker to worker. Before it
+returns, the task publishes its small `NodeReport` as a Dask event (`log_event`, to a topic this executor
+subscribes to): that is all the runner receives of a node (`bytes_received` counts it), with no task and
+no fetch of its own. A node's future is only looked at for failure (its worker died). Each job's frozen
+spec is scattered once and reaches each worker that runs its tasks once.
 
 A cpu node the planner marks `inline` (predicted shorter than a round trip) may run on any worker,
 including the service worker that holds its input, instead of only the CPU pool (Dask picks the worker by
@@ -25,10 +27,13 @@ seconds; its work in flight is gone. Not done here: recovery from checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import pickle
+import queue
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -89,11 +94,20 @@ def _load_job(key: str, spec: Any, tier: Tier) -> LoadReport:
     return LoadReport(spec.job_id, service_id, nbytes, start, time.time())
 
 
+def _publish(topic: str, handle: int, report: NodeReport) -> None:
+    """Send the node's small report to the client as a Dask event (one message, no extra task)."""
+    from distributed import get_worker
+
+    get_worker().log_event(topic, {"handle": handle, "report": dataclasses.asdict(report)})
+
+
 def _outputs(inputs: dict[str, NodeResult]) -> dict[str, Any]:
     return {port: res.output for port, res in inputs.items()}
 
 
 def _run_service_node(
+    topic: str,
+    handle: int,
     key: str,
     job_id: str,
     iteration: int,
@@ -104,19 +118,21 @@ def _run_service_node(
     *after: Any,
 ) -> NodeResult:
     """`after`: futures this node must wait for (its job's load, the service's previous node); unused."""
-    return _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch)
+    result = _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch)
+    _publish(topic, handle, result.report)
+    return result
 
 
-def _run_cpu_node(spec: Any, iteration: int, node: str, inputs: dict[str, NodeResult], threads: int) -> NodeResult:
+def _run_cpu_node(
+    topic: str, handle: int, spec: Any, iteration: int, node: str, inputs: dict[str, NodeResult], threads: int
+) -> NodeResult:
     import torch
 
     if not _SERVICES and torch.get_num_threads() != threads:  # never change a service worker's threads
         torch.set_num_threads(threads)
-    return run_cpu_node(spec, iteration, node, _outputs(inputs), time.time)
-
-
-def _report(result: NodeResult) -> NodeReport:
-    return result.report
+    result = run_cpu_node(spec, iteration, node, _outputs(inputs), time.time)
+    _publish(topic, handle, result.report)
+    return result
 
 
 def _save_model(key: str, job_id: str, path: str) -> str:
@@ -140,12 +156,13 @@ def _stop_service(key: str) -> dict[str, Any]:
 # -- the executor -------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Work:
-    report: Any  # future of the small report (what the runner waits for); None once fetched
-    result: Any  # future of the NodeResult (the output stays in it, on a worker); None for loads
+    future: Any  # a load's future (its small LoadReport is fetched), or a node's NodeResult future
+    is_node: bool
     lane: str
     job_id: str
     iteration: int = 0
     node: str = ""
+    reported: bool = False  # its report reached the runner; a node's future stays as its output
 
 
 class DaskExecutor:
@@ -177,6 +194,8 @@ class DaskExecutor:
         self._loaded: dict[str, Any] = {}  # job -> future of its load (its service nodes run after it)
         self._last_on: dict[str, Any] = {}  # service -> its latest task: the next one runs after it (order)
         self._lost: set[str] = set()
+        self._topic = f"plexrl-reports-{self.token}"
+        self._reports: queue.Queue[dict[str, Any]] = queue.Queue()  # node reports published by the workers
         self._next_check = 0.0
         self._ids = itertools.count()
 
@@ -214,12 +233,6 @@ class DaskExecutor:
                 "the Dask cluster has no worker with a GPU resource; start service workers with "
                 "`dask worker ADDRESS --resources GPU=1 --nthreads 2`"
             )
-        few = [name for name, a in gpu if info[a].get("nthreads", 1) < 2]
-        if few:
-            raise RuntimeError(
-                f"service workers {few} have one thread; start them with `--nthreads 2` (one runs the service's "
-                "nodes, the other returns their reports while the next node runs)"
-            )
         self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
         if not self.cpu_workers:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
@@ -234,6 +247,7 @@ class DaskExecutor:
         ]  # fmt: skip
         self.client.gather(futs)
         self.client.run(_warm_up)
+        self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
         self._next_check = time.time() + self.poll
         return list(self.worker_of)
 
@@ -243,7 +257,8 @@ class DaskExecutor:
             return reports
         try:
             for work in self._work.values():
-                work.report.cancel()
+                if not work.reported:
+                    work.future.cancel()
             self._work.clear()
             alive = self._alive()
             futs = {
@@ -265,8 +280,8 @@ class DaskExecutor:
 
     def _on(self, service_id: str, fn: Any, *args: Any, exclusive: bool = True, **kwargs: Any) -> Any:
         """A task pinned to the service's worker. `exclusive` (everything that touches the Service: loads,
-        nodes, saves, releases) holds the worker's one GPU slot, so they never overlap; the report tasks
-        run beside them on the worker's second thread."""
+        nodes, saves, releases) holds the worker's one GPU slot, so they never overlap; a tiny cpu node
+        placed next to its input may use the worker's second thread."""
         resources = {"GPU": 1} if exclusive else None
         return self.client.submit(
             fn, *args, workers=[self.worker_of[service_id]], allow_other_workers=False, pure=False,
@@ -296,19 +311,18 @@ class DaskExecutor:
                        key=f"load-{self.token}-{job_id}")  # fmt: skip
         self._loaded[job_id] = fut
         handle = next(self._ids)
-        self._work[handle] = _Work(fut, None, service_id, job_id)
+        self._work[handle] = _Work(fut, False, service_id, job_id)
         return handle
 
     def submit(self, task: NodeTask) -> Handle:
         handle = next(self._ids)
         key = f"{task.job_id}-{task.iteration}-{task.node}-{self.token}-{handle}"
-        inputs = {port: self._work[h].result for port, h in task.inputs.items()}
+        inputs = {port: self._work[h].future for port, h in task.inputs.items()}
         if task.service_id is None:
             fut = self.client.submit(
-                _run_cpu_node, self._specs[task.job_id], task.iteration, task.node, inputs, 1,
+                _run_cpu_node, self._topic, handle, self._specs[task.job_id], task.iteration, task.node, inputs, 1,
                 workers=None if task.inline else self.cpu_workers, pure=False, key=key,
             )  # fmt: skip
-            report = self.client.submit(_report, fut, pure=False, key=f"report-{key}")
         else:
             sid = task.service_id
             involved = {task.job_id} | {m.job_id for m in (*task.swaps, *task.prefetch)}
@@ -317,36 +331,58 @@ class DaskExecutor:
             if previous is not None and not previous.done():
                 after.append(previous)  # with lookahead, a service runs its nodes in the order they were sent
             fut = self._on(
-                sid, _run_service_node, self._key(sid), task.job_id, task.iteration, task.node, inputs,
-                task.swaps, task.prefetch, *after, key=key,
+                sid, _run_service_node, self._topic, handle, self._key(sid), task.job_id, task.iteration,
+                task.node, inputs, task.swaps, task.prefetch, *after, key=key,
             )  # fmt: skip
             self._last_on[sid] = fut
-            report = self._on(sid, _report, fut, key=f"report-{key}", exclusive=False)
-        self._work[handle] = _Work(report, fut, task.lane, task.job_id, task.iteration, task.node)
+        self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node)
         return handle
 
     def wait(self, timeout: float) -> list[Finished]:
-        from distributed import wait
-        from distributed.client import FuturesCancelledError
+        """Node reports arrive as events the workers publish when a node ends (no task, no fetch); loads are
+        fetched; a task that failed outside its operator (its worker died) is found by its future's status."""
+        deadline = time.time() + timeout
+        while True:
+            out = self._collect_reports()
+            out += self._collect_futures()
+            if out or time.time() >= deadline:
+                return sorted(out, key=lambda f: f.handle)  # submission order
+            with contextlib.suppress(queue.Empty):  # a node report wakes this at once; loads, failures: 50 ms
+                self._reports.put(self._reports.get(timeout=min(0.05, max(deadline - time.time(), 0.0))))
 
-        by_future = {w.report: h for h, w in self._work.items() if w.report is not None}
-        if not by_future:
-            return []
-        try:
-            done = wait(list(by_future), timeout=timeout, return_when="FIRST_COMPLETED").done
-        except TimeoutError:
-            done = set()
-        except FuturesCancelledError:  # e.g. the scheduler forgot a task whose worker died
-            done = {f for f in by_future if f.status == "cancelled"}
+    def _collect_reports(self) -> list[Finished]:
+        out: list[Finished] = []
+        while True:
+            try:
+                msg = self._reports.get_nowait()
+            except queue.Empty:
+                return out
+            work = self._work.get(msg["handle"])
+            if work is None or work.reported:
+                continue  # its service was lost, or the runner forgot it
+            work.reported = True
+            self._count(msg, work.job_id)
+            fields = msg["report"]
+            fields["weight_loads"] = [tuple(w) for w in fields["weight_loads"]]
+            out.append(Finished(msg["handle"], NodeReport(**fields)))
+
+    def _collect_futures(self) -> list[Finished]:
         out = []
-        for fut in sorted(done, key=lambda f: by_future[f]):  # submission order
-            handle = by_future[fut]
-            work = self._work[handle]
-            work.report = None  # fetched (or failed); the result future stays as the node's output
-            if work.result is None:
+        for handle, work in list(self._work.items()):
+            if work.reported or work.future.status == "pending":
+                continue
+            if work.is_node and work.future.status == "finished":
+                continue  # done: its report event is on its way
+            work.reported = True
+            if not work.is_node:
                 self._work.pop(handle)
-            out.append(Finished(handle, self._outcome(fut, work)))
+            out.append(Finished(handle, self._outcome(work.future, work)))
         return out
+
+    def _count(self, value: Any, job_id: str) -> None:
+        nbytes = len(pickle.dumps(value))
+        self.bytes_received += nbytes
+        self.bytes_by_job[job_id] = self.bytes_by_job.get(job_id, 0) + nbytes
 
     def _outcome(self, fut: Any, work: _Work) -> Any:
         if fut.status == "finished":
@@ -354,7 +390,7 @@ class DaskExecutor:
         exc = fut.exception() if fut.status == "error" else RuntimeError(f"task {fut.status}")
         error = f"{type(exc).__name__}: {exc}"
         now = self.clock()
-        if work.result is None:  # a load
+        if not work.is_node:
             return LoadReport(work.job_id, work.lane, 0, now, now, error)
         return NodeReport(work.job_id, work.iteration, work.node, error, now, now)  # its worker died, say
 
@@ -387,5 +423,5 @@ class DaskExecutor:
     def forget(self, handles: Iterable[Handle]) -> None:
         for h in list(handles):
             work = self._work.get(h)
-            if work is not None and work.report is None:
+            if work is not None and work.reported:
                 del self._work[h]  # dropping the last reference lets Dask free the output on its worker
