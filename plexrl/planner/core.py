@@ -29,6 +29,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
+from plexrl.planner.checks import first_violation
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
     Event,
@@ -460,43 +461,11 @@ class Planner:
 
     # -- checks --------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check every invariant; raise `InvalidTransition` with history on the first violation."""
-        for svc in self.services.values():
-            try:
-                svc.state.validate()
-            except AssertionError as exc:
-                raise InvalidTransition(self._history(str(exc))) from None
-            if set(svc.state.where) != svc.jobs:
-                raise InvalidTransition(self._history(f"{svc.service_id}: states {set(svc.state.where)} != jobs"))
-            if svc.next is not None and (svc.running is None or svc.running[0] == svc.next[0]):
-                raise InvalidTransition(self._history(f"{svc.service_id}: next {svc.next} with running {svc.running}"))
-            for key in (svc.running, svc.next):
-                if key is None:
-                    continue
-                job_id, it, node = key
-                job = self.jobs[job_id]
-                if job.service != svc.service_id or job.status != "placed":
-                    raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}, not placed there"))
-                if not svc.state.on_device(job_id):
-                    raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id} whose state is off device"))
-                if job.iteration != it or job.nodes.get(node) != "running":
-                    raise InvalidTransition(self._history(f"{svc.service_id} runs {job_id}/{node} not marked running"))
-            for q in svc.queue:
-                if self.jobs[q.job_id].service != svc.service_id:
-                    raise InvalidTransition(self._history(f"{q.job_id} queued on foreign service {svc.service_id}"))
-        for job in self.jobs.values():
-            if job.status == "placed":
-                if job.remaining != sum(s != "done" for s in job.nodes.values()):
-                    raise InvalidTransition(self._history(f"{job.job_id}: {job.remaining} nodes counted as left"))
-                if job.service is None or job.job_id not in self.services[job.service].jobs:
-                    raise InvalidTransition(self._history(f"{job.job_id} placed but not on its service"))
-                running = [
-                    n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].placement == "service"
-                ]
-                if len(running) > 1:
-                    raise InvalidTransition(self._history(f"{job.job_id} runs {running} at once on one service"))
-            elif job.status == "queued" and job.service is not None:
-                raise InvalidTransition(self._history(f"{job.job_id} queued yet has a service"))
+        """Check every invariant (`checks.first_violation`); raise `InvalidTransition` with history on the first
+        violation."""
+        problem = first_violation(self.jobs, self.services)
+        if problem is not None:
+            raise InvalidTransition(self._history(problem))
 
     def _history(self, message: str) -> str:
         lines = [message, "recent history (oldest first):"]

@@ -278,22 +278,18 @@ class DaskExecutor:
     def _key(self, service_id: str) -> str:
         return f"{self.token}/{service_id}"
 
-    def _on(self, service_id: str, fn: Any, *args: Any, exclusive: bool = True, **kwargs: Any) -> Any:
-        """A task pinned to the service's worker. `exclusive` (everything that touches the Service: loads,
-        nodes, saves, releases) holds the worker's one GPU slot, so they never overlap; a tiny cpu node
-        placed next to its input may use the worker's second thread."""
-        resources = {"GPU": 1} if exclusive else None
+    def _on(self, service_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A task that touches the service (load, node, save, release, stop): pinned to its worker and holding
+        the worker's one GPU slot, so two never overlap; a tiny cpu node placed next to its input may use the
+        worker's second thread."""
         return self.client.submit(
             fn, *args, workers=[self.worker_of[service_id]], allow_other_workers=False, pure=False,
-            resources=resources, **kwargs,
+            resources={"GPU": 1}, **kwargs,
         )  # fmt: skip
 
-    def _fetch(self, fut: Any, timeout: float | None = None, job_id: str | None = None) -> Any:
+    def _fetch(self, fut: Any, timeout: float | None = None, job_id: str = "") -> Any:
         value = fut.result(timeout=timeout)
-        nbytes = len(pickle.dumps(value))
-        self.bytes_received += nbytes
-        if job_id is not None:
-            self.bytes_by_job[job_id] = self.bytes_by_job.get(job_id, 0) + nbytes
+        self._count(value, job_id)
         return value
 
     def _alive(self) -> set[str]:
@@ -380,9 +376,11 @@ class DaskExecutor:
         return out
 
     def _count(self, value: Any, job_id: str) -> None:
+        """Bytes of what reached this process (pickled size), in all and per job ("" for none)."""
         nbytes = len(pickle.dumps(value))
         self.bytes_received += nbytes
-        self.bytes_by_job[job_id] = self.bytes_by_job.get(job_id, 0) + nbytes
+        if job_id:
+            self.bytes_by_job[job_id] = self.bytes_by_job.get(job_id, 0) + nbytes
 
     def _outcome(self, fut: Any, work: _Work) -> Any:
         if fut.status == "finished":

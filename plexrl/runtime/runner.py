@@ -309,7 +309,7 @@ class Runner:
         self.hooks.on_iteration_end(run, iteration, metrics)
 
     def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:
-        model_dir = getattr(run.spec, "model_dir", None)
+        model_dir = run.spec.model_dir
         if status == "done" and service_id is not None and model_dir is not None:
             try:
                 run.artifacts["model"] = self.executor.save(run.job_id, service_id, model_dir)
