@@ -8,6 +8,7 @@ from pydantic import Field
 
 from plexrl.batch import Advantages, Rewards, Rollouts, TrainStats, Values
 from plexrl.operator import OpContext, operator
+from plexrl.operators.advantage import Std, all_equal
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -60,17 +61,34 @@ def gae_advantage(
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0,
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95,
     whiten: bool = True,
+    std: Std = "biased",
 ) -> Advantages:
     """Per-token GAE advantages and returns (see `gae`); `whiten` normalises the advantages over the
-    batch's response tokens (mean 0, std 1)."""
+    batch's response tokens (mean 0, `std` 1; see `whiten_tokens`). Returns are never whitened."""
     mask = rollouts.response_mask
     adv, returns = gae(rewards.values, values.values, mask, gamma=gamma, lam=lam)
     if whiten:
-        count = mask.sum().clamp(min=1)
-        mean = (adv * mask).sum() / count
-        std = ((((adv - mean) * mask) ** 2).sum() / count).sqrt()
-        adv = (adv - mean) / (std + 1e-6) * mask
+        adv = whiten_tokens(adv, mask, std=std)
     return Advantages(values=adv, returns=returns)
+
+
+def whiten_tokens(x: Tensor, mask: Tensor, *, std: Std = "biased", eps: float = 1e-6) -> Tensor:
+    """(x - mean) / (std + eps) over the tokens where mask > 0 (each token counts once), in float64;
+    x, mask [N, L] -> [N, L] float32, 0 where masked. Tokens that are all equal (see
+    `operators.advantage.all_equal`) give exactly 0 instead of rounding error / eps.
+
+    >>> import torch
+    >>> whiten_tokens(torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]]), eps=0.0).tolist()
+    [[-1.0, 1.0, 0.0]]
+    """
+    import torch
+
+    m = mask > 0
+    tokens = x.double()[m]
+    if tokens.numel() == 0 or bool(all_equal(tokens, 0)):
+        return torch.zeros_like(x, dtype=torch.float32)
+    out = (x.double() - tokens.mean()) / (tokens.std(correction=int(std == "unbiased")) + eps)
+    return torch.where(m, out, torch.zeros_like(out)).float()
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float) -> Tensor:

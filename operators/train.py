@@ -16,9 +16,17 @@ if TYPE_CHECKING:
 
 Agg = Literal["token_mean", "seq_mean", "seq_sum_token_mean"]
 KlEstimator = Literal["k1", "k2", "k3"]
+LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp(): ratios within e^+-20 (the reference implementations')
+K3_CLAMP = 10.0  # upper bound of a token's k3 KL estimate
 
 
-def masked_mean(x: Tensor, mask: Tensor, agg: str = "token_mean", norm_length: float | None = None) -> Tensor:
+def masked_mean(
+    x: Tensor,
+    mask: Tensor,
+    agg: str = "token_mean",
+    norm_length: float | None = None,
+    denominator: float | None = None,
+) -> Tensor:
     """Aggregate x [N, L] over mask [N, L]:
 
     - `token_mean`: mean over all unmasked tokens of the batch (DAPO);
@@ -26,26 +34,34 @@ def masked_mean(x: Tensor, mask: Tensor, agg: str = "token_mean", norm_length: f
     - `seq_sum_token_mean`: sum over each sequence's tokens divided by a constant `norm_length` (default:
       the longest sequence in the batch), then mean over sequences (Dr. GRPO: no length bias).
 
+    `denominator`, when given, replaces the batch's own count in the outer mean (its unmasked tokens for
+    `token_mean`, its sequences for the other two): `train` passes the count of the batch BEFORE it skipped
+    zero-advantage rows, so that skipping saves compute without rescaling the loss.
+
     >>> import torch
     >>> x, m = torch.tensor([[1.0, 3.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     >>> [float(masked_mean(x, m, a)) for a in ("token_mean", "seq_mean", "seq_sum_token_mean")]
     [2.0, 2.0, 1.5]
     """
     if agg == "token_mean":
-        return (x * mask).sum() / mask.sum().clamp(min=1)
+        return (x * mask).sum() / (mask.sum().clamp(min=1) if denominator is None else denominator)
     if agg == "seq_mean":
-        return ((x * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    if agg == "seq_sum_token_mean":
+        per_seq = (x * mask).sum(1) / mask.sum(1).clamp(min=1)
+    elif agg == "seq_sum_token_mean":
         norm = norm_length if norm_length is not None else float(mask.sum(1).max().clamp(min=1))
-        return ((x * mask).sum(1) / norm).mean()
-    raise ValueError(f"unknown loss aggregation {agg!r}")
+        per_seq = (x * mask).sum(1) / norm
+    else:
+        raise ValueError(f"unknown loss aggregation {agg!r}")
+    return per_seq.mean() if denominator is None else per_seq.sum() / denominator
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy, [N, L], 0 where masked.
 
     k1 = logp - ref (unbiased, can be negative); k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1
-    (unbiased, non-negative). Masked columns are zeroed before exp(), which could overflow there.
+    (unbiased, non-negative). Masked columns are zeroed before exp(), which could overflow there; for k3,
+    ref - logp is clamped to +-LOG_RATIO_CLAMP and the estimate capped at K3_CLAMP (no gradient beyond
+    either bound), as the reference implementations do, so that one extreme token cannot overflow float32.
     """
     import torch
 
@@ -55,7 +71,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "k
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return torch.exp(d) - d - 1
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.exp(d) - d - 1).clamp(max=K3_CLAMP)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -74,16 +91,18 @@ def policy_loss(
     kl_estimator: str = "k3",
     agg: str = "token_mean",
     norm_length: float | None = None,
+    denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss; all [N, L] except advantages [N]:
 
-        ratio = exp(logp - old_logp)   (`ratio_level="sequence"`: exp of the per-sequence mean, GSPO)
+        ratio = exp(clamp(logp - old_logp, +-20))   (`ratio_level="sequence"`: exp of the per-sequence mean, GSPO)
         pg    = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)       (eps_high: DAPO clip-higher)
         pg    = min(pg, -dual_clip * A) where A < 0                           (dual-clip, c > 1)
         loss  = agg(pg) + kl_coef * agg(kl_estimator(logp, ref))
 
-    advantages may also be per token, [N, L] (GAE). Returns (loss, {pg_loss, kl, clip_frac}); clip_frac is
-    the share of tokens where a clipped term is used.
+    advantages may also be per token, [N, L] (GAE). `denominator`: see `masked_mean`. The log-ratio clamp
+    (LOG_RATIO_CLAMP) keeps exp() finite in float32; a token beyond it gets no gradient through the ratio.
+    Returns (loss, {pg_loss, kl, clip_frac}); clip_frac is the share of tokens where a clipped term is used.
 
     >>> import torch
     >>> one = torch.ones(1, 1)
@@ -95,7 +114,7 @@ def policy_loss(
 
     high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
-    log_ratio = logp - old_logp
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if ratio_level == "sequence":
         seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = seq.expand_as(logp)
@@ -109,12 +128,12 @@ def policy_loss(
         dual = (adv < 0) & (pg > bound)
         pg = torch.where(dual, bound.expand_as(pg), pg)
         clipped_now = clipped_now | dual
-    pg_loss = masked_mean(pg, mask, agg, norm_length)
+    pg_loss = masked_mean(pg, mask, agg, norm_length, denominator)
     clip_frac = masked_mean(clipped_now.float(), mask, "token_mean")
     kl = torch.zeros(())
     loss = pg_loss
     if ref_logp is not None:
-        kl = masked_mean(kl_penalty(logp, ref_logp, mask, kl_estimator), mask, agg, norm_length)
+        kl = masked_mean(kl_penalty(logp, ref_logp, mask, kl_estimator), mask, agg, norm_length, denominator)
         loss = loss + kl_coef * kl
     return loss, {"pg_loss": float(pg_loss.detach()), "kl": float(kl.detach()), "clip_frac": float(clip_frac)}
 
@@ -142,16 +161,29 @@ def train(
     adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9,
     adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999,
     skip_zero_advantage: bool = True,
+    skip_norm: Literal["full", "kept"] = "full",
     on_policy: bool = True,
 ) -> TrainStats:
     """One policy update from a rollout: `epochs` x `minibatches` AdamW steps on `policy_loss` (see there
     for clip_eps_high, dual_clip, ratio_level, kl_estimator, loss_agg, norm_length), gradient clipping at
-    `max_grad_norm`; KL to the reference when `ref_logprobs` is given
-    and `kl_coef` > 0. With `skip_zero_advantage`, rows whose advantage is exactly 0 (groups where every
-    sample got the same reward) are left out: they add no policy gradient, only compute. Reports loss,
-    pg_loss, kl, clip_frac, entropy, grad_norm, and `rows` trained on. With `on_policy` (every built-in
-    pipeline), the rollouts must have been sampled by the current weights: a stale rollout (e.g. a missed
-    weight sync to the generation engine) is an error, not a silent off-policy update."""
+    `max_grad_norm`; KL to the reference when `ref_logprobs` is given and `kl_coef` > 0.
+
+    `skip_zero_advantage` leaves rows whose advantage is exactly 0 out of the forward and backward passes;
+    `skip_norm` says what the loss is then divided by:
+
+    - `full` (the published GRPO, Dr. GRPO, GSPO, RLOO, PPO): the count (tokens for `token_mean`, rows
+      otherwise) of the WHOLE batch, / `minibatches` per step, and rows that carry a KL term are not
+      skipped: skipping only saves compute, and the step size does not depend on how many groups happened
+      to be all-equal. With one minibatch the gradient equals the one without skipping; with several, each
+      step divides by the whole batch's count / `minibatches` (the kept rows are split anew). A step whose
+      rows were all skipped is not taken (AdamW would have moved the weights by its momentum).
+    - `kept` (DAPO's dynamic sampling): groups (of `rollouts.group_size` rows) whose advantages are all 0
+      leave the batch, KL term included, and each step divides by the count of its own rows.
+
+    Reports loss, pg_loss, kl, clip_frac, entropy, grad_norm, `rows` trained on and `rows_skipped`. With
+    `on_policy` (every built-in pipeline), the rollouts must have been sampled by the current weights: a
+    stale rollout (e.g. a missed weight sync to the generation engine) is an error, not a silent
+    off-policy update."""
     import torch
 
     if on_policy and rollouts.weight_version != ctx.engine.weight_version:
@@ -168,16 +200,27 @@ def train(
         "old_logp": rollouts.behaviour_logprobs,
         "adv": advantages.values,
     }
-    if ref_logprobs is not None and kl_coef > 0:
+    with_kl = ref_logprobs is not None and kl_coef > 0
+    if with_kl:
+        assert ref_logprobs is not None
         batch["ref_logp"] = ref_logprobs.values
+    total = int(batch["adv"].shape[0])
+    denominator: float | None = None
     if skip_zero_advantage:
-        keep = advantages.values != 0
-        if keep.dim() == 2:  # per-token advantages (GAE): keep rows with any non-zero token
-            keep = keep.any(1)
+        keep = zero_advantage_keep(advantages.values, rollouts.group_size if skip_norm == "kept" else 1)
+        if skip_norm == "full":
+            count = batch["mask"].sum() if loss_agg == "token_mean" else torch.tensor(float(total))
+            denominator = float(count.clamp(min=1)) / minibatches
+            if norm_length is None and loss_agg == "seq_sum_token_mean":
+                norm_length = float(batch["mask"].sum(1).max().clamp(min=1))  # the whole batch's longest
+            if with_kl:
+                keep = torch.ones_like(keep)  # their KL term has a gradient: nothing to skip
         batch = {k: v[keep] for k, v in batch.items()}
     rows = int(batch["adv"].shape[0])
     if rows == 0:
-        return TrainStats(stats={"rows": 0.0, "steps": 0.0}, weight_version=ctx.engine.weight_version)
+        return TrainStats(
+            stats={"rows": 0.0, "rows_skipped": float(total), "steps": 0.0}, weight_version=ctx.engine.weight_version
+        )
 
     def loss_fn(mb: dict[str, Tensor], logp: Tensor, entropy: Tensor) -> tuple[Tensor, dict[str, float]]:
         loss, stats = policy_loss(
@@ -194,6 +237,7 @@ def train(
             kl_estimator=kl_estimator,
             agg=loss_agg,
             norm_length=norm_length,
+            denominator=denominator,
         )
         with torch.no_grad():
             stats["entropy"] = float(masked_mean(entropy, mb["mask"]))
@@ -210,4 +254,25 @@ def train(
         epochs=epochs,
         betas=(adam_beta1, adam_beta2),
     )
-    return TrainStats(stats={**stats, "rows": float(rows)}, weight_version=ctx.engine.weight_version)
+    return TrainStats(
+        stats={**stats, "rows": float(rows), "rows_skipped": float(total - rows)},
+        weight_version=ctx.engine.weight_version,
+    )
+
+
+def zero_advantage_keep(advantages: Tensor, group_size: int = 1) -> Tensor:
+    """Rows worth training on: [N] bool, False for rows whose advantage is exactly 0 (every token of it,
+    for per-token advantages [N, L]); with `group_size` > 1, False only for whole groups of such rows.
+
+    >>> import torch
+    >>> zero_advantage_keep(torch.tensor([1.0, 0.0, 0.0, 0.0])).tolist()
+    [True, False, False, False]
+    >>> zero_advantage_keep(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=2).tolist()
+    [True, True, False, False]
+    """
+    keep = advantages != 0
+    if keep.dim() == 2:  # per-token advantages (GAE): keep rows with any non-zero token
+        keep = keep.any(1)
+    if group_size > 1 and keep.numel() % group_size == 0:
+        keep = keep.view(-1, group_size).any(1, keepdim=True).expand(-1, group_size).reshape(-1)
+    return keep

@@ -5,8 +5,9 @@ The overlong penalty starts `overlong_buffer` tokens before the generation budge
 keep the buffer small, or it penalises correct answers (on 3-digit addition with a 6-token budget, 200
 iterations reached 77% held-out accuracy with a buffer of 1 and 33% with a buffer of 2).
 
-Departure: dynamic sampling here drops the groups whose rewards are all equal from the update
-(`skip_zero_advantage`) but does not sample more prompts to refill the batch.
+Dynamic sampling without refill (the default): groups whose advantages are all 0 leave the batch, KL
+term included, and the loss is normalised over the tokens left (`train`'s `skip_norm="kept"`), as
+published; so the step size depends on how many groups were kept.
 
 prompts -> rollout -> verify -> overlong -> advantage -> train (clip 0.2 / 0.28, token_mean) -> evaluate
 """
@@ -51,7 +52,7 @@ def dapo(
     train = p.add(
         "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps_low,
         clip_eps_high=clip_eps_high, minibatches=minibatches, adam_beta2=adam_beta2, loss_agg="token_mean",
-        skip_zero_advantage=True,
+        skip_zero_advantage=True, skip_norm="kept",
     )  # fmt: skip
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

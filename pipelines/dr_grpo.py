@@ -2,6 +2,9 @@
 advantages are not divided by the group's std, and the loss sums each response's tokens and divides by a
 constant (the generation budget) instead of the response's own length.
 
+Zero-advantage rows (all-equal groups) are skipped for compute only: the loss keeps the whole batch's
+normaliser (`train`'s `skip_norm="full"`), as published.
+
 prompts -> rollout -> verify -> advantage (r - group mean) -> train (seq_sum_token_mean) -> evaluate
 """
 

@@ -1,4 +1,10 @@
-"""GRPO (Shao et al., 2024) as one iteration's DAG:
+"""GRPO (Shao et al., 2024) as one iteration's DAG.
+
+Zero-advantage rows (all-equal groups) are skipped for compute only: the loss keeps the whole batch's
+normaliser (`train`'s `skip_norm="full"`), as published.
+`std` picks the group std's divisor (biased, G: the default here; unbiased, G - 1: the reference
+implementations').
+
 
 prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
               \\-> ref_logprob (only with KL) --/
@@ -6,7 +12,7 @@ prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -28,6 +34,7 @@ def grpo(
     loss_agg: str = "token_mean",
     adam_beta2: float = 0.98,
     skip_zero_advantage: bool = True,
+    std: Literal["biased", "unbiased"] = "biased",
     eval_every: int = 20,
     eval_size: int = 500,
     verifier_latency_s: Annotated[
@@ -39,7 +46,7 @@ def grpo(
     rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
     remote = {"latency_s": verifier_latency_s} if verifier_latency_s > 0 else {}
     rewards = p.add("verify", "remote_verify" if remote else "verify", rollouts=rollouts, **remote)
-    adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards)
+    adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards, std=std)
     ref = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts, which="reference")} if kl_coef > 0 else {}
     train = p.add(
         "train",

@@ -5,6 +5,8 @@ prompts -> episodes -> turn0[service] -> tools0[cpu] -> turn1[service] -> ... ->
         -> finish -> verify -> advantage -> train -> evaluate (every k)
 
 Tool output is masked out of the policy loss (see `plexrl.episodes` for the tag format).
+Zero-advantage rows (all-equal groups) are skipped for compute only: the loss keeps the whole batch's
+normaliser (`train`'s `skip_norm="full"`), as published.
 """
 
 from __future__ import annotations

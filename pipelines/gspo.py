@@ -2,6 +2,9 @@
 sequence-level importance ratio (the geometric mean of the token ratios), clipped per sequence with a
 very narrow range, and a sequence-mean loss.
 
+Zero-advantage rows (all-equal groups) are skipped for compute only: the loss keeps the whole batch's
+normaliser (`train`'s `skip_norm="full"`), as published.
+
 prompts -> rollout -> verify -> advantage -> train (ratio_level=sequence, clip 3e-4 / 4e-4) -> evaluate
 """
 

@@ -4,11 +4,16 @@ per-token advantages, and policy and critic are updated with clipped losses.
 
 Departure: several samples per prompt (`n`), as in the other pipelines here, and no KL in the reward.
 
+Rows whose GAE advantages are all 0 are skipped for compute only (`skip_norm="full"`); the advantages are
+whitened with the `std` given (biased by default; the reference implementations use unbiased).
+
 prompts -> rollout -> verify --------> gae -> train (policy) -> evaluate
                  \\-> value_estimate --/  \\-> train_critic
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from plexrl.graph import Pipeline, PipelineGraph
 
@@ -24,6 +29,7 @@ def ppo(
     clip_eps: float = 0.2,
     gamma: float = 1.0,
     lam: float = 0.95,
+    std: Literal["biased", "unbiased"] = "biased",
     minibatches: int = 2,
     adam_beta2: float = 0.98,
     eval_every: int = 20,
@@ -34,7 +40,9 @@ def ppo(
     rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
     rewards = p.add("verify", "verify", rollouts=rollouts)
     values = p.add("values", "value_estimate", rollouts=rollouts)
-    adv = p.add("gae", "gae_advantage", rollouts=rollouts, rewards=rewards, values=values, gamma=gamma, lam=lam)
+    adv = p.add(
+        "gae", "gae_advantage", rollouts=rollouts, rewards=rewards, values=values, gamma=gamma, lam=lam, std=std
+    )
     train = p.add(
         "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps, minibatches=minibatches,
         adam_beta2=adam_beta2, loss_agg="token_mean",

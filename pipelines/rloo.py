@@ -3,6 +3,9 @@
 Departure: the update uses the clipped surrogate; with one minibatch (the default here) the ratio is 1
 and the update is exactly REINFORCE with the RLOO baseline.
 
+Zero-advantage rows (all-equal groups) are skipped for compute only: the loss keeps the whole batch's
+normaliser (`train`'s `skip_norm="full"`), as published.
+
 prompts -> rollout -> verify -> advantage (leave-one-out) -> train (seq_mean) -> evaluate
 """
 
