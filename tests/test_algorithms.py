@@ -171,3 +171,93 @@ def test_ppo_does_not_depend_on_the_global_rng(tiny_config: dict[str, Any]) -> N
         )
     assert runs[0][-1]["critic/value_loss"] > 0 and runs[0][-1]["values/mean"] != 0  # the critic is learning
     assert runs[0] == runs[1]
+
+
+# -- issue 15: numerical conventions ---------------------------------------------------------------------
+def constant_groups(group_size: int, count: int = 200) -> torch.Tensor:
+    """`count` groups of identical rewards that float32 cannot represent exactly (0.3, 1/3, partial credit,
+    overlong penalties with buffer 3), seeded."""
+    g = torch.Generator().manual_seed(0)
+    pool = torch.tensor([0.3, 1 / 3, 2 / 3, 0.7, 0.1, -1 / 3, 1.3, 0.45])
+    values = pool[torch.randint(len(pool), (count,), generator=g)] + torch.rand(count, generator=g)
+    return values.repeat_interleave(group_size)
+
+
+@pytest.mark.parametrize("group_size", [3, 5, 7, 8])
+def test_all_equal_groups_get_exactly_zero(group_size: int) -> None:
+    r = constant_groups(group_size)
+    # the old float32 computation gave +-0.1-0.26 on many of these groups
+    old = r.view(-1, group_size)
+    old_adv = (old - old.mean(1, keepdim=True)) / (old.std(1, keepdim=True, unbiased=False) + 1e-6)
+    assert (old_adv != 0).any()
+    for adv in (
+        group_advantages(r, group_size),
+        group_advantages(r, group_size, scale=False),
+        group_advantages(r, group_size, std="unbiased"),
+        leave_one_out_advantages(r, group_size),
+        batch_normalized_advantages(r, group_size, group_baseline=True),
+    ):
+        assert (adv == 0).all()
+
+
+def test_rewards_one_ulp_apart_count_as_equal() -> None:
+    # 0.1 + 0.2 != 0.3 in float64: without the spread tolerance the group std is ~3e-17 and the advantages +-1
+    r = torch.tensor([0.3, 0.1 + 0.2] * 4, dtype=torch.float64)
+    assert group_advantages(r, 8).tolist() == [0.0] * 8
+    assert leave_one_out_advantages(r, 8).tolist() == [0.0] * 8
+    assert batch_normalized_advantages(r, 8, group_baseline=False).tolist() == [0.0] * 8
+    from plexrl.operators.critic import whiten_tokens
+
+    assert whiten_tokens(r.view(2, 4), torch.ones(2, 4)).tolist() == [[0.0] * 4] * 2
+    # a genuine difference is kept
+    assert group_advantages(torch.tensor([0.3, 0.31]), 2).tolist() == pytest.approx([-1.0, 1.0], abs=1e-3)
+
+
+def test_std_conventions() -> None:
+    from plexrl.operators.critic import whiten_tokens
+
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert group_advantages(r, 4, eps=0).tolist() == pytest.approx([3 / math.sqrt(3)] + [-1 / math.sqrt(3)] * 3)
+    assert group_advantages(r, 4, eps=0, std="unbiased").tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert batch_normalized_advantages(r, 1, group_baseline=False, eps=0, std="unbiased").tolist() == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5]
+    )
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    x = torch.tensor([[1.0, 0.0, 7.0], [0.0, 0.0, 7.0]])  # tokens 1, 0, 0, 0: padding ignored
+    assert whiten_tokens(x, mask, std="unbiased", eps=0)[mask > 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert whiten_tokens(x, mask, eps=0)[0, 0] == pytest.approx(math.sqrt(3))
+    with pytest.raises(ValueError, match="biased"):
+        group_advantages(r, 4, std="population")  # type: ignore[arg-type]
+
+
+def test_reinforce_pp_group_baseline_needs_two_samples() -> None:
+    from plexrl.errors import ConfigError
+
+    with pytest.raises(ValueError, match="n >= 2"):
+        batch_normalized_advantages(torch.tensor([1.0, 0.0]), 1, group_baseline=True)
+    with pytest.raises(ConfigError, match=r"pipeline\.params\.n: group_baseline needs n >= 2"):
+        load_job({"pipeline": {"name": "reinforce_pp", "params": {"n": 1}}})
+    with pytest.raises(ConfigError, match=r"pipeline\.params\.gamma"):
+        load_job({"pipeline": {"name": "reinforce_pp", "params": {"gamma": 0.9}}})  # sequence level: no discount
+    load_job({"pipeline": {"name": "reinforce_pp", "params": {"n": 1, "group_baseline": False}}})  # plain: fine
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_log_ratio_and_k3_are_clamped(sign: float) -> None:
+    mask = torch.ones(1, 2)
+    logp = torch.tensor([[25.0 * sign, 0.0]], requires_grad=True)  # log-ratio +-25 on token 0
+    for adv in (1.0, -1.0):
+        loss, stats = policy_loss(logp, torch.zeros(1, 2), torch.tensor([adv]), mask, clip_eps=0.2,
+                                  ref_logp=torch.zeros(1, 2), kl_coef=0.1)  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert math.isfinite(float(loss.detach())) and torch.isfinite(grad).all()
+        assert stats["kl"] == pytest.approx(10.0 / 2)  # token 0's k3 capped at 10, token 1's is 0
+        if adv < 0 and sign > 0:  # the unclipped side: ratio e^20 (clamped), not e^25
+            assert float(loss.detach()) == pytest.approx((math.exp(20) + 1) / 2 + 0.5, rel=1e-5)
+    k3 = kl_penalty(torch.tensor([[100.0, -100.0]]), torch.zeros(1, 2), mask, "k3")
+    assert k3.tolist() == [[10.0, 10.0]]
+    big = torch.tensor([[100.0, -100.0]], requires_grad=True)
+    loss, _ = policy_loss(big, torch.zeros(1, 2), -torch.ones(1), mask, clip_eps=0.2, ref_logp=torch.zeros(1, 2),
+                          kl_coef=1.0, ratio_level="sequence")  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, big)
+    assert math.isfinite(float(loss.detach())) and torch.isfinite(grad).all()
