@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
 from plexrl.config import JobConfig, LoadedJob, StrictModel, _problem, load_job
@@ -69,7 +68,9 @@ class ClusterConfig(StrictModel):
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
     )
-    max_load: float = Field(1.0, gt=0, le=64, description="spread+backfill: admit while predicted load <= this.")
+    max_load: float = Field(
+        1.0, gt=0, le=64, description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this."
+    )
     ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."
@@ -117,14 +118,10 @@ def estimate_weight_bytes(cfg: JobConfig) -> int:
 def load_cluster(source: str | Path, overrides: list[str] | None = None) -> LoadedCluster:
     """Read and validate a cluster YAML and every job in it; one `ConfigError` lists all problems."""
     from plexrl.config import apply_overrides
+    from plexrl.yamlio import load_yaml_file
 
     path = Path(source)
-    if not path.is_file():
-        raise ConfigError([Problem(str(path), "file not found; check the path (configs/ has examples)")], str(path))
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError([Problem(str(path), f"not valid YAML: {exc}")], str(path)) from None
+    raw = load_yaml_file(path) or {}  # bounded time and memory, clear errors: see plexrl.yamlio
     if not isinstance(raw, dict):
         raise ConfigError([Problem(str(path), "a cluster config must be a YAML mapping")], str(path))
     problems = apply_overrides(raw, overrides or [])
@@ -177,10 +174,12 @@ def is_cluster_file(path: Path | None) -> bool:
     """A YAML with a top-level `jobs` list is a cluster config; anything else is a job."""
     if path is None or not path.is_file():
         return False
+    from plexrl.yamlio import load_yaml_file
+
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        return False
+        raw = load_yaml_file(path)
+    except ConfigError:
+        return False  # not readable as YAML: loading it as a job reports why
     return isinstance(raw, dict) and "jobs" in raw
 
 
@@ -211,7 +210,7 @@ def make_executor(cfg: ClusterConfig) -> Executor:
 
 def make_runner(cfg: ClusterConfig, hooks: list[Hook], executor: Executor | None = None) -> Runner:
     """The one `Runner`, with the config's policies and budgets, over `executor` (default: `make_executor`)."""
-    from plexrl.planner.policies import ORDERINGS, PLACEMENTS, SpreadBackfill
+    from plexrl.planner.policies import ORDERINGS, placement_policy
     from plexrl.runtime.runner import Budgets, Runner
 
     s = cfg.services
@@ -220,7 +219,7 @@ def make_runner(cfg: ClusterConfig, hooks: list[Hook], executor: Executor | None
         int(s.host_memory) if s.host_memory is not None else None,
         int(s.disk) if s.disk is not None else None,
     )
-    placement = SpreadBackfill(cfg.max_load) if cfg.placement == "spread+backfill" else PLACEMENTS[cfg.placement]()
+    placement = placement_policy(cfg.placement, cfg.max_load)
     dask = cfg.driver == "dask"
     return Runner(
         executor if executor is not None else make_executor(cfg), hooks=hooks, placement=placement,

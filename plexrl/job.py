@@ -96,7 +96,8 @@ class JobRun:
     history: list[dict[str, float]] = field(default_factory=list)
     artifacts: dict[str, Path] = field(default_factory=dict)
     tracking: dict[str, Any] = field(default_factory=dict)
-    started_at: float | None = None
+    submitted_at: float | None = None
+    started_at: float | None = None  # placed on a service
     finished_at: float | None = None
 
     @property

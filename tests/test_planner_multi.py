@@ -3,6 +3,8 @@ seeded property test that drives random event sequences and checks every invaria
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import replace
 
@@ -62,7 +64,11 @@ def test_placements_isolate_pack_and_spread() -> None:
         return out
 
     assert placed(Isolated()) == ["s0", "s1"]  # the third job is queued
-    assert placed(Pack()) == ["s0", "s0", "s0"]
+    assert placed(Pack(max_load=math.inf)) == ["s0", "s0", "s0"]  # uncapped: all on the fullest service
+    # capped (the default, max_load 1.0): the prior load of a GRPO job is its share of service nodes
+    load = sum(n.placement == "service" for n in GRPO.nodes.values()) / len(GRPO.nodes)
+    per_service = int(1.0 // load + 1e-9)
+    assert placed(Pack(), n_jobs=per_service + 1) == ["s0"] * per_service + ["s1"]
     assert placed(Spread()) == ["s0", "s1", "s0"]
 
 
@@ -145,7 +151,7 @@ def test_a_job_larger_than_every_device_fails_with_the_fix() -> None:
 
 
 def test_jobs_of_one_architecture_share_one_engine_reservation() -> None:
-    p = Planner(clock=Clock(), placement=Pack(), validate=True)
+    p = Planner(clock=Clock(), placement=Pack(max_load=math.inf), validate=True)
     p.handle(ServiceJoined("s0", device_bytes=400, host_bytes=1000))
     vllm = replace(GRPO, engine=("vllm-x", 150))
     placed = [p.handle(JobSubmitted(j, vllm))[0] for j in ("a", "b")]
@@ -182,7 +188,7 @@ def random_plan(rng: random.Random, state_bytes: int) -> JobPlan:
 def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: int) -> None:
     rng = random.Random(seed)
     clock = Clock()
-    placement = rng.choice([Isolated(), Pack(), Spread(), SpreadBackfill(rng.choice([0.5, 1.0, 2.0]))])
+    placement = rng.choice([Isolated(), Pack(), Pack(math.inf), Spread(), SpreadBackfill(rng.choice([0.5, 1.0, 2.0]))])
     ordering = rng.choice([Hrrs(), None])
     lookahead = rng.random() < 0.5
     p = Planner(clock=clock, placement=placement, ordering=ordering, validate=True, lookahead=lookahead)

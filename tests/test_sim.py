@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import subprocess
 import sys
 from collections import defaultdict
@@ -161,12 +162,14 @@ def test_loads_occupy_their_service_and_lost_work_is_dropped() -> None:
     ex.load("B", "service-1", "device")
     hb = ex.submit(NodeTask("B", 0, "a", "service-1"))  # after the 1 s load: 1.0..1.5, ends at the failure: kept
     ex.submit(NodeTask("B", 0, "c", "service-1"))  # 1.5..2.5: lost with its service, never returned
-    first = ex.wait(1.0)
+    assert ex.wait(0.25) == [] and ex.clock() == 0.25  # a finite timeout moves the clock only that far
+    first = ex.wait(math.inf)
     assert ex.clock() == 1.0 and [type(f.report) for f in first] == [LoadReport, LoadReport]
-    assert [f.handle for f in ex.wait(1.0)] == [hb] and ex.clock() == 1.5
-    assert ex.wait(1.0) == [] and ex.lost() == [("service-1", "simulated failure at t=1.5")]
+    assert [f.handle for f in ex.wait(math.inf)] == [hb] and ex.clock() == 1.5
+    assert ex.wait(math.inf) == [] and ex.lost() == [("service-1", "simulated failure at t=1.5")]
+    assert ex.wait(2.0) == [] and ex.clock() == 3.5  # nothing in flight: a finite wait just passes time
     with pytest.raises(RuntimeError, match="nothing is in flight"):
-        ex.wait(1.0)
+        ex.wait(math.inf)
 
 
 def test_the_simulator_imports_no_torch_and_no_dask() -> None:

@@ -18,7 +18,17 @@ from plexrl.planner.events import (
     ServiceLost,
     StateMeasured,
 )
-from plexrl.planner.policies import ORDERINGS, PLACEMENTS, Fifo, Hrrs, Isolated, Pack, Spread, SpreadBackfill
+from plexrl.planner.policies import (
+    ORDERINGS,
+    PLACEMENTS,
+    Fifo,
+    Hrrs,
+    Isolated,
+    Pack,
+    Spread,
+    SpreadBackfill,
+    placement_policy,
+)
 from plexrl.planner.records import InvalidTransition, JobRecord
 from plexrl.planner.state import Move, NoRoom, StateManager, Tier
 
@@ -53,4 +63,5 @@ __all__ = [
     "StateManager",
     "StateMeasured",
     "Tier",
+    "placement_policy",
 ]

@@ -183,7 +183,13 @@ class Planner:
             self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
             self._end_job(ev.job_id, "failed", "a job needs at least one iteration and one node", out)
             return
-        self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
+        job = self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
+        succ: dict[str, list[str]] = {name: [] for name in ev.plan.nodes}
+        for name, node in ev.plan.nodes.items():
+            for dep in node.deps:
+                succ[dep].append(name)
+        job.successors = {name: tuple(s) for name, s in succ.items()}
+        job.sources = tuple(name for name, node in ev.plan.nodes.items() if not node.deps)
         self.pending.append(ev.job_id)
         self._admission_due = True
 
@@ -387,7 +393,35 @@ class Planner:
             return self.costs.swap_seconds(svc.state.size.get(job_id, 0))
 
         resident = svc.resident if svc.resident is not None and svc.state.on_device(svc.resident) else None
-        return OrderingView(resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time)
+        return OrderingView(
+            resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time,
+            lambda q: self.gap_after(q.job_id, q.node),
+        )  # fmt: skip
+
+    def gap_after(self, job_id: str, node: str) -> float:
+        """Predicted seconds from the end of `node` until its job can next use a service: along the job's
+        cpu successors (the shortest way to a service node), and, past the iteration's last node, through the
+        next iteration's leading cpu nodes. 0 if a service node follows at once."""
+        job = self.jobs[job_id]
+        plan, succ, predict = job.plan.nodes, job.successors, self.costs.predict
+        memo: dict[tuple[str, int], float] = {}
+
+        def reach(name: str, depth: int) -> float:  # from the end of `name` to the next service node's start
+            key = (name, depth)
+            if key in memo:
+                return memo[key]
+            wrap = not succ[name]  # the iteration's end: on to the next iteration's sources (once)
+            nxt = job.sources if wrap and depth == 0 else succ[name]
+            best = math.inf
+            for s in nxt:
+                if plan[s].placement == "service":
+                    best = 0.0
+                    break
+                best = min(best, predict(job_id, s) + reach(s, depth + wrap))
+            memo[key] = best = best if best < math.inf else 0.0
+            return best
+
+        return reach(node, 0)
 
     def _next_use(self, svc: ServiceRecord, now: float) -> dict[str, float]:
         """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running

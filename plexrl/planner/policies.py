@@ -12,6 +12,7 @@ Ordering sees the nodes queued on one service in the order they became ready (`r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,6 +54,8 @@ class OrderingView:
     resident: str | None  # the job whose state is on device and that ran last here
     service_time: Callable[[QueuedNode], float]  # predicted duration of the node
     swap_time: Callable[[str], float]  # predicted seconds to bring the job's state on device (0 if there)
+    # predicted seconds from the node's end until its job needs a service again (off-service work it releases)
+    gap_after: Callable[[QueuedNode], float] = lambda q: 0.0
 
 
 class OrderingPolicy(Protocol):
@@ -74,15 +77,22 @@ class Isolated:
 
 
 class Pack:
-    """Concentrate: the fitting service that already holds the most jobs (ties: lowest id). Leaves other
-    services empty for jobs that need one alone; waits only when no service has memory room."""
+    """Concentrate, up to a load cap: the fitting service with the highest predicted load that still has room
+    for the job (load + job_load <= `max_load`; ties: more jobs, lowest id), an empty service when none has
+    room, else the job waits. Keeps other services free for jobs that need one alone. `max_load=inf` is
+    the uncapped form (every job on the fullest service that fits in memory): it overloads one service
+    while others idle, which no sensible operator would run, so it is not the default."""
 
     name = "pack"
-    uses_load = False
+
+    def __init__(self, max_load: float = 1.0) -> None:
+        self.max_load = max_load
+        self.uses_load = math.isfinite(max_load)
 
     def place(self, job_id: str, job_load: float, services: list[ServiceView]) -> str | None:
-        fit = [s for s in services if s.fits]
-        return min(fit, key=lambda s: (-s.jobs, s.service_id)).service_id if fit else None
+        cap = self.max_load + 1e-9
+        room = [s for s in services if s.fits and (s.jobs == 0 or s.load + job_load <= cap)]
+        return min(room, key=lambda s: (-s.load, -s.jobs, s.service_id)).service_id if room else None
 
 
 class Spread:
@@ -122,20 +132,25 @@ class Fifo:
 
 
 class Hrrs:
-    """Highest response ratio next: ratio = (wait + cost) / cost, cost = predicted node time + predicted
-    swap-in time of the job's state. Short nodes and nodes of resident jobs go first, yet every ratio grows
-    with waiting, so no job starves. On near ties (the resident job's ratio within `tie` of the best) the
-    resident job wins, so the service does not thrash between states."""
+    """Highest response ratio next, aware of the gaps a node opens: ratio = (wait + cost + gap) / cost, cost =
+    predicted node time + predicted swap-in time of the job's state, gap = predicted off-service time the
+    node's end releases (the job's CPU, tool or own-accelerator work before it needs a service again).
+    Short nodes, nodes of resident jobs, and nodes that let their job go off and work elsewhere go first
+    (running them first overlaps that work with the other jobs' nodes: the two-stage flow-shop intuition
+    behind Johnson's rule); every ratio grows with waiting, so no job starves. `gap=False` is textbook HRRS.
+    On near ties (the resident job's ratio within `tie` of the best) the resident job wins, so the service
+    does not thrash between states."""
 
     name = "hrrs"
 
-    def __init__(self, tie: float = 0.1, floor: float = 1e-3) -> None:
-        self.tie, self.floor = tie, floor
+    def __init__(self, tie: float = 0.1, floor: float = 1e-3, gap: bool = True) -> None:
+        self.tie, self.floor, self.gap = tie, floor, gap
 
     def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
         # one pass (this runs on every dispatch over the whole queue): the best ratio (ties: earlier ready,
         # then earlier queued) and the resident job's best (ties: earlier queued); swap time once per job
         service_time, swap_time, floor, resident = view.service_time, view.swap_time, self.floor, view.resident
+        gap_after = view.gap_after if self.gap else None
         swaps: dict[str, float] = {}
         best, best_r, top, top_r = -1, -1.0, -1, -1.0
         for i, q in enumerate(queue):
@@ -146,7 +161,7 @@ class Hrrs:
             if cost < floor:
                 cost = floor
             wait = now - q.ready_at
-            r = ((wait if wait > 0.0 else 0.0) + cost) / cost
+            r = ((wait if wait > 0.0 else 0.0) + cost + (gap_after(q) if gap_after is not None else 0.0)) / cost
             if r > best_r or (r == best_r and (q.ready_at, q.seq) < (queue[best].ready_at, queue[best].seq)):
                 best, best_r = i, r
             if q.job_id == resident and r > top_r:  # equal ratios: the earlier queued one stays
@@ -162,4 +177,19 @@ PLACEMENTS: dict[str, Callable[[], PlacementPolicy]] = {
     "spread": Spread,
     "spread+backfill": SpreadBackfill,
 }
-ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {"fifo": Fifo, "hrrs": Hrrs}
+
+
+def placement_policy(name: str, max_load: float = 1.0) -> PlacementPolicy:
+    """The named placement policy; `max_load` caps the load-aware ones (pack, spread+backfill)."""
+    if name == "pack":
+        return Pack(max_load)
+    if name == "spread+backfill":
+        return SpreadBackfill(max_load)
+    return PLACEMENTS[name]()
+
+
+ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {
+    "fifo": Fifo,
+    "hrrs": Hrrs,
+    "hrrs-classic": lambda: Hrrs(gap=False),
+}

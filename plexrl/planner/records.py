@@ -48,6 +48,9 @@ class JobRecord:
     finished_at: float | None = None
     reason: str = ""
     cpu_started: dict[str, float] = field(default_factory=dict)
+    # the plan's edges, for the gap prediction: node -> successors; nodes with no deps (an iteration's sources)
+    successors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

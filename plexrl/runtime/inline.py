@@ -73,7 +73,11 @@ class InlineExecutor:
         return handle
 
     def wait(self, timeout: float) -> list[Finished]:
+        """Everything finished since the last call (work runs inside `submit`). With nothing finished, nothing
+        can finish later either: block for `timeout` (the runner waits so only for a job's arrival)."""
         done, self._done = self._done, []
+        if not done and timeout > 0:
+            time.sleep(timeout)
         return done
 
     def lost(self) -> list[tuple[str, str]]:

@@ -15,7 +15,9 @@ failing to load, a swap failing, its metrics failing to compute) fails that job 
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -100,7 +102,8 @@ class _Iteration:
 
 class Runner:
     """See the module docstring. `poll`: how long one `executor.wait` may block (the cancel and lost-service
-    checks run at least this often)."""
+    checks run at least this often); default: the executor's `poll` attribute if it has one (the simulator's
+    is infinite: its clock only moves to the next event), else 0.5 s."""
 
     def __init__(
         self,
@@ -114,7 +117,7 @@ class Runner:
         lookahead: bool = False,
         inline_below: float | None = None,
         validate: bool = False,
-        poll: float = 0.5,
+        poll: float | None = None,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -124,7 +127,7 @@ class Runner:
             clock=self.clock, placement=placement, ordering=ordering, validate=validate, costs=costs,
             lookahead=lookahead, inline_below=inline_below,
         )  # fmt: skip
-        self.poll = poll
+        self.poll: float = poll if poll is not None else getattr(executor, "poll", 0.5)
         self.runs: dict[str, JobRun] = {}
         self.services: list[str] = []
         self.service_reports: dict[str, dict[str, Any]] = {}
@@ -133,6 +136,7 @@ class Runner:
         self._iter: dict[str, _Iteration] = {}
         self._failing: set[str] = set()  # reported to the planner, FailJob not yet received
         self._cancels: deque[JobCancelled] = deque()
+        self._arrivals: list[tuple[float, int, str]] = []  # (time, order, job id): jobs not yet submitted
         self._cancel_lock = threading.Lock()
 
     # -- public --------------------------------------------------------------------------------------
@@ -142,24 +146,32 @@ class Runner:
         with self._cancel_lock:
             self._cancels.append(JobCancelled(job_id, reason))
 
-    def run(self, specs: list[Any]) -> list[JobRun]:
-        """Run the jobs to completion (or failure); returns their records, in the order given."""
+    def run(self, specs: list[Any], arrivals: Mapping[str, float] | None = None) -> list[JobRun]:
+        """Run the jobs to completion (or failure); returns their records, in the order given. `arrivals`:
+        job id -> seconds after the start (on the executor's clock) at which that job is submitted; jobs not
+        named there are submitted at the start. A job is shipped to the executor when it is submitted."""
         runs = []
         for spec in specs:
             if spec.job_id in self.runs:
                 raise ValueError(f"two jobs are named {spec.job_id!r}; give each job a unique name")
             self.runs[spec.job_id] = JobRun(spec)
             runs.append(self.runs[spec.job_id])
+        unknown = sorted(set(arrivals or {}) - set(self.runs))
+        if unknown:
+            raise ValueError(f"arrivals name jobs that are not in the run: {unknown}")
+        bad = sorted(j for j, t in (arrivals or {}).items() if not (t >= 0 and math.isfinite(t)))
+        if bad:
+            raise ValueError(f"arrival times must be finite and >= 0 (seconds after the start); check {bad}")
         events: deque[Event] = deque()
         start: float | None = None
         interrupted = False
         try:
             self.services = list(self.executor.start())
             events.extend(self.budgets.joined(s) for s in self.services)
-            for run in runs:
-                self.executor.ship(run.spec)
-                events.append(JobSubmitted(run.job_id, run.spec.plan()))
             start = self.clock()
+            self._arrivals = [(start + (arrivals or {}).get(r.job_id, 0.0), i, r.job_id) for i, r in enumerate(runs)]
+            heapq.heapify(self._arrivals)
+            events.extend(self._take_arrivals())
             self.hooks.on_start(start)
             self._loop(events)
         except BaseException as exc:  # interrupted (Ctrl-C), a required hook failed, or a bug: keep records
@@ -182,18 +194,22 @@ class Runner:
     def _loop(self, events: deque[Event]) -> None:
         while True:
             events.extend(self._take_cancels())
+            events.extend(self._take_arrivals())
             while events:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
                     events.extend(self._carry_out(ins))
-            if not self._pending:
+            if not self._pending and not self._arrivals:
                 if self.planner.finished:
                     return
                 with self._cancel_lock:
                     if not self._cancels:
                         raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
                 continue
-            finished = self.executor.wait(self.poll)
+            timeout = self.poll
+            if self._arrivals:  # wake up for the next arrival
+                timeout = min(timeout, max(self._arrivals[0][0] - self.clock(), 0.0))
+            finished = self.executor.wait(timeout)
             for service_id, reason in self.executor.lost():
                 log.error("service %s lost: %s", service_id, reason)
                 for handle, p in list(self._pending.items()):
@@ -203,10 +219,30 @@ class Runner:
             for f in finished:
                 events.extend(self._collect(f))
 
+    def _take_arrivals(self) -> list[JobSubmitted]:
+        """Submit (and ship) the jobs whose arrival time has come."""
+        out = []
+        now = self.clock()
+        while self._arrivals and self._arrivals[0][0] <= now:
+            _, _, job_id = heapq.heappop(self._arrivals)
+            run = self.runs[job_id]
+            run.submitted_at = now
+            self.executor.ship(run.spec)
+            out.append(JobSubmitted(job_id, run.spec.plan()))
+        return out
+
     def _take_cancels(self) -> list[JobCancelled]:
         with self._cancel_lock:
             out = list(self._cancels)
             self._cancels.clear()
+        waiting = {job_id for _, _, job_id in self._arrivals}
+        if waiting & {c.job_id for c in out}:  # cancelled before it arrived: never submitted
+            gone = {c.job_id: c.reason for c in out if c.job_id in waiting}
+            self._arrivals = [a for a in self._arrivals if a[2] not in gone]
+            heapq.heapify(self._arrivals)
+            for job_id, reason in gone.items():
+                self._close(self.runs[job_id], "cancelled", reason)
+            out = [c for c in out if c.job_id not in gone]
         return out
 
     # -- instructions ---------------------------------------------------------------------------------

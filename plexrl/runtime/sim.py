@@ -11,6 +11,9 @@ Contract (what it models):
 - `prefetch` moves start in the background when the node starts, on one prefetch channel per service (one
   batch after another, like the service's single prefetch thread), and land together at the batch's end.
 - CPU nodes run concurrently on a pool of `cpu_slots` slots (None: unlimited), first come first served.
+- Nodes in a job's `dedicated` set are cpu nodes to the planner but run on accelerators the job owns alone
+  (the rollout of a split deployment): one after another on the job's own lane, outside the CPU pool;
+  their time is counted per job (`dedicated_busy`).
 - Loads take `costs.load_seconds(job, nbytes)` on the job's service and occupy it.
 - `wait` advances the clock to the earliest completion and returns everything that ends at that instant,
   in submission order. `failures` (service id -> virtual time) lose services: work that ends at or before
@@ -59,6 +62,10 @@ class SimJob:
     state_bytes: int = 0
     tails: frozenset[str] = frozenset()
     model_dir: Path | None = None
+    # nodes run on the job's own accelerators, not on a planner service nor on the CPU pool (see the module)
+    dedicated: frozenset[str] = frozenset()
+    # node -> durations to draw from (seconds), for cost models that sample (`SampledCosts`)
+    samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def plan(self) -> JobPlan:
         return JobPlan(dict(self.nodes), self.iterations, self.order, self.baseline, self.state_bytes)
@@ -213,6 +220,8 @@ class SimExecutor:
     """An `Executor` on a virtual clock; see the module docstring. Services are `service-0`, `service-1`, ...
     (`services` of them); `failures` maps some of them to the virtual time at which they are lost."""
 
+    poll = math.inf  # the runner's default wait: the clock moves only to the next event
+
     def __init__(
         self,
         services: int,
@@ -240,6 +249,8 @@ class SimExecutor:
         self._heap: list[tuple[float, Handle, str, Finished]] = []  # (end, handle, lane, finished)
         self._lost: list[tuple[str, str]] = []
         self._ids = itertools.count()
+        self._lane_free: dict[str, float] = {}  # job -> when its dedicated lane is free
+        self.dedicated_busy: dict[str, float] = {}  # job -> seconds its dedicated nodes ran
 
     def _clock(self) -> float:
         return self.now
@@ -269,6 +280,13 @@ class SimExecutor:
     def submit(self, task: NodeTask) -> Handle:
         handle = next(self._ids)
         job = self.specs[task.job_id]
+        if task.service_id is None and task.node in job.dedicated:
+            start = max(self.now, self._lane_free.get(task.job_id, 0.0))
+            end = start + self.costs.duration(job, task.iteration, task.node)
+            self._lane_free[task.job_id] = end
+            self.dedicated_busy[task.job_id] = self.dedicated_busy.get(task.job_id, 0.0) + (end - start)
+            self._push(end, handle, "cpu", NodeReport(task.job_id, task.iteration, task.node, None, start, end))
+            return handle
         if task.service_id is None:
             start = self.now
             if self.cpu_slots is not None:
@@ -342,13 +360,18 @@ class SimExecutor:
         heapq.heappush(self._heap, (end, handle, lane, Finished(handle, report)))
 
     def wait(self, timeout: float) -> list[Finished]:
-        """Advance the clock to the next event: the earliest completion, or a service's failure before it.
-        `timeout` is ignored (there is no wall time to wait). Raises when nothing is in flight (the runner
-        would otherwise wait forever)."""
+        """Advance the clock to the next event: the earliest completion, a service's failure before it, or
+        `now + timeout` if that comes first (the runner passes a finite timeout only to wake for a job's
+        arrival: `poll` is infinite). Raises when nothing is in flight and the timeout is infinite (the
+        runner would otherwise wait forever)."""
         heap = self._heap
         while heap and not self._alive(heap[0][2]):
             heapq.heappop(heap)  # dropped with its service
         nxt = heap[0][0] if heap else math.inf
+        wake = self.now + timeout
+        if wake < nxt and not any(s.alive and s.fail_at <= wake for s in self.services.values()):
+            self.now = wake
+            return []
         failing = [s for s in self.services.values() if s.alive and s.fail_at < nxt]
         if failing:
             first = min(s.fail_at for s in failing)

@@ -1,0 +1,303 @@
+"""What `plexrl simulate` reads: accelerators, models, parallel layouts, the workload of one RLVR step,
+deployments, and a trace of job arrivals. One typed source of truth (pydantic, `extra="forbid"`); every
+constant lives in YAML (`configs/sim/`) with a comment that names its source, never in code.
+
+A scenario YAML names an accelerator profile and a model profile from `configs/sim/profiles.yaml` (or gives
+them inline), and may override any field of the profile with `accelerator_set:` / `model_set:`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from plexrl.config import StrictModel
+from plexrl.errors import ConfigError, Problem
+
+GB = 1e9
+
+
+class Accelerator(StrictModel):
+    """One accelerator and its links, as the cost models use them."""
+
+    name: str = Field(description="A label, e.g. 'H800-SXM5-80GB'.")
+    peak_tflops: float = Field(gt=0, description="Dense bf16 peak, TFLOP/s.")
+    hbm_gb: float = Field(gt=0, description="Device memory, GB.")
+    hbm_tbps: float = Field(gt=0, description="Device memory bandwidth, TB/s.")
+    host_gbps: float = Field(gt=0, description="Device<->host copy bandwidth per accelerator with all of a node's "
+                             "accelerators copying at once, GB/s.")  # fmt: skip
+    disk_gbps: float = Field(gt=0, description="Local NVMe bandwidth per accelerator, GB/s.")
+    net_gbps: float = Field(gt=0, description="Inter-node network bandwidth per accelerator, GB/s.")
+
+
+class Model(StrictModel):
+    """A transformer's size and its KV-cache geometry (dense: `active_b == params_b`)."""
+
+    name: str = Field(description="A label, e.g. 'Qwen2.5-7B'.")
+    params_b: float = Field(gt=0, description="Total parameters, billions.")
+    active_b: float = Field(gt=0, description="Parameters used per token, billions (MoE: the activated ones).")
+    layers: int = Field(ge=1, description="Decoder layers.")
+    kv_heads: int = Field(ge=1, description="Key/value heads (GQA).")
+    head_dim: int = Field(ge=1, description="Dimension of one head.")
+    experts: int = Field(0, ge=0, description="Routed experts per MoE layer (0: dense).")
+    experts_per_token: int = Field(0, ge=0, description="Routed experts each token uses (MoE).")
+
+    @model_validator(mode="after")
+    def _moe(self) -> Model:
+        if self.active_b > self.params_b:
+            raise ValueError("active_b cannot exceed params_b")
+        if (self.experts == 0) != (self.experts_per_token == 0) or self.experts_per_token > self.experts:
+            raise ValueError("give both experts and experts_per_token (<= experts), or neither (dense)")
+        return self
+
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2.0  # K and V, bf16
+
+    def expert_params_b(self) -> float:
+        """Parameters in routed experts (billions): total - active = experts * (1 - k / E)."""
+        if not self.experts:
+            return 0.0
+        return (self.params_b - self.active_b) / (1 - self.experts_per_token / self.experts)
+
+
+class TrainLayout(StrictModel):
+    """How the training job is split (Megatron-style). Accelerators = tp * pp * dp; EP lives inside dp * tp."""
+
+    tp: int = Field(1, ge=1, description="Tensor parallel size.")
+    pp: int = Field(1, ge=1, description="Pipeline parallel size.")
+    dp: int = Field(1, ge=1, description="Data parallel size.")
+    ep: int = Field(1, ge=1, description="Expert parallel size (MoE).")
+    zero: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 1 shards optimizer states, 2 also gradients.")
+    offload: bool = Field(False, description="Optimizer states live in host memory (ZeRO-Offload).")
+    microbatches: int = Field(32, ge=1, description="Pipeline micro-batches per step (sets the PP bubble).")
+
+    @property
+    def accelerators(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class Efficiency(StrictModel):
+    """Achieved fractions of peak, and fixed overheads."""
+
+    train_mfu: float = Field(gt=0, le=1, description="Model FLOPs utilisation of a training step.")
+    prefill_mfu: float = Field(0.5, gt=0, le=1, description="MFU of rollout prefill.")
+    decode_bw: float = Field(gt=0, le=1, description="Fraction of HBM bandwidth a decode step reaches.")
+    decode_mfu: float = Field(0.5, gt=0, le=1, description="Cap on decode compute (large batches).")
+    decode_step_ms: float = Field(ge=0, description="Fixed cost of one decode step (scheduling, sampling, "
+                                  "kernel launches, TP all-reduce latency), ms.")  # fmt: skip
+    max_num_seqs: int = Field(256, ge=1, description="Concurrent sequences per rollout replica (vLLM max_num_seqs).")
+    memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of HBM the rollout engine may use.")
+    sync_fixed_s: float = Field(ge=0, description="Fixed cost of pushing new weights to the rollout engines, s.")
+    switch_fixed_s: float = Field(ge=0, description="Colocated: fixed cost of switching the accelerators between "
+                                  "the training and the rollout engine (each way), s.")  # fmt: skip
+    train_reserve_gb: float = Field(ge=0, description="Device memory a training step needs beyond the job's state "
+                                    "(activations, buffers), GB per accelerator.")  # fmt: skip
+
+
+class LengthDist(StrictModel):
+    """Response lengths in tokens: lognormal(median, sigma), capped at `max_tokens` (the long tail), or an
+    empirical list (e.g. fitted from a recorded run) drawn with replacement."""
+
+    median: float = Field(1000, gt=0, description="Median response length, tokens.")
+    sigma: float = Field(0.8, ge=0, description="Lognormal shape: larger = a longer tail.")
+    max_tokens: int = Field(16384, ge=1, description="Generation cap (max_tokens / max_response_length).")
+    empirical: list[int] | None = Field(None, description="Observed lengths to resample instead of the lognormal.")
+
+
+class Latency(StrictModel):
+    """A lognormal latency (seconds): median and shape."""
+
+    median: float = Field(ge=0, description="Median, s.")
+    sigma: float = Field(0.3, ge=0, description="Lognormal shape.")
+
+
+class Workload(StrictModel):
+    """One RLVR step of one job."""
+
+    prompts: int = Field(ge=1, description="Prompts per step.")
+    samples: int = Field(ge=1, description="Responses per prompt (group size).")
+    prompt_tokens: int = Field(ge=1, description="Mean prompt length, tokens.")
+    response: LengthDist = Field(default_factory=LengthDist, description="Response lengths.")  # type: ignore[arg-type]
+    verify: Latency = Field(description="Reward verification of the whole batch (CPU pool), s.")
+    tool_stall: Latency | None = Field(None, description="Agentic jobs: time the episode waits on tools per step "
+                                       "(the accelerators hold the job but compute nothing), s.")  # fmt: skip
+    forward_passes: float = Field(1.0, ge=0, description="Extra forward passes per step over the batch (old-policy "
+                                  "log-probs: 1; plus a reference model for KL: 2).")  # fmt: skip
+    steps: int = Field(20, ge=1, description="Training steps per job in the scenario.")
+
+
+Kind = Literal["colocated", "split-sync", "split-async", "plexrl", "plexrl-shared"]
+
+
+class Deployment(StrictModel):
+    """How a job's rollout and training are laid out on accelerators.
+
+    - colocated: rollout and training time-share the job's own `train` accelerators (switch each way).
+    - split-sync: rollout on `rollout_accelerators` of its own, training on its own pool; strictly alternating.
+    - split-async: as split-sync, but one step off-policy: rollout of step k+1 overlaps training of step k.
+    - plexrl: the paper's layout: each job's rollout on its own accelerators, training on a pool time-sliced
+      by `jobs_per_pool` jobs by the planner (on-policy, like split-sync, unless `overlap: one-step`).
+    - plexrl-shared: rollout and training of `jobs_per_pool` jobs on one shared pool (this system's own
+      layout: colocated jobs multiplexed by the planner).
+    """
+
+    name: str = Field(description="Label in the report.")
+    kind: Kind = Field(description="Layout kind (see the class docstring).")
+    rollout_accelerators: int | None = Field(None, ge=1, description="Per job, split kinds and plexrl "
+                                             "(default: the scenario's).")  # fmt: skip
+    rollout_tp: int | None = Field(None, ge=1, description="Tensor parallel size of one rollout replica "
+                                   "(default: the scenario's).")  # fmt: skip
+    jobs_per_pool: int = Field(1, ge=1, description="plexrl kinds: jobs sharing one pool.")
+    overlap: Literal["none", "one-step"] = Field("none", description="plexrl: one-step off-policy overlap.")
+    placement: str = Field("spread", description="Placement policy (plexrl kinds).")
+    ordering: str = Field("hrrs", description="Ordering policy (plexrl kinds).")
+
+    @model_validator(mode="after")
+    def _check(self) -> Deployment:
+        if self.kind in ("colocated", "split-sync", "split-async") and self.jobs_per_pool != 1:
+            raise ValueError(f"kind {self.kind!r} gives each job its own accelerators: jobs_per_pool must be 1")
+        if self.overlap == "one-step" and self.kind != "plexrl":
+            raise ValueError("overlap: one-step is for kind plexrl (split-async is one-step already)")
+        return self
+
+
+class Scenario(StrictModel):
+    """A fixed set of identical jobs of one model under several deployments (`plexrl simulate`)."""
+
+    kind: Literal["scenario"] = Field("scenario", description="This file is a deployment comparison.")
+    name: str = Field(description="Scenario label.")
+    description: str = Field("", description="What it models and where the numbers come from.")
+    accelerator: Accelerator = Field(description="The accelerator (a profile name or a mapping).")
+    model: Model = Field(description="The model (a profile name or a mapping).")
+    train: TrainLayout = Field(description="Training layout (one pool).")
+    rollout_accelerators: int = Field(ge=1, description="Rollout accelerators per job in split deployments.")
+    rollout_tp: int = Field(1, ge=1, description="Tensor parallel size of one rollout replica.")
+    efficiency: Efficiency = Field(description="Achieved efficiencies and fixed overheads.")
+    workload: Workload = Field(description="One step of one job.")
+    cluster_accelerators: int = Field(2048, ge=1, description="Accelerators booked: sets the number of jobs "
+                                      "(as many as the `baseline` deployment fits).")  # fmt: skip
+    baseline: str = Field("split-async", description="Deployment name the savings are measured against.")
+    jobs: int | None = Field(None, ge=1, description="Number of jobs (default: from cluster_accelerators).")
+    deployments: list[Deployment] = Field(min_length=1, description="Deployments to compare.")
+    rollout_samples: int = Field(32, ge=1, description="Rollout durations simulated per layout and drawn from.")
+    seed: int = Field(0, description="Seed of every random draw.")
+    sweep_accelerators: list[str] = Field(default_factory=list, description="Other accelerator profiles to "
+                                          "rerun the comparison on (how the saving moves with the GPU).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        names = [d.name for d in self.deployments]
+        if len(set(names)) != len(names):
+            raise ValueError(f"deployment names must be unique: {names}")
+        if self.baseline not in names:
+            raise ValueError(f"baseline {self.baseline!r} is not one of the deployments {names}")
+        return self
+
+
+class JobClass(StrictModel):
+    """One kind of job in a trace: a model, its workload, and how long jobs of this kind run."""
+
+    name: str = Field(description="Label.")
+    weight: float = Field(gt=0, description="Relative frequency in the trace.")
+    model: Model = Field(description="The model (a profile name or a mapping).")
+    workload: Workload = Field(description="One step.")
+    train_tp: int = Field(1, ge=1, description="Tensor parallel size of training within a service.")
+    rollout_tp: int = Field(1, ge=1, description="Tensor parallel size of one rollout replica.")
+    steps_median: float = Field(gt=0, description="Median steps per job (lognormal).")
+    steps_sigma: float = Field(0.5, ge=0, description="Lognormal shape of steps per job.")
+
+
+class Trace(StrictModel):
+    """A seeded synthetic arrival trace replayed on one cluster under several placement policies."""
+
+    kind: Literal["trace"] = Field("trace", description="This file is a trace replay.")
+    name: str = Field(description="Trace label.")
+    description: str = Field("", description="What it models.")
+    accelerator: Accelerator = Field(description="The accelerator (a profile name or a mapping).")
+    efficiency: Efficiency = Field(description="Achieved efficiencies and fixed overheads.")
+    cluster_accelerators: int = Field(2048, ge=1, description="Accelerators in the cluster.")
+    service_accelerators: int = Field(ge=1, description="Accelerators per service (one pool a job is placed on).")
+    days: float = Field(gt=0, description="Arrivals span this many days.")
+    jobs: int = Field(ge=1, description="Jobs in the trace.")
+    burst: float = Field(0.0, ge=0, le=1, description="Share of jobs arriving in weekday working hours bursts "
+                         "(the rest uniformly).")  # fmt: skip
+    classes: list[JobClass] = Field(min_length=1, description="The job mix.")
+    placements: list[str] = Field(["isolated", "pack", "spread", "spread+backfill"], description="Policies.")
+    ordering: str = Field("hrrs", description="Ordering policy for every placement.")
+    max_load: float = Field(1.0, gt=0, description="Load cap of pack and spread+backfill.")
+    rollout_samples: int = Field(16, ge=1, description="Rollout durations simulated per class and drawn from.")
+    seed: int = Field(0, description="Seed of the trace and every draw.")
+
+    @property
+    def services(self) -> int:
+        return self.cluster_accelerators // self.service_accelerators
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+PROFILES = Path(__file__).resolve().parents[2] / "configs" / "sim" / "profiles.yaml"
+
+
+def load_profiles(path: Path = PROFILES) -> dict[str, dict[str, dict[str, Any]]]:
+    """The named accelerator and model profiles (`accelerators:` and `models:` mappings)."""
+    if not path.exists():
+        return {"accelerators": {}, "models": {}}
+    raw = yaml.safe_load(path.read_text()) or {}
+    return {"accelerators": raw.get("accelerators", {}), "models": raw.get("models", {})}
+
+
+def _resolve(raw: dict[str, Any], key: str, table: dict[str, dict[str, Any]], problems: list[Problem]) -> None:
+    """Replace a profile name at raw[key] by its mapping, then apply raw[key + '_set'] overrides."""
+    value = raw.get(key)
+    if isinstance(value, str):
+        if value not in table:
+            problems.append(Problem(key, f"unknown profile {value!r}: use one of {sorted(table)} or a mapping"))
+            return
+        raw[key] = dict(table[value])
+    overrides = raw.pop(f"{key}_set", None)
+    if overrides is not None and isinstance(raw.get(key), dict):
+        raw[key] = {**raw[key], **overrides}
+
+
+def parse_sim(raw: Any, source: str = "", profiles: Path = PROFILES) -> Scenario | Trace:
+    """Validate a scenario or trace mapping; raise one `ConfigError` naming every problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem("(top)", "expected a mapping: see configs/sim/*.yaml")], source)
+    raw = dict(raw)
+    tables = load_profiles(profiles)
+    problems: list[Problem] = []
+    _resolve(raw, "accelerator", tables["accelerators"], problems)
+    _resolve(raw, "model", tables["models"], problems)
+    for i, cls in enumerate(raw.get("classes") or []):
+        if isinstance(cls, dict):
+            cls = raw["classes"][i] = dict(cls)
+            _resolve(cls, "model", tables["models"], problems)
+    if problems:
+        raise ConfigError(problems, source)
+    model = Trace if raw.get("kind") == "trace" else Scenario
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(
+            [
+                Problem(".".join(map(str, e["loc"])) or "(top)", f"{e['msg']} (see docs/simulator.md)")
+                for e in exc.errors()
+            ],
+            source,
+        ) from None
+
+
+def load_sim(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario | Trace:
+    """Load `configs/sim/NAME.yaml` (a scenario or a trace), with top-level overrides."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError([Problem("path", f"{path} does not exist: give a file under configs/sim/")], str(path))
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError([Problem("(yaml)", f"{str(exc).splitlines()[0]}: fix the YAML syntax")], str(path)) from None
+    if isinstance(raw, dict) and overrides:
+        raw = {**raw, **overrides}
+    return parse_sim(raw, str(path))

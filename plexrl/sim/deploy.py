@@ -1,0 +1,284 @@
+"""Deployments as configurations: each `Deployment` kind becomes a node graph, a number of services (pools
+of accelerators the planner schedules), per-job dedicated accelerators and a placement, and runs on the
+REAL `Runner` and `Planner` over a `SimExecutor`. No deployment has code of its own beyond its graph.
+
+Graphs (`[svc]`: on the job's planner service; `[own]`: on the job's own rollout accelerators, which the
+planner does not share; `[cpu]`: the CPU pool):
+
+    colocated, plexrl-shared:     rollout[svc] -> verify[cpu] -> switch[svc] -> train[svc]
+    split-sync, plexrl:           rollout[own] -> verify[cpu] -> train[svc] -> sync[svc]
+    split-async, plexrl one-step: rollout[own] -> verify[cpu] --+
+                                  train[svc] (last step's batch) -+-> sync[svc]   (warm-up rollout first)
+
+Agentic workloads (`tool_stall`) split the rollout in two around a `tool[cpu]` stall. `switch` is the
+colocated engine switch (training state out, rollout weights in, and back); `sync` pushes new weights to
+the rollout engines over the network.
+
+Accounting: a service is allocated from the start until its last job ends, times its accelerators; a job's
+own rollout accelerators from its placement to its end. Busy = node time on services + own-lane rollout time
+(times their accelerators). Cost per step = allocated accelerator-hours / steps; bubble ratio = 1 - busy /
+allocated; slowdown = a job's completion time / the same job's under the baseline deployment.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from plexrl.planner import ORDERINGS, NodePlan, placement_policy
+from plexrl.runtime.runner import Budgets, Runner
+from plexrl.runtime.sim import SimExecutor, SimJob
+from plexrl.sim.config import GB, Accelerator, Deployment, Efficiency, Model, Scenario, TrainLayout, Workload
+from plexrl.sim.costs import (
+    Decoder,
+    RolloutSample,
+    SampledCosts,
+    lognormal_draws,
+    rollout_samples,
+    switch_seconds,
+    sync_seconds,
+    train_seconds,
+    train_state_bytes,
+)
+
+SHARED_ROLLOUT = ("colocated", "plexrl-shared")  # rollout runs on the planner's service
+OVERLAPPED = "split-async"
+
+
+@dataclass(frozen=True, slots=True)
+class StepTable:
+    """Seeded samples of one step's node durations (index i of every tuple is one step) and constants."""
+
+    rollout: tuple[float, ...]
+    train: tuple[float, ...]
+    verify: tuple[float, ...]
+    tool: tuple[float, ...]
+    efficiency: float  # mean decoding efficiency of the rollouts
+    tokens: float  # mean generated tokens per step
+    decoder: Decoder
+
+
+def step_table(
+    acc: Accelerator, model: Model, eff: Efficiency, work: Workload, layout: TrainLayout,
+    rollout_acc: int, rollout_tp: int, k: int, seed: int,
+) -> StepTable:  # fmt: skip
+    samples, dec = rollout_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed)
+    rng = random.Random(f"step/{seed}/{model.name}")
+    train = tuple(train_seconds(acc, model, eff, work, layout, s.tokens + s.prompt_tokens) for s in samples)
+    stall = work.tool_stall
+    return StepTable(
+        rollout=tuple(s.seconds for s in samples),
+        train=train,
+        verify=lognormal_draws(work.verify.median, work.verify.sigma, k, rng),
+        tool=lognormal_draws(stall.median, stall.sigma, k, rng) if stall else (),
+        efficiency=_mean_efficiency(samples),
+        tokens=sum(s.tokens for s in samples) / len(samples),
+        decoder=dec,
+    )
+
+
+def _mean_efficiency(samples: list[RolloutSample]) -> float:
+    """Time-weighted: total tokens over total decode capacity of the rollouts."""
+    return sum(s.efficiency * s.seconds for s in samples) / sum(s.seconds for s in samples)
+
+
+def job_graph(kind: str, overlap: str, agentic: bool) -> tuple[dict[str, NodePlan], tuple[str, ...], frozenset[str]]:
+    """(nodes, baseline, dedicated) of one step under a deployment kind (see the module docstring)."""
+    on_service = kind in SHARED_ROLLOUT
+    roll = "service" if on_service else "cpu"
+    nodes: dict[str, NodePlan] = {"rollout": NodePlan(roll, (), inline=False)}
+    last = "rollout"
+    if agentic:
+        nodes["tool"] = NodePlan("cpu", ("rollout",), inline=False)
+        nodes["rollout2"] = NodePlan(roll, ("tool",), inline=False)
+        last = "rollout2"
+    nodes["verify"] = NodePlan("cpu", (last,), inline=False)
+    rollouts = ("rollout", "rollout2") if agentic else ("rollout",)
+    dedicated = frozenset() if on_service else frozenset(rollouts)
+    if on_service:
+        nodes["switch"] = NodePlan("service", ("verify",))
+        nodes["train"] = NodePlan("service", ("switch",))
+        return nodes, (), dedicated
+    if kind == OVERLAPPED or overlap == "one-step":
+        nodes["train"] = NodePlan("service", ())  # trains on the previous step's batch
+        nodes["sync"] = NodePlan("service", ("train", "verify"))
+        return nodes, rollouts, dedicated
+    nodes["train"] = NodePlan("service", ("verify",))
+    nodes["sync"] = NodePlan("service", ("train",))
+    return nodes, (), dedicated
+
+
+@dataclass(slots=True)
+class DeploymentResult:
+    """What one deployment of a scenario cost and how its jobs fared."""
+
+    name: str
+    kind: str
+    services: int
+    service_accelerators: int
+    own_accelerators: int  # per job (rollout), 0 when the rollout runs on the service
+    jobs: int
+    steps: int
+    makespan: float
+    allocated: float  # accelerator-seconds
+    busy: float  # accelerator-seconds
+    swap_seconds: float  # blocking swap time summed over services
+    decode_efficiency: float
+    rollout: float = 0.0  # accelerator-seconds of rollout nodes
+    jct: dict[str, float] = field(default_factory=dict)  # job -> completion time, s
+    step_seconds: float = 0.0  # mean per-step time of a job
+    utilisation: list[tuple[float, float]] = field(default_factory=list)  # (time, busy share) samples
+
+    @property
+    def accelerators(self) -> int:
+        return self.services * self.service_accelerators + self.jobs * self.own_accelerators
+
+    @property
+    def gpu_hours_per_step(self) -> float:
+        return self.allocated / 3600 / self.steps
+
+    @property
+    def bubble(self) -> float:
+        """Share of allocated accelerator time with no node running."""
+        return 1 - self.busy / self.allocated if self.allocated else 0.0
+
+    @property
+    def effective_bubble(self) -> float:
+        """Share of allocated accelerator time not doing useful work: no node running, or decode capacity a
+        rollout's long tail leaves unused (rollout time x (1 - decoding efficiency))."""
+        useful = self.busy - self.rollout * (1 - self.decode_efficiency)
+        return 1 - useful / self.allocated if self.allocated else 0.0
+
+
+def job_state(kind: str, model: Model, layout: TrainLayout, rollout_tp: int) -> int:
+    """Per-accelerator bytes of a job's state the planner moves: the training state or, where rollout shares
+    the service, the larger of it and the rollout engine's weights (the job's own `switch` swaps the two, so
+    only one is on device when another job's turn comes)."""
+    state = train_state_bytes(model, layout)
+    if kind in SHARED_ROLLOUT:
+        state = max(state, int(model.params_b * 1e9 * 2 / rollout_tp))
+    return state
+
+
+def device_budget(acc: Accelerator, eff: Efficiency, kind: str) -> int:
+    """Per-accelerator device bytes for job states: what the engines may use minus the training reserve
+    (where rollout shares the service, the reserve and the KV cache take turns with the resident job's
+    weights, so the whole engine share is the budget)."""
+    reserve = 0.0 if kind in SHARED_ROLLOUT else eff.train_reserve_gb * GB
+    return int(acc.hbm_gb * GB * eff.memory_utilization - reserve)
+
+
+def own_accelerators(sc: Scenario, dep: Deployment) -> int:
+    return 0 if dep.kind in SHARED_ROLLOUT else (dep.rollout_accelerators or sc.rollout_accelerators)
+
+
+def accelerators_per_job(sc: Scenario, dep: Deployment) -> float:
+    return own_accelerators(sc, dep) + sc.train.accelerators / dep.jobs_per_pool
+
+
+def scenario_jobs(sc: Scenario) -> int:
+    if sc.jobs is not None:
+        return sc.jobs
+    base = next(d for d in sc.deployments if d.name == sc.baseline)
+    return max(1, int(sc.cluster_accelerators // accelerators_per_job(sc, base)))
+
+
+def run_deployment(
+    sc: Scenario,
+    dep: Deployment,
+    acc: Accelerator | None = None,
+    tables: dict[tuple[int, int], StepTable] | None = None,
+) -> DeploymentResult:
+    """Simulate the scenario's jobs under one deployment (on `acc` if given) with the real runner and planner."""
+    acc = acc or sc.accelerator
+    model, eff, work, layout = sc.model, sc.efficiency, sc.workload, sc.train
+    on_service = dep.kind in SHARED_ROLLOUT
+    r_acc = layout.accelerators if on_service else own_accelerators(sc, dep)
+    r_tp = dep.rollout_tp or sc.rollout_tp
+    tables = {} if tables is None else tables
+    if (r_acc, r_tp) not in tables:
+        tables[r_acc, r_tp] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed)
+    tab = tables[r_acc, r_tp]
+    n = scenario_jobs(sc)
+    agentic = work.tool_stall is not None
+    nodes, baseline, dedicated = job_graph(dep.kind, dep.overlap, agentic)
+    half = tuple(x / 2 for x in tab.rollout) if agentic else tab.rollout
+    samples = {"rollout": half, "rollout2": half, "train": tab.train, "verify": tab.verify, "tool": tab.tool}
+    means = {
+        "switch": switch_seconds(acc, model, eff, layout, r_tp),
+        "sync": sync_seconds(acc, model, eff, min(layout.accelerators, r_acc)),
+    }
+    state = job_state(dep.kind, model, layout, r_tp)
+    order = tuple(nodes)
+    jobs = [
+        SimJob(f"job{i:03d}", nodes, work.steps, means, order, baseline, state, dedicated=dedicated,
+               samples={k: v for k, v in samples.items() if k in nodes})
+        for i in range(n)
+    ]  # fmt: skip
+    services = math.ceil(n / dep.jobs_per_pool)
+    costs = SampledCosts(sc.seed, acc.host_gbps * GB, acc.disk_gbps * GB)
+    ex = SimExecutor(services, costs)
+    shared = dep.kind.startswith("plexrl")
+    placement = placement_policy(dep.placement if shared else "isolated")
+    ordering = ORDERINGS[dep.ordering if shared else "fifo"]()
+    # no lookahead: it exists to hide a real driver's round trip (which the simulator does not model) and it
+    # commits a service's next node before the running one ends, so a node that becomes ready meanwhile
+    # (a 5 s weight sync that would free its job for a 500 s rollout) cannot overtake it
+    runner = Runner(
+        ex, placement=placement, ordering=ordering, budgets=Budgets(device=device_budget(acc, eff, dep.kind))
+    )
+    runs = runner.run(jobs)
+    bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
+    if bad:
+        raise RuntimeError(f"deployment {dep.name}: {len(bad)} jobs did not finish, e.g. {bad[:2]}")
+    size = layout.accelerators
+    own = 0 if on_service else r_acc
+    last_end: dict[str, float] = {}
+    allocated = busy = swap = 0.0
+    for r in runs:
+        assert r.service is not None and r.finished_at is not None and r.started_at is not None
+        last_end[r.service] = max(last_end.get(r.service, 0.0), r.finished_at)
+        allocated += own * (r.finished_at - r.started_at)
+    allocated += size * sum(last_end.values())
+    for rep in runner.service_reports.values():
+        busy += size * rep["busy_seconds"]
+        swap += rep["blocking_swap_seconds"]
+    busy += own * sum(ex.dedicated_busy.values())
+    rollout = sum(row.get("time/rollout", 0.0) + row.get("time/rollout2", 0.0) for r in runs for row in r.history)
+    jct = {r.job_id: r.finished_at - (r.submitted_at or 0.0) for r in runs}  # type: ignore[operator]
+    steps = sum(r.iterations_done for r in runs)
+    return DeploymentResult(
+        dep.name, dep.kind, services, size, own, n, steps, ex.clock(), allocated, busy, swap, tab.efficiency,
+        rollout * (size if on_service else own), jct,
+        step_seconds=sum(jct.values()) / steps,
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class ScenarioResult:
+    scenario: Scenario
+    results: list[DeploymentResult]
+    sweep: dict[str, list[DeploymentResult]] = field(default_factory=dict)  # accelerator -> results
+
+    def baseline(self, results: list[DeploymentResult] | None = None) -> DeploymentResult:
+        return next(r for r in results or self.results if r.name == self.scenario.baseline)
+
+    def saving(self, r: DeploymentResult, against: DeploymentResult) -> float:
+        return 1 - r.gpu_hours_per_step / against.gpu_hours_per_step
+
+    def slowdowns(self, r: DeploymentResult, results: list[DeploymentResult] | None = None) -> list[float]:
+        base = self.baseline(results)
+        return [r.jct[j] / base.jct[j] for j in sorted(r.jct)]
+
+
+def run_scenario(sc: Scenario, accelerators: dict[str, Accelerator] | None = None) -> ScenarioResult:
+    """Every deployment of the scenario, then (for `sweep_accelerators`, resolved in `accelerators`) again on
+    each other accelerator."""
+    tables: dict[tuple[int, int], StepTable] = {}
+    out = ScenarioResult(sc, [run_deployment(sc, d, tables=tables) for d in sc.deployments])
+    for name in sc.sweep_accelerators:
+        acc = (accelerators or {})[name]
+        tables = {}
+        out.sweep[name] = [run_deployment(sc, d, acc, tables) for d in sc.deployments]
+    return out
