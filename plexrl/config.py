@@ -2,7 +2,9 @@
 
 `load_job(path, overrides)` reads a YAML job, applies `--set key=value` overrides, validates it and compiles
 its pipeline, and raises one `ConfigError` listing every problem (unknown keys, wrong types, values out of
-range, a missing file, and all pipeline problems) so a user fixes them in one pass.
+range, a missing file, and all pipeline problems) so a user fixes them in one pass. YAML is read through
+`plexrl.yamlio` (bounded time and memory; duplicate keys, alias bombs, deep nesting, huge integers and
+non-UTF-8 files are errors).
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, validate_call
 
 from plexrl.errors import ConfigError, Problem
 from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
+from plexrl.yamlio import load_yaml_file, load_yaml_text
 
 
 class StrictModel(BaseModel):
@@ -261,10 +263,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
             target = target.setdefault(part, {})
         else:
             try:
-                target[parts[-1]] = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                why = getattr(exc, "problem", None) or "parse error"
-                problems.append(Problem(f"--set {item}", f"value is not valid YAML ({why}); quote strings"))
+                target[parts[-1]] = load_yaml_text(value, f"--set {item}")
+            except ConfigError as exc:
+                problems += [Problem(p.where, f"{p.message}; quote strings") for p in exc.problems]
     return problems
 
 
@@ -277,12 +278,7 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
         raw, name = copy.deepcopy(source), "config"
     elif source is not None:
         path, name = Path(source), str(source)
-        if not path.is_file():
-            raise ConfigError([Problem(str(path), "file not found; check the path (configs/ has examples)")], name)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([Problem(str(path), f"not valid YAML: {exc}")], name) from None
+        loaded = load_yaml_file(path) or {}  # bounded: see plexrl.yamlio
         if not isinstance(loaded, dict):
             raise ConfigError([Problem(str(path), "a job config must be a YAML mapping of keys to values")], name)
         raw = loaded
