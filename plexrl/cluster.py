@@ -68,7 +68,9 @@ class ClusterConfig(StrictModel):
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
     )
-    max_load: float = Field(1.0, gt=0, le=64, description="spread+backfill: admit while predicted load <= this.")
+    max_load: float = Field(
+        1.0, gt=0, le=64, description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this."
+    )
     ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."
@@ -208,7 +210,7 @@ def make_executor(cfg: ClusterConfig) -> Executor:
 
 def make_runner(cfg: ClusterConfig, hooks: list[Hook], executor: Executor | None = None) -> Runner:
     """The one `Runner`, with the config's policies and budgets, over `executor` (default: `make_executor`)."""
-    from plexrl.planner.policies import ORDERINGS, PLACEMENTS, SpreadBackfill
+    from plexrl.planner.policies import ORDERINGS, placement_policy
     from plexrl.runtime.runner import Budgets, Runner
 
     s = cfg.services
@@ -217,7 +219,7 @@ def make_runner(cfg: ClusterConfig, hooks: list[Hook], executor: Executor | None
         int(s.host_memory) if s.host_memory is not None else None,
         int(s.disk) if s.disk is not None else None,
     )
-    placement = SpreadBackfill(cfg.max_load) if cfg.placement == "spread+backfill" else PLACEMENTS[cfg.placement]()
+    placement = placement_policy(cfg.placement, cfg.max_load)
     dask = cfg.driver == "dask"
     return Runner(
         executor if executor is not None else make_executor(cfg), hooks=hooks, placement=placement,
