@@ -2,15 +2,18 @@
 
 `Sandbox.run(code)` starts `_launcher.py` (a trusted stdlib-only script) in a new session with a scrubbed
 environment and an empty temporary directory; the launcher isolates the run (namespaces, a read-only root
-with only the Python installation, an unprivileged uid, rlimits) and execs Python on the code. This module
-enforces the wall-clock timeout and the output cap, kills the whole run when either is hit, and removes the
-temporary directory. What the kernel actually allowed is reported as `Isolation` on every result and logged
-once per Sandbox when it is less than complete.
+with only the Python installation, an unprivileged uid, every rlimit, a fresh session keyring, a seccomp
+filter from `plexrl.tools.seccomp`) and execs Python on the code. This module enforces the wall-clock timeout
+and the output cap, kills the whole run when either is hit or when anything goes wrong in the caller (any
+exception, KeyboardInterrupt included), and removes the temporary directory. The launcher enforces the same
+deadline itself and dies with the calling thread, so a run never outlives a killed or stopped caller. What
+the kernel actually allowed is reported as `Isolation` on every result and logged once per Sandbox when it is
+less than complete; a `strict` Sandbox refuses to run the code at all then.
 
 Contract: `run` never raises because of what the code does (crash, hang, fork bomb, memory bomb, huge output,
 attacks on the caller); it returns `SandboxResult(ok=False, error=...)`. It does NOT defend against kernel
-exploits or side channels, and without namespaces it cannot hide the file system or the network (see
-`Isolation.notes`). Thread-safe: runs are independent processes.
+exploits outside the filtered system calls or side channels, and without namespaces it cannot hide the file
+system or the network (see `Isolation.notes`). Thread-safe: runs are independent processes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from plexrl.tools.seccomp import filter_program
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +73,21 @@ class SandboxLimits(BaseModel):
 class Isolation:
     """What one run actually got. `namespaces` ⊆ network, mount, pid, ipc, uts; `filesystem`: the root is the
     read-only minimal tree (no project files, no /etc); `unprivileged`: an uid of its own (or a user
-    namespace); `notes`: every requested protection that the kernel refused, in words."""
+    namespace); `syscall_filter`: the seccomp filter is loaded; `notes`: every requested protection that the
+    kernel refused, in words."""
 
     namespaces: tuple[str, ...] = ()
     filesystem: bool = False
     unprivileged: bool = False
+    syscall_filter: bool = False
     notes: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
-        """True when every protection is in place: all namespaces, the minimal root, an unprivileged uid."""
-        return set(self.namespaces) == set(NAMESPACES) and self.filesystem and self.unprivileged
+        """True when every protection is in place: all namespaces, the minimal root, an unprivileged uid, the
+        system-call filter. A strict Sandbox runs code only then."""
+        complete = set(self.namespaces) == set(NAMESPACES) and self.filesystem and self.unprivileged
+        return complete and self.syscall_filter
 
     @property
     def network(self) -> bool:
@@ -92,6 +101,7 @@ class Isolation:
             f"filesystem {'isolated' if self.filesystem else 'NOT isolated'}",
             f"pid namespace {'yes' if 'pid' in self.namespaces else 'NO'}",
             f"unprivileged uid {'yes' if self.unprivileged else 'NO'}",
+            f"syscall filter {'yes' if self.syscall_filter else 'NO'}",
         ]
         return "; ".join(parts) + "".join(f"; {n}" for n in self.notes)
 
@@ -119,6 +129,9 @@ class Sandbox:
     namespaces: which of NAMESPACES to ask for (all by default; fewer only to test degraded modes).
     readonly_paths: extra host directories made visible read-only at the same path (e.g. a data set).
     temp_root: where the per-run temporary directory is made (default: the system's temp dir).
+    strict: refuse to run code (`ok=False`, error "strict mode: ...") unless `Isolation.complete`; verifiers
+        use it, because a reward computed in a leaky sandbox is one the policy can learn to forge.
+    syscall_filter: load the seccomp filter (True; False only to test the other layers on their own).
     """
 
     def __init__(
@@ -128,6 +141,8 @@ class Sandbox:
         namespaces: Sequence[str] = NAMESPACES,
         readonly_paths: Sequence[str] = (),
         temp_root: str | os.PathLike[str] | None = None,
+        strict: bool = False,
+        syscall_filter: bool = True,
     ) -> None:
         unknown = set(namespaces) - set(NAMESPACES)
         if unknown:
@@ -137,6 +152,8 @@ class Sandbox:
         self.readonly_paths = tuple(os.path.abspath(p) for p in readonly_paths)
         self.temp_root = None if temp_root is None else os.fspath(temp_root)
         self.python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        self.strict = strict
+        self.seccomp = filter_program(os.uname().machine) if syscall_filter else None
         self._isolation: Isolation | None = None
         self._warned = False
 
@@ -170,7 +187,13 @@ class Sandbox:
         job = {
             "code": code,
             "status_fd": status_fd,
+            "caller_pid": os.getpid(),
+            "temp_dir": tmp,
+            "timeout_s": limits.timeout_s,
+            "strict": self.strict,
+            "seccomp": self.seccomp,
             "namespaces": list(self.namespaces),
+            "all_namespaces": list(NAMESPACES),
             "root_dir": os.path.join(tmp, "root"),
             "work_dir": os.path.join(tmp, "work"),
             "python": self.python,
@@ -209,14 +232,21 @@ class Sandbox:
             return _refused(f"cannot start the sandbox launcher: {exc}", started)
         finally:
             os.close(status_w)
-        with os.fdopen(status_r, "rb") as status:
-            stdin = proc.stdin
-            assert stdin is not None
-            with contextlib.suppress(OSError):  # the launcher died at once: its stderr says why
-                stdin.write(self._job(tmp, code, status_w))
-            with contextlib.suppress(OSError):
-                stdin.close()
-            out, err, raw_status, timed_out, truncated = self._collect(proc, status, started)
+        try:
+            with os.fdopen(status_r, "rb") as status:
+                stdin = proc.stdin
+                assert stdin is not None
+                with contextlib.suppress(OSError):  # the launcher died at once: its stderr says why
+                    stdin.write(self._job(tmp, code, status_w))
+                with contextlib.suppress(OSError):
+                    stdin.close()
+                out, err, raw_status, timed_out, truncated = self._collect(proc, status, started)
+        except BaseException:  # KeyboardInterrupt, an error here: the run must not outlive this call
+            _terminate(proc)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+            raise
         return self._result(proc.returncode, out, err, raw_status, timed_out, truncated, started)
 
     def _collect(
@@ -268,10 +298,15 @@ class Sandbox:
             log.warning("sandbox isolation is degraded on this machine: %s", isolation.summary())
         final: dict[str, int] = next((r for r in records if "exit" in r or "signal" in r), {})
         exit_code, sig = final.get("exit"), final.get("signal")
+        refused = next((str(r["refused"]) for r in records if "refused" in r), None)
+        timed_out = timed_out or any("deadline" in r for r in records)  # the launcher's own alarm
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
         limits = self.limits
         error: str | None = None
-        if timed_out:
+        if refused is not None:
+            error = f"{refused} ({isolation.summary()})"
+            exit_code = None
+        elif timed_out:
             error = f"timed out: the program ran longer than {limits.timeout_s:g} s (wall clock) and was killed"
         elif truncated:
             error = f"output limit: the program wrote more than {limits.max_output_bytes} bytes and was stopped"
@@ -315,6 +350,7 @@ def _isolation(info: dict[str, object] | None) -> Isolation:
         namespaces=tuple(str(n) for n in got),
         filesystem=bool(info.get("filesystem")),
         unprivileged=bool(info.get("unprivileged")),
+        syscall_filter=bool(info.get("syscall_filter")),
         notes=tuple(str(n) for n in notes),
     )
     return isolation
@@ -341,14 +377,15 @@ def _refused(error: str, started: float) -> SandboxResult:
     return SandboxResult(False, "", "", None, None, error, False, False, time.perf_counter() - started)
 
 
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the launcher (SIGTERM: it kills the run's init, hence the pid namespace, and reports), then SIGKILL
-    the whole process group; reap. Safe to call on a launcher that already exited."""
+def _terminate(proc: subprocess.Popen[bytes], grace_s: float = KILL_GRACE_S) -> None:
+    """Stop the launcher (SIGTERM: it kills the run's init, hence the pid namespace, reports and removes the
+    temporary directory), then SIGKILL the whole process group after `grace_s`; reap. Safe to call on a
+    launcher that already exited."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(KILL_GRACE_S)
+            proc.wait(grace_s)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
