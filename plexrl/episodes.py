@@ -10,9 +10,11 @@ Tag format (four special tokens of the tokenizer):
   required) argument: the expression for `calculator`, the source for `python`. With no `<call>` in the
   turn, everything before `</call>` is the body.
 - The tool node runs the call and appends `<out>OUTPUT</out>`: the tool's output, or `?` and the error
-  message when the call failed; characters the tokenizer does not know are dropped, and the output is cut
-  to `max_output_tokens`. These tokens are not written by the policy: they are attended to but masked out of
-  the policy loss (`Episodes.model_mask`, `EpisodeRollouts.response_mask`).
+  message when the call failed, encoded as plain text (a special token's string in it is split into ordinary
+  tokens, so output cannot close the block, open a call or end the episode: `plain_text_ids`); characters
+  the tokenizer does not know are dropped, and the output is cut to `max_output_tokens`. These tokens are
+  not written by the policy: they are attended to but masked out of the policy loss (`Episodes.model_mask`,
+  `EpisodeRollouts.response_mask`).
 - The episode continues with the next model turn until an answer, the turn limit (the number of turn
   nodes in the pipeline), or the `token_budget` of tokens after the prompt.
 - The final answer, which the verifier checks, is the text after the last tool output.
@@ -174,7 +176,7 @@ def run_tools(
         results = list(pool.map(call, rows))
     for i, res in zip(rows, results, strict=True):
         text = res.output if res.ok else f"?{res.error or ''}"
-        body = tokenizer(text.strip(), add_special_tokens=False)["input_ids"][:max_output_tokens]
+        body = plain_text_ids(tokenizer, text.strip())[:max_output_tokens]
         ids = [tags[OUT], *body, tags[OUT_END]]
         room = out.token_budget - len(out.tokens[i])
         if len(ids) >= room:
@@ -189,6 +191,23 @@ def run_tools(
         out.tool_latency_s[i] += res.latency_s
     out.new_tokens = 0
     return out
+
+
+def plain_text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of `text` as plain text: a special token's string in it (`</out>`, `<call>`, `<eos>`, ...) is
+    split into ordinary tokens, and any special id a tokenizer still emits is dropped. Tool output (which may
+    come from model-written code) therefore can never close its `<out>` block, open a call or end the episode.
+
+    >>> class Chars:  # a stand-in tokenizer that would read "<eos>" as the special id 0
+    ...     all_special_ids = [0]
+    ...     def __call__(self, text, add_special_tokens, split_special_tokens):
+    ...         return {"input_ids": [ord(c) for c in text] if split_special_tokens else [0]}
+    >>> plain_text_ids(Chars(), "<eos>")
+    [60, 101, 111, 115, 62]
+    """
+    ids: list[int] = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    return [i for i in ids if i not in special]
 
 
 def final_answer(tokens: Sequence[int], tokenizer: Any) -> str:

@@ -3,21 +3,23 @@
 Each takes a batch of completions and a batch of references of the same length and returns one score per
 sample: 1.0 (correct), 0.0 (wrong, or unreadable model output) or None (not applicable: no reference). They
 never raise on malformed model output and keep no state; a length mismatch between the batches is a caller
-bug and raises ValueError. `code_unit_tests` runs model code, always in the `Sandbox`.
+bug and raises ValueError. `code_unit_tests` runs model code, always in the `Sandbox`, and decides outside it.
 
 Not done here: partial credit, format rewards, or anything that needs the trainer (see operators/verify.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
-import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from plexrl.tools.sandbox import Sandbox, SandboxLimits
 
@@ -190,42 +192,167 @@ def extract_code(completion: str) -> str:
 
 _default_sandbox: Sandbox | None = None
 _sandbox_lock = threading.Lock()
+_OUTPUTS_MARK = "plexrl-outputs:"
+_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _sandbox() -> Sandbox:
     global _default_sandbox
     with _sandbox_lock:
         if _default_sandbox is None:
-            _default_sandbox = Sandbox(SandboxLimits(timeout_s=10, cpu_s=10))
+            _default_sandbox = Sandbox(SandboxLimits(timeout_s=10, cpu_s=10), strict=True)
         return _default_sandbox
 
 
+class UnitCase(BaseModel):
+    """One input/output example: `function(*args)` must return `expected`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    args: list[Any] = Field(description="positional arguments: plain JSON data (numbers, strings, lists, ...)")
+    expected: Any = Field(description="the return value the function must give: plain JSON data")
+
+
+class UnitTests(BaseModel):
+    """The reference of `code_unit_tests`: a function name and its cases. Only `args` enter the sandbox; the
+    expected values stay with the caller."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    function: str = Field(pattern=_IDENTIFIER, description="name of the function the completion must define")
+    cases: list[UnitCase] = Field(min_length=1, description="input/output examples, all of which must pass")
+
+
+def unit_tests(function: str, cases: Sequence[tuple[Sequence[Any], Any]]) -> str:
+    """The reference string for `code_unit_tests` (JSON of `UnitTests`) from `(args, expected)` pairs.
+
+    >>> unit_tests("add", [((2, 3), 5)])
+    '{"function":"add","cases":[{"args":[2,3],"expected":5}]}'
+    """
+    parsed = UnitTests(function=function, cases=[UnitCase(args=list(a), expected=e) for a, e in cases])
+    return parsed.model_dump_json()
+
+
+_HARNESS = """\
+import json, math, os, sys
+_SOURCE, _FUNCTION, _INPUTS = {source!r}, {function!r}, json.loads({inputs!r})
+def _plain(value, depth=0):
+    kind = type(value)
+    if depth > 100:
+        raise ValueError("nested too deep")
+    if value is None or kind in (bool, int, str) or (kind is float and math.isfinite(value)):
+        return value
+    if kind in (list, tuple):
+        return [_plain(v, depth + 1) for v in value]
+    if kind is dict and all(type(k) is str for k in value):
+        return {{k: _plain(v, depth + 1) for k, v in value.items()}}
+    raise TypeError(f"returned {{kind.__name__}}, which is not plain data")
+_stdout = os.dup(1)
+os.dup2(2, 1)  # what the candidate prints goes to stderr; stdout carries the outputs only
+_namespace = {{"__name__": "solution"}}
+exec(compile(_SOURCE, "solution.py", "exec"), _namespace)
+_results = []
+for _args in _INPUTS:
+    try:
+        _results.append('["ok", ' + json.dumps(_plain(_namespace[_FUNCTION](*_args))) + "]")
+    except Exception as _exc:
+        _results.append(json.dumps(["error", type(_exc).__name__]))
+sys.stdout.flush()
+os.dup2(_stdout, 1)
+os.write(1, ({mark!r} + "[" + ", ".join(_results) + "]\\n").encode())
+"""
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not plain data")
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Structural equality of plain JSON data: bools only equal bools, numbers compare by value (floats within
+    1e-9 relative), strings, None, lists and string-keyed dicts element by element; nothing else is equal."""
+    if isinstance(want, bool) or isinstance(got, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(want, int | float) and isinstance(got, int | float):
+        if isinstance(want, int) and isinstance(got, int):
+            return got == want
+        try:
+            return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)
+        except OverflowError:
+            return False
+    if want is None or isinstance(want, str):
+        return type(got) is type(want) and got == want
+    if isinstance(want, list):
+        return type(got) is list and len(got) == len(want) and all(map(_same, got, want))
+    if isinstance(want, dict):
+        return type(got) is dict and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return False
+
+
+def _outputs(stdout: str) -> list[Any] | None:
+    """The harness's outputs line parsed as plain JSON data, or None when there is none or it is not valid."""
+    lines = stdout.rstrip("\n").rsplit("\n", 1)
+    if not lines[-1].startswith(_OUTPUTS_MARK):
+        return None
+    try:
+        outputs = json.loads(lines[-1][len(_OUTPUTS_MARK) :], parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return outputs if isinstance(outputs, list) else None
+
+
 def code_unit_tests(
-    completions: Sequence[str], tests: Sequence[str | None], *, sandbox: Sandbox | None = None, max_workers: int = 4
+    completions: Sequence[str],
+    tests: Sequence[str | UnitTests | None],
+    *,
+    sandbox: Sandbox | None = None,
+    max_workers: int = 4,
 ) -> Scores:
-    """1.0 where the completion's code followed by its unit tests (plain asserts, or anything that exits
-    non-zero on failure) runs to completion in the sandbox, 0.0 if any fails, crashes, exits early or exceeds
-    a limit, None where the tests are None. Runs up to `max_workers` sandboxes at once.
+    """1.0 where the function the completion's code defines returns the expected value on every case of its
+    `UnitTests` (a JSON string from `unit_tests`, or the model), 0.0 where any case differs, raises, returns
+    something that is not plain data, or the run fails or exceeds a limit; None where the tests are None.
 
-    "Runs to completion" is checked by a random token printed after the tests. Code that reads its own source
-    to find the token can still fake a pass: this guards against accidents, not a policy set on cheating.
+    The verdict is computed here, outside the sandbox: the sandbox runs the candidate on the cases' inputs and
+    prints its return values as JSON; they are parsed as plain data and compared with the expected values,
+    which never enter the sandbox. Nothing the code does inside (reading the harness, patching `__eq__`,
+    exit hooks, printing fake results) can raise its score above that of a program that computes those
+    outputs. Runs up to `max_workers` sandboxes at once; the default sandbox is strict, and a strict sandbox
+    that refuses to run (degraded isolation) raises RuntimeError instead of scoring every sample 0.0. A
+    malformed reference scores 0.0 with a warning.
 
+    >>> tests = unit_tests("add", [((2, 3), 5), ((0, -1), -1)])
     >>> code_unit_tests(["```python\\ndef add(a, b):\\n    return a + b\\n```", "def add(a, b): return a - b", "x"],
-    ...                 ["assert add(2, 3) == 5", "assert add(2, 3) == 5", None])
+    ...                 [tests, tests, None])
     [1.0, 0.0, None]
     """
     _check_lengths(completions, tests)
     box = sandbox or _sandbox()
 
-    def score(item: tuple[Any, str | None]) -> float | None:
-        completion, test = item
-        if test is None:
+    def score(item: tuple[Any, str | UnitTests | None]) -> float | None:
+        completion, reference = item
+        if reference is None:
             return None
+        try:
+            spec = reference if isinstance(reference, UnitTests) else UnitTests.model_validate_json(reference)
+        except ValueError as exc:
+            log.warning("code_unit_tests: malformed reference %r (%s); scored 0.0", str(reference)[:200], exc)
+            return 0.0
         if not isinstance(completion, str):
             return 0.0
-        nonce = secrets.token_hex(16)  # an early sys.exit(0) in the model's code must not pass the tests
-        result = box.run(f"{extract_code(completion)}\n\n{test}\n\nprint({nonce!r})\n")
-        return 1.0 if result.ok and result.stdout.rstrip("\n").endswith(nonce) else 0.0
+        inputs = json.dumps([case.args for case in spec.cases])
+        program = _HARNESS.format(
+            source=extract_code(completion), function=spec.function, inputs=inputs, mark=_OUTPUTS_MARK
+        )
+        result = box.run(program)
+        if box.strict and not result.isolation.complete:
+            raise RuntimeError(f"code_unit_tests: the strict sandbox refuses to run code here: {result.error}")
+        outputs = _outputs(result.stdout) if result.ok else None
+        if outputs is None or len(outputs) != len(spec.cases):
+            return 0.0
+        passed = all(
+            isinstance(out, list) and len(out) == 2 and out[0] == "ok" and _same(out[1], case.expected)
+            for out, case in zip(outputs, spec.cases, strict=True)
+        )
+        return 1.0 if passed else 0.0
 
     items = list(zip(completions, tests, strict=True))
     if len(items) <= 1 or max_workers <= 1:

@@ -11,13 +11,21 @@ import pytest
 import plexrl.verifiers as verifiers
 from plexrl.tools import Sandbox
 from plexrl.tools.sandbox import SandboxLimits
-from plexrl.verifiers import code_unit_tests, exact_numeric, extract_code, final_number, math_answer, parse_number
+from plexrl.verifiers import (
+    code_unit_tests,
+    exact_numeric,
+    extract_code,
+    final_number,
+    math_answer,
+    parse_number,
+    unit_tests,
+)
 
 MALFORMED: list[Any] = [None, 42, b"\xff\xfe", "", "\\boxed{", "}}}{{{", "\x00" * 10, "9" * 5000, "\\frac{1}{0}"]
 
 
 def test_doctests() -> None:
-    public = [parse_number, final_number, exact_numeric, math_answer, extract_code, code_unit_tests]
+    public = [parse_number, final_number, exact_numeric, math_answer, extract_code, code_unit_tests, unit_tests]
     assert all(">>> " in (fn.__doc__ or "") for fn in public)
     result = doctest.testmod(verifiers)
     assert result.attempted >= len(public) and result.failed == 0
@@ -109,12 +117,18 @@ def small_sandbox() -> Sandbox:
     return Sandbox(SandboxLimits(timeout_s=1.5, cpu_s=1, memory_mb=256))
 
 
+SQUARE = unit_tests("square", [((3,), 9), ((-2,), 4)])
+
+
 def test_code_unit_tests_scores_passing_and_failing_code(small_sandbox: Sandbox) -> None:
     good = "```python\ndef square(x):\n    return x * x\n```"
-    tests = "assert square(3) == 9\nassert square(-2) == 4"
     completions = [good, "def square(x): return x + x", "def square(x) return", good, "import sys; sys.exit(0)"]
-    scores = code_unit_tests(completions, [tests, tests, tests, None, tests], sandbox=small_sandbox)
+    scores = code_unit_tests(completions, [SQUARE, SQUARE, SQUARE, None, SQUARE], sandbox=small_sandbox)
     assert scores == [1.0, 0.0, 0.0, None, 0.0]
+    noisy = "def square(x):\n    print('debugging', x)\n    return x ** 2\nprint('loaded')"
+    floats = unit_tests("half", [((3,), 1.5), (([1, 2],), [0.5, 1.0])])
+    half = "def half(x):\n    return [v / 2 for v in x] if isinstance(x, list) else x / 2"
+    assert code_unit_tests([noisy, half], [SQUARE, floats], sandbox=small_sandbox) == [1.0, 1.0]
 
 
 def test_code_unit_tests_contain_hostile_code(small_sandbox: Sandbox) -> None:
@@ -125,5 +139,96 @@ def test_code_unit_tests_contain_hostile_code(small_sandbox: Sandbox) -> None:
         "import os; os.kill(os.getppid(), 9)",
         None,
     ]
-    tests = ["assert True"] * len(hostile)
+    tests = [unit_tests("f", [((1,), 1)])] * len(hostile)
     assert code_unit_tests(hostile, tests, sandbox=small_sandbox, max_workers=2) == [0.0] * len(hostile)
+
+
+# Wrong code that scored 1.0 before the verdict moved out of the sandbox (issue 16), each in its own way.
+REWARD_HACKS = {
+    "pass token from the harness's code objects": (
+        "import os, re, sys\ndef square(x):\n    return 0\n"
+        "for c in sys._getframe().f_code.co_consts:\n"
+        "    if isinstance(c, str) and re.fullmatch('[0-9a-f]{32}', c):\n        print(c, flush=True)\n        os._exit(0)\n"
+    ),
+    "pass token from the harness file": (
+        "import os, re\ndef square(x):\n    return 0\n"
+        "for token in re.findall(r\"print\\('([0-9a-f]{32})'\\)\", open('main.py').read()):\n"
+        "    print(token, flush=True)\n    os._exit(0)\n"
+    ),
+    "excepthook that prints the token and exits 0": (
+        "import os, re, sys\ndef square(x):\n    return 0\n"
+        "def hook(*exc):\n    for t in re.findall(r\"print\\('([0-9a-f]{32})'\\)\", open('main.py').read()):\n"
+        "        print(t, flush=True)\n    os._exit(0)\nsys.excepthook = hook\n"
+    ),
+    "an object equal to everything": (
+        "class Anything:\n    def __eq__(self, other):\n        return True\ndef square(x):\n    return Anything()\n"
+    ),
+    "an int subclass equal to everything": (
+        "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def square(x):\n    return Int(0)\n"
+    ),
+    "outputs forged on the harness's own channel": (
+        "import os, sys\ndef square(x):\n    return 0\ntry:\n    frame = sys._getframe(1)\n"
+        "    mark = [c for c in frame.f_code.co_consts if isinstance(c, str) and c.endswith('outputs:')][0]\n"
+        "    os.write(frame.f_globals['_stdout'], (mark + '[[\"ok\", true], [\"ok\", true]]\\n').encode())\n"
+        "    os._exit(0)\nexcept Exception:\n    pass\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(REWARD_HACKS))
+def test_wrong_code_cannot_forge_a_pass(attack: str, small_sandbox: Sandbox) -> None:
+    assert code_unit_tests([REWARD_HACKS[attack]], [SQUARE], sandbox=small_sandbox) == [0.0]
+
+
+def test_the_expected_outputs_never_enter_the_sandbox(small_sandbox: Sandbox) -> None:
+    programs: list[str] = []
+
+    class Spy(Sandbox):
+        def run(self, code: str) -> Any:
+            programs.append(code)
+            return super().run(code)
+
+    spy = Spy(small_sandbox.limits)
+    tests = unit_tests("f", [((1,), 987654321), ((2,), "s3cret-expected")])
+    assert code_unit_tests(
+        ["def f(x): return 987654320 + x if x == 1 else 's3cret' + '-expected'"], [tests], sandbox=spy
+    ) == [1.0]
+    assert len(programs) == 1 and "987654321" not in programs[0] and "s3cret-expected" not in programs[0]
+
+
+FORGE = "import os, sys\nfd = sys._getframe(1).f_globals['_stdout']  # the harness's stdout\n"
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("[" * 50_000, "nested past the parser's recursion limit"),
+        ('[["ok", ' + "9" * 5000 + '], ["ok", 4]]', "an integer past int-to-str limits"),
+        ('[["ok", NaN], ["ok", Infinity]]', "non-finite constants"),
+        ('[["ok", true], ["ok", 4]]', "a bool where an int is expected"),
+        ('[["ok", 9.0000001], ["ok", 4]]', "outside float tolerance"),
+        ('{"0": ["ok", 9]}', "not a list"),
+        ('[["ok", 9]]', "too few outputs"),
+        ('[["ok", 1e400], ["ok", 4]]', "overflowing float"),
+    ],
+)
+def test_forged_outputs_are_parsed_as_plain_data_and_never_crash_the_trainer(line: str, why: str) -> None:
+    code = f"{FORGE}os.write(fd, b'plexrl-outputs:' + {line.encode()!r} + b'\\n')\nos._exit(0)"
+    sandbox = Sandbox(SandboxLimits(timeout_s=5, max_output_bytes=60_000))
+    assert code_unit_tests([code], [SQUARE], sandbox=sandbox) == [0.0], why
+
+
+def test_outputs_are_all_that_counts_however_they_are_printed(small_sandbox: Sandbox) -> None:
+    """Forging the channel gains nothing: a program that writes the right outputs has computed them."""
+    code = FORGE + 'os.write(fd, b\'plexrl-outputs:[["ok", 9], ["ok", 4.0]]\\n\')\nos._exit(0)'
+    assert code_unit_tests([code], [SQUARE], sandbox=small_sandbox) == [1.0]
+
+
+def test_code_unit_tests_refuses_to_score_in_a_degraded_strict_sandbox(caplog: pytest.LogCaptureFixture) -> None:
+    assert verifiers._sandbox().strict  # the verifier's default sandbox
+    degraded = Sandbox(SandboxLimits(timeout_s=5), syscall_filter=False, strict=True)
+    with pytest.raises(RuntimeError, match="strict sandbox refuses to run code"):
+        code_unit_tests(["def square(x): return x * x"], [SQUARE], sandbox=degraded)
+    assert code_unit_tests(["x"], ['{"function": "1bad", "cases": []}'], sandbox=degraded) == [0.0]
+    assert "malformed reference" in caplog.text
