@@ -89,6 +89,8 @@ def test_get_tool_refuses_bad_parameters() -> None:
         get_tool("python", walltime=3)
     with pytest.raises(ValueError, match="either a sandbox or limits"):
         PythonTool(Sandbox(), timeout_s=1)
+    with pytest.raises(ValueError, match="either a sandbox or limits"):
+        PythonTool(Sandbox(), strict=True)
 
 
 def test_tool_spec_renders_a_function_calling_schema() -> None:
@@ -265,3 +267,11 @@ def test_python_tool_survives_hostile_code() -> None:
     flood = tool.execute("ep", {"code": "while True: print('y' * 100)"})
     assert not flood.ok and flood.output.endswith("[output truncated]") and len(flood.output) < 1100
     assert tool.execute("ep", {"code": "print('still fine')"}).output == "still fine\n"
+
+
+def test_a_strict_python_tool_refuses_degraded_isolation() -> None:
+    assert get_tool("python", strict=True).sandbox.strict and not get_tool("python").sandbox.strict
+    degraded = PythonTool(Sandbox(SandboxLimits(timeout_s=5), namespaces=("mount", "pid"), strict=True))
+    result = degraded.execute("ep", {"code": "print('ran')"})
+    assert not result.ok and "ran" not in result.output
+    assert result.error is not None and result.error.startswith("python: strict mode: refusing to run without")

@@ -27,7 +27,9 @@ class PythonArguments(BaseModel):
 
 class PythonTool:
     """Built-in tool "python". `limits` are `SandboxLimits` fields (e.g. timeout_s=2); pass `sandbox` instead
-    to share one configured Sandbox. Raises pydantic.ValidationError (a ValueError) for bad limits."""
+    to share one configured Sandbox. `strict=True` refuses to run code where the sandbox's isolation is
+    degraded (each call then fails with the reason); off by default, because the tool's output only feeds the
+    policy, not the reward. Raises pydantic.ValidationError (a ValueError) for bad limits."""
 
     spec = ToolSpec(
         name="python",
@@ -36,10 +38,10 @@ class PythonTool:
         arguments=PythonArguments,
     )
 
-    def __init__(self, sandbox: Sandbox | None = None, **limits: Any) -> None:
-        if sandbox is not None and limits:
-            raise ValueError("pass either a sandbox or limits for a new one, not both")
-        self.sandbox = sandbox or Sandbox(SandboxLimits(**limits))
+    def __init__(self, sandbox: Sandbox | None = None, *, strict: bool = False, **limits: Any) -> None:
+        if sandbox is not None and (limits or strict):
+            raise ValueError("pass either a sandbox or limits (and strict) for a new one, not both")
+        self.sandbox = sandbox or Sandbox(SandboxLimits(**limits), strict=strict)
 
     def create(self, episode_id: str) -> None:
         """Nothing to allocate: every call runs in a fresh sandbox."""
