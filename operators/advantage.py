@@ -57,7 +57,7 @@ def group_advantages(
 ) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's `std` plus `eps` when
     `scale`. rewards [N] with N = P*G, rows of a group contiguous -> [N] float32. All-equal groups (see the
-    module docstring), and groups of one, get exactly 0.
+    module docstring), and groups of one, get exactly 0; an empty batch gives an empty result.
 
     >>> import torch
     >>> [round(x, 4) for x in group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 2).tolist()]
@@ -67,6 +67,8 @@ def group_advantages(
     """
     import torch
 
+    if rewards.numel() == 0:
+        return rewards.float()
     r = rewards.double().view(-1, group_size)
     flat = all_equal(r, 1)
     adv = r - r.mean(1, keepdim=True)
@@ -101,6 +103,8 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
     if group_size < 2:
         raise ValueError("RLOO needs at least 2 samples per prompt (n >= 2)")
+    if rewards.numel() == 0:
+        return rewards.float()
     r = rewards.double().view(-1, group_size)
     adv = (r - r.mean(1, keepdim=True)) * group_size / (group_size - 1)
     return torch.where(all_equal(r, 1), torch.zeros_like(adv), adv).float().view(-1)
@@ -138,7 +142,7 @@ def batch_normalized_advantages(
     import torch
 
     r = _baseline(rewards, group_size, group_baseline)
-    if bool(all_equal(r, 0)):
+    if r.numel() == 0 or bool(all_equal(r, 0)):
         return torch.zeros_like(r).float()
     return ((r - r.mean()) / (_std(r, std) + eps)).float()
 

@@ -24,11 +24,19 @@ def rollout(
     """Sample `n` responses per prompt with the job's current policy (nucleus `top_p`; a response also ends
     once it contains one of the `stop` strings); records token ids, masks, behaviour log-probs (temperature and
     top-p applied), lengths, finish reasons and the weight version that sampled. Rows: [P*n], grouped by
-    prompt. Runs on the job's generation engine (vLLM or torch, `engine:` in the job config)."""
+    prompt. Runs on the job's generation engine (vLLM or torch, `engine:` in the job config). No prompts: an
+    empty rollout (0 rows), without calling the engine."""
     import torch
 
     engine, tok = ctx.engine, ctx.tokenizer
     version = engine.weight_version
+    if len(prompts) == 0:  # e.g. a refill attempt whose pool is full (operators/sampling.py): no engine call
+        empty = torch.zeros(0, 0, dtype=torch.long)
+        return Rollouts(
+            input_ids=empty, attention_mask=empty, response_mask=empty.float(), behaviour_logprobs=empty.float(),
+            prompt_len=0, response_lengths=torch.zeros(0, dtype=torch.long), finish_reasons=[], completions=[],
+            answers=[], group_size=n, temperature=temperature, weight_version=version,
+        )  # fmt: skip
     gen = engine.generate(
         prompts.token_ids, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout"),
         top_p=top_p, stop=stop,

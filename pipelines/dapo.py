@@ -5,11 +5,18 @@ The overlong penalty starts `overlong_buffer` tokens before the generation budge
 keep the buffer small, or it penalises correct answers (on 3-digit addition with a 6-token budget, 200
 iterations reached 77% held-out accuracy with a buffer of 1 and 33% with a buffer of 2).
 
-Dynamic sampling without refill (the default): groups whose advantages are all 0 leave the batch, KL
-term included, and the loss is normalised over the tokens left (`train`'s `skip_norm="kept"`), as
-published; so the step size depends on how many groups were kept.
+Dynamic sampling. Groups whose advantages are all 0 leave the batch, KL term included, and the loss is
+normalised over the tokens left (`train`'s `skip_norm="kept"`), as published. With `max_refills` > 0 the
+batch is refilled as in the paper: after the first rollout, up to `max_refills` more attempts sample new
+prompts until `batch_size` groups whose verifier rewards are not all equal are held (see
+`operators/sampling.py`; each attempt is its own rollout node, one that finds the batch full costs
+nothing); the pool's `groups`, `attempts` and `sampled` are logged under `keep<k>/`. The default, 0, is
+dynamic sampling without refill (the batch shrinks by the all-equal groups).
 
 prompts -> rollout -> verify -> overlong -> advantage -> train (clip 0.2 / 0.28, token_mean) -> evaluate
+with refill:
+prompts -> rollout -> verify -> keep0 -> refill1 -> rollout1 -> verify1 -> keep1 ... -> keepR
+        keepR -> pool_rollouts, pool_rewards -> overlong -> advantage -> train -> evaluate
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.graph import NodeRef, Pipeline, PipelineGraph
 
 
 def dapo(
@@ -33,6 +40,9 @@ def dapo(
     clip_eps_high: float = 0.28,
     minibatches: int = 2,
     adam_beta2: float = 0.98,
+    max_refills: Annotated[
+        int, Field(ge=0, le=16, description="extra rollout attempts to refill the batch with informative groups")
+    ] = 0,
     eval_every: int = 20,
     eval_size: int = 500,
     verifier_latency_s: Annotated[
@@ -40,10 +50,24 @@ def dapo(
     ] = 0.0,
 ) -> PipelineGraph:
     p = Pipeline("dapo")
-    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
-    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
     remote = {"latency_s": verifier_latency_s} if verifier_latency_s > 0 else {}
-    rewards = p.add("verify", "remote_verify" if remote else "verify", rollouts=rollouts, **remote)
+    sample = {"n": n, "temperature": temperature, "max_new_tokens": max_new_tokens}
+
+    def verify(name: str, rollouts: NodeRef) -> NodeRef:
+        return p.add(name, "remote_verify" if remote else "verify", rollouts=rollouts, **remote)
+
+    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
+    rollouts = p.add("rollout", "rollout", prompts=prompts, **sample)
+    rewards = verify("verify", rollouts)
+    if max_refills > 0:
+        pool = p.add("keep0", "keep_informative", rollouts=rollouts, rewards=rewards, groups=batch_size)
+        for k in range(1, max_refills + 1):
+            more = p.add(f"refill{k}", "refill_prompts", pool=pool, max_prompts=batch_size)
+            extra = p.add(f"rollout{k}", "rollout", prompts=more, **sample)
+            scored = verify(f"verify{k}", extra)
+            pool = p.add(f"keep{k}", "keep_informative", rollouts=extra, rewards=scored, pool=pool, groups=batch_size)
+        rollouts = p.add("batch", "pool_rollouts", pool=pool)
+        rewards = p.add("rewards", "pool_rewards", pool=pool)
     shaped = p.add(
         "overlong", "overlong_penalty", rollouts=rollouts, rewards=rewards, max_length=max_new_tokens,
         buffer=overlong_buffer,

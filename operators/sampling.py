@@ -1,0 +1,185 @@
+"""Dynamic sampling with refill (DAPO): sample more prompts until the batch holds `groups` groups whose
+rewards are not all equal, in a bounded number of rollout attempts, without ever putting rows out of step.
+
+The pattern, unrolled in the graph (one node per attempt, so the planner can run another job's work
+between two attempts; `pipelines/dapo.py` builds it):
+
+    prompts -> rollout -> verify -> keep0
+    keep0 -> refill1 -> rollout1 -> verify1 -> keep1(pool=keep0) -> ... -> keepR
+    keepR -> pool_rollouts --> (overlong, advantage, train ...)
+    keepR -> pool_rewards ---/
+
+Rows stay aligned because they only ever move inside a `RolloutPool`, which holds a rollout and its
+rewards together; `pool_rollouts` and `pool_rewards` are projections of the same pool, so every edge after
+them sees the same rows in the same order. A refill attempt whose pool is already full samples no prompt
+(its rollout returns an empty batch without touching the engine).
+
+Limits: plain `Rollouts` only (not the multi-turn `EpisodeRollouts`); the filter looks at the verifier's
+rewards, before any shaping.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field
+
+from plexrl.batch import Batch, Prompts, Rewards, Rollouts
+from plexrl.operator import OpContext, operator
+from plexrl.operators.advantage import all_equal
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(slots=True)
+class RolloutPool(Batch):
+    """Groups kept so far: `rollouts` and `rewards` hold the same rows (whole groups, in the order kept);
+    `want` groups are wanted; `attempts` rollout attempts sampled `sampled` prompts (groups) in all."""
+
+    rollouts: Rollouts
+    rewards: Rewards
+    want: int
+    attempts: int
+    sampled: int
+
+    @property
+    def groups(self) -> int:
+        return len(self.rollouts) // self.rollouts.group_size
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "groups": float(self.groups),
+            "attempts": float(self.attempts),
+            "sampled": float(self.sampled),
+            "kept_frac": self.groups / max(self.sampled, 1),
+            "short": float(self.want - self.groups),
+        }
+
+
+def select_rows(ro: Rollouts, rows: Tensor) -> Rollouts:
+    """The rows `rows` (an index tensor) of a rollout, same layout."""
+    if type(ro) is not Rollouts:
+        raise TypeError(f"dynamic sampling handles plain Rollouts, not {type(ro).__name__}")
+    idx = rows.tolist()
+    return Rollouts(
+        input_ids=ro.input_ids[rows], attention_mask=ro.attention_mask[rows], response_mask=ro.response_mask[rows],
+        behaviour_logprobs=ro.behaviour_logprobs[rows], prompt_len=ro.prompt_len,
+        response_lengths=ro.response_lengths[rows], finish_reasons=[ro.finish_reasons[i] for i in idx],
+        completions=[ro.completions[i] for i in idx], answers=[ro.answers[i] for i in idx],
+        group_size=ro.group_size, temperature=ro.temperature, weight_version=ro.weight_version,
+    )  # fmt: skip
+
+
+def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
+    """Rows of `a` then rows of `b`, re-padded to one layout: prompts left-padded to the longer prompt
+    length, responses right-padded to the longer response width (pad id `pad_id`, masks and log-probs 0).
+    Both must come from the same sampler (group size, temperature, weight version). An empty side is
+    dropped."""
+    import torch
+
+    if (a.group_size, a.temperature, a.weight_version) != (b.group_size, b.temperature, b.weight_version):
+        raise ValueError("cannot pool rollouts from different samplers (group size, temperature or weights)")
+    if len(b) == 0:
+        return a
+    if len(a) == 0:
+        return b
+    lp = max(a.prompt_len, b.prompt_len)
+    width = max(x.input_ids.shape[1] - x.prompt_len for x in (a, b))
+
+    def pad(x: Rollouts, t: Tensor, value: float) -> Tensor:
+        left, right = lp - x.prompt_len, width - (t.shape[1] - x.prompt_len)
+        return torch.nn.functional.pad(t, (left, right), value=value)
+
+    def cat(name: str, value: float) -> Tensor:
+        return torch.cat([pad(x, getattr(x, name), value) for x in (a, b)])
+
+    return Rollouts(
+        input_ids=cat("input_ids", pad_id), attention_mask=cat("attention_mask", 0),
+        response_mask=cat("response_mask", 0), behaviour_logprobs=cat("behaviour_logprobs", 0), prompt_len=lp,
+        response_lengths=torch.cat([a.response_lengths, b.response_lengths]),
+        finish_reasons=a.finish_reasons + b.finish_reasons, completions=a.completions + b.completions,
+        answers=a.answers + b.answers, group_size=a.group_size, temperature=a.temperature,
+        weight_version=a.weight_version,
+    )  # fmt: skip
+
+
+@operator(placement="cpu")
+def keep_informative(
+    rollouts: Rollouts,
+    rewards: Rewards,
+    ctx: OpContext,
+    pool: RolloutPool | None = None,
+    *,
+    groups: Annotated[int, Field(ge=1, le=65536, description="groups wanted in the batch")],
+) -> RolloutPool:
+    """Add the groups of this attempt whose rewards are not all equal (see `advantage.all_equal`) to `pool`
+    (a new one when unconnected), in row order, until it holds `groups` groups; the rest are dropped."""
+    import torch
+
+    g = rollouts.group_size
+    have = pool.groups if pool is not None else 0
+    if len(rollouts) % g or len(rewards.values) != len(rollouts):
+        raise ValueError(f"{len(rollouts)} rollout rows, {len(rewards.values)} rewards, group size {g}: out of step")
+    informative = ~all_equal(rewards.values.double().view(-1, g), 1).view(-1)
+    chosen = informative.nonzero().view(-1)[: max(groups - have, 0)]
+    rows = (chosen[:, None] * g + torch.arange(g)).view(-1)
+    new_ro = select_rows(rollouts, rows)
+    correct = rewards.correct[rows] if rewards.correct is not None else None
+    new_rw = Rewards(values=rewards.values[rows], correct=correct)
+    sampled = len(rollouts) // g
+    if pool is None:
+        return RolloutPool(new_ro, new_rw, want=groups, attempts=int(sampled > 0), sampled=sampled)
+    pad_id = getattr(ctx.tokenizer, "pad_token_id", None) or 0
+    old = pool.rewards
+    if (old.correct is None) != (correct is None):
+        raise ValueError("cannot pool rewards with and without `correct`")
+    both = torch.cat([old.correct, correct]) if old.correct is not None and correct is not None else None
+    return RolloutPool(
+        concat_rollouts(pool.rollouts, new_ro, pad_id),
+        Rewards(values=torch.cat([old.values, new_rw.values]), correct=both),
+        want=groups,
+        attempts=pool.attempts + (sampled > 0),
+        sampled=pool.sampled + sampled,
+    )
+
+
+@operator(placement="cpu")
+def refill_prompts(
+    pool: RolloutPool,
+    ctx: OpContext,
+    *,
+    max_prompts: Annotated[int, Field(ge=1, le=65536, description="most prompts one refill samples")] = 64,
+) -> Prompts:
+    """Prompts for the next attempt: none when the pool is full, else enough to fill it at the share of
+    informative groups seen so far (all `max_prompts` while none was), at most `max_prompts`. Drawn at
+    random from the train split with a seed of the job, iteration and node (stateless, like
+    `sample_prompts`, and independent of the main data order)."""
+    need = pool.want - pool.groups
+    if need <= 0:
+        return Prompts(texts=[], token_ids=[], answers=[])
+    rate = pool.groups / max(pool.sampled, 1)
+    count = max_prompts if rate == 0 else min(max_prompts, math.ceil(need / rate))
+    train = ctx.task.train
+    rng = random.Random(ctx.seed("refill"))
+    picked = [train[rng.randrange(len(train))] for _ in range(count)]
+    return Prompts(
+        texts=[p.prompt for p in picked],
+        token_ids=[ctx.tokenizer(p.prompt)["input_ids"] for p in picked],
+        answers=[p.answer for p in picked],
+    )
+
+
+@operator(placement="cpu")
+def pool_rollouts(pool: RolloutPool) -> Rollouts:
+    """The pool's rollout rows (aligned with `pool_rewards` of the same pool)."""
+    return pool.rollouts
+
+
+@operator(placement="cpu")
+def pool_rewards(pool: RolloutPool) -> Rewards:
+    """The pool's rewards (aligned with `pool_rollouts` of the same pool)."""
+    return pool.rewards
