@@ -230,12 +230,15 @@ def sweep(uid: int, clear_keys: bool) -> None:
     asked, empty that uid's user keyrings, so that a later run that gets the same uid finds nothing."""
     sweeper = os.fork()
     if sweeper == 0:
-        os.setresuid(uid, uid, uid)
-        os.kill(-1, signal.SIGKILL)
-        if clear_keys and os.uname().machine in SYS_KEYCTL:
-            keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
-            keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
-        os._exit(0)
+        try:
+            os.setresuid(uid, uid, uid)
+            with contextlib.suppress(ProcessLookupError):  # nothing left to kill
+                os.kill(-1, signal.SIGKILL)
+            if clear_keys and os.uname().machine in SYS_KEYCTL:
+                keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
+                keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+        finally:
+            os._exit(0)
     os.waitpid(sweeper, 0)
 
 
@@ -298,6 +301,8 @@ def first_process(job: dict[str, Any], isolation: dict[str, Any], uid: int, root
         if user == 0:
             run_user(job, work, uid, root_user)
         report(status_fd, wait_status(user))
+        if root_user and not isolation["syscall_filter"]:
+            sweep(uid, clear_keys=True)  # from inside: the launcher cannot fork into a pid namespace without init
         os._exit(0)
     except Refused as exc:
         report(job["status_fd"], {"refused": str(exc)})
