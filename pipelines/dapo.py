@@ -21,7 +21,7 @@ prompts -> rollout -> verify -> keep0 -> refill1 -> rollout1 -> verify1 -> keep1
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -50,8 +50,8 @@ def dapo(
     ] = 0.0,
 ) -> PipelineGraph:
     p = Pipeline("dapo")
-    remote = {"latency_s": verifier_latency_s} if verifier_latency_s > 0 else {}
-    sample = {"n": n, "temperature": temperature, "max_new_tokens": max_new_tokens}
+    remote: dict[str, Any] = {"latency_s": verifier_latency_s} if verifier_latency_s > 0 else {}
+    sample: dict[str, Any] = {"n": n, "temperature": temperature, "max_new_tokens": max_new_tokens}
 
     def verify(name: str, rollouts: NodeRef) -> NodeRef:
         return p.add(name, "remote_verify" if remote else "verify", rollouts=rollouts, **remote)

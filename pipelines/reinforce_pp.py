@@ -16,7 +16,7 @@ prompts -> rollout -> verify -> advantage (batch-normalised) -> [ref_logprob] ->
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -65,7 +65,7 @@ def reinforce_pp(
         "advantage", "reinforce_pp_advantage", rollouts=rollouts, rewards=rewards, group_baseline=group_baseline,
         level=level, gamma=gamma, std=std,
     )  # fmt: skip
-    ref = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts)} if kl_coef > 0 else {}
+    ref: dict[str, Any] = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts)} if kl_coef > 0 else {}
     train = p.add(
         "train", "train", rollouts=rollouts, advantages=adv, **ref, lr=lr, clip_eps=clip_eps, kl_coef=kl_coef,
         kl_estimator="k2", minibatches=minibatches, adam_beta2=adam_beta2, skip_zero_advantage=False,
