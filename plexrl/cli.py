@@ -169,6 +169,52 @@ def graph(
     typer.echo(f"wrote {out}")
 
 
+@app.command()
+def simulate(
+    config: Annotated[Path, typer.Argument(help="A scenario or trace YAML under configs/sim/.")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a top-level field: --set jobs=100 (repeatable).")
+    ] = None,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Reports go to RUN_DIR/simulate/NAME/.")] = Path("runs"),
+    mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log the results as an MLflow run.")] = True,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar.")] = None,
+) -> None:
+    """Predict what multiplexing saves on a cluster: deployments (scenario) or placements (trace), on the real
+    planner with cost models (docs/simulator.md)."""
+    import yaml
+
+    from plexrl.sim.config import load_sim
+    from plexrl.sim.report import simulate as run_sim
+
+    try:
+        overrides = {}
+        for item in set_ or []:
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set jobs=100")
+            overrides[key] = yaml.safe_load(value)
+        cfg = load_sim(config, overrides)
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if progress:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            with Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True
+            ) as bar:
+                task = bar.add_task("simulating", total=None)
+                rep = run_sim(cfg, run_dir, lambda msg: bar.update(task, description=msg), track=mlflow)
+        else:
+            rep = run_sim(cfg, run_dir, track=mlflow)
+    except (PlexRLError, FileNotFoundError, ValueError) as exc:
+        _fail(exc)
+        return
+    typer.echo(rep.text)
+    typer.echo(f"simulated in {rep.wall_s:.1f} s; report: {rep.out_dir}/report.txt, picture: {rep.files[0]}")
+    if rep.tracking:
+        typer.echo(f"MLflow run: {rep.tracking['uri']} run {rep.tracking['run_id']}")
+
+
 def main() -> None:
     app()
 

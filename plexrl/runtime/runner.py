@@ -235,7 +235,7 @@ class Runner:
         with self._cancel_lock:
             out = list(self._cancels)
             self._cancels.clear()
-        waiting = {job_id for _, _, job_id in self._arrivals}
+        waiting = {job_id for _, _, job_id in self._arrivals} if out and self._arrivals else set()
         if waiting & {c.job_id for c in out}:  # cancelled before it arrived: never submitted
             gone = {c.job_id: c.reason for c in out if c.job_id in waiting}
             self._arrivals = [a for a in self._arrivals if a[2] not in gone]

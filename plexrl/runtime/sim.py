@@ -243,6 +243,7 @@ class SimExecutor:
             raise ValueError(f"failures name unknown services {unknown}; the services are service-0..{services - 1}")
         for sid, t in (failures or {}).items():
             self.services[sid].fail_at = t
+        self._doomed = [self.services[sid] for sid in sorted(failures or {})]  # services that will fail
         self.cpu_slots = cpu_slots
         self.specs: dict[str, SimJob] = {}
         self._slots: list[float] = [0.0] * cpu_slots if cpu_slots is not None else []
@@ -369,10 +370,11 @@ class SimExecutor:
             heapq.heappop(heap)  # dropped with its service
         nxt = heap[0][0] if heap else math.inf
         wake = self.now + timeout
-        if wake < nxt and not any(s.alive and s.fail_at <= wake for s in self.services.values()):
+        doomed = self._doomed
+        if wake < nxt and not any(s.alive and s.fail_at <= wake for s in doomed):
             self.now = wake
             return []
-        failing = [s for s in self.services.values() if s.alive and s.fail_at < nxt]
+        failing = [s for s in doomed if s.alive and s.fail_at < nxt]
         if failing:
             first = min(s.fail_at for s in failing)
             self.now = max(self.now, first)

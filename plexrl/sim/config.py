@@ -206,6 +206,7 @@ class JobClass(StrictModel):
     workload: Workload = Field(description="One step.")
     train_tp: int = Field(1, ge=1, description="Tensor parallel size of training within a service.")
     rollout_tp: int = Field(1, ge=1, description="Tensor parallel size of one rollout replica.")
+    rollout_accelerators: int = Field(32, ge=1, description="deployment plexrl: the job's own rollout accelerators.")
     steps_median: float = Field(gt=0, description="Median steps per job (lognormal).")
     steps_sigma: float = Field(0.5, ge=0, description="Lognormal shape of steps per job.")
 
@@ -220,6 +221,13 @@ class Trace(StrictModel):
     efficiency: Efficiency = Field(description="Achieved efficiencies and fixed overheads.")
     cluster_accelerators: int = Field(2048, ge=1, description="Accelerators in the cluster.")
     service_accelerators: int = Field(ge=1, description="Accelerators per service (one pool a job is placed on).")
+    deployment: Literal["plexrl", "plexrl-shared"] = Field(
+        "plexrl",
+        description="plexrl: pools train, each job's rollout runs on accelerators of its own outside "
+        "the pools (the paper's layout); plexrl-shared: rollout and training share the pool.",
+    )
+    steps_per_node: int = Field(1, ge=1, description="Steps one simulated node stands for (durations summed): "
+                                "coarser is faster; docs/simulator.md measures the error.")  # fmt: skip
     days: float = Field(gt=0, description="Arrivals span this many days.")
     jobs: int = Field(ge=1, description="Jobs in the trace.")
     burst: float = Field(0.0, ge=0, le=1, description="Share of jobs arriving in weekday working hours bursts "

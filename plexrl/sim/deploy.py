@@ -27,6 +27,7 @@ import random
 from dataclasses import dataclass, field
 
 from plexrl.planner import ORDERINGS, NodePlan, placement_policy
+from plexrl.planner.events import Placement
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.config import GB, Accelerator, Deployment, Efficiency, Model, Scenario, TrainLayout, Workload
@@ -86,7 +87,7 @@ def _mean_efficiency(samples: list[RolloutSample]) -> float:
 def job_graph(kind: str, overlap: str, agentic: bool) -> tuple[dict[str, NodePlan], tuple[str, ...], frozenset[str]]:
     """(nodes, baseline, dedicated) of one step under a deployment kind (see the module docstring)."""
     on_service = kind in SHARED_ROLLOUT
-    roll = "service" if on_service else "cpu"
+    roll: Placement = "service" if on_service else "cpu"
     nodes: dict[str, NodePlan] = {"rollout": NodePlan(roll, (), inline=False)}
     last = "rollout"
     if agentic:

@@ -1,0 +1,292 @@
+"""`plexrl simulate CONFIG`: run a scenario (deployments compared) or a trace (placements compared), print
+the tables, draw the pictures, write `report.json` / `report.txt`, and log it all as one MLflow run.
+
+Output: `runs/simulate/<name>/` and the MLflow store `runs/mlflow.db` by default. Nothing here changes what is
+simulated; it formats the results of `plexrl.sim.deploy` and `plexrl.sim.trace`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexrl.sim.config import Scenario, Trace, load_profiles
+from plexrl.sim.deploy import DeploymentResult, ScenarioResult, run_deployment
+from plexrl.sim.trace import DAY, PolicyResult, class_tables, replay, trace_jobs
+
+log = logging.getLogger(__name__)
+
+# what the paper reports, for side-by-side columns (arXiv 2605.20863)
+PAPER_SAVING = {"qwen2.5-7b": 0.3136, "qwen3-30b-a3b": 0.3010, "qwen3-235b-a22b": 0.3758}
+PAPER_TRACE_RATIO = {"isolated": 1.0, "spread+backfill": 0.56}  # pack and spread: "about 65-70%"
+
+
+@dataclass(slots=True)
+class SimReport:
+    kind: str
+    name: str
+    text: str
+    data: dict[str, Any]
+    out_dir: Path
+    files: list[Path] = field(default_factory=list)
+    tracking: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+Progress = Callable[[str], None]
+
+
+# -- scenario -------------------------------------------------------------------------------------------
+def scenario_rows(res: ScenarioResult, results: list[DeploymentResult]) -> list[dict[str, Any]]:
+    base = res.baseline(results)
+    colo = next((r for r in results if r.kind == "colocated"), None)
+    rows = []
+    for r in results:
+        slow = res.slowdowns(r, results)
+        rows.append({
+            "deployment": r.name, "kind": r.kind, "jobs": r.jobs, "accelerators": r.accelerators,
+            "gpu_hours_per_step": r.gpu_hours_per_step, "saving_vs_baseline": res.saving(r, base),
+            "saving_vs_colocated": res.saving(r, colo) if colo else None, "bubble": r.bubble,
+            "effective_bubble": r.effective_bubble, "decode_efficiency": r.decode_efficiency,
+            "step_seconds": r.step_seconds, "slowdown_mean": statistics.fmean(slow), "slowdown_max": max(slow),
+            "swap_seconds": r.swap_seconds, "makespan_s": r.makespan,
+        })  # fmt: skip
+    return rows
+
+
+def format_scenario(sc: Scenario, rows: list[dict[str, Any]], sweep: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        f"scenario {sc.name}: {sc.model.name} on {sc.accelerator.name}, {rows[0]['jobs']} jobs x "
+        f"{sc.workload.steps} steps, {sc.cluster_accelerators} accelerators booked by the baseline ({sc.baseline})",
+        f"{'deployment':<24}{'accel':>6}{'GPU-h/step':>11}{'vs ' + sc.baseline:>16}{'vs colocated':>13}"
+        f"{'bubble':>8}{'eff.bubble':>11}{'decode eff':>11}{'step s':>8}{'slowdown':>14}",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for r in rows:
+        colo = "" if r["saving_vs_colocated"] is None else f"{r['saving_vs_colocated']:+.1%}"
+        lines.append(
+            f"{r['deployment']:<24}{r['accelerators']:>6}{r['gpu_hours_per_step']:>11.2f}"
+            f"{r['saving_vs_baseline']:>+16.1%}{colo:>13}{r['bubble']:>8.1%}{r['effective_bubble']:>11.1%}"
+            f"{r['decode_efficiency']:>11.1%}{r['step_seconds']:>8.0f}"
+            f"{r['slowdown_mean']:>7.2f}/{r['slowdown_max']:<6.2f}"
+        )
+    best = max((r for r in rows if r["kind"].startswith("plexrl")), key=lambda r: r["saving_vs_baseline"], default=None)
+    if best is not None:
+        paper = PAPER_SAVING.get(sc.name)
+        lines.append(
+            f"best PlexRL layout: {best['deployment']} saves {best['saving_vs_baseline']:.1%} of GPU-hours per step "
+            f"vs {sc.baseline}"
+            + (f" (paper: {paper:.2%})" if paper is not None else "")
+            + f"; goal >= 40%: {'met' if best['saving_vs_baseline'] >= 0.40 else 'NOT met'}"
+        )
+    for acc, srows in sweep.items():
+        b = max((r for r in srows if r["kind"].startswith("plexrl")), key=lambda r: r["saving_vs_baseline"])
+        lines.append(
+            f"on {acc}: best PlexRL layout {b['deployment']} saves {b['saving_vs_baseline']:.1%} vs {sc.baseline}"
+        )
+    lines.append("slowdown = completion time / the same job's under the baseline (mean/max); bubble = no node running; "
+                 "eff.bubble also counts decode capacity a rollout's long tail leaves unused")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_scenario(sc: Scenario, rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["deployment"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = ["tab:orange" if r["kind"].startswith("plexrl") else "tab:gray" for r in rows]
+    a.barh(names, [r["gpu_hours_per_step"] for r in rows], color=colors)
+    a.set_xlabel("GPU-hours per training step")
+    a.invert_yaxis()
+    b.barh(names, [r["effective_bubble"] for r in rows], color="tab:red", alpha=0.5, label="effective bubble")
+    b.barh(names, [r["bubble"] for r in rows], color="tab:red", label="bubble (no node)")
+    b.set_xlim(0, 1)
+    b.set_xlabel("share of allocated accelerator time")
+    b.invert_yaxis()
+    b.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{sc.name}: {sc.model.name} on {sc.accelerator.name} (simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_scenario_report(sc: Scenario, out_dir: Path, progress: Progress) -> SimReport:
+    from plexrl.sim.config import Accelerator
+
+    tables: dict[tuple[int, int], Any] = {}
+    results = []
+    for d in sc.deployments:
+        progress(f"{sc.name}: {d.name}")
+        results.append(run_deployment(sc, d, tables=tables))
+    res = ScenarioResult(sc, results)
+    rows = scenario_rows(res, results)
+    profiles = load_profiles()["accelerators"]
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    for name in sc.sweep_accelerators:
+        if name not in profiles:
+            raise ValueError(f"sweep_accelerators: unknown profile {name!r}; known: {sorted(profiles)}")
+        acc = Accelerator.model_validate(profiles[name])
+        tables = {}
+        sres = []
+        for d in sc.deployments:
+            progress(f"{sc.name} on {name}: {d.name}")
+            sres.append(run_deployment(sc, d, acc, tables))
+        res.sweep[name] = sres
+        sweep[name] = scenario_rows(res, sres)
+    text = format_scenario(sc, rows, sweep)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / "deployments.png"
+    plot_scenario(sc, rows, png)
+    data = {"scenario": sc.model_dump(), "rows": rows, "sweep": sweep}
+    return SimReport("scenario", sc.name, text, data, out_dir, [png])
+
+
+# -- trace ----------------------------------------------------------------------------------------------
+def trace_rows(results: list[PolicyResult]) -> list[dict[str, Any]]:
+    iso = next((r for r in results if r.placement == "isolated"), None)
+    rows = []
+    for r in results:
+        q = sorted(r.queue.values())
+        s = sorted(r.slowdown.values())
+        rows.append({
+            "placement": r.placement, "makespan_days": r.makespan / DAY,
+            "makespan_vs_isolated": r.makespan / iso.makespan if iso else None,
+            "queue_mean_hours": statistics.fmean(q) / 3600, "queue_p95_hours": q[int(0.95 * (len(q) - 1))] / 3600,
+            "slowdown_mean": statistics.fmean(s), "slowdown_p95": s[int(0.95 * (len(s) - 1))],
+            "slowdown_max": s[-1], "pool_utilisation": r.busy / r.allocated, "events": r.events, "wall_s": r.wall_s,
+        })  # fmt: skip
+    return rows
+
+
+def format_trace(tr: Trace, rows: list[dict[str, Any]], jobs: int, steps: int) -> str:
+    lines = [
+        f"trace {tr.name}: {jobs} jobs ({steps:,} steps) over {tr.days:g} days on {tr.services} pools of "
+        f"{tr.service_accelerators} {tr.accelerator.name} ({tr.deployment}; {tr.steps_per_node} step(s) per node)",
+        f"{'placement':<18}{'makespan d':>11}{'vs isolated':>12}{'paper':>7}{'queue h mean/p95':>18}"
+        f"{'slowdown mean/p95/max':>23}{'pool util':>10}{'events':>9}{'wall s':>8}",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for r in rows:
+        paper = PAPER_TRACE_RATIO.get(r["placement"])
+        ratio = "" if r["makespan_vs_isolated"] is None else f"{r['makespan_vs_isolated']:.1%}"
+        lines.append(
+            f"{r['placement']:<18}{r['makespan_days']:>11.1f}{ratio:>12}{'' if paper is None else f'{paper:.0%}':>7}"
+            f"{r['queue_mean_hours']:>9.1f}/{r['queue_p95_hours']:<8.1f}"
+            f"{r['slowdown_mean']:>9.2f}/{r['slowdown_p95']:.2f}/{r['slowdown_max']:<6.2f}"
+            f"{r['pool_utilisation']:>10.1%}{r['events']:>9}{r['wall_s']:>8.1f}"
+        )
+    sb = next((r for r in rows if r["placement"] == "spread+backfill"), None)
+    if sb is not None and sb["makespan_vs_isolated"] is not None:
+        ok = "met" if sb["makespan_vs_isolated"] <= 0.5 else "NOT met"
+        lines.append(f"spread+backfill makespan {sb['makespan_vs_isolated']:.1%} of isolated (goal <= 50%: {ok})")
+    lines.append("slowdown = (completion - arrival) / the job's time alone on an empty pool; queue = arrival to "
+                 "placement; pool util = busy pool accelerator-time / (pool accelerators x makespan)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_trace(tr: Trace, results: list[PolicyResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    for r in results:
+        a.plot([t for t, _ in r.utilisation], [u for _, u in r.utilisation], label=r.placement, lw=1.2)
+    a.set_xlabel("day")
+    a.set_ylabel("busy share of the pools")
+    a.legend(fontsize=8)
+    b.bar([r.placement for r in results], [r.makespan / DAY for r in results], color="tab:blue")
+    b.set_ylabel("makespan, days")
+    b.tick_params(axis="x", rotation=20)
+    fig.suptitle(f"{tr.name}: {tr.jobs} jobs on {tr.services} x {tr.service_accelerators} {tr.accelerator.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_trace_report(tr: Trace, out_dir: Path, progress: Progress) -> SimReport:
+    progress(f"{tr.name}: rollout tables")
+    jobs, when = trace_jobs(tr, class_tables(tr))
+    results = []
+    for p in tr.placements:
+        progress(f"{tr.name}: {p}")
+        results.append(replay(tr, p, jobs, when))
+    rows = trace_rows(results)
+    steps = sum(j.iterations for j in jobs) * tr.steps_per_node
+    text = format_trace(tr, rows, len(jobs), steps)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / "trace.png"
+    plot_trace(tr, results, png)
+    data = {
+        "trace": tr.model_dump(), "rows": rows,
+        "slowdown": {r.placement: r.slowdown for r in results}, "queue_s": {r.placement: r.queue for r in results},
+        "utilisation": {r.placement: r.utilisation for r in results},
+    }  # fmt: skip
+    return SimReport("trace", tr.name, text, data, out_dir, [png])
+
+
+# -- entry point ----------------------------------------------------------------------------------------
+def simulate(cfg: Scenario | Trace, run_dir: Path, progress: Progress | None = None, track: bool = True) -> SimReport:
+    """Run `cfg`, write report.txt / report.json and the picture under `run_dir/simulate/<name>/`, and log an
+    MLflow run to `run_dir`'s store (the same `runs/mlflow.db` as the training jobs by default)."""
+    t0 = time.perf_counter()
+    out_dir = run_dir / "simulate" / cfg.name
+    say = progress or (lambda msg: None)
+    rep = run_trace_report(cfg, out_dir, say) if isinstance(cfg, Trace) else run_scenario_report(cfg, out_dir, say)
+    rep.wall_s = time.perf_counter() - t0
+    (out_dir / "report.txt").write_text(rep.text + "\n")
+    (out_dir / "report.json").write_text(json.dumps(rep.data, indent=1, default=str))
+    rep.files += [out_dir / "report.txt", out_dir / "report.json"]
+    if track:
+        rep.tracking = log_mlflow(rep, run_dir)
+    return rep
+
+
+def log_mlflow(rep: SimReport, run_dir: Path) -> dict[str, str]:
+    """One MLflow run (experiment `plexrl-simulate`): the config as params, headline figures as metrics (one
+    step per row), the report and picture as artifacts."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from plexrl.config import flatten
+    from plexrl.hooks.mlflow_hook import tracking_uri
+
+    uri = tracking_uri(run_dir)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("plexrl-simulate")
+    if exp is None:
+        exp_id = client.create_experiment(
+            "plexrl-simulate", artifact_location=(run_dir / "mlartifacts").resolve().as_uri()
+        )
+    else:
+        exp_id = exp.experiment_id
+    run = client.create_run(exp_id, run_name=rep.name, tags={"plexrl.kind": f"simulate-{rep.kind}"})
+    rid = run.info.run_id
+    cfg = rep.data.get("scenario") or rep.data.get("trace") or {}
+    params = flatten(cfg)
+    client.log_batch(rid, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())][:100])
+    now = int(time.time() * 1000)
+    metrics = []
+    key = "deployment" if rep.kind == "scenario" else "placement"
+    for row in rep.data["rows"]:
+        for k, v in row.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                metrics.append(Metric(f"{row[key]}/{k}", float(v), now, 0))
+    metrics.append(Metric("wall_seconds", rep.wall_s, now, 0))
+    for i in range(0, len(metrics), 900):
+        client.log_batch(rid, metrics=metrics[i : i + 900])
+    for path in rep.files:
+        if path.is_file():
+            client.log_artifact(rid, str(path))
+    client.set_terminated(rid, status="FINISHED")
+    return {"uri": uri, "run_id": rid}
