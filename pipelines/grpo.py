@@ -1,10 +1,10 @@
 """GRPO (Shao et al., 2024) as one iteration's DAG.
 
 Zero-advantage rows (all-equal groups) are skipped for compute only: the loss keeps the whole batch's
-normaliser (`train`'s `skip_norm="full"`), as published.
-`std` picks the group std's divisor (biased, G: the default here; unbiased, G - 1: the reference
-implementations').
-
+normaliser (`train`'s `skip_norm="full"`), as published; `skip_norm="kept"` divides by the rows kept
+instead (DAPO's convention, and what this pipeline did before 2026-11-30: the figures measured before then
+in docs/benchmarks.md used it). `std` picks the group std's divisor (biased, G: the default here;
+unbiased, G - 1: the reference implementations').
 
 prompts -> rollout -> verify -> advantage -> train -> evaluate (every k)
               \\-> ref_logprob (only with KL) --/
@@ -34,6 +34,7 @@ def grpo(
     loss_agg: str = "token_mean",
     adam_beta2: float = 0.98,
     skip_zero_advantage: bool = True,
+    skip_norm: Literal["full", "kept"] = "full",
     std: Literal["biased", "unbiased"] = "biased",
     eval_every: int = 20,
     eval_size: int = 500,
@@ -63,6 +64,7 @@ def grpo(
         loss_agg=loss_agg,
         adam_beta2=adam_beta2,
         skip_zero_advantage=skip_zero_advantage,
+        skip_norm=skip_norm,
     )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()
