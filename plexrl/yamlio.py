@@ -3,7 +3,7 @@
 `load_yaml_file(path)` and `load_yaml_text(text, source)` parse with PyYAML's safe loader plus limits, and
 raise `ConfigError` (never a traceback-worthy exception) for:
 
-- a file over MAX_BYTES, or bytes that are not UTF-8;
+- a file over MAX_BYTES, more than MAX_NODES values, or bytes that are not UTF-8;
 - nesting deeper than MAX_DEPTH (PyYAML's composer recurses, so a deep document would hit RecursionError);
 - a document whose aliases expand to more than MAX_NODES nodes ("billion laughs": a few lines that expand
   to 10^9 values, which any later walk over the data, such as validation or a deep copy, would take
@@ -27,9 +27,9 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from plexrl.errors import ConfigError, Problem
 
-MAX_BYTES = 1 << 20  # configs are a few KiB
+MAX_BYTES = 256 << 10  # job and cluster configs are a few KiB
 MAX_DEPTH = 64
-MAX_NODES = 100_000  # after alias expansion
+MAX_NODES = 20_000  # values in the document, after alias expansion
 MAX_INT_DIGITS = 64
 
 
@@ -43,10 +43,14 @@ class _LimitedLoader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._nodes = 0
 
     def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         self._depth += 1
+        self._nodes += 1
         try:
+            if self._nodes > MAX_NODES:
+                raise UnsafeYAML(f"more than {MAX_NODES} values; a config is never this large")
             if self._depth > MAX_DEPTH:
                 mark = self.peek_event().start_mark
                 raise UnsafeYAML(
@@ -124,6 +128,8 @@ def _children(node: Node) -> list[Node]:
 def load_yaml_text(text: str, source: str) -> Any:
     """Parse one YAML document within this module's limits; None for an empty one. Raises ConfigError
     naming `source` and what is wrong."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError([Problem(source, f"{len(text)} characters; a config is at most {MAX_BYTES}")], source)
     loader = _LimitedLoader(text)
     try:
         node = loader.get_single_node()

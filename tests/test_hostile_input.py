@@ -12,7 +12,7 @@ from plexrl.cli import app
 from plexrl.cluster import is_cluster_file, load_cluster
 from plexrl.config import load_job
 from plexrl.errors import ConfigError
-from plexrl.yamlio import MAX_NODES, load_yaml_text
+from plexrl.yamlio import MAX_BYTES, MAX_NODES, load_yaml_text
 
 # 9 levels of 9 aliases each: 9^9 = 387 million strings once expanded, from 10 short lines
 BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
@@ -39,6 +39,11 @@ def test_alias_bomb_is_refused_before_expansion(tmp_path: Path) -> None:
     assert not is_cluster_file(cluster)  # `plexrl validate` asks this first: it must not hang either
     with pytest.raises(ConfigError, match="through its aliases"):
         load_cluster(cluster)
+
+
+def test_too_many_values_or_bytes(tmp_path: Path) -> None:
+    assert f"more than {MAX_NODES} values" in job_error(tmp_path, "x: [" + "1," * MAX_NODES + "1]\n")
+    assert f"a config file is at most {MAX_BYTES} bytes" in job_error(tmp_path, "#" * (MAX_BYTES + 1))
 
 
 def test_self_referencing_alias(tmp_path: Path) -> None:
