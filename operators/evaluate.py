@@ -1,4 +1,4 @@
-"""Held-out evaluation on the service (greedy decoding, exact verification)."""
+"""Held-out evaluation on the service (greedy decoding, scored by the task's verifier)."""
 
 from __future__ import annotations
 
@@ -21,5 +21,5 @@ def evaluate(
     from plexrl.models import greedy_accuracy
 
     problems = ctx.task.held_out[:size]
-    acc, length = greedy_accuracy(ctx.engine, ctx.tokenizer, problems, max_new_tokens)
+    acc, length = greedy_accuracy(ctx.engine, ctx.tokenizer, problems, max_new_tokens, ctx.task.verify)
     return EvalStats(accuracy=acc, size=len(problems), response_length=length)

@@ -56,10 +56,12 @@ class ModelConfig(StrictModel):
 class TaskConfig(StrictModel):
     """A verifiable task generated from a seed, with disjoint train and held-out splits."""
 
-    name: Literal["arithmetic", "tool_arithmetic"] = Field(
+    name: Literal["arithmetic", "tool_arithmetic", "code"] = Field(
         "arithmetic",
-        description="Task family: `arithmetic` (multi-digit addition, answered directly) or `tool_arithmetic` "
-        "(multiplication, solved by calling the calculator tool; see plexrl/episodes.py for the tag format).",
+        description="Task family: `arithmetic` (multi-digit addition, answered directly), `tool_arithmetic` "
+        "(multiplication, solved by calling the calculator tool; see plexrl/episodes.py for the tag format) or "
+        "`code` (write a Python expression in x from input/output examples of a*x+b with `digits`-digit a and "
+        "b, rewarded by code_unit_tests in the sandbox on other inputs; see plexrl/tasks/code.py).",
     )
     digits: int = Field(3, ge=1, le=9, description="Digits per operand (tool_arithmetic: of the first operand).")
     digits_b: int | None = Field(

@@ -10,6 +10,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,12 +129,19 @@ def prepare_model(
     return PreparedModel(final, tok, acc, steps, seconds, False)
 
 
-def greedy_accuracy(engine: Any, tokenizer: Any, problems: list[Any], max_new_tokens: int) -> tuple[float, float]:
-    """Held-out greedy accuracy and mean response length of `engine`'s policy on `problems`."""
+def greedy_accuracy(
+    engine: Any,
+    tokenizer: Any,
+    problems: list[Any],
+    max_new_tokens: int,
+    verify: Callable[[list[str], list[str]], list[float | None]] = verify_answers,
+) -> tuple[float, float]:
+    """Held-out greedy accuracy and mean response length of `engine`'s policy on `problems`, scored by
+    `verify` (the task's verifier; exact match by default)."""
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     out = engine.generate(prompts, n=1, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, greedy=True)
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-    scores = verify_answers(texts, [p.answer for p in problems])
+    scores = verify(texts, [p.answer for p in problems])
     return sum(s or 0.0 for s in scores) / len(scores), float(out.lengths.float().mean())
 
 
@@ -141,7 +149,7 @@ def held_out_accuracy(engine: Any, tokenizer: Any, task: Task, problems: list[An
     """Greedy accuracy on `problems`: direct answers, or (a task with a tool) tool-calling episodes of up to
     two turns with the task's tool."""
     if task.tool is None:
-        acc, _ = greedy_accuracy(engine, tokenizer, problems, task.max_answer_chars + 1)
+        acc, _ = greedy_accuracy(engine, tokenizer, problems, task.max_answer_chars + 1, task.verify)
         return acc
     from plexrl.episodes import greedy_episodes
     from plexrl.tools import get_tool
@@ -201,7 +209,7 @@ def warm_start(
     checks = task.held_out[: cfg.eval_size]
     acc, step = 0.0, 0
     for step in range(1, cfg.max_steps + 1):
-        batch = rng.sample(task.train, cfg.batch_size)
+        batch: list[Any] = rng.sample(task.train, cfg.batch_size)
         p_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
         demos = [
             demonstration_ids(task, tokenizer, p, task.tool_demo_frac > 0 and tool_rng.random() < task.tool_demo_frac)

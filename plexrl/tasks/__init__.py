@@ -1,7 +1,8 @@
 """Verifiable tasks: seeded problem generators with train and held-out splits, and pure verifiers.
 
-`make_task(cfg)` dispatches on `cfg.name`: `arithmetic` (addition, answered directly) or `tool_arithmetic`
-(multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format).
+`make_task(cfg)` dispatches on `cfg.name`: `arithmetic` (addition, answered directly), `tool_arithmetic`
+(multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format) or `code` (a
+Python expression written from input/output examples, run in the sandbox by `code_unit_tests`).
 """
 
 from __future__ import annotations
@@ -9,16 +10,28 @@ from __future__ import annotations
 from plexrl.config import TaskConfig
 from plexrl.tasks.arithmetic import ArithmeticTask, Problem, verify_answers
 from plexrl.tasks.arithmetic import make_task as make_arithmetic_task
+from plexrl.tasks.code import CodeProblem, CodeTask, make_code_task
 from plexrl.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
 
-Task = ArithmeticTask | ToolArithmeticTask
+Task = ArithmeticTask | ToolArithmeticTask | CodeTask
 
 
 def make_task(cfg: TaskConfig) -> Task:
     """Generate the task named by `cfg.name`; the same config always gives the same problems."""
     if cfg.name == "tool_arithmetic":
         return make_tool_task(cfg)
+    if cfg.name == "code":
+        return make_code_task(cfg)
     return make_arithmetic_task(cfg)
 
 
-__all__ = ["ArithmeticTask", "Problem", "Task", "ToolArithmeticTask", "make_task", "verify_answers"]
+__all__ = [
+    "ArithmeticTask",
+    "CodeProblem",
+    "CodeTask",
+    "Problem",
+    "Task",
+    "ToolArithmeticTask",
+    "make_task",
+    "verify_answers",
+]
