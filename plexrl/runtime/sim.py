@@ -22,11 +22,16 @@ Contract (what it models):
 - A move from a tier the job is not in (as this executor tracks it) fails the node with `swap failed`,
   as the real service does: a cheap check that the planner's moves are consistent.
 
+- `dispatch=(cpu, service)`: seconds from submit until a node can start (a real driver's round trip, fitted
+  by `plexrl.sim.calibrate`); a service node sent ahead to a busy service starts when the service frees up.
+
+Jobs may arrive late (`Runner.run(..., arrivals=...)`): `wait` honours the runner's timeout, so the clock
+stops at each arrival.
+
 What it does NOT model: contention between a prefetch and a blocking swap or between services (every move
-runs at full `swap_seconds`), the runner's and Dask's round trips (the runner's own time does not advance
-the clock), data transfer between nodes, state growth (a job's size is the `state_bytes` it was submitted
-with), node errors other than inconsistent moves, memory of the CPU pool, and a job arriving later than the
-others (the runner submits every job at the start). Outputs are not kept: `inputs` of a task are ignored.
+runs at full `swap_seconds`), the runner's own time (it does not advance the clock), data transfer between
+nodes, state growth (a job's size is the `state_bytes` it was submitted with), node errors other than
+inconsistent moves, and memory of the CPU pool. Outputs are not kept: `inputs` of a task are ignored.
 """
 
 from __future__ import annotations
@@ -229,6 +234,7 @@ class SimExecutor:
         *,
         cpu_slots: int | None = None,
         failures: Mapping[str, float] | None = None,
+        dispatch: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         if services < 1:
             raise ValueError(f"services={services}: a simulation needs at least one service")
@@ -245,6 +251,9 @@ class SimExecutor:
             self.services[sid].fail_at = t
         self._doomed = [self.services[sid] for sid in sorted(failures or {})]  # services that will fail
         self.cpu_slots = cpu_slots
+        # (cpu, service) seconds from submit until a node can start: a real driver's round trip. A service
+        # node sent ahead (lookahead) to a busy service hides it: it starts when the service frees up
+        self.dispatch_cpu, self.dispatch_service = dispatch
         self.specs: dict[str, SimJob] = {}
         self._slots: list[float] = [0.0] * cpu_slots if cpu_slots is not None else []
         self._heap: list[tuple[float, Handle, str, Finished]] = []  # (end, handle, lane, finished)
@@ -289,7 +298,7 @@ class SimExecutor:
             self._push(end, handle, "cpu", NodeReport(task.job_id, task.iteration, task.node, None, start, end))
             return handle
         if task.service_id is None:
-            start = self.now
+            start = self.now + self.dispatch_cpu
             if self.cpu_slots is not None:
                 start = max(start, heapq.heappop(self._slots))
             end = start + self.costs.duration(job, task.iteration, task.node)
@@ -306,7 +315,7 @@ class SimExecutor:
     def _run_on(self, svc: _Service, task: NodeTask, job: SimJob) -> tuple[float, NodeReport]:
         """Schedule one service node after the service's earlier work: swaps, then the node; its prefetch
         starts with it. Returns (end, report)."""
-        swap_start = t = max(self.now, svc.free_at)
+        swap_start = t = max(self.now + self.dispatch_service, svc.free_at)
         moved, error = 0, None
         for m in task.swaps:
             t = self._wait_prefetch(svc, m.job_id, t)

@@ -1,20 +1,24 @@
 """Trace replay: a seeded synthetic arrival trace of RLVR jobs on one cluster, under each placement policy, on
 the real runner and planner over a `SimExecutor`.
 
-The cluster is `cluster_accelerators / service_accelerators` services (pools); a job lives on one pool for
-its whole life (strict affinity) and runs there both its rollout and its training (the `plexrl-shared`
-graph of `plexrl.sim.deploy`: rollout[svc] -> (tool[cpu] -> rollout2[svc]) -> verify[cpu] -> switch[svc] ->
-train[svc]). `isolated` gives each job a pool of its own (a job waits while all are taken): the per-job
-allocation the paper compares against. The other placements share pools, and the planner interleaves the
-jobs' nodes in their CPU, tool and verification gaps.
+The cluster is `cluster_accelerators / service_accelerators` pools (planner services); a job lives on one
+pool for its whole life (strict affinity). `deployment: plexrl` (the paper's layout): the pools train and
+each job's rollout runs on `rollout_accelerators` of its own, outside the pools (a rollout fleet the replay
+does not constrain); graph rollout[own] -> (tool[cpu] -> rollout2[own]) -> verify[cpu] -> train[pool] ->
+sync[pool]. `deployment: plexrl-shared`: rollout and training both on the pool (rollout[pool] -> ... ->
+switch[pool] -> train[pool]). `isolated` gives each job a pool of its own (a job waits while all are
+taken): the per-job allocation the paper compares against; the other placements share pools, and the
+planner interleaves the jobs' nodes in each other's gaps. `steps_per_node` > 1 makes one simulated node
+stand for that many steps (durations summed): fewer events, coarser interleaving.
 
 Arrivals: `jobs` arrival times over `days`, a `burst` share of them in weekday working hours (9:00-18:00,
 Monday to Friday) and the rest uniform; each job's class is drawn by `weight`, its steps lognormal around the
 class's `steps_median`. Everything is a pure function of `seed`.
 
 Per policy: makespan (first arrival to last completion), queueing delay (arrival to placement), slowdown
-(completion time / the job's time alone on an empty pool, which for a chain-shaped step is exactly its load
-plus the sum of its node durations), and utilisation over time (busy accelerators / cluster accelerators).
+(completion time / the job's time alone on an empty pool, which for a chain-shaped step is exactly the sum
+of its node durations, with the load overlapping the first off-pool nodes), and utilisation over time (busy
+pool accelerators / pool accelerators).
 """
 
 from __future__ import annotations
@@ -124,11 +128,19 @@ def trace_jobs(tr: Trace, tables: list[StepTable] | None = None) -> tuple[list[S
 
 
 def alone_seconds(job: SimJob, costs: SampledCosts) -> float:
-    """The job's completion time alone on an empty pool: its load plus every node in turn (a chain)."""
-    t = costs.load_seconds(job, job.state_bytes)
+    """The job's completion time alone on an empty pool. Its step is a chain, so it is every node in turn,
+    except that the load (on the pool) overlaps the first iteration's leading off-pool nodes."""
+    total = lead = 0.0
+    leading = True
     for it in range(job.iterations):
-        t += sum(costs.duration(job, it, n) for n in job.nodes)
-    return t
+        for name, node in job.nodes.items():  # a chain: insertion order is the run order
+            sec = costs.duration(job, it, name)
+            total += sec
+            if leading and node.placement == "service":
+                leading = False
+            if leading:
+                lead += sec
+    return max(costs.load_seconds(job, job.state_bytes), lead) + total - lead
 
 
 class _Busy(Hook):

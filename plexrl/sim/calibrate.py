@@ -1,0 +1,226 @@
+"""Calibration: fit the simulator's costs from a RECORDED run (its timeline spans), then predict another run
+of the same jobs, isolated and multiplexed, with the real runner and planner on a `SimExecutor`.
+
+What is fitted, per job:
+- each node's durations (the empirical distribution of its recorded spans; a simulated iteration draws one
+  recorded iteration's durations for all its nodes, so correlated nodes stay correlated);
+- the job's load time (engine start and first state placement: its `load` span);
+- its state size (measured when it was loaded: its `load` span's bytes; else the plan's estimate);
+and, for the run: the swap bandwidth (bytes / seconds over all blocking swap spans), and the dispatch
+latency of cpu and service nodes: the median gap between the moment a node could start (its inputs' end, or
+the previous iteration's end for a first node) and its start, counting only service nodes whose service was
+idle and that had no swap in between (so the gap is the driver's round trip, not queueing).
+
+What a prediction reports is what `benchmarks/multiplex.py` measures: accelerator-seconds per step isolated
+(each job alone on a service: its wall time from placement to end) and multiplexed (services x the makespan
+from the first placement), their ratio, and each job's slowdown (multiplexed completion from the first
+placement / isolated wall).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexrl.planner import ORDERINGS, JobPlan, placement_policy
+from plexrl.runtime.runner import Budgets, Runner
+from plexrl.runtime.sim import SimExecutor, SimJob
+from plexrl.sim.costs import _mix
+
+
+@dataclass(slots=True)
+class Fitted:
+    """Costs fitted from one recorded run (see the module docstring)."""
+
+    durations: dict[str, dict[int, dict[str, float]]]  # job -> iteration -> node -> seconds (recorded)
+    load_seconds: dict[str, float]
+    state_bytes: dict[str, int]
+    swap_bandwidth: float  # bytes / s (inf when nothing was swapped)
+    dispatch_cpu: float
+    dispatch_service: float
+    gaps: dict[str, int] = field(default_factory=dict)  # how many gaps each dispatch median was taken over
+
+    def medians(self, job_id: str) -> dict[str, float]:
+        per: dict[str, list[float]] = defaultdict(list)
+        for nodes in self.durations[job_id].values():
+            for node, sec in nodes.items():
+                per[node].append(sec)
+        return {node: statistics.median(v) for node, v in per.items()}
+
+
+def _get(span: Any, name: str) -> Any:
+    return span[name] if isinstance(span, Mapping) else getattr(span, name)
+
+
+def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan]) -> Fitted:
+    """Fit from timeline spans (`hooks.timeline.Span` objects or their dicts from `timeline.json`)."""
+    rows = [
+        {k: _get(s, k) for k in ("job", "iteration", "node", "lane", "start", "end", "kind", "nbytes")} for s in spans
+    ]
+    nodes = [r for r in rows if r["kind"] == "node" and r["job"] in plans]
+    end_of: dict[tuple[str, int, str], float] = {(r["job"], r["iteration"], r["node"]): r["end"] for r in nodes}
+    iter_end: dict[tuple[str, int], float] = {}
+    for r in nodes:
+        key = (r["job"], r["iteration"])
+        iter_end[key] = max(iter_end.get(key, 0.0), r["end"])
+    loads = {r["job"]: r for r in rows if r["kind"] == "load"}
+    swaps = [r for r in rows if r["kind"] == "swap"]
+    by_lane: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["kind"] in ("node", "swap", "load") and r["lane"] != "cpu":
+            by_lane[r["lane"]].append(r)
+
+    durations: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    cpu_gaps, svc_gaps = [], []
+    for r in nodes:
+        job, it, name = r["job"], r["iteration"], r["node"]
+        durations[job][it][name] = r["end"] - r["start"]
+        plan = plans[job]
+        deps = [d for d in plan.nodes[name].deps if (job, it, d) in end_of] if it >= 0 else []
+        if deps:
+            ready = max(end_of[job, it, d] for d in deps)
+        elif (job, it - 1) in iter_end:
+            ready = iter_end[job, it - 1]
+        elif job in loads:
+            ready = loads[job]["end"]
+        else:
+            continue
+        gap = r["start"] - ready
+        if gap < 0:
+            continue
+        if r["lane"] == "cpu":
+            cpu_gaps.append(gap)
+            continue
+        others = [
+            o for o in by_lane[r["lane"]] if o is not r and o["end"] > ready and o["start"] < r["start"]
+        ]  # the service was busy (queueing) or this job swapped in between: not a pure round trip
+        if not others:
+            svc_gaps.append(gap)
+    moved = sum(r["nbytes"] for r in swaps)
+    seconds = sum(r["end"] - r["start"] for r in swaps)
+    state = {j: r["nbytes"] for j, r in loads.items() if r["nbytes"]}  # measured when the job was loaded
+    return Fitted(
+        durations={j: dict(v) for j, v in durations.items()},
+        load_seconds={j: r["end"] - r["start"] for j, r in loads.items()},
+        state_bytes={j: state.get(j, plans[j].state_bytes) for j in plans},
+        swap_bandwidth=moved / seconds if seconds > 0 and moved > 0 else float("inf"),
+        dispatch_cpu=statistics.median(cpu_gaps) if cpu_gaps else 0.0,
+        dispatch_service=statistics.median(svc_gaps) if svc_gaps else 0.0,
+        gaps={"cpu": len(cpu_gaps), "service": len(svc_gaps)},
+    )
+
+
+@dataclass(slots=True)
+class FittedCosts:
+    """`SimCosts` from a `Fitted`: a simulated iteration of a job replays one recorded iteration's node
+    durations (drawn by a seeded hash of (seed, job, iteration)); a node missing from the drawn iteration
+    (it runs every k iterations) takes its median."""
+
+    fitted: Fitted
+    seed: int = 0
+    _iters: dict[str, list[int]] = field(default_factory=dict)
+    _medians: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def duration(self, job: SimJob, iteration: int, node: str) -> float:
+        its = self._iters.get(job.job_id)
+        if its is None:
+            its = self._iters[job.job_id] = sorted(i for i in self.fitted.durations[job.job_id] if i >= 0)
+            self._medians[job.job_id] = self.fitted.medians(job.job_id)
+        rec = self.fitted.durations[job.job_id]
+        if iteration < 0 and -1 in rec and node in rec[-1]:
+            return rec[-1][node]
+        pick = its[_mix((self.seed << 32) ^ (hash_job(job.job_id) + iteration)) % len(its)] if its else None
+        if pick is not None and node in rec[pick]:
+            return rec[pick][node]
+        return self._medians[job.job_id].get(node, 0.0)
+
+    def swap_seconds(self, nbytes: int) -> float:
+        return nbytes / self.fitted.swap_bandwidth
+
+    def load_seconds(self, job: SimJob, nbytes: int) -> float:
+        return self.fitted.load_seconds.get(job.job_id, 0.0)
+
+
+def hash_job(job_id: str) -> int:
+    import zlib
+
+    return zlib.crc32(job_id.encode())
+
+
+@dataclass(slots=True)
+class Prediction:
+    """Isolated and multiplexed figures, as `benchmarks/multiplex.py` measures them."""
+
+    iso_wall: dict[str, float]
+    mux_completion: dict[str, float]
+    steps: dict[str, int]
+    services: int
+    makespan: float
+
+    @property
+    def iso_cost_per_step(self) -> float:
+        return sum(self.iso_wall.values()) / sum(self.steps.values())
+
+    @property
+    def mux_cost_per_step(self) -> float:
+        return self.services * self.makespan / sum(self.steps.values())
+
+    @property
+    def ratio(self) -> float:
+        return self.mux_cost_per_step / self.iso_cost_per_step
+
+    def slowdowns(self) -> dict[str, float]:
+        return {j: self.mux_completion[j] / self.iso_wall[j] for j in sorted(self.iso_wall)}
+
+
+def predict(
+    fitted: Fitted,
+    plans: Mapping[str, JobPlan],
+    *,
+    services: int,
+    placement: str,
+    ordering: str,
+    budgets: Budgets,
+    max_load: float = 1.0,
+    lookahead: bool = True,
+    cpu_slots: int | None = None,
+    seed: int = 0,
+) -> Prediction:
+    """Simulate the jobs isolated (each alone on one service) and multiplexed (on `services` services with the
+    given policies and budgets), with costs from `fitted`."""
+    costs = FittedCosts(fitted, seed)
+
+    def jobs(ids: Iterable[str]) -> list[SimJob]:
+        out = []
+        for j in ids:
+            plan = plans[j]
+            means = fitted.medians(j)
+            out.append(SimJob(j, plan.nodes, plan.iterations, means, plan.order, plan.baseline, fitted.state_bytes[j]))
+        return out
+
+    def runner(n: int, place: str) -> tuple[Runner, SimExecutor]:
+        ex = SimExecutor(n, costs, cpu_slots=cpu_slots, dispatch=(fitted.dispatch_cpu, fitted.dispatch_service))
+        r = Runner(ex, placement=placement_policy(place, max_load), ordering=ORDERINGS[ordering](), budgets=budgets,
+                   lookahead=lookahead)  # fmt: skip
+        return r, ex
+
+    iso: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for j in sorted(plans):
+        r, _ = runner(1, "isolated")
+        (run,) = r.run(jobs([j]))
+        if run.status != "done":
+            raise RuntimeError(f"simulated isolated run of {j} did not finish: {run.error}")
+        iso[j] = (run.finished_at or 0.0) - (run.started_at or 0.0)
+        steps[j] = run.iterations_done
+    r, _ = runner(services, placement)
+    runs = r.run(jobs(sorted(plans)))
+    bad = [(x.job_id, x.error) for x in runs if x.status != "done"]
+    if bad:
+        raise RuntimeError(f"simulated multiplexed run: jobs did not finish: {bad}")
+    first = min(x.started_at or 0.0 for x in runs)
+    completion = {x.job_id: (x.finished_at or 0.0) - first for x in runs}
+    return Prediction(iso, completion, steps, services, max(completion.values()))
