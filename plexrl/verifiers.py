@@ -343,7 +343,7 @@ def code_unit_tests(
             source=extract_code(completion), function=spec.function, inputs=inputs, mark=_OUTPUTS_MARK
         )
         result = box.run(program)
-        if box.strict and not result.isolation.complete:
+        if result.refused:
             raise RuntimeError(f"code_unit_tests: the strict sandbox refuses to run code here: {result.error}")
         outputs = _outputs(result.stdout) if result.ok else None
         if outputs is None or len(outputs) != len(spec.cases):

@@ -148,7 +148,8 @@ REWARD_HACKS = {
     "pass token from the harness's code objects": (
         "import os, re, sys\ndef square(x):\n    return 0\n"
         "for c in sys._getframe().f_code.co_consts:\n"
-        "    if isinstance(c, str) and re.fullmatch('[0-9a-f]{32}', c):\n        print(c, flush=True)\n        os._exit(0)\n"
+        "    if isinstance(c, str) and re.fullmatch('[0-9a-f]{32}', c):\n"
+        "        print(c, flush=True)\n        os._exit(0)\n"
     ),
     "pass token from the harness file": (
         "import os, re\ndef square(x):\n    return 0\n"
@@ -231,4 +232,6 @@ def test_code_unit_tests_refuses_to_score_in_a_degraded_strict_sandbox(caplog: p
     with pytest.raises(RuntimeError, match="strict sandbox refuses to run code"):
         code_unit_tests(["def square(x): return x * x"], [SQUARE], sandbox=degraded)
     assert code_unit_tests(["x"], ['{"function": "1bad", "cases": []}'], sandbox=degraded) == [0.0]
+    too_long = "def square(x): return x * x\n#" + "x" * (1 << 20)  # refused for its size, not for isolation
+    assert code_unit_tests([too_long], [SQUARE], sandbox=Sandbox(strict=True)) == [0.0]
     assert "malformed reference" in caplog.text

@@ -109,7 +109,9 @@ class Isolation:
 @dataclass(slots=True)
 class SandboxResult:
     """Outcome of one run. ok: exited 0 within every limit. `error` says why not, in words; `exit_code` /
-    `signal` are the program's own (None when it never ran or was killed by the sandbox)."""
+    `signal` are the program's own (None when it never ran or was killed by the sandbox); `refused`: a strict
+    sandbox did not run the code because the isolation was incomplete (a property of the machine, not of
+    the code)."""
 
     ok: bool
     stdout: str
@@ -121,6 +123,7 @@ class SandboxResult:
     truncated: bool
     wall_s: float
     isolation: Isolation = field(default_factory=Isolation)
+    refused: bool = False
 
 
 class Sandbox:
@@ -337,6 +340,7 @@ class Sandbox:
             truncated=truncated,
             wall_s=time.perf_counter() - t0,
             isolation=isolation,
+            refused=refused is not None,
         )
 
 
