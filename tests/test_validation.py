@@ -12,6 +12,7 @@ from plexrl.cluster import is_cluster_file, load_cluster
 from plexrl.config import load_job
 from plexrl.errors import ConfigError
 from plexrl.graph import NodeSpec, Pipeline, compile_pipeline
+from plexrl.sim.config import load_sim
 
 NODES: list[dict[str, Any]] = [
     {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 4}},
@@ -173,7 +174,10 @@ def test_every_shipped_yaml_validates() -> None:
     for path in configs:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "plexrl" in first, f"{path} must open with the command that runs it"
-        if is_cluster_file(path):
+        if path.parent.name == "sim":  # simulator scenarios and traces (tests/test_simulate.py checks them too)
+            if path.name != "profiles.yaml":
+                load_sim(path)
+        elif is_cluster_file(path):
             load_cluster(path)
         else:
             load_job(path)

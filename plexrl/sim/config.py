@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from plexrl.config import StrictModel
 from plexrl.errors import ConfigError, Problem
+from plexrl.yamlio import load_yaml_file
 
 GB = 1e9
 
@@ -252,7 +252,7 @@ def load_profiles(path: Path = PROFILES) -> dict[str, dict[str, dict[str, Any]]]
     """The named accelerator and model profiles (`accelerators:` and `models:` mappings)."""
     if not path.exists():
         return {"accelerators": {}, "models": {}}
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml_file(path) or {}
     return {"accelerators": raw.get("accelerators", {}), "models": raw.get("models", {})}
 
 
@@ -302,10 +302,7 @@ def load_sim(path: str | Path, overrides: dict[str, Any] | None = None) -> Scena
     path = Path(path)
     if not path.exists():
         raise ConfigError([Problem("path", f"{path} does not exist: give a file under configs/sim/")], str(path))
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError([Problem("(yaml)", f"{str(exc).splitlines()[0]}: fix the YAML syntax")], str(path)) from None
+    raw = load_yaml_file(path)  # bounded: no alias bombs, duplicate keys or huge numbers (plexrl.yamlio)
     if isinstance(raw, dict) and overrides:
         raw = {**raw, **overrides}
     return parse_sim(raw, str(path))
