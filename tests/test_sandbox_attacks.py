@@ -5,6 +5,7 @@ an attack that worked before the hardening; tests that need an isolation this ke
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,22 +128,33 @@ class Interrupted(Exception):
 
 
 def test_an_exception_in_the_caller_kills_the_run(sandbox: Sandbox) -> None:
+    """A KeyboardInterrupt, say, raised in the caller while its run sleeps."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     sandbox.limits = LIMITS.model_copy(update={"timeout_s": 30.0, "cpu_s": 30})
-
     run: list[psutil.Process] = []
 
-    def interrupt(signum: int, frame: object) -> None:  # a KeyboardInterrupt, say, in the middle of a run
-        run.extend(p for p in psutil.Process().children(recursive=True) if p.pid not in before)
+    def program_running() -> bool:
+        run[:] = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        with contextlib.suppress(psutil.Error):
+            return any("main.py" in " ".join(p.cmdline()) for p in run)
+        return False
+
+    def interrupt_once_running() -> None:
+        with contextlib.suppress(AssertionError):  # not started: the test fails on `run` below
+            wait_until(program_running, 30.0, "the sandboxed program never started")
+        os.kill(os.getpid(), signal.SIGALRM)  # the handler raises in the main thread, inside `run`
+
+    def interrupt(signum: int, frame: object) -> None:
         raise Interrupted
 
     previous = signal.signal(signal.SIGALRM, interrupt)
+    watcher = threading.Thread(target=interrupt_once_running)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.8)
+        watcher.start()
         with pytest.raises(Interrupted):
             sandbox.run("import time\ntime.sleep(60)")
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        watcher.join()
         signal.signal(signal.SIGALRM, previous)
     assert run, "the run had not started when the caller was interrupted"
     wait_until(lambda: not alive(run), 5.0, f"the run outlived the interrupted call: {alive(run)}")
