@@ -285,3 +285,14 @@ def test_simulate_benchmark_smoke(capsys: pytest.CaptureFixture[str], monkeypatc
     module.main(["--smoke"])
     out = capsys.readouterr().out
     assert "events/s" in out and "spread+backfill" in out and not math.isnan(float(out.split("wall ")[-1].split()[0]))
+
+
+def test_layout_search_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("bench_sim_layouts", ROOT / "benchmarks/sim_layouts.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    module.main([str(SIM / "qwen25_7b.yaml"), "--rollout", "8,16", "--pools", "1,2", "--smoke"])
+    out = capsys.readouterr().out
+    assert "8 PlexRL layouts vs split-async" in out and "R16-k2-one-step" in out
