@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -138,6 +138,13 @@ class Runner:
         self._cancels: deque[JobCancelled] = deque()
         self._arrivals: list[tuple[float, int, str]] = []  # (time, order, job id): jobs not yet submitted
         self._cancel_lock = threading.Lock()
+        # jobs submitted while the loop runs (`submit`), a stop request (`stop`), and the condition an idle
+        # `run(until_stopped=True)` waits on; all guarded by `_cancel_lock`
+        self._wake = threading.Condition(self._cancel_lock)
+        self._submits: deque[Any] = deque()
+        self._late: list[JobRun] = []  # records of the jobs that came through `submit`
+        self._stop_reason: str | None = None
+        self.on_closed: Callable[[JobRun], None] | None = None
 
     # -- public --------------------------------------------------------------------------------------
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -145,11 +152,36 @@ class Runner:
         iterations stay recorded; the other jobs go on."""
         with self._cancel_lock:
             self._cancels.append(JobCancelled(job_id, reason))
+            self._wake.notify_all()
 
-    def run(self, specs: list[Any], arrivals: Mapping[str, float] | None = None) -> list[JobRun]:
+    def submit(self, spec: Any) -> None:
+        """Add a job while the loop runs (thread-safe, callable from a hook or another thread). It is taken at
+        the top of the loop's next turn, shipped and handed to the planner like a job given to `run`; its record
+        appears in `runs` then. Raises ValueError if this runner already has a job of that name."""
+        with self._wake:
+            if spec.job_id in self.runs or any(s.job_id == spec.job_id for s in self._submits):
+                raise ValueError(f"a job named {spec.job_id!r} was already submitted; give each job a unique name")
+            self._submits.append(spec)
+            self._wake.notify_all()
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop the loop at the top of its next turn (thread-safe; a node already running is not interrupted,
+        its result is dropped). Every unfinished job is closed as `cancelled` with `reason` (hooks see
+        `on_job_end`, so MLflow runs end KILLED); `run` then returns as usual. Jobs submitted but not yet taken
+        are dropped. This is how `run(until_stopped=True)` ends."""
+        with self._wake:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+            self._wake.notify_all()
+
+    def run(
+        self, specs: list[Any], arrivals: Mapping[str, float] | None = None, *, until_stopped: bool = False
+    ) -> list[JobRun]:
         """Run the jobs to completion (or failure); returns their records, in the order given. `arrivals`:
         job id -> seconds after the start (on the executor's clock) at which that job is submitted; jobs not
-        named there are submitted at the start. A job is shipped to the executor when it is submitted."""
+        named there are submitted at the start. A job is shipped to the executor when it is submitted.
+        `until_stopped`: do not return when every job has ended; wait for more (`submit`) until `stop` (the
+        server's mode). `stop` also ends a run without it, early."""
         runs = []
         for spec in specs:
             if spec.job_id in self.runs:
@@ -173,7 +205,7 @@ class Runner:
             heapq.heapify(self._arrivals)
             events.extend(self._take_arrivals())
             self.hooks.on_start(start)
-            self._loop(events)
+            self._loop(events, until_stopped)
         except BaseException as exc:  # interrupted (Ctrl-C), a required hook failed, or a bug: keep records
             interrupted = True
             self._close_open_jobs(exc)
@@ -183,7 +215,8 @@ class Runner:
                 self.service_reports = self.executor.close()
             finally:
                 end = self.clock()
-                summary = RunSummary(runs, self.services, self.service_reports, start or end, end, interrupted)
+                everyone = runs + self._late
+                summary = RunSummary(everyone, self.services, self.service_reports, start or end, end, interrupted)
                 try:
                     self.hooks.on_end(summary)
                 finally:
@@ -191,15 +224,24 @@ class Runner:
         return runs
 
     # -- the loop -------------------------------------------------------------------------------------
-    def _loop(self, events: deque[Event]) -> None:
+    def _loop(self, events: deque[Event], until_stopped: bool = False) -> None:
         while True:
+            events.extend(self._take_submits())  # before the cancels: a job can be cancelled right after it came
             events.extend(self._take_cancels())
             events.extend(self._take_arrivals())
             while events:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
                     events.extend(self._carry_out(ins))
+            if self._stop_reason is not None:
+                self._stop_open_jobs(self._stop_reason)
+                return
             if not self._pending and not self._arrivals:
+                if self.planner.finished and until_stopped:
+                    with self._wake:  # idle: wait for a submission, a cancel or a stop
+                        while not (self._submits or self._cancels or self._stop_reason is not None):
+                            self._wake.wait()
+                    continue
                 if self.planner.finished:
                     return
                 with self._cancel_lock:
@@ -229,6 +271,24 @@ class Runner:
             run.submitted_at = now
             self.executor.ship(run.spec)
             out.append(JobSubmitted(job_id, run.spec.plan()))
+        return out
+
+    def _take_submits(self) -> list[JobSubmitted]:
+        """Ship and submit the jobs that came through `submit`; a job that cannot be shipped fails alone."""
+        with self._wake:
+            specs = list(self._submits)
+            self._submits.clear()
+        out = []
+        for spec in specs:
+            run = self.runs[spec.job_id] = JobRun(spec)
+            self._late.append(run)
+            run.submitted_at = self.clock()
+            try:
+                self.executor.ship(spec)
+            except Exception as exc:
+                self._close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
+                continue
+            out.append(JobSubmitted(spec.job_id, spec.plan()))
         return out
 
     def _take_cancels(self) -> list[JobCancelled]:
@@ -367,6 +427,18 @@ class Runner:
             self.executor.forget(it.outputs.values())
         if run.started_at is not None:
             self.hooks.on_job_end(run)
+        if self.on_closed is not None:  # every ended job, placed or not (the server's journal)
+            self.on_closed(run)
+
+    def _stop_open_jobs(self, reason: str) -> None:
+        """`stop`: close every job that has not ended, forget the work in flight, and drop late submissions."""
+        for run in list(self.runs.values()):
+            if run.status in ("pending", "running"):
+                self._close(run, "cancelled", reason)
+        self.executor.forget(list(self._pending))
+        self._pending.clear()
+        with self._wake:
+            self._submits.clear()
 
     def _close_open_jobs(self, exc: BaseException) -> None:
         for run in self.runs.values():

@@ -1,0 +1,311 @@
+"""The server's durable journal: every job's submission, placement, iteration ends and terminal state, in one
+sqlite file in WAL mode.
+
+Contract:
+- Every method that records something commits before it returns (`synchronous=FULL`: the WAL is fsynced on
+  each commit, so a returned write survives a crash of the process and of the machine). The server answers a
+  client only after the write returned: what a client was told is in the journal.
+- A job's status moves along `TRANSITIONS` only; an illegal move raises `JournalError` with the job's recent
+  events. Reaching a terminal status twice is not an error: the first one wins and the second is ignored
+  (`finish` returns False), because a user's cancel is recorded at once while the runner closes the job a
+  moment later.
+- `recover()` (at server start) turns every unfinished job back into `queued`, counting one more attempt.
+  Jobs resume FROM SCRATCH: there are no checkpoints yet, so the iterations of an earlier attempt are
+  kept in `events` (with their attempt number) but are run again.
+- Thread-safe: one connection guarded by a lock (the HTTP handlers, the runner thread and the preparation
+  thread all write). Reads take the same lock; a read is a few indexed rows.
+
+What it does NOT do: it keeps no model weights, optimizer state or RNG states (no checkpoints), and no MLflow
+data (MLflow has its own store; the journal keeps the run id that links to it).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+
+# (from, to) -> the event kind recorded for that move; the only legal moves
+TRANSITIONS: dict[tuple[str, str], str] = {
+    ("queued", "running"): "placed",
+    ("running", "queued"): "interrupted",  # the server stopped or died; the job runs again at the next start
+    ("queued", "queued"): "resubmitted",  # recovered at a start (it had not been placed yet)
+    ("queued", "done"): "done",  # (not reached by the runner; kept for completeness of terminal moves)
+    ("queued", "failed"): "failed",
+    ("queued", "cancelled"): "cancelled",
+    ("running", "done"): "done",
+    ("running", "failed"): "failed",
+    ("running", "cancelled"): "cancelled",
+}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    user TEXT NOT NULL,
+    config TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    service TEXT,
+    iterations INTEGER NOT NULL,
+    iterations_done INTEGER NOT NULL DEFAULT 0,
+    attempt INTEGER NOT NULL DEFAULT 1,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    tracking TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    attempt INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, seq);
+"""
+VERSION = 1
+
+
+class JournalError(RuntimeError):
+    """An illegal status move, an unknown job, or a journal written by an incompatible version."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobEntry:
+    """One job as the journal knows it. `config`: the validated job config (a JSON-able dict, overrides
+    applied) from which the job is prepared again after a restart. `tracking`: MLflow uri and run id."""
+
+    seq: int
+    job_id: str
+    name: str
+    user: str
+    config: dict[str, Any]
+    status: JobState
+    reason: str
+    service: str | None
+    iterations: int
+    iterations_done: int
+    attempt: int
+    submitted_at: float
+    started_at: float | None
+    finished_at: float | None
+    tracking: dict[str, Any]
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    def as_dict(self, config: bool = False) -> dict[str, Any]:
+        """JSON-able view for the API (the config only when asked: it can be a few KiB)."""
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "config"}  # type: ignore[attr-defined]
+        if config:
+            out["config"] = self.config
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEvent:
+    seq: int
+    job_id: str
+    time: float
+    attempt: int
+    kind: str
+    data: dict[str, Any]
+
+
+class Journal:
+    """See the module docstring. `path`: the sqlite file (created with its directory); `clock`: wall time."""
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise JournalError(f"{self.path}: sqlite refused WAL mode (got {mode!r}); put the journal on a local disk")
+        self._db.execute("PRAGMA synchronous=FULL")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, VERSION):
+            raise JournalError(f"{self.path}: journal version {version}, this server reads version {VERSION}")
+        if version == 0:  # a new journal (IF NOT EXISTS: a crash half-way through is repaired next time)
+            self._db.executescript(SCHEMA + f"PRAGMA user_version={VERSION};")
+
+    # -- writes (each one transaction, committed before returning) --------------------------------------
+    def submit(self, name: str, config: dict[str, Any], iterations: int, user: str = "") -> JobEntry:
+        """Record a new job as `queued`; its id is `<name>-<seq>` (unique in this journal)."""
+        with self._lock, self._tx():
+            now = self.clock()
+            cur = self._db.execute(
+                "INSERT INTO jobs (job_id, name, user, config, status, iterations, submitted_at) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?)",
+                ("", name, user, json.dumps(config), iterations, now),
+            )
+            seq = int(cur.lastrowid or 0)
+            job_id = f"{name}-{seq}"
+            self._db.execute("UPDATE jobs SET job_id = ? WHERE seq = ?", (job_id, seq))
+            self._event(job_id, now, 1, "submitted", {"user": user})
+            return self._get(job_id)
+
+    def placed(self, job_id: str, service: str | None, tracking: dict[str, Any] | None = None) -> JobEntry:
+        """The planner placed the job on `service` (`tracking`: its MLflow run, if any)."""
+        with self._lock, self._tx():
+            entry = self._move(job_id, "running", {"service": service})
+            now = self.clock()
+            self._db.execute(
+                "UPDATE jobs SET service = ?, started_at = ?, tracking = ? WHERE job_id = ?",
+                (service, now, json.dumps(tracking or {}), job_id),
+            )
+            return self._get(entry.job_id)
+
+    def iteration(self, job_id: str, iteration: int, metrics: dict[str, float]) -> None:
+        """An iteration ended (`iteration` -1: the baseline evaluation before training)."""
+        with self._lock, self._tx():
+            entry = self._get(job_id)
+            if entry.status != "running":
+                return  # a late report of a job already closed (cancelled by its user)
+            done = entry.iterations_done + (1 if iteration >= 0 else 0)
+            self._db.execute("UPDATE jobs SET iterations_done = ? WHERE job_id = ?", (done, job_id))
+            data = {"iteration": iteration, "metrics": {k: float(v) for k, v in metrics.items()}}
+            self._event(job_id, self.clock(), entry.attempt, "iteration", data)
+
+    def finish(self, job_id: str, status: JobState, reason: str = "") -> bool:
+        """Record a terminal status; False (nothing written) if the job had already ended."""
+        if status not in TERMINAL:
+            raise JournalError(f"finish({job_id!r}, {status!r}): not a terminal status ({sorted(TERMINAL)})")
+        with self._lock, self._tx():
+            if self._get(job_id).finished:
+                return False
+            self._move(job_id, status, {"reason": reason})
+            self._db.execute(
+                "UPDATE jobs SET reason = ?, finished_at = ? WHERE job_id = ?", (reason, self.clock(), job_id)
+            )
+            return True
+
+    def interrupt(self, job_id: str, reason: str) -> bool:
+        """The server stops while the job is unfinished: back to `queued` (it runs again at the next start).
+        False if the job had already ended."""
+        with self._lock, self._tx():
+            entry = self._get(job_id)
+            if entry.finished or entry.status == "queued":
+                return False
+            self._move(job_id, "queued", {"reason": reason})
+            self._db.execute("UPDATE jobs SET service = NULL WHERE job_id = ?", (job_id,))
+            return True
+
+    def recover(self) -> list[JobEntry]:
+        """At server start: every unfinished job becomes `queued` again with one more attempt (from scratch:
+        its progress is reset); returns them in submission order, to be submitted again."""
+        with self._lock, self._tx():
+            rows = self._db.execute("SELECT job_id FROM jobs WHERE status IN ('queued', 'running') ORDER BY seq")
+            out = []
+            for (job_id,) in rows.fetchall():
+                entry = self._get(job_id)
+                attempt = entry.attempt + 1
+                self._db.execute(
+                    "UPDATE jobs SET attempt = ?, iterations_done = 0, service = NULL, started_at = NULL "
+                    "WHERE job_id = ?",
+                    (attempt, job_id),
+                )
+                self._move(job_id, "queued", {"from": entry.status, "resume": "from scratch (no checkpoint)"})
+                out.append(self._get(job_id))
+            return out
+
+    # -- reads ------------------------------------------------------------------------------------------
+    def get(self, job_id: str) -> JobEntry | None:
+        with self._lock:
+            try:
+                return self._get(job_id)
+            except JournalError:
+                return None
+
+    def jobs(self, status: str | None = None, limit: int = 1000) -> list[JobEntry]:
+        """The most recent `limit` jobs (optionally of one status), oldest first."""
+        with self._lock:
+            if status is None:
+                rows = self._db.execute("SELECT * FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+            else:
+                q = "SELECT * FROM jobs WHERE status = ? ORDER BY seq DESC LIMIT ?"
+                rows = self._db.execute(q, (status, limit)).fetchall()
+            return [self._entry(r) for r in reversed(rows)]
+
+    def events(self, job_id: str, after: int = 0, limit: int = 1000) -> list[JournalEvent]:
+        """The job's events with `seq > after`, oldest first (for `plexrl logs --follow`)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?", (job_id, after, limit)
+            ).fetchall()
+        return [
+            JournalEvent(r["seq"], r["job_id"], r["time"], r["attempt"], r["kind"], json.loads(r["data"])) for r in rows
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- internals (called with the lock held) ----------------------------------------------------------
+    def _tx(self) -> Any:
+        return _Transaction(self._db)
+
+    def _get(self, job_id: str) -> JobEntry:
+        row = self._db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JournalError(f"no job {job_id!r} in the journal {self.path}")
+        return self._entry(row)
+
+    @staticmethod
+    def _entry(r: sqlite3.Row) -> JobEntry:
+        return JobEntry(
+            r["seq"], r["job_id"], r["name"], r["user"], json.loads(r["config"]), r["status"], r["reason"],
+            r["service"], r["iterations"], r["iterations_done"], r["attempt"], r["submitted_at"], r["started_at"],
+            r["finished_at"], json.loads(r["tracking"]),
+        )  # fmt: skip
+
+    def _move(self, job_id: str, new: str, data: dict[str, Any]) -> JobEntry:
+        entry = self._get(job_id)
+        kind = TRANSITIONS.get((entry.status, new))
+        if kind is None:
+            recent = self._db.execute(
+                "SELECT time, kind, data FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT 5", (job_id,)
+            ).fetchall()
+            history = "; ".join(f"t={r['time']:.3f} {r['kind']} {r['data']}" for r in reversed(recent))
+            raise JournalError(f"job {job_id}: illegal move {entry.status} -> {new}; recent events: {history}")
+        self._db.execute("UPDATE jobs SET status = ? WHERE job_id = ?", (new, job_id))
+        self._event(job_id, self.clock(), entry.attempt, kind, data)
+        return entry
+
+    def _event(self, job_id: str, now: float, attempt: int, kind: str, data: dict[str, Any]) -> None:
+        self._db.execute(
+            "INSERT INTO events (job_id, time, attempt, kind, data) VALUES (?, ?, ?, ?, ?)",
+            (job_id, now, attempt, kind, json.dumps(data)),
+        )
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on an exception): one durable unit of the journal."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        self.db.execute("ROLLBACK" if kind is not None else "COMMIT")
+
+
+__all__ = ["TERMINAL", "TRANSITIONS", "JobEntry", "Journal", "JournalError", "JournalEvent"]
