@@ -157,6 +157,11 @@ def main() -> None:
     print(row("calculator", calc))
     for name, values in compared.items():
         print(row(f"python print(1), {name}", values))
+    hardened = statistics.median(py)
+    for name, values in compared.items():
+        if values is not py:
+            delta = (hardened - statistics.median(values)) * 1000
+            print(f"  hardened - {name}: {delta:+.1f} ms per call (median)")
     print(row("code_unit_tests, 1 sample x 4 cases", verdicts))
     print(row(f"python print(1), {args.burners} burners, x{args.concurrency}", busy))
     print(f"\n{'python throughput':<34} {'calls/s':>10}")
