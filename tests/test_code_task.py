@@ -63,3 +63,44 @@ def test_grpo_code_runs_end_to_end_with_rewards_from_the_sandbox(
     # warm-start check (8) + baseline eval (8) + 2 iterations x 2 prompts x 4 samples + final eval (8)
     assert len(runs) >= 2 * 2 * 4 + 8, len(runs)
     assert all("def f(x):" in code and "plexrl-outputs:" in code for code in runs)
+
+
+TINY_SET = {
+    "iterations": 2,
+    "threads": 1,
+    "model.layers": 1,
+    "model.hidden": 32,
+    "model.heads": 2,
+    "model.intermediate": 64,
+    "warm_start.max_steps": 4,
+    "warm_start.batch_size": 16,
+    "warm_start.eval_every": 4,
+    "warm_start.eval_size": 8,
+    "pipeline.params.batch_size": 2,
+    "pipeline.params.n": 4,
+    "pipeline.params.eval_every": 2,
+    "pipeline.params.eval_size": 8,
+    "tracking.mlflow": False,
+    "tracking.log_model": False,
+    "tracking.progress": False,
+}
+
+
+def test_the_code_job_multiplexes_with_the_arithmetic_job(tmp_path: Path) -> None:
+    """configs/multiplex_code.yaml at tiny sizes, in process: both jobs share one service and finish."""
+    import yaml
+
+    from plexrl.cluster import load_cluster, run_cluster
+
+    shipped = yaml.safe_load((CONFIG.parent / "multiplex_code.yaml").read_text())
+    assert [j["config"] for j in shipped["jobs"]] == ["grpo_arithmetic.yaml", "grpo_code.yaml"]
+    cluster = {**shipped, "driver": "local", "run_dir": str(tmp_path / "runs"), "progress": False, "mlflow": False}
+    cluster["jobs"] = [
+        {"config": str(CONFIG.parent / j["config"]), "set": {**j.get("set", {}), **TINY_SET}} for j in shipped["jobs"]
+    ]
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    result = run_cluster(load_cluster(path))
+    assert [j.status for j in result.jobs] == ["done", "done"], [j.error for j in result.jobs]
+    assert all("verify/reward_mean" in j.history[-1] for j in result.jobs)
+    assert [s.service for s in result.report.services if s.busy > 0] == ["service-0"]  # one shared service
