@@ -53,6 +53,9 @@ def run(
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    from plexrl.server.signals import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: every MLflow run is closed (KILLED)
     from plexrl.cluster import is_cluster_file
 
     if is_cluster_file(config):
@@ -213,6 +216,181 @@ def simulate(
     typer.echo(f"simulated in {rep.wall_s:.1f} s; report: {rep.out_dir}/report.txt, picture: {rep.files[0]}")
     if rep.tracking:
         typer.echo(f"MLflow run: {rep.tracking['uri']} run {rep.tracking['run_id']}")
+
+
+# -- the server and its clients (plexrl/server/) ---------------------------------------------------------
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", help="Server URL (default: $PLEXRL_SERVER or http://127.0.0.1:8765).")
+]
+TokenOpt = Annotated[str | None, typer.Option("--token", help="Bearer token (default: $PLEXRL_TOKEN).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the server's JSON answer.")]
+
+
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option("--config", help="Server YAML (configs/server.yaml).")] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765; 0: any free port).")] = None,
+    scheduler: Annotated[
+        str | None, typer.Option("--scheduler", help="Run nodes on this Dask scheduler (driver: dask).")
+    ] = None,
+    set_: SetOpt = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
+) -> None:
+    """Run the PlexRL server: jobs are submitted, watched and cancelled over HTTP (`plexrl submit`, `status`,
+    `list`, `cancel`, `logs`); every transition goes to a journal, and a restart on the same journal resumes
+    unfinished jobs (from scratch). SIGTERM or Ctrl-C stops it gracefully."""
+    import os
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    from plexrl.server.api import start_server
+    from plexrl.server.config import load_server_config
+    from plexrl.server.signals import stop_event
+
+    overrides = list(set_ or [])
+    overrides += [f"host={json.dumps(host)}"] if host is not None else []
+    overrides += [f"port={port}"] if port is not None else []
+    overrides += ["driver=dask", f"scheduler={json.dumps(scheduler)}"] if scheduler is not None else []
+    try:
+        cfg = load_server_config(config, overrides, token=os.environ.get("PLEXRL_TOKEN"))
+        stop = stop_event()
+        server = start_server(cfg)
+    except (PlexRLError, OSError, ValueError) as exc:
+        _fail(exc)
+        return
+    resumed = len(server.controller.recovered)
+    typer.echo(
+        f"PlexRL server listening on {server.url} (journal {cfg.journal}; {resumed} unfinished job(s) resubmitted)"
+    )
+    while not stop.wait(0.5):
+        if not server.controller.healthy:
+            typer.secho(f"the runner failed: {server.controller.failure!r}; stopping", fg="red", err=True)
+            break
+    ok = server.stop()
+    typer.echo("PlexRL server stopped" + ("" if ok else " (some threads did not end in time)"))
+    raise typer.Exit(0 if ok and server.controller.failure is None else 1)
+
+
+def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-def]
+    from plexrl.server.client import Client
+
+    return Client(server, token)
+
+
+def _job_line(j: dict[str, Any]) -> str:
+    progress = f"{j['iterations_done']}/{j['iterations']}"
+    where = j.get("service") or "-"
+    user = j.get("user") or "-"
+    return f"{j['job_id']:<32} {j['status']:<10} {progress:>9}  {where:<12} {user:<10} {j['reason'][:60]}"
+
+
+@app.command()
+def submit(
+    config: Annotated[Path, typer.Argument(help="Job YAML.")],
+    set_: SetOpt = None,
+    user: Annotated[str, typer.Option("--user", help="Who submits (default: $USER).")] = "",
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Submit a job to a running server; prints its id. Every problem with the job is reported at once."""
+    try:
+        job = _client(server, token).submit(config, set_ or [], user)
+    except (PlexRLError, OSError) as exc:
+        _fail(exc)
+        return
+    typer.echo(job["job_id"])
+
+
+@app.command()
+def status(
+    job: Annotated[str | None, typer.Argument(help="Job id (omit: every unfinished job).")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """A job's status (or every unfinished job's): status, iterations done, service, attempt, MLflow run."""
+    try:
+        client = _client(server, token)
+        rows = [client.status(job)] if job else client.jobs("running") + client.jobs("queued")
+    except PlexRLError as exc:
+        _fail(exc)
+        return
+    if json_:
+        typer.echo(json.dumps(rows[0] if job else rows, indent=1))
+        return
+    for j in rows:
+        typer.echo(_job_line(j))
+        if job:
+            t = j["tracking"]
+            typer.echo(f"  attempt {j['attempt']}; MLflow {t.get('uri', '-')} run {t.get('run_id', '-')}")
+
+
+@app.command("list")
+def list_jobs(
+    status_: Annotated[str | None, typer.Option("--status", help="Only jobs with this status.")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Every job the server knows (the most recent 1000), oldest first."""
+    try:
+        rows = _client(server, token).jobs(status_)
+    except PlexRLError as exc:
+        _fail(exc)
+        return
+    if json_:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    for j in rows:
+        typer.echo(_job_line(j))
+
+
+@app.command()
+def cancel(
+    job: Annotated[str, typer.Argument(help="Job id.")], server: ServerOpt = None, token: TokenOpt = None
+) -> None:
+    """Cancel a job (recorded at once; the job stops at its next node boundary). Its finished iterations stay."""
+    try:
+        j = _client(server, token).cancel(job)
+    except PlexRLError as exc:
+        _fail(exc)
+        return
+    typer.echo(_job_line(j))
+
+
+@app.command()
+def logs(
+    job: Annotated[str, typer.Argument(help="Job id.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """A job's journal: submission, placement, every iteration's metrics, its end."""
+    import time
+
+    after = 0
+    client = _client(server, token)
+    while True:
+        try:
+            answer = client.events(job, after)
+        except PlexRLError as exc:
+            _fail(exc)
+            return
+        for e in answer["events"]:
+            after = e["seq"]
+            data = e["data"]
+            if e["kind"] == "iteration":
+                m = data["metrics"]
+                keys = [k for k in sorted(m) if not k.startswith("time/")][:8]
+                shown = " ".join(f"{k}={m[k]:.4g}" for k in keys)
+                typer.echo(f"[attempt {e['attempt']}] iteration {data['iteration']}: {shown}")
+            else:
+                typer.echo(f"[attempt {e['attempt']}] {e['kind']} {json.dumps(data)}")
+        if not follow or (answer["job"]["status"] in ("done", "failed", "cancelled") and not answer["events"]):
+            return
+        time.sleep(1.0)
 
 
 def main() -> None:

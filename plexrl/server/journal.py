@@ -109,7 +109,7 @@ class JobEntry:
 
     def as_dict(self, config: bool = False) -> dict[str, Any]:
         """JSON-able view for the API (the config only when asked: it can be a few KiB)."""
-        out = {k: getattr(self, k) for k in self.__slots__ if k != "config"}  # type: ignore[attr-defined]
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "config"}
         if config:
             out["config"] = self.config
         return out

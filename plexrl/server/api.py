@@ -1,0 +1,205 @@
+"""The HTTP API of `plexrl serve` (FastAPI; the OpenAPI schema is at /openapi.json, browsable at /docs), and
+`start_server`, which wires journal, runner, controller and a uvicorn server together.
+
+Endpoints (JSON): POST /jobs (submit), GET /jobs (list), GET /jobs/{id} (status), POST /jobs/{id}/cancel,
+GET /jobs/{id}/events?after=SEQ (the journal's events: `plexrl logs`), GET /health.
+
+Contract:
+- A submission is answered 201 only after the job is in the journal. A bad one gets 400 (413: body too large)
+  with `{"problems": [{"where", "message"}, ...]}` naming every problem, and nothing is written.
+- With a `token`, every request must carry `Authorization: Bearer TOKEN` (compared with
+  `hmac.compare_digest`); otherwise 401 and nothing is done. Without one, the config only binds loopback.
+- Request bodies are read up to `max_body_bytes` and refused beyond it, whatever Content-Length says.
+- 503 when the controller is unhealthy (its runner died) or stopping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plexrl.errors import ConfigError, Problem
+from plexrl.server.config import ServerConfig
+from plexrl.server.controller import Controller
+from plexrl.server.journal import JobEntry, Journal
+
+log = logging.getLogger(__name__)
+
+
+class SubmitRequest(BaseModel):
+    """POST /jobs body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    yaml: str = Field(description="The job YAML, as text (read by the client; the server opens no user path).")
+    set: list[str] = Field(default_factory=list, description="Overrides, e.g. ['iterations=10'].")
+    user: str = Field("", max_length=64, description="Who submits (recorded with the job; no quotas yet).")
+
+
+def _problems(status: int, problems: list[Problem]) -> Any:
+    body = {"problems": [{"where": p.where, "message": p.message} for p in problems]}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(controller: Controller, cfg: ServerConfig) -> Any:
+    """The FastAPI application over `controller` (see the module docstring)."""
+    from plexrl.server.submissions import check_submission
+
+    app = FastAPI(title="PlexRL server", version="1", description="Submit, watch and cancel RLVR jobs.")
+    token = cfg.token.encode() if cfg.token else None
+    roots, modules, run_dir = cfg.roots(), list(cfg.allowed_modules), Path(cfg.run_dir).resolve()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            scheme, _, value = given.partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), token)):
+                return _problems(401, [Problem("authorization", "missing or wrong token (Authorization: Bearer ...)")])
+        return await call_next(request)
+
+    def entry_or_404(job_id: str) -> JobEntry | Any:
+        entry = controller.journal.get(job_id)
+        if entry is None:
+            return _problems(404, [Problem("job", f"no job {job_id!r}; `plexrl list` shows the jobs")])
+        return entry
+
+    @app.get("/health")
+    def health() -> Any:
+        ok = controller.healthy
+        body = {"ok": ok, "error": repr(controller.failure) if controller.failure else None}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/jobs", status_code=201)
+    async def submit(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > cfg.max_body_bytes):
+            return _problems(413, [Problem("body", f"larger than {cfg.max_body_bytes} bytes")])
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                return _problems(413, [Problem("body", f"larger than {cfg.max_body_bytes} bytes")])
+            chunks.append(chunk)
+        try:
+            req = SubmitRequest.model_validate_json(b"".join(chunks))
+        except ValidationError as exc:
+            where = [Problem(".".join(str(x) for x in e["loc"]) or "body", e["msg"]) for e in exc.errors()]
+            return _problems(400, where)
+        if not controller.healthy:
+            return _problems(503, [Problem("server", "not accepting jobs (stopping, or its runner failed)")])
+
+        def accept() -> JobEntry:
+            ok = check_submission(req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules)
+            return controller.submit(ok.name, ok.config, ok.iterations, req.user)
+
+        try:
+            entry = await run_in_threadpool(accept)
+        except ConfigError as exc:
+            return _problems(400, exc.problems)
+        except RuntimeError as exc:
+            return _problems(503, [Problem("server", str(exc))])
+        return JSONResponse(entry.as_dict(), status_code=201)
+
+    @app.get("/jobs")
+    def list_jobs(status: str | None = None, limit: int = 1000) -> Any:
+        return {"jobs": [e.as_dict() for e in controller.journal.jobs(status, max(1, min(limit, 10_000)))]}
+
+    @app.get("/jobs/{job_id}")
+    def status(job_id: str, config: bool = False) -> Any:
+        entry = entry_or_404(job_id)
+        return entry.as_dict(config) if isinstance(entry, JobEntry) else entry
+
+    @app.get("/jobs/{job_id}/events")
+    def events(job_id: str, after: int = 0, limit: int = 1000) -> Any:
+        entry = entry_or_404(job_id)
+        if not isinstance(entry, JobEntry):
+            return entry
+        rows = controller.journal.events(job_id, after, max(1, min(limit, 10_000)))
+        return {"job": entry.as_dict(), "events": [_event(e) for e in rows]}
+
+    @app.post("/jobs/{job_id}/cancel")
+    def cancel(job_id: str) -> Any:
+        entry = controller.cancel(job_id)
+        if entry is None:
+            return entry_or_404(job_id)
+        return entry.as_dict()
+
+    return app
+
+
+def _event(e: Any) -> dict[str, Any]:
+    return {"seq": e.seq, "time": e.time, "attempt": e.attempt, "kind": e.kind, "data": e.data}
+
+
+def prepare_entry(entry: JobEntry) -> Any:
+    """The runner's spec of a journalled job: validated again, task and warm-started model built (cached)."""
+    from plexrl.config import load_job
+    from plexrl.job import prepare_job
+
+    return prepare_job(load_job(entry.config), job_id=entry.job_id)
+
+
+@dataclass
+class RunningServer:
+    """A started server: `url` to talk to, `stop()` to stop it gracefully (HTTP first, then the controller:
+    open jobs go back to `queued` in the journal and their MLflow runs end KILLED)."""
+
+    url: str
+    controller: Controller
+    journal: Journal
+    http: Any
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        self.http.should_exit = True
+        self.thread.join(timeout)
+        ok = self.controller.stop(timeout)
+        self.journal.close()
+        return ok and not self.thread.is_alive()
+
+
+def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any = None) -> RunningServer:
+    """Open the journal, start the controller (recovering unfinished jobs) and the HTTP server in threads;
+    returns once the socket is listening. `runner`: a ready `Runner` (tests); default: the config's."""
+    import uvicorn
+
+    from plexrl.cluster import make_runner
+    from plexrl.runtime.jobs import standard_hooks
+
+    if runner is None:
+        run_dir = Path(cfg.run_dir).resolve()
+        runner = make_runner(cfg.cluster(), standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow))
+    journal = Journal(cfg.journal)
+    controller = Controller(runner, journal, prepare)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError:
+        journal.close()
+        sock.close()
+        raise
+    sock.listen(128)
+    controller.start()
+    app = create_app(controller, cfg)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    thread = threading.Thread(target=lambda: asyncio.run(http.serve(sockets=[sock])), name="plexrl-http", daemon=True)
+    thread.start()
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return RunningServer(f"http://{shown}:{port}", controller, journal, http, thread)
+
+
+__all__ = ["RunningServer", "SubmitRequest", "create_app", "prepare_entry", "start_server"]

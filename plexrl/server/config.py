@@ -1,0 +1,115 @@
+"""The server's YAML (`plexrl serve --config server.yaml`): where it listens, its journal, what submissions may
+name, and the services and policies its one runner uses (the same fields as a cluster config, without jobs)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from plexrl.cluster import ClusterConfig, ServicesConfig
+from plexrl.config import StrictModel, _problem, apply_overrides
+from plexrl.errors import ConfigError, Problem
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+class ServerConfig(StrictModel):
+    """`plexrl serve`: listening address, journal, submission policy, services and policies."""
+
+    host: str = Field("127.0.0.1", description="Address to bind. Anything but loopback requires `token`.")
+    port: int = Field(8765, ge=0, le=65535, description="TCP port (0: any free port, printed at start).")
+    token: str | None = Field(
+        None,
+        min_length=16,
+        description="Bearer token every request must carry (compared in constant time); or env PLEXRL_TOKEN.",
+    )
+    journal: str = Field("runs/server/journal.db", description="The sqlite journal (WAL); reuse it to recover.")
+    run_dir: str = Field("runs", description="Default run_dir of submitted jobs; the server's timelines go here.")
+    allowed_roots: list[str] | None = Field(
+        None, description="A job's run_dir and model.path must lie under one of these (default: [run_dir])."
+    )
+    allowed_modules: list[str] = Field(
+        ["plexrl"],
+        description="Dotted paths in a job (pipeline builders, operators, any 'pkg.module:name' value) must be "
+        "in one of these packages; checked before anything is imported.",
+    )
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest request body accepted.")
+    mlflow: bool = Field(True, description="Track every job in MLflow (a run per job, per attempt).")
+    driver: Literal["dask", "local"] = Field(
+        "local", description="local: the runner executes nodes in-process; dask: on a Dask cluster."
+    )
+    scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (driver: dask).")
+    cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
+    services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
+    placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
+        "spread+backfill", description="Placement policy."
+    )
+    max_load: float = Field(1.0, gt=0, le=64, description="Load cap of pack and spread+backfill.")
+    ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
+    lookahead: bool = Field(True, description="dask: send a service its next node while one runs.")
+    validate_state: bool = Field(False, description="Planner invariants after every event (tests).")
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> ServerConfig:
+        if not is_loopback(self.host) and self.token is None:
+            raise ValueError(
+                f"binding {self.host!r} exposes the server beyond this machine: set `token` (16+ characters) or "
+                "the environment variable PLEXRL_TOKEN, or bind 127.0.0.1"
+            )
+        if self.scheduler is not None and self.driver != "dask":
+            raise ValueError("`scheduler` needs `driver: dask`")
+        return self
+
+    def roots(self) -> list[Path]:
+        """The allowed roots, resolved."""
+        return [Path(r).resolve() for r in (self.allowed_roots or [self.run_dir])]
+
+    def cluster(self) -> ClusterConfig:
+        """The equivalent cluster config (no jobs), for `plexrl.cluster.make_runner`."""
+        fields = ("driver", "scheduler", "cpu_threads", "services", "placement", "max_load", "ordering", "lookahead")
+        values: dict[str, Any] = {f: getattr(self, f) for f in fields}
+        return ClusterConfig.model_construct(
+            name="server", run_dir=self.run_dir, validate_state=self.validate_state, mlflow=False, jobs=[], **values
+        )
+
+
+def load_server_config(
+    path: Path | None, overrides: list[str] | None = None, token: str | None = None
+) -> ServerConfig:
+    """Read and validate a server YAML (None: defaults) with `key=value` overrides; one ConfigError lists every
+    problem. `token` (from PLEXRL_TOKEN) is used when the file sets none."""
+    from plexrl.yamlio import load_yaml_file
+
+    raw: Any = {}
+    source = "server defaults"
+    if path is not None:
+        source = str(path)
+        raw = load_yaml_file(path) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError([Problem(source, "a server config must be a YAML mapping")], source)
+    problems = apply_overrides(raw, overrides or [])
+    if token and raw.get("token") is None:
+        raw["token"] = token
+    try:
+        cfg = ServerConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(problems + [_problem(e, "", ServerConfig) for e in exc.errors()], source) from None
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+__all__ = ["ServerConfig", "is_loopback", "load_server_config"]

@@ -1,0 +1,185 @@
+"""`Controller`: the server's core. It keeps ONE `Runner` looping in a thread (`run(until_stopped=True)`), turns
+accepted submissions into job specs on a preparation thread (the warm start may take a while; the runner never
+waits for it), and writes every transition to the `Journal` before anyone is told about it.
+
+    HTTP handler --submit--> Journal (queued, committed) --> ack;  prepare thread: spec --> Runner.submit
+    Runner thread: placement, iteration ends (JournalHook) and closes (Runner.on_closed) --> Journal
+
+Contract:
+- `submit` returns only after the job is in the journal; `cancel` records the cancel in the journal before it
+  returns (the user's intent survives a crash), then asks the runner to stop the job at its next event.
+- A job is handed to the runner at most once per server start; a cancelled job is never handed over. The
+  controller's lock orders a cancel and a hand-over of the same job, so that the runner sees them in order.
+- `stop` (SIGTERM): the runner closes every open job (its MLflow run ends KILLED) and the journal puts it back
+  to `queued`; `start` of the next server on the same journal submits those jobs again, FROM SCRATCH (there are
+  no checkpoints yet), with one more `attempt`. Jobs whose MLflow run was left RUNNING by a crash (kill -9)
+  get that run marked KILLED at the next start.
+- The runner thread dying (a bug, or the journal failing to write: `JournalHook` is `required`) makes the
+  controller unhealthy (`failure`); it accepts no more submissions.
+
+What it does NOT do: authentication, quotas or fairness between users (`user` is recorded, not enforced),
+checkpoints, re-placing jobs of a lost service (the planner fails them; see docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from plexrl.hooks.base import Hook
+from plexrl.job import JobRun
+from plexrl.runtime.runner import Runner
+from plexrl.server.journal import JobEntry, Journal
+
+log = logging.getLogger(__name__)
+
+STOP_REASON = "the server stopped; the job runs again, from scratch, when the server restarts"
+
+
+class JournalHook(Hook):
+    """Placements and iteration ends into the journal. Required: a journal that cannot be written stops the
+    runner rather than letting it run jobs whose progress nobody would know about after a restart. Comes after
+    the MLflow hook, whose run id it records."""
+
+    required = True
+
+    def __init__(self, journal: Journal, runner: Runner) -> None:
+        self.journal, self.runner = journal, runner
+
+    def on_job_start(self, run: JobRun) -> None:
+        entry = self.journal.get(run.job_id)
+        if entry is not None and entry.finished:  # cancelled while it was being handed over
+            self.runner.cancel(run.job_id, entry.reason or "cancelled")
+            return
+        tracking: dict[str, Any] = {k: str(run.tracking[k]) for k in ("uri", "run_id") if k in run.tracking}
+        self.journal.placed(run.job_id, run.service, tracking)
+
+    def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        self.journal.iteration(run.job_id, iteration, metrics)
+
+
+class Controller:
+    """See the module docstring. `prepare(entry)` builds the runner's spec of a journal entry (its `job_id`
+    must be `entry.job_id`); it runs on the preparation thread, one job at a time."""
+
+    def __init__(self, runner: Runner, journal: Journal, prepare: Callable[[JobEntry], Any]) -> None:
+        self.runner, self.journal, self.prepare = runner, journal, prepare
+        runner.hooks.hooks.append(JournalHook(journal, runner))
+        runner.on_closed = self._closed
+        self.failure: BaseException | None = None
+        self.recovered: list[JobEntry] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._lock = threading.Lock()  # orders a cancel and a hand-over of the same job
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> list[JobEntry]:
+        """Recover the journal's unfinished jobs (queued again), start the runner and preparation threads, and
+        queue the recovered jobs; returns them."""
+        self.recovered = self.journal.recover()
+        for entry in self.recovered:
+            close_stale_mlflow_run(entry)
+        self._threads = [
+            threading.Thread(target=self._run, name="plexrl-runner", daemon=True),
+            threading.Thread(target=self._prepare_loop, name="plexrl-prepare", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        for entry in self.recovered:
+            log.info("job %s resubmitted (attempt %d, from scratch)", entry.job_id, entry.attempt)
+            self._queue.put(entry.job_id)
+        return self.recovered
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        """Graceful stop: no more hand-overs, the runner closes every open job (journal: back to `queued`) and
+        returns, its hooks close the MLflow runs. True if both threads ended within `timeout` seconds."""
+        self._stopping = True
+        self._queue.put(None)
+        self.runner.stop(STOP_REASON)
+        for t in self._threads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in self._threads)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    # -- requests --------------------------------------------------------------------------------------
+    def submit(self, name: str, config: dict[str, Any], iterations: int, user: str = "") -> JobEntry:
+        """Record a validated job (durably) and queue it for preparation; returns its journal entry."""
+        if self._stopping or self.failure is not None:
+            raise RuntimeError("the server is stopping or has failed; it accepts no new jobs")
+        entry = self.journal.submit(name, config, iterations, user)
+        self._queue.put(entry.job_id)
+        return entry
+
+    def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobEntry | None:
+        """Cancel a job: recorded at once (None: no such job); the runner stops it at its next event. A job
+        that already ended is left as it is."""
+        with self._lock:
+            entry = self.journal.get(job_id)
+            if entry is None:
+                return None
+            if not entry.finished:
+                self.journal.finish(job_id, "cancelled", reason)
+                self.runner.cancel(job_id, reason)
+        return self.journal.get(job_id)
+
+    # -- threads ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.runner.run([], until_stopped=True)
+        except BaseException as exc:
+            log.exception("the runner stopped with an error; the server accepts no more jobs")
+            self.failure = exc
+            self._queue.put(None)
+
+    def _prepare_loop(self) -> None:
+        while True:
+            job_id = self._queue.get()
+            if job_id is None or self._stopping:
+                return
+            entry = self.journal.get(job_id)
+            if entry is None or entry.finished:
+                continue
+            try:
+                spec = self.prepare(entry)
+            except Exception as exc:
+                log.exception("preparing job %s failed", job_id)
+                self.journal.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")
+                continue
+            with self._lock:
+                entry = self.journal.get(job_id)
+                if entry is None or entry.finished or self._stopping:
+                    continue
+                self.runner.submit(spec)
+
+    def _closed(self, run: JobRun) -> None:
+        """Runner.on_closed (runner thread): a job ended, placed or not."""
+        if run.status == "cancelled" and run.error == STOP_REASON:
+            self.journal.interrupt(run.job_id, STOP_REASON)
+        else:
+            self.journal.finish(run.job_id, run.status, run.error)  # type: ignore[arg-type]
+
+
+def close_stale_mlflow_run(entry: JobEntry) -> None:
+    """A job recovered from a crash may have left its MLflow run RUNNING: mark it KILLED (best effort)."""
+    uri, run_id = entry.tracking.get("uri"), entry.tracking.get("run_id")
+    if not uri or not run_id:
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_tag(run_id, "plexrl.error", "the server died; the job was resubmitted from scratch")
+            client.set_terminated(run_id, status="KILLED")
+    except Exception:
+        log.exception("could not close the stale MLflow run %s of job %s", run_id, entry.job_id)
+
+
+__all__ = ["STOP_REASON", "Controller", "JournalHook", "close_stale_mlflow_run"]
