@@ -96,6 +96,7 @@ def test_isolation_is_reported_and_full_on_a_capable_kernel(sandbox: Sandbox) ->
     if not isolation.filesystem:
         pytest.skip(f"namespaces unavailable: {isolation.summary()}")
     assert set(isolation.namespaces) == {"network", "mount", "pid", "ipc", "uts"} and isolation.network
+    assert isolation.syscall_filter and isolation.complete and "syscall filter yes" in isolation.summary()
 
 
 def test_infinite_loop_is_killed_at_the_wall_clock_limit(temp_root: Path) -> None:
