@@ -74,6 +74,7 @@ class Controller:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._lock = threading.Lock()  # orders a cancel and a hand-over of the same job
         self._stopping = False
+        self.stopping = threading.Event()  # set once `stop` has asked the runner to stop
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ class Controller:
         self._stopping = True
         self._queue.put(None)
         self.runner.stop(STOP_REASON)
+        self.stopping.set()
         for t in self._threads:
             t.join(timeout)
         return not any(t.is_alive() for t in self._threads)

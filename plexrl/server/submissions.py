@@ -41,7 +41,9 @@ def check_submission(
 ) -> Accepted:
     """See the module docstring. `run_dir`: the server's default run_dir; `roots`: resolved allowed roots;
     `modules`: allowed top-level packages or modules (a module matches itself and its submodules)."""
-    from plexrl.config import apply_overrides, load_job
+    from pydantic import ValidationError
+
+    from plexrl.config import JobConfig, _problem, apply_overrides, load_job
     from plexrl.yamlio import load_yaml_text
 
     if len(overrides) > MAX_SETS:
@@ -65,7 +67,11 @@ def check_submission(
     tracking = raw.get("tracking")
     if isinstance(tracking, dict) and tracking.get("uri") is not None:
         problems.append(Problem("tracking.uri", "set by the server's owner; remove it from the job"))
-    if imports:  # never import what the policy refuses: report the rest without compiling the pipeline
+    if imports:  # never import what the policy refuses: check the schema, but do not compile the pipeline
+        try:
+            JobConfig.model_validate(raw)
+        except ValidationError as exc:
+            problems += [_problem(e, "", JobConfig) for e in exc.errors()]
         raise ConfigError(problems, "job")
     try:
         loaded = load_job(raw)

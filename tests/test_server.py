@@ -1,0 +1,261 @@
+"""`plexrl serve` in-process: a real HTTP server on an ephemeral port, a real sqlite journal, the real client;
+the runner runs simulated jobs (virtual clock) so that each test takes well under a second of runner time.
+The real-job, real-process paths (SIGTERM, restart) are in test_server_process.py."""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import TINY
+
+from plexrl.errors import ConfigError
+from plexrl.hooks.base import Hook
+from plexrl.job import JobRun
+from plexrl.runtime.runner import Runner
+from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
+from plexrl.server.api import RunningServer, start_server
+from plexrl.server.client import Client, ServerError
+from plexrl.server.config import ServerConfig, load_server_config
+from plexrl.server.journal import JobEntry, Journal
+
+TOKEN = "0123456789abcdef-token"
+
+
+def sim_prepare(entry: JobEntry) -> SimJob:
+    """A simulated job shaped like GRPO with the submitted job's id and iteration count."""
+    nodes = grpo_nodes(every=2)
+    return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB)
+
+
+def sim_runner(*hooks: Hook) -> Runner:
+    return Runner(SimExecutor(2, SeededCosts(seed=0)), hooks=list(hooks), validate=True)
+
+
+@contextmanager
+def serving(
+    tmp_path: Path, runner: Runner | None = None, prepare: Callable[[JobEntry], Any] = sim_prepare, **fields: Any
+) -> Iterator[RunningServer]:
+    cfg = ServerConfig(
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False, **fields
+    )
+    srv = start_server(cfg, prepare=prepare, runner=runner or sim_runner())
+    try:
+        yield srv
+    finally:
+        srv.stop(60)
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll `check` until it returns something truthy, failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def job_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**copy.deepcopy(TINY), "iterations": 4}))
+    return path
+
+
+def test_submit_status_list_logs_cancel(tmp_path: Path, job_yaml: Path) -> None:
+    with serving(tmp_path) as srv:
+        c = Client(srv.url)
+        ids = [c.submit(job_yaml, [f"seed={i}"], user="ann")["job_id"] for i in range(3)]
+        assert ids == ["tiny-1", "tiny-2", "tiny-3"]
+        for job_id in ids:
+            wait_for(lambda j=job_id: c.status(j)["status"] == "done", f"{job_id} done")  # type: ignore[misc]
+        rows = c.jobs()
+        assert [(r["job_id"], r["status"], r["iterations_done"], r["user"]) for r in rows] == [
+            (j, "done", 4, "ann") for j in ids
+        ]
+        events = c.events(ids[0])["events"]
+        assert [e["kind"] for e in events] == ["submitted", "placed"] + ["iteration"] * 4 + ["done"]
+        assert [e["data"]["iteration"] for e in events if e["kind"] == "iteration"] == [0, 1, 2, 3]
+        assert c.cancel(ids[0])["status"] == "done"  # an ended job stays as it ended
+        assert c.request("GET", "/health")["ok"] is True
+        assert "/jobs/{job_id}" in c.request("GET", "/openapi.json")["paths"]
+        config = c.request("GET", f"/jobs/{ids[2]}?config=true")["config"]
+        assert config["seed"] == 2 and config["run_dir"] == str((tmp_path / "runs").resolve())
+
+
+def test_bad_submissions_name_every_problem_and_write_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an importable module with a side effect: the server must refuse it without importing it
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_pkg_zz").mkdir()
+    (tmp_path / "evil_pkg_zz" / "__init__.py").write_text("")
+    (tmp_path / "evil_pkg_zz" / "mod.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef build(): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with serving(tmp_path, max_body_bytes=4096) as srv:
+        c = Client(srv.url)
+
+        def refused(body: Any, status: int = 400) -> str:
+            with pytest.raises(ServerError) as err:
+                c.request("POST", "/jobs", body)
+            assert err.value.status == status, str(err.value)
+            return str(err.value)
+
+        assert "not valid YAML" in refused({"yaml": "a: [1, 2"})
+        bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"{k}: &{k} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+            for p, k in zip("abcde", "bcdef", strict=True)
+        )
+        assert "expands to more than" in refused({"yaml": bomb})
+        assert "nesting deeper" in refused({"yaml": "x: " + "[" * 100 + "]" * 100})
+        assert "a job config must be a YAML mapping" in refused({"yaml": "- 1\n- 2\n"})
+        assert "larger than 4096 bytes" in refused({"yaml": "x: " + "y" * 5000}, 413)
+        assert "Extra inputs are not permitted" in refused({"yaml": "{}", "sudo": True})
+        assert "set" in refused({"yaml": "{}", "set": "iterations=1"})
+        # every problem at once; the refused module is named and never imported
+        many = {
+            "name": "../escape",
+            "iterations": -1,
+            "run_dir": "/etc",
+            "tracking": {"uri": "sqlite:////tmp/elsewhere.db"},
+            "pipeline": {"name": "evil_pkg_zz.mod:build"},
+        }
+        text = refused({"yaml": yaml.safe_dump(many), "set": ["model.path=/usr/lib"]})
+        for where in ("pipeline.name: 'evil_pkg_zz.mod:build' names module", "name: '../escape'", "run_dir: '/etc'",
+                      "model.path: '/usr/lib'", "tracking.uri: set by the server's owner", "iterations:"):  # fmt: skip
+            assert f"- {where}" in text, text
+        assert "evil_pkg_zz.mod" not in sys.modules and not marker.exists()
+        ops = {"pipeline": {"nodes": [{"name": "a", "op": "os.path:join"}]}}
+        assert "nodes[0].op: 'os.path:join' names module 'os.path'" in refused({"yaml": yaml.safe_dump(ops)})
+        # schema problems of an otherwise allowed job, all at once
+        text = refused({"yaml": "iterations: 0\nmodle: {}\n", "set": ["seed"]})
+        assert "modle: unknown key" in text and "iterations" in text and "--set seed" in text
+        for path in ("/jobs/nope", "/jobs/nope/events"):
+            with pytest.raises(ServerError, match="no job 'nope'") as err:
+                c.request("GET", path)
+            assert err.value.status == 404
+        with pytest.raises(ServerError, match="no job 'nope'"):
+            c.cancel("nope")
+        # a chunked body with no Content-Length is cut off at the limit too
+        host, port = urllib.parse.urlsplit(srv.url).netloc.split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        chunks = iter([b'{"yaml": "', b"y" * 3000, b"y" * 3000, b'"}'])
+        conn.request("POST", "/jobs", body=chunks, headers={"Content-Type": "application/json"}, encode_chunked=True)
+        resp = conn.getresponse()
+        assert resp.status == 413 and b"larger than 4096" in resp.read()
+        conn.close()
+        assert srv.journal.jobs() == []  # nothing refused reached the journal
+
+
+def test_token_required_off_loopback_and_checked(tmp_path: Path, job_yaml: Path) -> None:
+    with pytest.raises(ConfigError, match="set `token`"):
+        load_server_config(None, ["host=0.0.0.0"])
+    assert load_server_config(None, ["host=0.0.0.0"], token=TOKEN).token == TOKEN
+    with pytest.raises(ConfigError, match="`scheduler` needs `driver: dask`"):
+        load_server_config(None, ["scheduler=tcp://x:1"])
+    with serving(tmp_path, token=TOKEN) as srv:
+        for bad in (None, "wrong-token-wrong-token"):
+            with pytest.raises(ServerError, match="missing or wrong token") as err:
+                Client(srv.url, token=bad or "").jobs()
+            assert err.value.status == 401
+        with pytest.raises(ServerError) as err:
+            Client(srv.url, token="").submit(job_yaml)
+        assert err.value.status == 401 and srv.journal.jobs() == []
+        assert Client(srv.url, token=TOKEN).submit(job_yaml)["job_id"] == "tiny-1"
+
+
+class Gate(Hook):
+    """Blocks the runner thread at the end of iteration `at` until released."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        if iteration == self.at:
+            self.reached.set()
+            assert self.release.wait(60)
+
+
+def test_stop_requeues_unfinished_jobs_and_a_restart_runs_them_again(tmp_path: Path, job_yaml: Path) -> None:
+    gate = Gate(at=1)
+    with serving(tmp_path, runner=sim_runner(gate)) as srv:
+        c = Client(srv.url)
+        job_id = c.submit(job_yaml, ["iterations=5"])["job_id"]
+        assert gate.reached.wait(60)
+        stopper = threading.Thread(target=srv.stop)
+        stopper.start()
+        assert srv.controller.stopping.wait(60)  # the runner is told to stop while it is inside iteration 1
+        gate.release.set()
+        stopper.join(60)
+    j = Journal(tmp_path / "journal.db")
+    entry = j.get(job_id)
+    assert entry is not None and entry.status == "queued" and entry.iterations_done == 2 and entry.attempt == 1
+    assert [e.kind for e in j.events(job_id)][-1] == "interrupted"
+    j.close()
+    with serving(tmp_path) as srv:
+        assert [e.job_id for e in srv.controller.recovered] == [job_id]
+        c = Client(srv.url)
+        done = wait_for(lambda: c.status(job_id)["status"] == "done" and c.status(job_id), "the resumed job")
+        assert done["attempt"] == 2 and done["iterations_done"] == 5
+        its = [(e["attempt"], e["data"]["iteration"]) for e in c.events(job_id)["events"] if e["kind"] == "iteration"]
+        assert its == [(1, 0), (1, 1)] + [(2, i) for i in range(5)]  # from scratch: nothing is resumed mid-way
+
+
+def test_cancel_while_preparing_never_reaches_the_runner_and_a_failed_preparation_fails_alone(
+    tmp_path: Path, job_yaml: Path
+) -> None:
+    entered, gate = threading.Event(), threading.Event()
+
+    def prepare(entry: JobEntry) -> SimJob:
+        if entry.name == "slow":
+            entered.set()
+            assert gate.wait(60)
+        if entry.name == "boom":
+            raise RuntimeError("no such model")
+        return sim_prepare(entry)
+
+    runner = sim_runner()
+    with serving(tmp_path, runner=runner, prepare=prepare) as srv:
+        c = Client(srv.url)
+        slow = c.submit(job_yaml, ["name=slow"])["job_id"]
+        boom = c.submit(job_yaml, ["name=boom"])["job_id"]
+        ok = c.submit(job_yaml)["job_id"]
+        assert entered.wait(60)
+        cancelled = c.cancel(slow)
+        assert cancelled["status"] == "cancelled" and cancelled["reason"] == "cancelled by user"
+        gate.set()
+        wait_for(lambda: c.status(ok)["status"] == "done", "the good job")  # preparation is sequential
+        assert slow not in runner.runs and boom not in runner.runs
+        assert c.status(slow)["status"] == "cancelled"
+        failed = c.status(boom)
+        assert (
+            failed["status"] == "failed" and failed["reason"] == "preparing the job failed: RuntimeError: no such model"
+        )
+        assert [e["kind"] for e in c.events(slow)["events"]] == ["submitted", "cancelled"]
+
+
+def test_cancel_a_running_job_is_recorded_at_once(tmp_path: Path, job_yaml: Path) -> None:
+    gate = Gate(at=0)
+    runner = sim_runner(gate)
+    with serving(tmp_path, runner=runner) as srv:
+        c = Client(srv.url)
+        job_id = c.submit(job_yaml, ["iterations=50"])["job_id"]
+        assert gate.reached.wait(60)
+        assert c.cancel(job_id)["status"] == "cancelled"  # durable before the runner even hears of it
+        gate.release.set()
+        wait_for(lambda: runner.runs[job_id].status == "cancelled", "the runner to cancel the job")
+        entry = c.status(job_id)
+        assert entry["status"] == "cancelled" and entry["iterations_done"] <= 2
+        assert json.dumps(entry)  # JSON-able
