@@ -127,6 +127,15 @@ def test_a_user_tool_by_dotted_path_gets_the_call_body(tok: Any, tmp_path: Path)
     assert graph.node("tools0").params.model_dump()["tool"] == "user_tools:Reverse"
 
 
+def test_episodes_doctests() -> None:
+    import doctest
+
+    import plexrl.episodes as episodes
+
+    result = doctest.testmod(episodes)
+    assert result.attempted >= 1 and result.failed == 0
+
+
 def test_tool_output_cannot_inject_special_tokens(tok: Any) -> None:
     """Output of model-written code that spells the tags must stay text inside its `<out>` block (issue 16)."""
 

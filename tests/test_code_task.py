@@ -16,6 +16,15 @@ from plexrl.tools import Sandbox
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo_code.yaml"
 
 
+def test_code_task_doctests() -> None:
+    import doctest
+
+    import plexrl.tasks.code as code
+
+    result = doctest.testmod(code)
+    assert result.attempted >= 2 and result.failed == 0
+
+
 def test_code_task_splits_and_verifier() -> None:
     task = make_task(TaskConfig(name="code", digits=1, train_size=60, eval_size=20))
     assert isinstance(task, CodeTask)

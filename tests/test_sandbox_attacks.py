@@ -163,6 +163,15 @@ def test_an_exception_in_the_caller_kills_the_run(sandbox: Sandbox) -> None:
 # --------------------------------------------------------------------------- seccomp filter (item 4)
 
 
+def test_seccomp_doctests() -> None:
+    import doctest
+
+    import plexrl.tools.seccomp as seccomp
+
+    result = doctest.testmod(seccomp)
+    assert result.attempted >= 2 and result.failed == 0
+
+
 def test_the_filter_program_denies_each_call_on_both_machines() -> None:
     """The BPF program itself, run by a reference interpreter: no kernel needed."""
     for machine, (arch, nr) in ARCHES.items():
