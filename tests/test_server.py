@@ -259,3 +259,38 @@ def test_cancel_a_running_job_is_recorded_at_once(tmp_path: Path, job_yaml: Path
         entry = c.status(job_id)
         assert entry["status"] == "cancelled" and entry["iterations_done"] <= 2
         assert json.dumps(entry)  # JSON-able
+
+
+def test_cli_clients(tmp_path: Path, job_yaml: Path) -> None:
+    """`plexrl submit | status | list | logs | cancel` against a running server; clear errors, no traceback."""
+    from typer.testing import CliRunner
+
+    from plexrl.cli import app
+
+    cli = CliRunner()
+    gate = Gate(at=0)
+    with serving(tmp_path, runner=sim_runner(gate)) as srv:
+        opts = ["--server", srv.url]
+        res = cli.invoke(app, ["submit", str(job_yaml), "--set", "iterations=3", *opts])
+        assert res.exit_code == 0 and res.output.strip() == "tiny-1", res.output
+        assert gate.reached.wait(60)
+        res = cli.invoke(app, ["status", *opts])  # every unfinished job
+        assert res.exit_code == 0 and res.output.split()[:3] == ["tiny-1", "running", "0/3"], res.output
+        gate.release.set()
+        wait_for(lambda: srv.journal.get("tiny-1").status == "done", "tiny-1 done")  # type: ignore[union-attr]
+        res = cli.invoke(app, ["status", "tiny-1", "--json", *opts])
+        assert json.loads(res.output)["iterations_done"] == 3
+        res = cli.invoke(app, ["list", *opts])
+        assert res.output.split()[:3] == ["tiny-1", "done", "3/3"]
+        res = cli.invoke(app, ["logs", "tiny-1", "--follow", *opts])
+        lines = res.output.splitlines()
+        assert lines[0].startswith("[attempt 1] submitted") and lines[-1].startswith("[attempt 1] done")
+        assert sum(line.startswith("[attempt 1] iteration") for line in lines) == 3
+        res = cli.invoke(app, ["submit", str(job_yaml), "--set", "iterations=-1", *opts])
+        assert res.exit_code == 2 and "HTTP 400" in res.output and "iterations" in res.output
+        assert "Traceback" not in res.output
+        res = cli.invoke(app, ["cancel", "nope", *opts])
+        assert res.exit_code == 2 and "no job 'nope'" in res.output
+        url = srv.url
+    res = cli.invoke(app, ["list", "--server", url])  # the server is gone
+    assert res.exit_code == 2 and "no PlexRL server at" in res.output
