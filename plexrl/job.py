@@ -32,15 +32,25 @@ class JobSpec:
     warm_start: dict[str, Any] = field(default_factory=dict)
     generation: str = "torch"  # the rollout engine `engine:` resolved to: "vllm" or "torch"
     generation_reason: str = ""
+    # resuming from a checkpoint (plexrl serve): the first iteration to run, the engine state to load (written
+    # by `Service.checkpoint` after iteration start_iteration - 1), and the MLflow run to continue
+    start_iteration: int = 0
+    resume_state: Path | None = None
+    resume_run_id: str | None = None
 
     def plan(self) -> JobPlan:
-        """The planner's view of this job's pipeline."""
+        """The planner's view of this job's pipeline. A resumed job's plan holds the iterations left and no
+        baseline pass; the planner numbers them from 0 and operators see `planner iteration + start_iteration`
+        (`OpContext.iteration`), so a periodic node stays in phase when start_iteration is a multiple of its
+        `every` (the server checks that)."""
         nodes = {
             n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every, n.operator.inline)
             for n in self.graph.nodes
         }
-        order, baseline = tuple(self.graph.order), tuple(self.baseline_nodes())
-        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine())
+        order = tuple(self.graph.order)
+        baseline = () if self.start_iteration else tuple(self.baseline_nodes())
+        iterations = self.config.iterations - self.start_iteration
+        return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine())
 
     def engine(self) -> tuple[str, int] | None:
         """The shared generation engine this job needs on its service: (key, device bytes), or None (torch).

@@ -86,6 +86,11 @@ class InlineExecutor:
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         return Path(self.services[service_id].save_model(job_id, path))
 
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Path:
+        """Save the job's engine state and `extra` to `path` atomically (`Service.checkpoint`). Not part of
+        the `Executor` protocol yet: `plexrl serve` checkpoints only on executors that have it."""
+        return self.services[service_id].checkpoint(job_id, Path(path), extra)
+
     def release(self, job_id: str, service_id: str) -> None:
         self.services[service_id].release(job_id)
 

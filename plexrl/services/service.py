@@ -72,7 +72,7 @@ def run_cpu_node(
 ) -> NodeResult:
     """Run one CPU-pool node of `job` (no engine). Errors are returned, never raised."""
     node = job.graph.node(node_name)
-    ctx = OpContext(job.job_id, iteration, node.name, job.config.seed, job.task, job.tokenizer)
+    ctx = OpContext(job.job_id, iteration + job.start_iteration, node.name, job.config.seed, job.task, job.tokenizer)
     start = clock()
     try:
         out = node.operator.run(ctx, inputs, node.params)
@@ -127,6 +127,8 @@ class Service:
             with_reference=uses_reference(job.graph),
             attention=job.config.model.attention,
         )
+        if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
+            engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
         if job.generation == "vllm":
             engine = self._vllm_engine(job, engine)
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
@@ -166,9 +168,8 @@ class Service:
         return self.states[job_id].tier
 
     def context(self, job: JobSpec, iteration: int, node: str) -> OpContext:
-        return OpContext(
-            job.job_id, iteration, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id]
-        )
+        real = iteration + job.start_iteration  # a resumed job's planner counts from 0 (JobSpec.plan)
+        return OpContext(job.job_id, real, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id])
 
     def run_node(
         self,
@@ -226,6 +227,30 @@ class Service:
         self.engines[job_id].save_pretrained(path)
         self.jobs[job_id].tokenizer.save_pretrained(str(path))
         return path
+
+    def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
+        """Save the job's engine state (`export_state`: weights, optimizer with its step counts, reference,
+        critic, weight version) and `extra` to `path`, from whichever tier holds it and without moving it
+        (the StateManager's budgets stay true). Atomic: written to a temp file, fsynced, renamed; an error
+        (disk full, unwritable directory) leaves an earlier checkpoint at `path` intact. Not thread-safe with
+        a node of the same job: call it between nodes (the runner's thread does)."""
+        self._wait_for(job_id)
+        engine, place = self.engines[job_id], self.states[job_id]
+        if place.tier == "device":
+            state = engine.export_state()
+        else:  # point the live tensors at the host copy (or the spill file's) for the export, then back
+            tensors = place.host if place.tier == "host" else sw.read_spill(place.disk)
+            assert tensors is not None
+            live = engine.state_tensors()
+            kept = {k: t.data for k, t in live.items()}
+            try:
+                for k, t in live.items():
+                    t.data = tensors[k]
+                state = engine.export_state()
+            finally:
+                for k, t in live.items():
+                    t.data = kept[k]
+        return sw.save_checkpoint({"engine": state, **extra}, path)
 
     def release(self, job_id: str) -> None:
         """Forget the job: engine, host copies and spill file."""

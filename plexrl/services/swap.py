@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -93,3 +94,43 @@ def disk_to_host(path: Path, pin: bool) -> dict[str, Tensor]:
     if pin:
         host = {k: v.pin_memory() for k, v in host.items()}
     return host
+
+
+def read_spill(path: Path | None) -> dict[str, Tensor]:
+    """A spilled state's tensors, read without consuming the file (a checkpoint of a job on disk)."""
+    from safetensors.torch import load_file
+
+    if path is None:
+        raise StateCorrupted("the job is on disk but has no spill file")
+    return load_file(str(path))
+
+
+def save_checkpoint(obj: dict[str, object], path: Path) -> Path:
+    """`torch.save` `obj` to `path` atomically: a temp file in the same directory, fsynced, renamed over
+    `path`, the directory fsynced. On any error the temp file is removed and `path` is left as it was."""
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """What `save_checkpoint` wrote (tensors and plain data only: `weights_only=True`)."""
+    out: dict[str, Any] = torch.load(str(path), map_location="cpu", weights_only=True)
+    return out

@@ -1,0 +1,115 @@
+"""Checkpoints: a job stopped after iteration j and resumed from its checkpoint logs, for every later iteration,
+exactly the metrics of an uninterrupted run (bitwise, inline executor, CPU fp32); a checkpoint is taken from
+whichever tier holds the state without moving it; a failed write leaves the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import local_runner
+
+from plexrl.config import load_job
+from plexrl.hooks.base import Hook
+from plexrl.job import JobRun, prepare_job
+from plexrl.planner.state import Move
+from plexrl.services import swap as sw
+
+
+class Rows(Hook):
+    """Each iteration's metrics by the job's real iteration, timings left out (they are wall-clock)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        real = iteration + run.spec.start_iteration if iteration >= 0 else iteration
+        self.rows[real] = {k: v for k, v in metrics.items() if not k.startswith("time/") and "per_s" not in k}
+
+
+def test_resume_from_a_checkpoint_is_exact(tmp_path: Path, tiny_config: dict[str, Any]) -> None:
+    tiny_config["iterations"] = 4
+    tiny_config["tracking"]["mlflow"] = False
+    spec = prepare_job(load_job(tiny_config))
+    alone = Rows()
+    local_runner(hooks=[alone]).run([spec])
+    assert sorted(alone.rows) == [-1, 0, 1, 2, 3]
+
+    path = tmp_path / "ckpt" / "job.pt"
+    first = Rows()
+    runner = local_runner(hooks=[first])
+
+    class CheckpointThenStop(Hook):
+        def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+            if iteration == 1:
+                assert run.service is not None
+                runner.executor.checkpoint(run.job_id, run.service, path, {"iteration": 1})  # type: ignore[attr-defined]
+                runner.stop("stopped after iteration 1")
+
+    runner.hooks.hooks.append(CheckpointThenStop())
+    (stopped,) = runner.run([spec])
+    assert stopped.status == "cancelled" and sorted(first.rows) == [-1, 0, 1]
+    assert sw.load_checkpoint(path)["iteration"] == 1
+
+    resumed = Rows()
+    spec2 = dataclasses.replace(spec, start_iteration=2, resume_state=path)
+    (run,) = local_runner(hooks=[resumed]).run([spec2])
+    assert run.status == "done" and run.iterations_done == 2
+    assert sorted(resumed.rows) == [2, 3]  # no baseline pass, iterations numbered as in the first run
+    for it in (2, 3):
+        assert resumed.rows[it] == alone.rows[it], f"iteration {it} differs after resuming"
+    assert "evaluate/accuracy" in resumed.rows[3]  # the periodic evaluation stayed in phase (every 2, and last)
+    # and without the checkpoint's state the same iterations differ (the test can fail)
+    cold = Rows()
+    local_runner(hooks=[cold]).run([dataclasses.replace(spec, start_iteration=2)])
+    assert any(cold.rows[it] != alone.rows[it] for it in (2, 3))
+
+
+def test_checkpoint_from_every_tier_without_moving_and_atomic_on_failure(
+    tmp_path: Path, tiny_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from plexrl.services.service import Service
+
+    spec = prepare_job(load_job(tiny_config))
+    svc = Service("service-0", "cpu", spill_dir=tmp_path / "spill", validate=True)
+    try:
+        svc.load_job(spec)
+        job = spec.job_id
+        saved = {}
+        for src, dst in ((None, None), ("device", "host"), ("host", "disk")):
+            if src is not None:
+                svc.apply([Move(job, src, dst, 0)])  # type: ignore[arg-type]
+            tier = svc.tier(job)
+            saved[tier] = sw.load_checkpoint(svc.checkpoint(job, tmp_path / f"{tier}.pt", {"tier": tier}))
+            assert svc.tier(job) == tier  # not moved
+        ref = saved["device"]["engine"]
+        for tier in ("host", "disk"):
+            got = saved[tier]["engine"]
+            assert got["weight_version"] == ref["weight_version"] and set(got["policy"]) == set(ref["policy"])
+            assert all(torch.equal(got["policy"][k], ref["policy"][k]) for k in ref["policy"])
+        svc.apply([Move(job, "disk", "device", 0)])  # the live state is intact after the exports
+        assert all(torch.equal(v, ref["policy"][k]) for k, v in svc.engines[job].policy.state_dict().items())
+
+        # a write that fails half-way (disk full) leaves the previous checkpoint whole and no temp file
+        good = tmp_path / "device.pt"
+        before = good.read_bytes()
+
+        def full(obj: Any, f: Any) -> None:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(sw.torch, "save", full)
+        with pytest.raises(OSError, match="No space left"):
+            svc.checkpoint(job, good, {})
+        assert good.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
+        monkeypatch.undo()
+        blocked = tmp_path / "a-file"
+        blocked.write_text("")
+        with pytest.raises(OSError):  # the directory cannot be created: a clear OSError, nothing written
+            svc.checkpoint(job, blocked / "x.pt", {})
+    finally:
+        svc.close()
