@@ -23,7 +23,8 @@ Contract (what it models):
   as the real service does: a cheap check that the planner's moves are consistent.
 
 - `dispatch=(cpu, service)`: seconds from submit until a node can start (a real driver's round trip, fitted
-  by `plexrl.sim.calibrate`); a service node sent ahead to a busy service starts when the service frees up.
+  by `plexrl.sim.calibrate`), each a constant or samples drawn with `seed`; a service node sent ahead to a
+  busy service starts when the service frees up.
 
 Jobs may arrive late (`Runner.run(..., arrivals=...)`): `wait` honours the runner's timeout, so the clock
 stops at each arrival.
@@ -40,7 +41,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -234,7 +235,8 @@ class SimExecutor:
         *,
         cpu_slots: int | None = None,
         failures: Mapping[str, float] | None = None,
-        dispatch: tuple[float, float] = (0.0, 0.0),
+        dispatch: tuple[float | Sequence[float], float | Sequence[float]] = (0.0, 0.0),
+        seed: int = 0,
     ) -> None:
         if services < 1:
             raise ValueError(f"services={services}: a simulation needs at least one service")
@@ -251,9 +253,11 @@ class SimExecutor:
             self.services[sid].fail_at = t
         self._doomed = [self.services[sid] for sid in sorted(failures or {})]  # services that will fail
         self.cpu_slots = cpu_slots
-        # (cpu, service) seconds from submit until a node can start: a real driver's round trip. A service
-        # node sent ahead (lookahead) to a busy service hides it: it starts when the service frees up
-        self.dispatch_cpu, self.dispatch_service = dispatch
+        # (cpu, service) seconds from submit until a node can start: a real driver's round trip, constant or
+        # drawn (seeded, in submission order) from observed samples. A service node sent ahead (lookahead) to
+        # a busy service hides it: it starts when the service frees up
+        self._dispatch = dispatch
+        self._rng = random.Random(seed)
         self.specs: dict[str, SimJob] = {}
         self._slots: list[float] = [0.0] * cpu_slots if cpu_slots is not None else []
         self._heap: list[tuple[float, Handle, str, Finished]] = []  # (end, handle, lane, finished)
@@ -298,7 +302,7 @@ class SimExecutor:
             self._push(end, handle, "cpu", NodeReport(task.job_id, task.iteration, task.node, None, start, end))
             return handle
         if task.service_id is None:
-            start = self.now + self.dispatch_cpu
+            start = self.now + self._draw(0)
             if self.cpu_slots is not None:
                 start = max(start, heapq.heappop(self._slots))
             end = start + self.costs.duration(job, task.iteration, task.node)
@@ -315,7 +319,7 @@ class SimExecutor:
     def _run_on(self, svc: _Service, task: NodeTask, job: SimJob) -> tuple[float, NodeReport]:
         """Schedule one service node after the service's earlier work: swaps, then the node; its prefetch
         starts with it. Returns (end, report)."""
-        swap_start = t = max(self.now + self.dispatch_service, svc.free_at)
+        swap_start = t = max(self.now + self._draw(1), svc.free_at)
         moved, error = 0, None
         for m in task.swaps:
             t = self._wait_prefetch(svc, m.job_id, t)
@@ -344,6 +348,12 @@ class SimExecutor:
         report = NodeReport(task.job_id, task.iteration, task.node, None, t, end, swap_start, t, moved,
                                measured=measured)  # fmt: skip
         return end, report
+
+    def _draw(self, which: int) -> float:
+        d = self._dispatch[which]
+        if isinstance(d, int | float):
+            return float(d)
+        return self._rng.choice(d) if d else 0.0
 
     def _wait_prefetch(self, svc: _Service, job_id: str, t: float) -> float:
         """When `job_id`'s in-flight prefetch (if any) has landed, from time `t`."""

@@ -45,6 +45,8 @@ class Fitted:
     dispatch_service: float
     gaps: dict[str, int] = field(default_factory=dict)  # how many gaps each dispatch median was taken over
     startup: dict[str, tuple[int, str, float]] = field(default_factory=dict)  # job -> (iteration, node, extra s)
+    cpu_gaps: list[float] = field(default_factory=list)  # observed round trips (the prediction draws from them)
+    service_gaps: list[float] = field(default_factory=list)
 
     def medians(self, job_id: str) -> dict[str, float]:
         per: dict[str, list[float]] = defaultdict(list)
@@ -130,6 +132,8 @@ def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan]) -> Fitted:
         dispatch_service=statistics.median(svc_gaps) if svc_gaps else dispatch_cpu,
         gaps={"cpu": len(cpu_gaps), "service": len(svc_gaps)},
         startup=startup,
+        cpu_gaps=sorted(cpu_gaps),
+        service_gaps=sorted(svc_gaps) or sorted(cpu_gaps),
     )
 
 
@@ -214,10 +218,15 @@ def predict(
     lookahead: bool = True,
     cpu_slots: int | None = None,
     seed: int = 0,
+    empirical_dispatch: bool = True,
 ) -> Prediction:
     """Simulate the jobs isolated (each alone on one service) and multiplexed (on `services` services with the
-    given policies and budgets), with costs from `fitted`."""
+    given policies and budgets), with costs from `fitted`. `empirical_dispatch`: draw each round trip from the
+    observed ones (their long tail included) instead of using the medians."""
     costs = FittedCosts(fitted, seed)
+    dispatch: tuple[Any, Any] = (
+        (fitted.cpu_gaps, fitted.service_gaps) if empirical_dispatch else (fitted.dispatch_cpu, fitted.dispatch_service)
+    )
 
     def jobs(ids: Iterable[str]) -> list[SimJob]:
         out = []
@@ -228,7 +237,7 @@ def predict(
         return out
 
     def runner(n: int, place: str) -> tuple[Runner, SimExecutor]:
-        ex = SimExecutor(n, costs, cpu_slots=cpu_slots, dispatch=(fitted.dispatch_cpu, fitted.dispatch_service))
+        ex = SimExecutor(n, costs, cpu_slots=cpu_slots, dispatch=dispatch, seed=seed)
         r = Runner(ex, placement=placement_policy(place, max_load), ordering=ORDERINGS[ordering](), budgets=budgets,
                    lookahead=lookahead)  # fmt: skip
         return r, ex
