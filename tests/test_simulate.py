@@ -3,6 +3,7 @@ run, the configs and the command. Deterministic; no torch, no Dask, nothing slee
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import random
@@ -231,7 +232,7 @@ def test_calibration_fitted_on_one_run_predicts_another_within_15_percent(tmp_pa
     for job_id, sd in pred.slowdowns().items():
         assert sd == pytest.approx(completion[job_id] / iso[job_id], rel=0.15), job_id
     # without the fitted round trips the prediction is visibly worse: the fit is doing the work
-    fitted.dispatch_cpu = fitted.dispatch_service = 0.0
+    fitted = dataclasses.replace(fitted, cpu_gaps=[0.0], service_gaps=[0.0], dispatch_cpu=0.0, dispatch_service=0.0)
     bare = predict(fitted, plans, services=1, placement="spread+backfill", ordering="hrrs",
                    budgets=Budgets(device=2 * GB), max_load=1.5)  # fmt: skip
     assert abs(bare.iso_cost_per_step - sum(iso.values()) / 90) > abs(pred.iso_cost_per_step - sum(iso.values()) / 90)
