@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,90 @@ def test_checkpoint_from_every_tier_without_moving_and_atomic_on_failure(
             svc.checkpoint(job, blocked / "x.pt", {})
     finally:
         svc.close()
+
+
+def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
+    tmp_path: Path, tiny_config: dict[str, Any]
+) -> None:
+    """A job checkpointed every 2 iterations, stopped (SIGTERM path) after iteration 2, resumes after a restart
+    from the checkpoint after iteration 1: iterations 2..5 log exactly the uninterrupted run's metrics, in the
+    same MLflow run, each step once."""
+    import threading
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from plexrl.cluster import make_runner
+    from plexrl.runtime.jobs import standard_hooks
+    from plexrl.server.api import start_server
+    from plexrl.server.client import Client, ServerError
+    from plexrl.server.config import ServerConfig
+    from plexrl.server.journal import Journal
+
+    tiny_config["iterations"] = 6
+    reference = Rows()
+    local_runner(hooks=[reference]).run([prepare_job(load_job({**tiny_config, "tracking": {"mlflow": False}}))])
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text(yaml.safe_dump(tiny_config))
+    run_dir = Path(tiny_config["run_dir"])
+    cfg = ServerConfig(port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), checkpoint_every=2)
+
+    class Gate(Hook):
+        def __init__(self) -> None:
+            self.reached, self.release = threading.Event(), threading.Event()
+
+        def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+            if iteration == 2:
+                self.reached.set()
+                assert self.release.wait(60)
+
+    gate = Gate()
+    srv = start_server(
+        cfg, runner=make_runner(cfg.cluster(), [*standard_hooks(run_dir, progress=False, mlflow=True), gate])
+    )
+    try:
+        c = Client(srv.url)
+        with pytest.raises(ServerError, match="does not divide the server's checkpoint_every"):
+            c.submit(job_yaml, ["pipeline.params.eval_every=4"])
+        job_id = c.submit(job_yaml)["job_id"]
+        assert gate.reached.wait(120)
+        stopper = threading.Thread(target=srv.stop)
+        stopper.start()
+        assert srv.controller.stopping.wait(60)
+        gate.release.set()
+        stopper.join(120)
+    finally:
+        gate.release.set()
+        srv.stop()
+    j = Journal(cfg.journal)
+    entry = j.get(job_id)
+    assert entry is not None and entry.status == "queued" and entry.checkpoint_iteration == 1
+    assert entry.checkpoint is not None and Path(entry.checkpoint).is_file()
+    j.close()
+
+    srv = start_server(cfg)  # a fresh server on the same journal
+    try:
+        c = Client(srv.url)
+        deadline = time.monotonic() + 120
+        while c.status(job_id)["status"] not in ("done", "failed") and time.monotonic() < deadline:
+            time.sleep(0.02)  # poll with a deadline
+        done = c.status(job_id)
+        assert done["status"] == "done" and done["attempt"] == 2 and done["iterations_done"] == 6, done
+        events = c.events(job_id)["events"]
+    finally:
+        srv.stop()
+    again = {
+        e["data"]["iteration"]: e["data"]["metrics"] for e in events if e["kind"] == "iteration" and e["attempt"] == 2
+    }
+    assert sorted(again) == [2, 3, 4, 5]  # resumed after the checkpoint: iteration 2 runs again, 0 and 1 do not
+    for it, metrics in again.items():
+        kept = {k: v for k, v in metrics.items() if not k.startswith("time/") and "per_s" not in k}
+        assert kept == reference.rows[it], f"iteration {it} differs from the uninterrupted run"
+    checkpoints = [(e["attempt"], e["data"]["iteration"]) for e in events if e["kind"] == "checkpoint"]
+    assert checkpoints == [(1, 1), (2, 3)]  # none after the last iteration
+    assert not (cfg.checkpoints() / job_id).exists()  # removed once the job is done
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("plexrl").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_id == done["tracking"]["run_id"]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "time/iteration")]
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]  # every step once: step 3 of the first attempt is not repeated

@@ -97,3 +97,20 @@ def test_failed_write_rolls_back(tmp_path: Path) -> None:
         j.placed(a.job_id, "service-0", {"bad": object()})
     e = j.get(a.job_id)
     assert e is not None and e.status == "queued" and [ev.kind for ev in j.events(a.job_id)] == ["submitted"]
+
+
+def test_recover_resumes_from_the_latest_checkpoint(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "journal.db")
+    a = j.submit("a", {}, 10)
+    j.placed(a.job_id, "service-0")
+    for it in range(5):
+        j.iteration(a.job_id, it, {"x": float(it)})
+    j.checkpoint(a.job_id, 1, "/ck/after-1.pt")
+    j.checkpoint(a.job_id, 3, "/ck/after-3.pt")
+    j.note(a.job_id, "checkpoint_failed", {"iteration": 5, "error": "OSError: disk full"})
+    (back,) = j.recover()
+    assert back.checkpoint == "/ck/after-3.pt" and back.checkpoint_iteration == 3
+    assert back.iterations_done == 4 and back.attempt == 2 and back.status == "queued"
+    kinds = [e.kind for e in j.events(a.job_id)]
+    assert kinds[-3:] == ["checkpoint", "checkpoint_failed", "interrupted"]
+    assert j.events(a.job_id)[-1].data["resume"] == "from the checkpoint after iteration 3"

@@ -42,6 +42,7 @@ class MlflowHook(Hook):
     def __init__(self) -> None:
         self.clients: dict[str, Any] = {}
         self.runs: dict[str, str] = {}
+        self.logged: dict[str, int] = {}  # a resumed job's last step already in its run (not logged twice)
 
     def _client(self, job: JobRun) -> Any:
         from mlflow.tracking import MlflowClient
@@ -56,6 +57,14 @@ class MlflowHook(Hook):
         from mlflow.entities import Param
 
         client = self._client(job)
+        resume = getattr(job.spec, "resume_run_id", None)
+        if resume:  # resumed from a checkpoint (plexrl serve): continue the same run, params already logged
+            client.update_run(resume, status="RUNNING")
+            self.runs[job.job_id] = resume
+            job.tracking.update(run_id=resume, experiment_id=client.get_run(resume).info.experiment_id)
+            history = client.get_metric_history(resume, "time/iteration")
+            self.logged[job.job_id] = max((m.step for m in history), default=0)
+            return
         name = job.config.tracking.experiment
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -93,8 +102,12 @@ class MlflowHook(Hook):
         run_id = self.runs.get(job.job_id)
         if run_id is None:
             return
+        # step = the job's real iteration + 1 (a resumed job's planner counts from its start_iteration)
+        step = iteration + 1 + (getattr(job.spec, "start_iteration", 0) if iteration >= 0 else 0)
+        if step <= self.logged.get(job.job_id, -1):
+            return  # logged by the attempt before the restart (a resumed run repeats it exactly)
         now = int(time.time() * 1000)
-        rows = [Metric(k, float(v), now, iteration + 1) for k, v in sorted(metrics.items())]
+        rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
         self._client(job).log_batch(run_id, metrics=rows)
 
     def on_job_end(self, job: JobRun) -> None:

@@ -101,7 +101,9 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
             return _problems(503, [Problem("server", "not accepting jobs (stopping, or its runner failed)")])
 
         def accept() -> JobEntry:
-            ok = check_submission(req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules)
+            ok = check_submission(
+                req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules, checkpoint_every=cfg.checkpoint_every
+            )
             return controller.submit(ok.name, ok.config, ok.iterations, req.user)
 
         try:
@@ -144,11 +146,22 @@ def _event(e: Any) -> dict[str, Any]:
 
 
 def prepare_entry(entry: JobEntry) -> Any:
-    """The runner's spec of a journalled job: validated again, task and warm-started model built (cached)."""
+    """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
+    with a checkpoint, set to resume after it (same MLflow run)."""
+    import dataclasses
+
     from plexrl.config import load_job
     from plexrl.job import prepare_job
 
-    return prepare_job(load_job(entry.config), job_id=entry.job_id)
+    spec = prepare_job(load_job(entry.config), job_id=entry.job_id)
+    if entry.checkpoint is None or entry.checkpoint_iteration is None:
+        return spec
+    return dataclasses.replace(
+        spec,
+        start_iteration=entry.checkpoint_iteration + 1,
+        resume_state=Path(entry.checkpoint),
+        resume_run_id=entry.tracking.get("run_id"),
+    )
 
 
 @dataclass
@@ -182,7 +195,8 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         run_dir = Path(cfg.run_dir).resolve()
         runner = make_runner(cfg.cluster(), standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow))
     journal = Journal(cfg.journal)
-    controller = Controller(runner, journal, prepare)
+    every, where = cfg.checkpoint_every, cfg.checkpoints()
+    controller = Controller(runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

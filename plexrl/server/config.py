@@ -61,6 +61,15 @@ class ServerConfig(StrictModel):
     ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
     lookahead: bool = Field(True, description="dask: send a service its next node while one runs.")
     validate_state: bool = Field(False, description="Planner invariants after every event (tests).")
+    checkpoint_every: int | None = Field(
+        None,
+        ge=1,
+        description="Save each job's state every k iterations; a restart resumes from the latest one, exactly "
+        "(driver: local). Must be a multiple of every periodic node's `every`. None: jobs restart from scratch.",
+    )
+    checkpoint_dir: str | None = Field(
+        None, description="Where checkpoints go (default: a `checkpoints` folder next to the journal)."
+    )
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> ServerConfig:
@@ -71,7 +80,13 @@ class ServerConfig(StrictModel):
             )
         if self.scheduler is not None and self.driver != "dask":
             raise ValueError("`scheduler` needs `driver: dask`")
+        if self.checkpoint_every is not None and self.driver != "local":
+            raise ValueError("`checkpoint_every` needs `driver: local` (the Dask executor cannot checkpoint yet)")
         return self
+
+    def checkpoints(self) -> Path:
+        """The checkpoint directory, resolved."""
+        return Path(self.checkpoint_dir or Path(self.journal).parent / "checkpoints").resolve()
 
     def roots(self) -> list[Path]:
         """The allowed roots, resolved."""
@@ -86,9 +101,7 @@ class ServerConfig(StrictModel):
         )
 
 
-def load_server_config(
-    path: Path | None, overrides: list[str] | None = None, token: str | None = None
-) -> ServerConfig:
+def load_server_config(path: Path | None, overrides: list[str] | None = None, token: str | None = None) -> ServerConfig:
     """Read and validate a server YAML (None: defaults) with `key=value` overrides; one ConfigError lists every
     problem. `token` (from PLEXRL_TOKEN) is used when the file sets none."""
     from plexrl.yamlio import load_yaml_file

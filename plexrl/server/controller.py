@@ -11,22 +11,25 @@ Contract:
 - A job is handed to the runner at most once per server start; a cancelled job is never handed over. The
   controller's lock orders a cancel and a hand-over of the same job, so that the runner sees them in order.
 - `stop` (SIGTERM): the runner closes every open job (its MLflow run ends KILLED) and the journal puts it back
-  to `queued`; `start` of the next server on the same journal submits those jobs again, FROM SCRATCH (there are
-  no checkpoints yet), with one more `attempt`. Jobs whose MLflow run was left RUNNING by a crash (kill -9)
+  to `queued`; `start` of the next server on the same journal submits those jobs again, with one more
+  `attempt`: from their latest checkpoint (`checkpoint_every`; the same MLflow run continues) or from
+  scratch (a new MLflow run). Jobs whose MLflow run was left RUNNING by a crash (kill -9)
   get that run marked KILLED at the next start.
 - The runner thread dying (a bug, or the journal failing to write: `JournalHook` is `required`) makes the
   controller unhealthy (`failure`); it accepts no more submissions.
 
 What it does NOT do: authentication, quotas or fairness between users (`user` is recorded, not enforced),
-checkpoints, re-placing jobs of a lost service (the planner fails them; see docs/operations.md).
+re-placing jobs of a lost service (the planner fails them; see docs/operations.md).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from plexrl.hooks.base import Hook
@@ -36,18 +39,28 @@ from plexrl.server.journal import JobEntry, Journal
 
 log = logging.getLogger(__name__)
 
-STOP_REASON = "the server stopped; the job runs again, from scratch, when the server restarts"
+STOP_REASON = "the server stopped; the job runs again when it restarts (from its latest checkpoint, if any)"
 
 
 class JournalHook(Hook):
-    """Placements and iteration ends into the journal. Required: a journal that cannot be written stops the
+    """Placements and iteration ends into the journal, and a checkpoint every `checkpoint_every` iterations
+    (on executors that can: `InlineExecutor.checkpoint`). Required: a journal that cannot be written stops the
     runner rather than letting it run jobs whose progress nobody would know about after a restart. Comes after
-    the MLflow hook, whose run id it records."""
+    the MLflow hook, whose run id it records. Iterations are journalled as the job's real iteration
+    (planner iteration + `spec.start_iteration` of a resumed job).
+
+    A checkpoint is written to a new file `<dir>/<job>/after-<iteration>.pt` (atomically), THEN journalled,
+    THEN the previous file is removed: a crash at any point leaves the journal naming a complete file. A
+    checkpoint that cannot be written (disk full) is logged and journalled as `checkpoint_failed`; the job
+    goes on and the previous checkpoint stays the one to resume from."""
 
     required = True
 
-    def __init__(self, journal: Journal, runner: Runner) -> None:
+    def __init__(
+        self, journal: Journal, runner: Runner, checkpoint_every: int | None = None, checkpoint_dir: Path | None = None
+    ) -> None:
         self.journal, self.runner = journal, runner
+        self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
 
     def on_job_start(self, run: JobRun) -> None:
         entry = self.journal.get(run.job_id)
@@ -58,16 +71,46 @@ class JournalHook(Hook):
         self.journal.placed(run.job_id, run.service, tracking)
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
-        self.journal.iteration(run.job_id, iteration, metrics)
+        real = iteration + getattr(run.spec, "start_iteration", 0) if iteration >= 0 else iteration
+        self.journal.iteration(run.job_id, real, metrics)
+        k, save = self.checkpoint_every, getattr(self.runner.executor, "checkpoint", None)
+        if k is None or save is None or iteration < 0 or (real + 1) % k or run.service is None:
+            return
+        if real + 1 >= run.config.iterations:
+            return  # the job is done: nothing to resume
+        assert self.checkpoint_dir is not None
+        path = self.checkpoint_dir / run.job_id / f"after-{real}.pt"
+        try:
+            save(run.job_id, run.service, path, {"iteration": real})
+        except Exception as exc:
+            log.error("job %s: checkpoint after iteration %d failed: %s", run.job_id, real, exc)
+            self.journal.note(
+                run.job_id, "checkpoint_failed", {"iteration": real, "error": f"{type(exc).__name__}: {exc}"}
+            )
+            return
+        entry = self.journal.get(run.job_id)
+        previous = entry.checkpoint if entry is not None else None
+        self.journal.checkpoint(run.job_id, real, str(path))
+        if previous and previous != str(path):
+            Path(previous).unlink(missing_ok=True)
 
 
 class Controller:
     """See the module docstring. `prepare(entry)` builds the runner's spec of a journal entry (its `job_id`
     must be `entry.job_id`); it runs on the preparation thread, one job at a time."""
 
-    def __init__(self, runner: Runner, journal: Journal, prepare: Callable[[JobEntry], Any]) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        journal: Journal,
+        prepare: Callable[[JobEntry], Any],
+        *,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: Path | None = None,
+    ) -> None:
         self.runner, self.journal, self.prepare = runner, journal, prepare
-        runner.hooks.hooks.append(JournalHook(journal, runner))
+        self.checkpoint_dir = checkpoint_dir
+        runner.hooks.hooks.append(JournalHook(journal, runner, checkpoint_every, checkpoint_dir))
         runner.on_closed = self._closed
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
@@ -91,7 +134,9 @@ class Controller:
         for t in self._threads:
             t.start()
         for entry in self.recovered:
-            log.info("job %s resubmitted (attempt %d, from scratch)", entry.job_id, entry.attempt)
+            after = entry.checkpoint_iteration
+            how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
+            log.info("job %s resubmitted (attempt %d, %s)", entry.job_id, entry.attempt, how)
             self._queue.put(entry.job_id)
         return self.recovered
 
@@ -164,8 +209,10 @@ class Controller:
         """Runner.on_closed (runner thread): a job ended, placed or not."""
         if run.status == "cancelled" and run.error == STOP_REASON:
             self.journal.interrupt(run.job_id, STOP_REASON)
-        else:
-            self.journal.finish(run.job_id, run.status, run.error)  # type: ignore[arg-type]
+            return
+        self.journal.finish(run.job_id, run.status, run.error)  # type: ignore[arg-type]
+        if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure, for a post-mortem
+            shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)
 
 
 def close_stale_mlflow_run(entry: JobEntry) -> None:
@@ -178,7 +225,8 @@ def close_stale_mlflow_run(entry: JobEntry) -> None:
 
         client = MlflowClient(tracking_uri=uri)
         if client.get_run(run_id).info.status == "RUNNING":
-            client.set_tag(run_id, "plexrl.error", "the server died; the job was resubmitted from scratch")
+            how = "from scratch" if entry.checkpoint is None else "from its latest checkpoint"
+            client.set_tag(run_id, "plexrl.error", f"the server died; the job was resubmitted {how}")
             client.set_terminated(run_id, status="KILLED")
     except Exception:
         log.exception("could not close the stale MLflow run %s of job %s", run_id, entry.job_id)

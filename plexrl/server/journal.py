@@ -10,13 +10,14 @@ Contract:
   (`finish` returns False), because a user's cancel is recorded at once while the runner closes the job a
   moment later.
 - `recover()` (at server start) turns every unfinished job back into `queued`, counting one more attempt.
-  Jobs resume FROM SCRATCH: there are no checkpoints yet, so the iterations of an earlier attempt are
-  kept in `events` (with their attempt number) but are run again.
+  A job resumes from its latest checkpoint (`checkpoint`, written by the server every `checkpoint_every`
+  iterations) or, without one, from scratch; the iterations of an earlier attempt stay in `events` (with
+  their attempt number), and those after the checkpoint are run again.
 - Thread-safe: one connection guarded by a lock (the HTTP handlers, the runner thread and the preparation
   thread all write). Reads take the same lock; a read is a few indexed rows.
 
-What it does NOT do: it keeps no model weights, optimizer state or RNG states (no checkpoints), and no MLflow
-data (MLflow has its own store; the journal keeps the run id that links to it).
+What it does NOT do: it keeps no model weights or optimizer state (a checkpoint is a file; the journal keeps
+its path once it is written and fsynced), and no MLflow data (the journal keeps the run id).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     submitted_at REAL NOT NULL,
     started_at REAL,
     finished_at REAL,
-    tracking TEXT NOT NULL DEFAULT '{}'
+    tracking TEXT NOT NULL DEFAULT '{}',
+    checkpoint TEXT,
+    checkpoint_iteration INTEGER
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -102,6 +105,8 @@ class JobEntry:
     started_at: float | None
     finished_at: float | None
     tracking: dict[str, Any]
+    checkpoint: str | None = None  # the latest checkpoint's file, written after iteration checkpoint_iteration
+    checkpoint_iteration: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -183,6 +188,20 @@ class Journal:
             data = {"iteration": iteration, "metrics": {k: float(v) for k, v in metrics.items()}}
             self._event(job_id, self.clock(), entry.attempt, "iteration", data)
 
+    def checkpoint(self, job_id: str, iteration: int, path: str) -> None:
+        """The job's state after `iteration` is saved (durably) at `path`: a restart resumes from it."""
+        with self._lock, self._tx():
+            entry = self._get(job_id)
+            self._db.execute(
+                "UPDATE jobs SET checkpoint = ?, checkpoint_iteration = ? WHERE job_id = ?", (path, iteration, job_id)
+            )
+            self._event(job_id, self.clock(), entry.attempt, "checkpoint", {"iteration": iteration, "path": path})
+
+    def note(self, job_id: str, kind: str, data: dict[str, Any]) -> None:
+        """Record an event that changes no status (e.g. `checkpoint_failed`)."""
+        with self._lock, self._tx():
+            self._event(job_id, self.clock(), self._get(job_id).attempt, kind, data)
+
     def finish(self, job_id: str, status: JobState, reason: str = "") -> bool:
         """Record a terminal status; False (nothing written) if the job had already ended."""
         if status not in TERMINAL:
@@ -208,20 +227,25 @@ class Journal:
             return True
 
     def recover(self) -> list[JobEntry]:
-        """At server start: every unfinished job becomes `queued` again with one more attempt (from scratch:
-        its progress is reset); returns them in submission order, to be submitted again."""
+        """At server start: every unfinished job becomes `queued` again with one more attempt, to resume from
+        its latest checkpoint (its progress set back to that iteration), or from scratch if it has none;
+        returns them in submission order, to be submitted again."""
         with self._lock, self._tx():
             rows = self._db.execute("SELECT job_id FROM jobs WHERE status IN ('queued', 'running') ORDER BY seq")
             out = []
             for (job_id,) in rows.fetchall():
                 entry = self._get(job_id)
                 attempt = entry.attempt + 1
+                done = 0 if entry.checkpoint_iteration is None else entry.checkpoint_iteration + 1
                 self._db.execute(
-                    "UPDATE jobs SET attempt = ?, iterations_done = 0, service = NULL, started_at = NULL "
+                    "UPDATE jobs SET attempt = ?, iterations_done = ?, service = NULL, started_at = NULL "
                     "WHERE job_id = ?",
-                    (attempt, job_id),
+                    (attempt, done, job_id),
                 )
-                self._move(job_id, "queued", {"from": entry.status, "resume": "from scratch (no checkpoint)"})
+                resume = (
+                    "from scratch (no checkpoint)" if not done else f"from the checkpoint after iteration {done - 1}"
+                )
+                self._move(job_id, "queued", {"from": entry.status, "resume": resume})
                 out.append(self._get(job_id))
             return out
 
@@ -272,7 +296,7 @@ class Journal:
         return JobEntry(
             r["seq"], r["job_id"], r["name"], r["user"], json.loads(r["config"]), r["status"], r["reason"],
             r["service"], r["iterations"], r["iterations_done"], r["attempt"], r["submitted_at"], r["started_at"],
-            r["finished_at"], json.loads(r["tracking"]),
+            r["finished_at"], json.loads(r["tracking"]), r["checkpoint"], r["checkpoint_iteration"],
         )  # fmt: skip
 
     def _move(self, job_id: str, new: str, data: dict[str, Any]) -> JobEntry:

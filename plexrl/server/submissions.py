@@ -37,10 +37,18 @@ class Accepted:
 
 
 def check_submission(
-    text: str, overrides: list[str], *, run_dir: Path, roots: list[Path], modules: list[str]
+    text: str,
+    overrides: list[str],
+    *,
+    run_dir: Path,
+    roots: list[Path],
+    modules: list[str],
+    checkpoint_every: int | None = None,
 ) -> Accepted:
     """See the module docstring. `run_dir`: the server's default run_dir; `roots`: resolved allowed roots;
-    `modules`: allowed top-level packages or modules (a module matches itself and its submodules)."""
+    `modules`: allowed top-level packages or modules (a module matches itself and its submodules);
+    `checkpoint_every`: the server's, which every periodic node's `every` must divide (a job resumed after
+    iteration k*j - 1 must keep its evaluations in phase)."""
     from pydantic import ValidationError
 
     from plexrl.config import JobConfig, _problem, apply_overrides, load_job
@@ -77,6 +85,15 @@ def check_submission(
         loaded = load_job(raw)
     except ConfigError as exc:
         raise ConfigError(problems + exc.problems, "job") from None
+    for node in loaded.graph.nodes:
+        if checkpoint_every is not None and node.every is not None and checkpoint_every % node.every:
+            problems.append(
+                Problem(
+                    f"pipeline node {node.name!r}",
+                    f"runs every {node.every} iterations, which does not divide the server's checkpoint_every "
+                    f"({checkpoint_every}); a resumed job would evaluate out of phase: make it divide it",
+                )
+            )
     if problems:
         raise ConfigError(problems, "job")
     config = loaded.config.model_dump(mode="json")
