@@ -8,6 +8,7 @@ simulated; it formats the results of `plexrl.sim.deploy` and `plexrl.sim.trace`.
 from __future__ import annotations
 
 import json
+import re
 import logging
 import statistics
 import time
@@ -281,7 +282,8 @@ def log_mlflow(rep: SimReport, run_dir: Path) -> dict[str, str]:
     for row in rep.data["rows"]:
         for k, v in row.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
-                metrics.append(Metric(f"{row[key]}/{k}", float(v), now, 0))
+                name = re.sub(r"[^A-Za-z0-9_\-. :/]", "_", f"{row[key]}/{k}")  # MLflow's name alphabet
+                metrics.append(Metric(name, float(v), now, 0))
     metrics.append(Metric("wall_seconds", rep.wall_s, now, 0))
     for i in range(0, len(metrics), 900):
         client.log_batch(rid, metrics=metrics[i : i + 900])
