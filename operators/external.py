@@ -34,7 +34,7 @@ def remote_verify(
 
     deadline = time.monotonic() + latency_s
     scores = ctx.task.verify(rollouts.completions, rollouts.answers)
-    correct = torch.tensor([s == 1.0 for s in scores])
+    correct = torch.tensor([s == 1.0 for s in scores], dtype=torch.bool)  # bool even for 0 rows
     values = torch.where(correct, correct_reward, wrong_reward).float()
     rest = deadline - time.monotonic()
     if rest > 0:

@@ -14,6 +14,6 @@ def verify(rollouts: Rollouts, ctx: OpContext, *, correct_reward: float = 1.0, w
     import torch
 
     scores = ctx.task.verify(rollouts.completions, rollouts.answers)
-    correct = torch.tensor([s == 1.0 for s in scores])
+    correct = torch.tensor([s == 1.0 for s in scores], dtype=torch.bool)  # bool even for 0 rows
     values = torch.where(correct, correct_reward, wrong_reward).float()
     return Rewards(values=values, correct=correct)

@@ -185,3 +185,24 @@ def test_pooled_rows_score_as_sampled_on_the_real_engine(tiny_config: dict[str, 
         assert row["keep2/sampled"] > row["keep0/sampled"]  # refilled
         assert row["train/rows"] + row["train/rows_skipped"] == row["keep2/groups"] * 4 > 0
         assert row["gap/accuracy"] < 1e-4
+
+
+def test_verifiers_score_an_empty_refill_attempt() -> None:
+    """A refill attempt whose pool is already full rolls out 0 rows; verification must give 0 rewards, not fail
+    (torch.tensor([]) is float, and torch.where needs a bool condition)."""
+    from plexrl.operators.external import remote_verify
+    from plexrl.operators.verify import verify
+
+    class Checker:
+        def verify(self, completions: list[str], answers: list[str]) -> list[float]:
+            return [1.0 if c == a else 0.0 for c, a in zip(completions, answers, strict=True)]
+
+    empty = torch.zeros(0, 0, dtype=torch.long)
+    ro = Rollouts(
+        input_ids=empty, attention_mask=empty, response_mask=empty.float(), behaviour_logprobs=empty.float(),
+        prompt_len=0, response_lengths=torch.zeros(0, dtype=torch.long), finish_reasons=[], completions=[],
+        answers=[], group_size=4, temperature=1.0, weight_version=0,
+    )  # fmt: skip
+    c = OpContext(job_id="t", iteration=0, node="verify2", job_seed=0, task=Checker())
+    for out in (verify.fn(ro, c), remote_verify.fn(ro, c, latency_s=0.0)):
+        assert out.values.shape == (0,) and out.correct.dtype == torch.bool
