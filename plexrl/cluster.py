@@ -69,8 +69,9 @@ class ClusterConfig(StrictModel):
         "spread+backfill", description="Placement policy."
     )
     max_load: float = Field(
-        1.0, gt=0, le=64, description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this."
-    )
+        1.0, gt=0, le=64,
+        description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this.",
+    )  # fmt: skip
     ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."

@@ -4,7 +4,6 @@ seeded property test that drives random event sequences and checks every invaria
 from __future__ import annotations
 
 import math
-
 import random
 from dataclasses import replace
 

@@ -8,8 +8,8 @@ simulated; it formats the results of `plexrl.sim.deploy` and `plexrl.sim.trace`.
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable
