@@ -294,3 +294,26 @@ def test_cli_clients(tmp_path: Path, job_yaml: Path) -> None:
         url = srv.url
     res = cli.invoke(app, ["list", "--server", url])  # the server is gone
     assert res.exit_code == 2 and "no PlexRL server at" in res.output
+
+
+def test_per_user_limit_holds_a_users_extra_jobs_and_lets_another_user_in(tmp_path: Path, job_yaml: Path) -> None:
+    gate = Gate(at=0)  # blocks the runner inside ann's first job
+    runner = sim_runner(gate)
+    with serving(tmp_path, runner=runner, max_jobs_per_user=1) as srv:
+        c = Client(srv.url)
+        first = c.submit(job_yaml, ["iterations=2"], user="ann")["job_id"]
+        assert gate.reached.wait(60)
+        second, third = (c.submit(job_yaml, ["iterations=2"], user="ann")["job_id"] for _ in range(2))
+        wait_for(lambda: c.status(third)["reason"].startswith("waiting"), "ann's third job to wait")
+        assert c.status(second)["reason"] == "waiting: user 'ann' has 1 job(s) running, the limit is 1"
+        bob = c.submit(job_yaml, ["iterations=2"], user="bob")["job_id"]
+        adm = srv.controller.admission  # (the runner thread is held by the gate: it takes submissions later)
+        wait_for(lambda: adm.active.get("bob") == {bob}, "bob's job to be handed over while ann's wait")
+        assert [j for j, _ in adm.waiting] == [second, third] and c.status(bob)["reason"] == ""
+        assert c.cancel(second)["status"] == "cancelled"  # withdrawn while waiting: frees no slot
+        assert [j for j, _ in adm.waiting] == [third] and adm.active["ann"] == {first}
+        gate.release.set()
+        for job_id in (first, third, bob):
+            wait_for(lambda j=job_id: c.status(j)["status"] == "done", f"{job_id} done")  # type: ignore[misc]
+        assert second not in runner.runs and c.status(third)["reason"] == ""
+        assert runner.runs[third].submitted_at >= runner.runs[first].finished_at  # type: ignore[operator]

@@ -196,7 +196,9 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         runner = make_runner(cfg.cluster(), standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow))
     journal = Journal(cfg.journal)
     every, where = cfg.checkpoint_every, cfg.checkpoints()
-    controller = Controller(runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where)
+    controller = Controller(
+        runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where, max_jobs_per_user=cfg.max_jobs_per_user
+    )
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -61,6 +61,9 @@ class ServerConfig(StrictModel):
     ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
     lookahead: bool = Field(True, description="dask: send a service its next node while one runs.")
     validate_state: bool = Field(False, description="Planner invariants after every event (tests).")
+    max_jobs_per_user: int | None = Field(
+        None, ge=1, description="Jobs of one user handed to the runner at once; more wait, with the reason shown."
+    )
     checkpoint_every: int | None = Field(
         None,
         ge=1,

@@ -18,8 +18,12 @@ Contract:
 - The runner thread dying (a bug, or the journal failing to write: `JournalHook` is `required`) makes the
   controller unhealthy (`failure`); it accepts no more submissions.
 
-What it does NOT do: authentication, quotas or fairness between users (`user` is recorded, not enforced),
-re-placing jobs of a lost service (the planner fails them; see docs/operations.md).
+Per-user admission (`max_jobs_per_user`, `admission.py`): a user's jobs beyond the limit wait, prepared, with
+the reason in `status`, and go in as that user's jobs end.
+
+What it does NOT do: authentication (`user` is what the client says), shares of accelerator-seconds or
+fair-share ordering inside the planner, re-placing jobs of a lost service (the planner fails them; see
+docs/operations.md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 from plexrl.hooks.base import Hook
 from plexrl.job import JobRun
 from plexrl.runtime.runner import Runner
+from plexrl.server.admission import Admission
 from plexrl.server.journal import JobEntry, Journal
 
 log = logging.getLogger(__name__)
@@ -107,9 +112,12 @@ class Controller:
         *,
         checkpoint_every: int | None = None,
         checkpoint_dir: Path | None = None,
+        max_jobs_per_user: int | None = None,
     ) -> None:
         self.runner, self.journal, self.prepare = runner, journal, prepare
         self.checkpoint_dir = checkpoint_dir
+        self.admission = Admission(max_jobs_per_user)  # guarded by _lock
+        self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         runner.hooks.hooks.append(JournalHook(journal, runner, checkpoint_every, checkpoint_dir))
         runner.on_closed = self._closed
         self.failure: BaseException | None = None
@@ -174,6 +182,8 @@ class Controller:
             if not entry.finished:
                 self.journal.finish(job_id, "cancelled", reason)
                 self.runner.cancel(job_id, reason)
+                if self._ready.pop(job_id, None) is not None:  # it was waiting for admission
+                    self._hand_over(self.admission.ended(job_id))
         return self.journal.get(job_id)
 
     # -- threads ---------------------------------------------------------------------------------------
@@ -203,10 +213,27 @@ class Controller:
                 entry = self.journal.get(job_id)
                 if entry is None or entry.finished or self._stopping:
                     continue
-                self.runner.submit(spec)
+                self._ready[job_id] = spec
+                self._hand_over(self.admission.offer(job_id, entry.user))
+                reason = self.admission.reason(job_id)
+                if reason is not None:
+                    self.journal.set_reason(job_id, reason)
+
+    def _hand_over(self, job_ids: list[str]) -> None:
+        """Give admitted jobs to the runner (called with `_lock` held; `Runner.submit` is thread-safe)."""
+        for job_id in job_ids:
+            spec = self._ready.pop(job_id, None)
+            entry = self.journal.get(job_id)
+            if spec is None or entry is None or entry.finished or self._stopping:
+                continue
+            if entry.reason:
+                self.journal.set_reason(job_id, "")
+            self.runner.submit(spec)
 
     def _closed(self, run: JobRun) -> None:
-        """Runner.on_closed (runner thread): a job ended, placed or not."""
+        """Runner.on_closed (runner thread): a job ended, placed or not; its user's next job may go in."""
+        with self._lock:
+            self._hand_over(self.admission.ended(run.job_id))
         if run.status == "cancelled" and run.error == STOP_REASON:
             self.journal.interrupt(run.job_id, STOP_REASON)
             return

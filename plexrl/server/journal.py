@@ -202,6 +202,11 @@ class Journal:
         with self._lock, self._tx():
             self._event(job_id, self.clock(), self._get(job_id).attempt, kind, data)
 
+    def set_reason(self, job_id: str, reason: str) -> None:
+        """Why a queued job waits (shown by `status`; cleared with ""). No event: it changes nothing durable."""
+        with self._lock, self._tx():
+            self._db.execute("UPDATE jobs SET reason = ? WHERE job_id = ? AND status = 'queued'", (reason, job_id))
+
     def finish(self, job_id: str, status: JobState, reason: str = "") -> bool:
         """Record a terminal status; False (nothing written) if the job had already ended."""
         if status not in TERMINAL:
