@@ -239,7 +239,8 @@ def serve(
 ) -> None:
     """Run the PlexRL server: jobs are submitted, watched and cancelled over HTTP (`plexrl submit`, `status`,
     `list`, `cancel`, `logs`); every transition goes to a journal, and a restart on the same journal resumes
-    unfinished jobs (from scratch). SIGTERM or Ctrl-C stops it gracefully."""
+    unfinished jobs (from their latest checkpoint with `--set checkpoint_every=K`, else from scratch). SIGTERM
+    or Ctrl-C stops it gracefully. Details: docs/operations.md."""
     import os
 
     logging.basicConfig(
