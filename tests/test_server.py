@@ -317,3 +317,45 @@ def test_per_user_limit_holds_a_users_extra_jobs_and_lets_another_user_in(tmp_pa
             wait_for(lambda j=job_id: c.status(j)["status"] == "done", f"{job_id} done")  # type: ignore[misc]
         assert second not in runner.runs and c.status(third)["reason"] == ""
         assert runner.runs[third].submitted_at >= runner.runs[first].finished_at  # type: ignore[operator]
+
+
+class CheckpointingSim(SimExecutor):
+    """The simulator with a checkpoint that writes a real (tiny) file, and fails at the calls named in `fail`
+    as a full disk would (a fake for this one test of the server's checkpoint bookkeeping)."""
+
+    def __init__(self, fail: set[int]) -> None:
+        super().__init__(1, SeededCosts(seed=0))
+        self.fail, self.calls = fail, 0
+
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Path:
+        from plexrl.services.swap import save_checkpoint
+
+        self.calls += 1
+        if self.calls in self.fail:
+            raise OSError(28, "No space left on device")
+        return save_checkpoint({"engine": {}, **extra}, path)
+
+
+def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_path: Path, job_yaml: Path) -> None:
+    runner = Runner(CheckpointingSim(fail={2}), validate=True)
+    with serving(tmp_path, runner=runner, checkpoint_every=1) as srv:
+        c = Client(srv.url)
+        job_id = c.submit(job_yaml, ["iterations=4", "pipeline.params.eval_every=1"])["job_id"]
+        seen: list[tuple[str, Any]] = []
+
+        def journalled() -> bool:
+            seen[:] = [(e["kind"], e["data"].get("iteration")) for e in c.events(job_id)["events"]]
+            return ("checkpoint", 2) in seen
+
+        wait_for(journalled, "the checkpoint after iteration 2")
+        assert [k for k in seen if k[0].startswith("checkpoint")] == [
+            ("checkpoint", 0), ("checkpoint_failed", 1), ("checkpoint", 2)
+        ]  # fmt: skip
+        wait_for(lambda: c.status(job_id)["status"] == "done", "the job to finish despite the failed checkpoint")
+        failed = next(e for e in c.events(job_id)["events"] if e["kind"] == "checkpoint_failed")
+        assert failed["data"]["error"] == "OSError: [Errno 28] No space left on device"
+        assert not (tmp_path / "checkpoints" / job_id).exists()  # a done job's checkpoints are removed
+    j = Journal(tmp_path / "journal.db")
+    e = j.get(job_id)
+    assert e is not None and e.checkpoint_iteration == 2 and e.checkpoint is not None
+    assert e.checkpoint.endswith(f"{job_id}/after-2.pt")  # none after the last iteration (3)
