@@ -81,8 +81,9 @@ class JournalHook(Hook):
         k, save = self.checkpoint_every, getattr(self.runner.executor, "checkpoint", None)
         if k is None or save is None or iteration < 0 or (real + 1) % k or run.service is None:
             return
-        config = getattr(run.spec, "config", None)  # a JobSpec; a simulated job has `iterations` itself
-        if real + 1 >= (config.iterations if config is not None else run.spec.iterations):
+        spec: Any = run.spec  # a JobSpec, or a simulated job (which has `iterations` itself)
+        total = spec.config.iterations if hasattr(spec, "config") else spec.iterations
+        if real + 1 >= total:
             return  # the job is done: nothing to resume
         assert self.checkpoint_dir is not None
         path = self.checkpoint_dir / run.job_id / f"after-{real}.pt"
