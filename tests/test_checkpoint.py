@@ -32,6 +32,7 @@ class Rows(Hook):
         self.rows[real] = {k: v for k, v in metrics.items() if not k.startswith("time/") and "per_s" not in k}
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_is_exact(tmp_path: Path, tiny_config: dict[str, Any]) -> None:
     tiny_config["iterations"] = 4
     tiny_config["tracking"]["mlflow"] = False
@@ -116,6 +117,7 @@ def test_checkpoint_from_every_tier_without_moving_and_atomic_on_failure(
         svc.close()
 
 
+@pytest.mark.slow
 def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
     tmp_path: Path, tiny_config: dict[str, Any]
 ) -> None:
