@@ -53,9 +53,9 @@ def run(
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    from plexrl.server.signals import sigterm_as_interrupt
+    from plexrl.server.signals import sigterm_stops_runs
 
-    sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: every MLflow run is closed (KILLED)
+    sigterm_stops_runs()  # SIGTERM: a graceful stop that closes every MLflow run (KILLED); see the module
     from plexrl.cluster import is_cluster_file
 
     if is_cluster_file(config):
@@ -75,7 +75,18 @@ def run(
     except KeyboardInterrupt:
         typer.secho("interrupted; finished iterations stay recorded in MLflow", fg="red", err=True)
         raise typer.Exit(130) from None
-    raise typer.Exit(_summarise(jobs))
+    code = _summarise(jobs)
+    raise typer.Exit(_after_sigterm(code))
+
+
+def _after_sigterm(code: int) -> int:
+    """Exit 130 (as after Ctrl-C) when the run was stopped by SIGTERM, else `code`."""
+    from plexrl.server.signals import sigterm_received
+
+    if not sigterm_received():
+        return code
+    typer.secho("interrupted by SIGTERM; open jobs were stopped, their MLflow runs closed (KILLED)", fg="red", err=True)
+    return 130
 
 
 def _summarise(jobs: list[Any]) -> int:
@@ -119,7 +130,7 @@ def _run_cluster(config: Path, overrides: list[str], progress: bool | None) -> N
         typer.echo(f"timeline: {result.timeline}")
     if result.tracking:
         typer.echo(f"cluster MLflow run: {result.tracking['uri']} run {result.tracking['run_id']}")
-    raise typer.Exit(code)
+    raise typer.Exit(_after_sigterm(code))
 
 
 @app.command()

@@ -180,3 +180,20 @@ def test_run_sigterm_closes_the_mlflow_run(tmp_path: Path) -> None:
     assert proc.stop(signal.SIGTERM) == 130
     assert "interrupted" in proc.err
     assert mlflow_runs(db) == [("tiny", "KILLED")]
+
+
+def test_run_cluster_sigterm_closes_every_mlflow_run(tmp_path: Path) -> None:
+    """A cluster run (two jobs, accounting, cluster MLflow run) stopped by SIGTERM: every job's run ends KILLED
+    and the cluster run is logged and closed; the accounting table is still printed."""
+    _job(tmp_path)
+    (tmp_path / "cluster.yaml").write_text(
+        "# plexrl run cluster.yaml\ndriver: local\nrun_dir: runs\nprogress: false\n"
+        "jobs:\n  - config: job.yaml\n  - config: job.yaml\n    set: {name: tiny2, seed: 1}\n"
+    )
+    db = tmp_path / "runs" / "mlflow.db"
+    proc = Proc(["run", "cluster.yaml"], tmp_path)
+    wait_for(lambda: mlflow_metric_rows(db) > 0, "the first logged iteration")
+    assert proc.stop(signal.SIGTERM) == 130, proc.err
+    assert "interrupted by SIGTERM" in proc.err
+    assert sorted(mlflow_runs(db)) == [("cluster", "FAILED"), ("tiny", "KILLED"), ("tiny2", "KILLED")]
+    assert "acc-s/step" in "".join(proc.lines.queue)  # the accounting table

@@ -19,6 +19,7 @@ import heapq
 import logging
 import math
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,13 @@ from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.runtime.executor import Executor, Finished, Handle, LoadReport, NodeTask
 
 log = logging.getLogger(__name__)
+
+_RUNNING: weakref.WeakSet[Runner] = weakref.WeakSet()
+
+
+def running_runners() -> list[Runner]:
+    """The runners inside `run` in this process now (a SIGTERM handler stops them: `plexrl.server.signals`)."""
+    return list(_RUNNING)
 
 
 class RunnableSpec(Protocol):
@@ -197,6 +205,7 @@ class Runner:
         events: deque[Event] = deque()
         start: float | None = None
         interrupted = False
+        _RUNNING.add(self)
         try:
             self.services = list(self.executor.start())
             events.extend(self.budgets.joined(s) for s in self.services)
@@ -220,7 +229,10 @@ class Runner:
                 try:
                     self.hooks.on_end(summary)
                 finally:
-                    self.hooks.close()
+                    try:
+                        self.hooks.close()
+                    finally:
+                        _RUNNING.discard(self)
         return runs
 
     # -- the loop -------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """SIGTERM (what `kill`, systemd and batch schedulers send) handled as a stop, not as a sudden death.
 
-- `plexrl run`: `sigterm_as_interrupt()` makes the first SIGTERM raise `Terminated`, a `KeyboardInterrupt`, in
-  the main thread, so the run ends exactly as on Ctrl-C: the runner closes every open job as `cancelled`, the
-  MLflow hook ends each job's run KILLED, the cluster run is closed. Later SIGTERMs are ignored so that this
-  clean-up is not cut short (SIGKILL still ends the process).
+- `plexrl run`: `sigterm_stops_runs()` makes the first SIGTERM ask every runner of this process to stop
+  (`Runner.stop`): at the top of its next turn (after the node that is running, if any) it closes every open
+  job as `cancelled`, the MLflow hook ends each job's run KILLED, and `run` returns normally, so that the
+  clean-up never runs with an exception flying through an MLflow write (an exception raised at an arbitrary
+  point, as Ctrl-C does, can leave the MLflow sqlite store locked and the runs RUNNING). With no runner
+  running (during a warm start), or at a second SIGTERM, it raises `Terminated` (a `KeyboardInterrupt`):
+  the Ctrl-C path. `sigterm_received()` tells the CLI to exit with 130.
 - `plexrl serve`: `stop_event()` returns an event that SIGTERM and SIGINT set; the main thread waits on it and
   then stops the server gracefully (see `plexrl.server.api.RunningServer.stop`).
 
-Both install handlers, so both must be called from the main thread.
+Both install handlers, so both must be called from the main thread. The handler never takes a lock itself:
+it may interrupt the main thread while the runner holds one, so it stops runners from a new thread.
 """
 
 from __future__ import annotations
@@ -19,22 +23,33 @@ from types import FrameType
 
 log = logging.getLogger(__name__)
 
+_received = threading.Event()
+
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM received: stop as on Ctrl-C."""
 
 
-def sigterm_as_interrupt() -> None:
+def sigterm_received() -> bool:
+    """Whether this process got SIGTERM since `sigterm_stops_runs` was installed."""
+    return _received.is_set()
+
+
+def sigterm_stops_runs() -> None:
     """Install the `plexrl run` SIGTERM handler (see the module docstring)."""
-    fired = False
+    from plexrl.runtime.runner import running_runners
+
+    _received.clear()
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal fired
-        if fired:
-            log.warning("SIGTERM again: still closing the jobs' runs; send SIGKILL to end at once")
-            return
-        fired = True
-        raise Terminated("SIGTERM")
+        runners = running_runners()
+        if _received.is_set() or not runners:
+            _received.set()
+            raise Terminated("SIGTERM")
+        _received.set()
+        log.warning("SIGTERM: stopping after the running node; send SIGTERM again to stop at once")
+        for runner in runners:
+            threading.Thread(target=runner.stop, args=("stopped by SIGTERM",), daemon=True).start()
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -52,4 +67,4 @@ def stop_event() -> threading.Event:
     return event
 
 
-__all__ = ["Terminated", "sigterm_as_interrupt", "stop_event"]
+__all__ = ["Terminated", "sigterm_received", "sigterm_stops_runs", "stop_event"]
