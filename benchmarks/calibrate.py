@@ -9,7 +9,10 @@ print prediction vs measurement side by side with the errors.
    every job's slowdown. Goal: within 15%.
 
     .venv/bin/python benchmarks/calibrate.py [--config configs/multiplex.yaml] [--iterations 20]
-        [--engine auto|vllm|torch]
+        [--engine auto|vllm|torch] [--fit-isolated]
+
+`--fit-isolated`: the fit run also records each job alone, and the isolated side of the prediction uses
+that recording (a job alone has the machine to itself: its nodes and round trips are faster).
 
 Run it alone on the machine (2 cores): the fit run and the target run must see the same machine.
 """
@@ -28,7 +31,7 @@ from typing import Any
 from plexrl.cluster import load_cluster, run_cluster
 from plexrl.hooks.timeline import TimelineRecorder
 from plexrl.runtime.runner import Budgets, Runner
-from plexrl.sim.calibrate import fit, predict
+from plexrl.sim.calibrate import fit, merge, predict
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,6 +50,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/multiplex.yaml")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--engine", choices=["auto", "vllm", "torch"])
+    ap.add_argument("--fit-isolated", action="store_true",
+                    help="the fit run also records each job alone (for the isolated side)")  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     mux = _multiplex_module()
@@ -72,12 +77,22 @@ def main() -> None:
           f"{fitted.gaps['service']}); swaps {fitted.swap_bandwidth / 1e9:.2f} GB/s; loads "
           + ", ".join(f"{j} {s:.1f}s" for j, s in sorted(fitted.load_seconds.items())), flush=True)  # fmt: skip
 
+    alone_cfg = cfg.model_copy(update={"services": cfg.services.model_copy(update={"count": 1}),
+                                       "placement": "isolated"})  # fmt: skip
+    iso_fit = None
+    if args.fit_isolated:
+        fits = []
+        for job in cluster.jobs:
+            run_cluster(dataclasses.replace(cluster, config=alone_cfg, jobs=[job]), runner_hook=grab)
+            fits.append(fit(grabbed["timeline"].spans, {job.config.name: plans[job.config.name]}))
+        iso_fit = merge(fits)
+        print(f"fit run, isolated: round trip cpu {iso_fit.dispatch_cpu * 1e3:.1f} ms, service "
+              f"{iso_fit.dispatch_service * 1e3:.1f} ms", flush=True)  # fmt: skip
+
     # 2. the target: isolated, then multiplexed
     iso: dict[str, float] = {}
     steps: dict[str, int] = {}
     for job in cluster.jobs:
-        alone_cfg = cfg.model_copy(update={"services": cfg.services.model_copy(update={"count": 1}),
-                                           "placement": "isolated"})  # fmt: skip
         (h,) = run_cluster(dataclasses.replace(cluster, config=alone_cfg, jobs=[job])).jobs
         iso[h.job_id] = (h.finished_at or 0.0) - (h.started_at or 0.0)
         steps[h.job_id] = h.iterations_done
@@ -93,6 +108,7 @@ def main() -> None:
     pred = predict(
         fitted, plans, services=s.count, placement=cfg.placement, ordering=cfg.ordering, budgets=budgets,
         max_load=cfg.max_load, lookahead=cfg.driver == "dask" and cfg.lookahead, cpu_slots=cfg.cpu_threads,
+        isolated_fit=iso_fit,
     )  # fmt: skip
 
     def err(p: float, t: float) -> str:

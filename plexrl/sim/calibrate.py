@@ -137,6 +137,25 @@ def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan]) -> Fitted:
     )
 
 
+def merge(fits: list[Fitted]) -> Fitted:
+    """One `Fitted` from several recorded runs of disjoint jobs (e.g. each job recorded alone): their per-job
+    figures side by side, the observed round trips pooled, the swap bandwidth the slowest seen."""
+    cpu = sorted(g for f in fits for g in f.cpu_gaps)
+    svc = sorted(g for f in fits for g in f.service_gaps)
+    return Fitted(
+        durations={j: d for f in fits for j, d in f.durations.items()},
+        load_seconds={j: v for f in fits for j, v in f.load_seconds.items()},
+        state_bytes={j: v for f in fits for j, v in f.state_bytes.items() if j in f.durations},
+        swap_bandwidth=min((f.swap_bandwidth for f in fits), default=float("inf")),
+        dispatch_cpu=statistics.median(cpu) if cpu else 0.0,
+        dispatch_service=statistics.median(svc) if svc else 0.0,
+        gaps={"cpu": len(cpu), "service": len(svc)},
+        startup={j: v for f in fits for j, v in f.startup.items()},
+        cpu_gaps=cpu,
+        service_gaps=svc,
+    )
+
+
 @dataclass(slots=True)
 class FittedCosts:
     """`SimCosts` from a `Fitted`: a simulated iteration of a job replays one recorded iteration's node
@@ -219,40 +238,44 @@ def predict(
     cpu_slots: int | None = None,
     seed: int = 0,
     empirical_dispatch: bool = True,
+    isolated_fit: Fitted | None = None,
 ) -> Prediction:
     """Simulate the jobs isolated (each alone on one service) and multiplexed (on `services` services with the
     given policies and budgets), with costs from `fitted`. `empirical_dispatch`: draw each round trip from the
-    observed ones (their long tail included) instead of using the medians."""
-    costs = FittedCosts(fitted, seed)
-    dispatch: tuple[Any, Any] = (
-        (fitted.cpu_gaps, fitted.service_gaps) if empirical_dispatch else (fitted.dispatch_cpu, fitted.dispatch_service)
-    )
+    observed ones (their long tail included) instead of using the medians. `isolated_fit`: costs fitted from
+    a recorded isolated run, for the isolated side (node times and round trips differ when a job has the
+    machine to itself); default: `fitted` for both."""
 
-    def jobs(ids: Iterable[str]) -> list[SimJob]:
+    def dispatch_of(f: Fitted) -> tuple[Any, Any]:
+        return (f.cpu_gaps, f.service_gaps) if empirical_dispatch else (f.dispatch_cpu, f.dispatch_service)
+
+    def jobs(ids: Iterable[str], f: Fitted) -> list[SimJob]:
         out = []
         for j in ids:
             plan = plans[j]
-            means = fitted.medians(j)
-            out.append(SimJob(j, plan.nodes, plan.iterations, means, plan.order, plan.baseline, fitted.state_bytes[j]))
+            out.append(
+                SimJob(j, plan.nodes, plan.iterations, f.medians(j), plan.order, plan.baseline, f.state_bytes[j])
+            )
         return out
 
-    def runner(n: int, place: str) -> tuple[Runner, SimExecutor]:
-        ex = SimExecutor(n, costs, cpu_slots=cpu_slots, dispatch=dispatch, seed=seed)
+    def runner(n: int, place: str, f: Fitted) -> tuple[Runner, SimExecutor]:
+        ex = SimExecutor(n, FittedCosts(f, seed), cpu_slots=cpu_slots, dispatch=dispatch_of(f), seed=seed)
         r = Runner(ex, placement=placement_policy(place, max_load), ordering=ORDERINGS[ordering](), budgets=budgets,
                    lookahead=lookahead)  # fmt: skip
         return r, ex
 
     iso: dict[str, float] = {}
     steps: dict[str, int] = {}
+    alone = isolated_fit or fitted
     for j in sorted(plans):
-        r, _ = runner(1, "isolated")
-        (run,) = r.run(jobs([j]))
+        r, _ = runner(1, "isolated", alone)
+        (run,) = r.run(jobs([j], alone))
         if run.status != "done":
             raise RuntimeError(f"simulated isolated run of {j} did not finish: {run.error}")
         iso[j] = (run.finished_at or 0.0) - (run.started_at or 0.0)
         steps[j] = run.iterations_done
-    r, _ = runner(services, placement)
-    runs = r.run(jobs(sorted(plans)))
+    r, _ = runner(services, placement, fitted)
+    runs = r.run(jobs(sorted(plans), fitted))
     bad = [(x.job_id, x.error) for x in runs if x.status != "done"]
     if bad:
         raise RuntimeError(f"simulated multiplexed run: jobs did not finish: {bad}")
