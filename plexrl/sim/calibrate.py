@@ -32,6 +32,8 @@ from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.costs import _mix
 
+MIN_SAMPLES = 30  # round trips observed before the prediction draws from them instead of using their median
+
 
 @dataclass(slots=True)
 class Fitted:
@@ -242,12 +244,16 @@ def predict(
 ) -> Prediction:
     """Simulate the jobs isolated (each alone on one service) and multiplexed (on `services` services with the
     given policies and budgets), with costs from `fitted`. `empirical_dispatch`: draw each round trip from the
-    observed ones (their long tail included) instead of using the medians. `isolated_fit`: costs fitted from
-    a recorded isolated run, for the isolated side (node times and round trips differ when a job has the
-    machine to itself); default: `fitted` for both."""
+    observed ones (their long tail included) instead of using the medians, where at least `MIN_SAMPLES` were
+    seen. `isolated_fit`: costs fitted from a recorded isolated run, for the isolated side (node times and
+    round trips differ when a job has the machine to itself); default: `fitted` for both."""
 
     def dispatch_of(f: Fitted) -> tuple[Any, Any]:
-        return (f.cpu_gaps, f.service_gaps) if empirical_dispatch else (f.dispatch_cpu, f.dispatch_service)
+        # a handful of samples (a multiplexed run has few idle-service gaps) is no distribution: use the median
+        def pick(samples: list[float], median: float) -> Any:
+            return samples if empirical_dispatch and len(samples) >= MIN_SAMPLES else median
+
+        return pick(f.cpu_gaps, f.dispatch_cpu), pick(f.service_gaps, f.dispatch_service)
 
     def jobs(ids: Iterable[str], f: Fitted) -> list[SimJob]:
         out = []
