@@ -9,7 +9,7 @@ print prediction vs measurement side by side with the errors.
    every job's slowdown. Goal: within 15%.
 
     .venv/bin/python benchmarks/calibrate.py [--config configs/multiplex.yaml] [--iterations 20]
-        [--engine auto|vllm|torch] [--fit-isolated]
+        [--engine auto|vllm|torch] [--fit-isolated] [--save runs/calibrate/recording.pkl] [--replay FILE]
 
 `--fit-isolated`: the fit run also records each job alone, and the isolated side of the prediction uses
 that recording (a job alone has the machine to itself: its nodes and round trips are faster).
@@ -23,8 +23,10 @@ import argparse
 import dataclasses
 import importlib.util
 import logging
+import pickle
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +47,9 @@ def _multiplex_module() -> Any:
     return module
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/multiplex.yaml")
-    ap.add_argument("--iterations", type=int, default=20)
-    ap.add_argument("--engine", choices=["auto", "vllm", "torch"])
-    ap.add_argument("--fit-isolated", action="store_true",
-                    help="the fit run also records each job alone (for the isolated side)")  # fmt: skip
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+def record(args: argparse.Namespace) -> dict[str, Any]:
+    """The real runs: the fit run (multiplexed, and each job alone with --fit-isolated) and the target run
+    (each job alone, then multiplexed). Returns what the prediction needs, picklable."""
     mux = _multiplex_module()
     cluster = mux.with_iterations(load_cluster(args.config), args.iterations, args.engine)
     cfg = cluster.config
@@ -61,8 +57,6 @@ def main() -> None:
 
     for job in cluster.jobs:  # warm starts first (cached)
         prepare_job(job)
-
-    # 1. the fit run
     grabbed: dict[str, Any] = {}
 
     def grab(runner: Runner) -> None:
@@ -71,25 +65,14 @@ def main() -> None:
     t0 = time.time()
     fit_res = run_cluster(cluster, runner_hook=grab)
     plans = {h.job_id: h.spec.plan() for h in fit_res.jobs}
-    fitted = fit(grabbed["timeline"].spans, plans)
-    print(f"fit run: {time.time() - t0:.1f}s; dispatch round trip cpu {fitted.dispatch_cpu * 1e3:.1f} ms "
-          f"(median of {fitted.gaps['cpu']}), service {fitted.dispatch_service * 1e3:.1f} ms (median of "
-          f"{fitted.gaps['service']}); swaps {fitted.swap_bandwidth / 1e9:.2f} GB/s; loads "
-          + ", ".join(f"{j} {s:.1f}s" for j, s in sorted(fitted.load_seconds.items())), flush=True)  # fmt: skip
-
+    rec: dict[str, Any] = {"plans": plans, "mux_spans": [asdict(x) for x in grabbed["timeline"].spans], "iso_spans": {}}
+    print(f"fit run: {time.time() - t0:.1f}s", flush=True)
     alone_cfg = cfg.model_copy(update={"services": cfg.services.model_copy(update={"count": 1}),
                                        "placement": "isolated"})  # fmt: skip
-    iso_fit = None
     if args.fit_isolated:
-        fits = []
         for job in cluster.jobs:
             run_cluster(dataclasses.replace(cluster, config=alone_cfg, jobs=[job]), runner_hook=grab)
-            fits.append(fit(grabbed["timeline"].spans, {job.config.name: plans[job.config.name]}))
-        iso_fit = merge(fits)
-        print(f"fit run, isolated: round trip cpu {iso_fit.dispatch_cpu * 1e3:.1f} ms, service "
-              f"{iso_fit.dispatch_service * 1e3:.1f} ms", flush=True)  # fmt: skip
-
-    # 2. the target: isolated, then multiplexed
+            rec["iso_spans"][job.config.name] = [asdict(x) for x in grabbed["timeline"].spans]
     iso: dict[str, float] = {}
     steps: dict[str, int] = {}
     for job in cluster.jobs:
@@ -98,22 +81,40 @@ def main() -> None:
         steps[h.job_id] = h.iterations_done
     res = run_cluster(cluster)
     first = min(h.started_at or 0.0 for h in res.jobs)
-    completion = {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs}
-    total = sum(steps.values())
-    true_iso, true_mux = sum(iso.values()) / total, cfg.services.count * max(completion.values()) / total
-
-    # 3. the prediction
     s = cfg.services
-    budgets = Budgets(*(int(b) if b is not None else None for b in (s.device_memory, s.host_memory, s.disk)))
+    rec["target"] = {
+        "iso": iso,
+        "steps": steps,
+        "completion": {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
+    }
+    rec["settings"] = {
+        "services": s.count, "placement": cfg.placement, "ordering": cfg.ordering, "max_load": cfg.max_load,
+        "lookahead": cfg.driver == "dask" and cfg.lookahead, "cpu_slots": cfg.cpu_threads,
+        "budgets": tuple(int(b) if b is not None else None for b in (s.device_memory, s.host_memory, s.disk)),
+    }  # fmt: skip
+    return rec
+
+
+def report(rec: dict[str, Any]) -> None:
+    plans = rec["plans"]
+    fitted = fit(rec["mux_spans"], plans)
+    print(f"fitted: round trip cpu {fitted.dispatch_cpu * 1e3:.1f} ms (median of {fitted.gaps['cpu']}), service "
+          f"{fitted.dispatch_service * 1e3:.1f} ms (median of {fitted.gaps['service']}); swaps "
+          f"{fitted.swap_bandwidth / 1e9:.2f} GB/s; loads "
+          + ", ".join(f"{j} {s:.1f}s" for j, s in sorted(fitted.load_seconds.items())))  # fmt: skip
+    iso_fit = None
+    if rec["iso_spans"]:
+        iso_fit = merge([fit(spans, {j: plans[j]}) for j, spans in rec["iso_spans"].items()])
+        print(f"fitted, isolated: round trip cpu {iso_fit.dispatch_cpu * 1e3:.1f} ms, service "
+              f"{iso_fit.dispatch_service * 1e3:.1f} ms")  # fmt: skip
+    st, tg = rec["settings"], rec["target"]
     pred = predict(
-        fitted, plans, services=s.count, placement=cfg.placement, ordering=cfg.ordering, budgets=budgets,
-        max_load=cfg.max_load, lookahead=cfg.driver == "dask" and cfg.lookahead, cpu_slots=cfg.cpu_threads,
-        isolated_fit=iso_fit,
+        fitted, plans, services=st["services"], placement=st["placement"], ordering=st["ordering"],
+        budgets=Budgets(*st["budgets"]), max_load=st["max_load"], lookahead=st["lookahead"],
+        cpu_slots=st["cpu_slots"], isolated_fit=iso_fit,
     )  # fmt: skip
-
-    def err(p: float, t: float) -> str:
-        return f"{p / t - 1:+.1%}"
-
+    iso, completion, total = tg["iso"], tg["completion"], sum(tg["steps"].values())
+    true_iso, true_mux = sum(iso.values()) / total, st["services"] * max(completion.values()) / total
     print()
     print(f"{'figure':<34}{'predicted':>11}{'measured':>11}{'error':>9}")
     rows = [
@@ -126,9 +127,30 @@ def main() -> None:
     worst = 0.0
     for name, p, t in rows:
         worst = max(worst, abs(p / t - 1))
-        print(f"{name:<34}{p:>11.3f}{t:>11.3f}{err(p, t):>9}")
+        print(f"{name:<34}{p:>11.3f}{t:>11.3f}{p / t - 1:>+9.1%}")
     print()
     print(f"largest error {worst:.1%} (goal <= 15%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/multiplex.yaml")
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--engine", choices=["auto", "vllm", "torch"])
+    ap.add_argument("--fit-isolated", action="store_true",
+                    help="the fit run also records each job alone (for the isolated side)")  # fmt: skip
+    ap.add_argument("--save", default="runs/calibrate/recording.pkl", help="where to keep the recorded runs")
+    ap.add_argument("--replay", help="predict again from a saved recording (no real run)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.replay:
+        rec = pickle.loads(Path(args.replay).read_bytes())
+    else:
+        rec = record(args)
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_bytes(pickle.dumps(rec))
+        print(f"recording saved to {args.save} (--replay it to predict again)")
+    report(rec)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.costs import _mix
 
 MIN_SAMPLES = 30  # round trips observed before the prediction draws from them instead of using their median
+FEW_SAMPLES = 10  # idle-service gaps needed before their median is trusted (else the cpu round trip is used)
 
 
 @dataclass(slots=True)
@@ -253,7 +254,10 @@ def predict(
         def pick(samples: list[float], median: float) -> Any:
             return samples if empirical_dispatch and len(samples) >= MIN_SAMPLES else median
 
-        return pick(f.cpu_gaps, f.dispatch_cpu), pick(f.service_gaps, f.dispatch_service)
+        # under FEW_SAMPLES idle-service gaps say nothing; a service node's round trip is the same trip through
+        # the scheduler and the runner as a cpu node's: use that
+        service = f.dispatch_service if f.gaps.get("service", 0) >= FEW_SAMPLES else f.dispatch_cpu
+        return pick(f.cpu_gaps, f.dispatch_cpu), pick(f.service_gaps, service)
 
     def jobs(ids: Iterable[str], f: Fitted) -> list[SimJob]:
         out = []
