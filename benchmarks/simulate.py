@@ -6,6 +6,7 @@ replayed under every placement policy with the real runner, planner, policies an
 Goal: the whole replay (4 placements) in under 2 minutes on this machine. Run it alone (2 cores).
 
     .venv/bin/python benchmarks/simulate.py [--config configs/sim/trace_3months.yaml] [--fine] [--smoke]
+        [--jobs N] [--placements isolated spread+backfill]
 
 `--fine`: also replay at steps_per_node=1 (slow: about 10x the events). `--smoke`: 12 jobs over 3 days
 (the test suite runs it).
@@ -48,8 +49,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--config", default="configs/sim/trace_3months.yaml")
     ap.add_argument("--fine", action="store_true", help="also replay at one step per node")
     ap.add_argument("--smoke", action="store_true", help="12 jobs over 3 days, short jobs")
+    ap.add_argument("--jobs", type=int, help="override the trace's job count (e.g. a smaller --fine check)")
+    ap.add_argument("--placements", nargs="*", help="override the trace's placements")
     args = ap.parse_args(argv)
-    tr = load_sim(args.config)
+    overrides: dict[str, object] = {}
+    if args.jobs:
+        overrides["jobs"] = args.jobs
+    if args.placements:
+        overrides["placements"] = args.placements
+    tr = load_sim(args.config, overrides)
     if not isinstance(tr, Trace):
         ap.error(f"{args.config} is a scenario; give a trace config")
     if args.smoke:

@@ -48,6 +48,7 @@ from plexrl.planner.events import (
     StateMeasured,
     Transition,
 )
+from plexrl.planner.gaps import gap_after
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
@@ -111,6 +112,7 @@ class Planner:
         # services whose queue, running node, jobs or states an event may have changed: only these are
         # offered a dispatch (a service nothing happened to would make the same choice as before)
         self._dirty: set[str] = set()
+        self._gaps: dict[str, dict[str, float]] = {}  # job -> node -> gap_after (see there)
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -203,6 +205,7 @@ class Planner:
         job.cpu_started.pop(ev.node, None)
         if ev.ok:
             self.costs.observe(ev.job_id, ev.node, ev.duration)
+            self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
             svc = self.services[job.service] if job.service else None
@@ -399,29 +402,13 @@ class Planner:
         )  # fmt: skip
 
     def gap_after(self, job_id: str, node: str) -> float:
-        """Predicted seconds from the end of `node` until its job can next use a service: along the job's
-        cpu successors (the shortest way to a service node), and, past the iteration's last node, through the
-        next iteration's leading cpu nodes. 0 if a service node follows at once."""
-        job = self.jobs[job_id]
-        plan, succ, predict = job.plan.nodes, job.successors, self.costs.predict
-        memo: dict[tuple[str, int], float] = {}
-
-        def reach(name: str, depth: int) -> float:  # from the end of `name` to the next service node's start
-            key = (name, depth)
-            if key in memo:
-                return memo[key]
-            wrap = not succ[name]  # the iteration's end: on to the next iteration's sources (once)
-            nxt = job.sources if wrap and depth == 0 else succ[name]
-            best = math.inf
-            for s in nxt:
-                if plan[s].placement == "service":
-                    best = 0.0
-                    break
-                best = min(best, predict(job_id, s) + reach(s, depth + wrap))
-            memo[key] = best = best if best < math.inf else 0.0
-            return best
-
-        return reach(node, 0)
+        """Predicted seconds from the end of `node` until its job can next use a service (`gaps.gap_after`).
+        Cached per job until the job's next node finishes (its own observations move its predictions)."""
+        cached = self._gaps.setdefault(job_id, {})
+        gap = cached.get(node)
+        if gap is None:
+            gap = cached[node] = gap_after(self.jobs[job_id], node, self.costs.predict)
+        return gap
 
     def _next_use(self, svc: ServiceRecord, now: float) -> dict[str, float]:
         """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
@@ -458,6 +445,7 @@ class Planner:
             return
         self._set_job(job, status)
         self._admission_due = True
+        self._gaps.pop(job_id, None)
         job.reason, job.finished_at = reason, self.clock()
         if job_id in self.pending and not keep_pending:
             self.pending.remove(job_id)
