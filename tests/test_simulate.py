@@ -282,23 +282,25 @@ def test_plexrl_simulate_prints_the_comparison_and_logs_an_mlflow_run(tmp_path: 
     assert bad.returncode == 2 and "unknown profile 'b200'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_simulate_benchmark_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_simulate", ROOT / "benchmarks/simulate.py")
+def load_benchmark(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Import benchmarks/NAME.py as a module (its dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"benchmarks/{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_simulate_benchmark_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_benchmark("simulate", monkeypatch)
     module.main(["--smoke"])
     out = capsys.readouterr().out
     assert "events/s" in out and "spread+backfill" in out and not math.isnan(float(out.split("wall ")[-1].split()[0]))
 
 
 def test_layout_search_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_sim_layouts", ROOT / "benchmarks/sim_layouts.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("sim_layouts", monkeypatch)
     module.main([str(SIM / "qwen25_7b.yaml"), "--rollout", "8,16", "--pools", "1,2", "--smoke"])
     out = capsys.readouterr().out
     assert "8 PlexRL layouts vs split-async" in out and "R16-k2-one-step" in out

@@ -1,0 +1,101 @@
+"""Server load: N tiny jobs submitted at once to a real `plexrl serve` (a separate process, driver local, 2
+services), while this client polls `GET /jobs/{id}` and `GET /jobs` until every job has ended. Prints the
+submit, status and list latencies (p50 / p99 / max) and the wall time. Goal: status p99 < 200 ms.
+
+    .venv/bin/python benchmarks/serve.py [--jobs 50] [--iterations 4]
+
+Runs in a temporary directory (its own journal, run dir and MLflow store). Run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from plexrl.server.client import Client
+
+TINY_JOB = {  # tests/conftest.py's TINY: a 1-layer model on 2-digit addition
+    "name": "tiny",
+    "seed": 0,
+    "model": {"layers": 1, "hidden": 32, "heads": 2, "intermediate": 64},
+    "task": {"digits": 2, "train_size": 200, "eval_size": 16},
+    "warm_start": {"max_steps": 4, "batch_size": 16, "eval_every": 2, "eval_size": 16, "stop_at_accuracy": 0.9},
+    "pipeline": {
+        "name": "grpo",
+        "params": {
+            "batch_size": 4,
+            "n": 4,
+            "max_new_tokens": 4,
+            "eval_every": 2,
+            "eval_size": 16,
+            "skip_zero_advantage": False,
+        },
+    },
+    "tracking": {"progress": False, "log_model": False},
+}
+
+
+def quantile_ms(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=50)
+    ap.add_argument("--iterations", type=int, default=4)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "job.yaml").write_text(yaml.safe_dump({**TINY_JOB, "iterations": args.iterations}))
+        server = subprocess.Popen(
+            [sys.executable, "-m", "plexrl.cli", "serve", "--port", "0", "--set", "journal=runs/journal.db",
+             "--set", "run_dir=runs", "--set", "services.count=2"],
+            cwd=work, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert server.stdout is not None
+            client = Client(server.stdout.readline().split()[4])
+            t0 = time.perf_counter()
+            submit, ids = [], []
+            for i in range(args.jobs):
+                s = time.perf_counter()
+                ids.append(client.submit(work / "job.yaml", [f"seed={i % 2}"])["job_id"])
+                submit.append(time.perf_counter() - s)
+            status: list[float] = []
+            listing: list[float] = []
+            while True:
+                s = time.perf_counter()
+                client.status(ids[len(status) % len(ids)])
+                status.append(time.perf_counter() - s)
+                s = time.perf_counter()
+                rows = client.jobs()
+                listing.append(time.perf_counter() - s)
+                if all(r["status"] in ("done", "failed", "cancelled") for r in rows):
+                    break
+            wall = time.perf_counter() - t0
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(120)
+    result = {
+        "jobs": args.jobs, "done": sum(r["status"] == "done" for r in rows), "wall_s": round(wall, 1),
+        "submit_ms_p50": quantile_ms(submit, 0.5), "submit_ms_max": round(max(submit) * 1000, 1),
+        "status_calls": len(status), "status_ms_p50": quantile_ms(status, 0.5),
+        "status_ms_p99": quantile_ms(status, 0.99), "status_ms_max": round(max(status) * 1000, 1),
+        "list_ms_p50": quantile_ms(listing, 0.5), "list_ms_p99": quantile_ms(listing, 0.99),
+    }  # fmt: skip
+    print(json.dumps(result))
+    verdict = "meets" if result["status_ms_p99"] < 200 else "BELOW"
+    print(f"status p99 {result['status_ms_p99']} ms ({verdict} the < 200 ms goal)")
+
+
+if __name__ == "__main__":
+    main()
