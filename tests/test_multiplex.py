@@ -274,7 +274,7 @@ def test_cluster_run_prints_accounting_and_links_mlflow_runs(tmp_path: Path) -> 
     assert [j.status for j in result.jobs] == ["done", "done"]
     used = [s for s in rep.services if s.busy > 0]
     assert len(used) == 1 and len(rep.services) == 2  # pack: both jobs on one service, the other idle
-    assert all(abs(s.busy + s.swap + s.idle - s.allocated) < 1e-6 for s in rep.services)
+    assert all(abs(s.busy + s.swap + s.startup + s.idle - s.allocated) < 1e-6 for s in rep.services)
     assert sum(j.allocated for j in rep.jobs) == pytest.approx(used[0].allocated, rel=1e-6)
     assert all(j.steps == 2 and j.cost_per_step > 0 for j in rep.jobs)
     table = format_report(rep)

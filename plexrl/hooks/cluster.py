@@ -101,7 +101,7 @@ class ClusterMlflow(Hook):
         now = int(time.time() * 1000)
         metrics = [Metric("accelerator_seconds", rep.accelerator_seconds, now, 0), Metric("wall", rep.wall, now, 0)]
         for s in rep.services:
-            for k in ("busy", "swap", "idle"):
+            for k in ("busy", "swap", "startup", "idle"):
                 metrics.append(Metric(f"{s.service}/{k}_seconds", getattr(s, k), now, 0))
             metrics.append(Metric(f"{s.service}/utilization", s.utilization, now, 0))
         for j in rep.jobs:
