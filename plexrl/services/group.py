@@ -1,0 +1,278 @@
+"""One rank of a service that spans a worker group, and the tasks each rank runs (inside its Dask worker).
+
+`RankService` is a `Service` whose engines are `FSDPEngine`s over the group's process group and whose state
+moves are this rank's own: every rank moves its own shard (rank 0 also its full generation copy and the
+reference), so a switch-out on an N-rank service is N moves in parallel, one per worker. A move frees
+and restores tensor *storage* (`untyped_storage().resize_`), not `t.data`: FSDP2's sharded parameters are
+views of a padded flat buffer, so the views must keep their storage object. host -> disk writes the rank's
+buffers with `torch.distributed.checkpoint` (no collective: one directory per rank and job), so a
+prefetch in the background never meets a collective of the node in the foreground.
+
+Every service task of a group runs on every rank (SPMD: the same operator, the same collectives, in the
+same order); rank 0 publishes the report. At the end of a node the ranks exchange their errors (`agree`),
+so a failure on any rank fails the node. A failure of the process group itself breaks it: see
+`plexrl.runtime.group`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from plexrl.job import uses_reference
+from plexrl.planner.state import Move
+from plexrl.runtime.executor import LoadReport, NodeReport
+from plexrl.runtime.group import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
+from plexrl.services import swap as sw
+from plexrl.services.service import NodeResult, Service
+
+if TYPE_CHECKING:
+    from plexrl.job import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ShardPlacement(sw.Placement):
+    """Where this rank's share of a job's state is: the storages it frees and restores (by the name of a
+    tensor that owns each), their bytes on the host tier, or the DCP directory on the disk tier."""
+
+    storages: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    dcp_dir: Path | None = None
+
+
+def _storages(live: dict[str, Tensor]) -> dict[str, Any]:
+    """One entry per distinct storage behind `live` (tied weights and views of one buffer count once)."""
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, t in live.items():
+        s = t.untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        out[name] = s
+    return out
+
+
+def _bytes_of(storage: Any, device: torch.device) -> Tensor:
+    """A flat uint8 view [nbytes] of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class RankService(Service):
+    """This rank's part of a group service (see the module docstring)."""
+
+    def __init__(self, service_id: str, group: RankState, device: str = "cpu", **kwargs: Any) -> None:
+        super().__init__(service_id, device, **kwargs)
+        self.group = group
+        self.rank = group.rank
+
+    def load_job(self, job: JobSpec, tier: str = "device") -> int:
+        """This rank's engine of `job` (FSDP2 shards; rank 0 also the full generation copy). Returns this
+        rank's state bytes (rank 0's is the largest: it is what the planner budgets per rank)."""
+        from plexrl.engines.fsdp_engine import FSDPEngine
+
+        if job.resume_state is not None:
+            raise NotImplementedError("resuming a job on a worker group is not built (services.ranks > 1)")
+        if job.generation == "vllm":
+            raise NotImplementedError("vLLM rollouts on a worker group are not built; set engine: torch")
+        tok = job.tokenizer
+        engine = FSDPEngine(job.model_path, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, group=self.group,
+                            device=str(self.device), with_reference=uses_reference(job.graph),
+                            attention=job.config.model.attention)  # fmt: skip
+        self.jobs[job.job_id], self.engines[job.job_id] = job, engine
+        live = _storages(engine.state_tensors())
+        self.states[job.job_id] = ShardPlacement("device", nbytes=sum(s.nbytes() for s in live.values()))
+        if tier != "device":
+            self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
+        return self.states[job.job_id].nbytes
+
+    def save_model(self, job_id: str, path: Path) -> Path:
+        """Rank 0 writes the full copy (current after every weight sync); other ranks leave their shards."""
+        return super().save_model(job_id, path) if self.rank == 0 else path
+
+    def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
+        raise NotImplementedError("checkpoints of a job on a worker group are not built (services.ranks > 1)")
+
+    def release(self, job_id: str) -> None:
+        self._wait_for(job_id)
+        state = self.states.get(job_id)
+        if isinstance(state, ShardPlacement) and state.dcp_dir is not None:
+            shutil.rmtree(state.dcp_dir, ignore_errors=True)
+            state.dcp_dir = None
+        super().release(job_id)
+
+    def _move(self, move: Move) -> int:
+        """Move this rank's share of a job's state: device -> host frees the storages after copying their
+        bytes, host -> disk writes them with DCP, and back. Bit-exact; checksummed in validate mode."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.states[move.job_id]
+        assert isinstance(state, ShardPlacement)
+        if state.tier != move.src:
+            raise sw.StateCorrupted(f"job {move.job_id}: the planner moves it from {move.src} but it is on "
+                                    f"{state.tier} (service {self.service_id}, rank {self.rank})")  # fmt: skip
+        if move.src == move.dst:
+            return 0
+        if move.src == "device":
+            state.storages = _storages(self.engines[move.job_id].state_tensors())
+            state.host = {k: _bytes_of(s, self.device).to("cpu", copy=True) for k, s in state.storages.items()}
+            state.sizes = {k: s.nbytes() for k, s in state.storages.items()}
+            state.nbytes = sum(state.sizes.values())
+            if self.validate:
+                state.checksum = sw.checksum(state.host)
+            for s in state.storages.values():
+                s.resize_(0)
+        elif move.src == "disk":
+            assert state.dcp_dir is not None
+            host = {k: torch.empty(n, dtype=torch.uint8) for k, n in state.sizes.items()}
+            dcp.load(host, storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
+            shutil.rmtree(state.dcp_dir, ignore_errors=True)
+            state.host, state.dcp_dir = host, None
+        if move.dst == "disk":
+            assert state.host is not None
+            where = self.spill_dir / f"{move.job_id}-rank{self.rank}"
+            dcp.save(state.host, storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True)
+            state.dcp_dir, state.host = where, None
+        elif move.dst == "device":
+            assert state.host is not None
+            for k, s in state.storages.items():
+                s.resize_(state.sizes[k])
+                _bytes_of(s, self.device).copy_(state.host[k])
+            if self.validate and state.checksum is not None:
+                now = {k: _bytes_of(s, self.device) for k, s in state.storages.items()}
+                if sw.checksum(now) != state.checksum:
+                    raise sw.StateCorrupted(f"job {move.job_id}: rank {self.rank}'s shard changed between swap-out "
+                                            "and swap-in")  # fmt: skip
+            state.host = None
+        state.tier = move.dst
+        with self._lock:
+            self.stats.bytes_moved += state.nbytes
+            self.stats.moves += 1
+            self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
+        return state.nbytes
+
+
+# -- what each rank's worker runs ------------------------------------------------------------------------
+def _registry() -> dict[str, Service]:
+    from plexrl.runtime.dask import _SERVICES
+
+    return _SERVICES
+
+
+def _rank_service(key: str) -> RankService:
+    svc = _registry().get(key)
+    if not isinstance(svc, RankService):
+        raise GroupBroken(f"service {key} has no rank in this worker (restarted?); the group must be re-formed")
+    return svc
+
+
+def start_rank(
+    key: str, rank: int, spec: GroupSpec, device: str, validate: bool, spill_dir: str | None, threads: int | None
+) -> int:
+    """Join the group (`spec`) and create this rank's service, dropping an earlier one and its jobs (their
+    shards belong to the old process group). Raises `GroupBroken` when the group does not form in time."""
+    if threads:
+        torch.set_num_threads(threads)
+    old = _registry().pop(key, None)
+    if old is not None:
+        lost = sorted(old.jobs)
+        old.close()
+        if lost:
+            log.warning("group %s re-formed: the state of jobs %s on it is gone", key, lost)
+    state = join(spec, rank, device)
+    service_id = key.rpartition("/")[2]
+    _registry()[key] = RankService(service_id, state, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    return os.getpid()
+
+
+def group_topic(topic: str) -> str:
+    """The Dask event topic where ranks report a broken group (beside the executor's report topic)."""
+    return f"{topic}-groups"
+
+
+def _checked(key: str, epoch: int, topic: str) -> tuple[RankService, RankState]:
+    try:
+        return _rank_service(key), member(key, epoch)
+    except GroupBroken:
+        publish_broken(group_topic(topic), key, epoch)
+        raise
+
+
+def _agree(state: RankState, error: str | None, topic: str) -> str | None:
+    """Exchange errors across ranks; a group that broke on this rank is reported to the client."""
+    if state.broken is None and error is not None and error.startswith("GroupBroken"):
+        state.broken = error
+    out = agree(state, error) if state.broken is None else f"rank {state.rank}: {error}"
+    if state.broken is not None:
+        publish_broken(group_topic(topic), state.spec.key, state.spec.epoch)
+    return out
+
+
+def rank_load(topic: str, key: str, rank: int, job: JobSpec, tier: Any, epoch: int, *after: Any) -> LoadReport:
+    start = time.time()
+    service_id = key.rpartition("/")[2]
+    error, nbytes = None, 0
+    try:
+        svc, state = _checked(key, epoch, topic)
+        try:
+            nbytes = svc.load_job(job, tier)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        error = _agree(state, error, topic)
+    except GroupBroken as exc:
+        error = f"GroupBroken: {exc}"
+    return LoadReport(job.job_id, service_id, nbytes, start, time.time(), error)
+
+
+def rank_node(
+    topic: str, handle: int, key: str, rank: int, job_id: str, iteration: int, node: str,
+    inputs: dict[str, NodeResult], swaps: tuple[Move, ...], prefetch: tuple[Move, ...], epoch: int, *after: Any,
+) -> NodeResult:  # fmt: skip
+    """Run a service node on this rank (every rank runs it); rank 0 publishes the report. `inputs`: this
+    rank's outputs of earlier service nodes, or the cpu nodes' (one copy each)."""
+    from plexrl.runtime.dask import _publish
+
+    try:
+        svc, state = _checked(key, epoch, topic)
+        outputs: dict[str, Any] = {p: r.output for p, r in inputs.items()}
+        result = svc.run_node(job_id, iteration, node, outputs, swaps, prefetch)
+        error = _agree(state, result.report.error, topic)
+        if error != result.report.error:
+            result = NodeResult(result.report, None)
+            result.report.error = error
+    except GroupBroken as exc:
+        now = time.time()
+        result = NodeResult(NodeReport(job_id, iteration, node, f"GroupBroken: {exc}", now, now))
+    if rank == 0:
+        _publish(topic, handle, result.report)
+    return result
+
+
+def rank_save(key: str, rank: int, job_id: str, path: str, epoch: int, *after: Any) -> str:
+    return str(_rank_service(key).save_model(job_id, Path(path)))
+
+
+def rank_release(key: str, rank: int, job_id: str, epoch: int, *after: Any) -> None:
+    svc = _registry().get(key)
+    if svc is not None:
+        svc.release(job_id)
+
+
+def stop_rank(key: str) -> dict[str, Any]:
+    """Close this rank's service and leave the group; rank 0's report stands for the service."""
+    svc = _registry().pop(key, None)
+    report = svc.report() if svc is not None else {}
+    if svc is not None:
+        svc.close()
+    leave(key)
+    return report
