@@ -154,6 +154,28 @@ class TrackingConfig(StrictModel):
     progress: bool = Field(True, description="Show a progress bar on the terminal.")
 
 
+class RetryConfig(StrictModel):
+    """Retries of a cpu node whose operator raised (or whose CPU worker died): the node runs again on the same
+    inputs after `backoff_s`, then `backoff_s * factor`, ... (at most `max_backoff_s`), up to `attempts` runs in
+    all; then the job alone fails with the operator's last error. Exact: a cpu node's randomness comes from
+    (seed, iteration, node), so a retry computes what the first run would have. Service nodes are not
+    retried (one that raised may have changed the job's weights or optimizer half-way); a server resumes such
+    a job from its checkpoint only when its service is lost."""
+
+    attempts: int = Field(1, ge=1, le=20, description="Runs of a cpu node in all (1: no retry).")
+    backoff_s: float = Field(1.0, ge=0, le=3600, description="Seconds before the first retry.")
+    factor: float = Field(2.0, ge=1, le=10, description="Each later wait is this many times the previous one.")
+    max_backoff_s: float = Field(60.0, ge=0, le=3600, description="Longest wait between two runs.")
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the `failures`-th failed run (1-based) before the next one.
+
+        >>> RetryConfig(attempts=4, backoff_s=0.5, factor=2, max_backoff_s=1.5).delay(3)
+        1.5
+        """
+        return min(self.backoff_s * self.factor ** (failures - 1), self.max_backoff_s)
+
+
 class VLLMConfig(StrictModel):
     """The vLLM generation engine (used when `engine` resolves to vllm)."""
 
@@ -181,6 +203,7 @@ class JobConfig(StrictModel):
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)  # type: ignore[arg-type]
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo", nodes=None))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
+    retry: RetryConfig = Field(default_factory=RetryConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _warm_start_fits(self) -> JobConfig:

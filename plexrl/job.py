@@ -109,6 +109,7 @@ class JobRun:
     submitted_at: float | None = None
     started_at: float | None = None  # placed on a service
     finished_at: float | None = None
+    service_lost: bool = False  # it failed because its service was lost (a server may resume it elsewhere)
 
     @property
     def job_id(self) -> str:

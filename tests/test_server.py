@@ -327,13 +327,21 @@ class CheckpointingSim(SimExecutor):
         super().__init__(1, SeededCosts(seed=0))
         self.fail, self.calls = fail, 0
 
-    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Path:
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> int:
+        from plexrl.runtime.executor import CheckpointReport
         from plexrl.services.swap import save_checkpoint
 
         self.calls += 1
-        if self.calls in self.fail:
-            raise OSError(28, "No space left on device")
-        return save_checkpoint({"engine": {}, **extra}, path)
+        handle, now = next(self._ids), self.now
+        try:
+            if self.calls in self.fail:
+                raise OSError(28, "No space left on device")
+            save_checkpoint({"engine": {}, **extra}, path)
+            report = CheckpointReport(job_id, service_id, str(path), now, now)
+        except OSError as exc:
+            report = CheckpointReport(job_id, service_id, str(path), now, now, f"{type(exc).__name__}: {exc}")
+        self._push(now, handle, service_id, report)
+        return handle
 
 
 def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_path: Path, job_yaml: Path) -> None:
@@ -360,3 +368,39 @@ def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_p
     e = j.get(job_id)
     assert e is not None and e.checkpoint_iteration == 2 and e.checkpoint is not None
     assert e.checkpoint.endswith(f"{job_id}/after-2.pt")  # none after the last iteration (3)
+
+
+def resumable_prepare(entry: JobEntry) -> SimJob:
+    """`sim_prepare`, resumed after the entry's checkpoint like `prepare_entry` resumes a real job."""
+    start = 0 if entry.checkpoint_iteration is None else entry.checkpoint_iteration + 1
+    nodes = grpo_nodes(every=2)
+    return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB,
+                  start_iteration=start)  # fmt: skip
+
+
+def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Path, job_yaml: Path) -> None:
+    """service-0 is lost (virtual t=30) while job A runs on it: A is placed again on service-1 and resumes after
+    its latest checkpoint; job B on service-1 is untouched; nothing before the checkpoint is run again."""
+    sim = SimExecutor(2, SeededCosts(seed=0), failures={"service-0": 30.0})
+    runner = Runner(sim, validate=True)
+    with serving(tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, placement="spread") as srv:
+        c = Client(srv.url)
+        a = c.submit(job_yaml, ["iterations=200"])["job_id"]
+        b = c.submit(job_yaml, ["iterations=200", "seed=1"])["job_id"]
+        for job in (a, b):
+            wait_for(lambda j=job: c.status(j)["status"] == "done", f"{job} done")  # type: ignore[misc]
+        ea, eb = c.events(a)["events"], c.events(b)["events"]
+        sa, sb = c.status(a), c.status(b)
+    assert (sa["attempt"], sa["iterations_done"], sb["attempt"], sb["iterations_done"]) == (2, 200, 1, 200)
+    placed = [(e["attempt"], e["data"]["service"]) for e in ea if e["kind"] == "placed"]
+    assert placed == [(1, "service-0"), (2, "service-1")]
+    requeued = [e for e in ea if e["kind"] == "interrupted"]
+    assert len(requeued) == 1 and "service 'service-0' lost" in requeued[0]["data"]["reason"]
+    ckpt = max(e["data"]["iteration"] for e in ea if e["kind"] == "checkpoint" and e["attempt"] == 1)
+    assert ckpt % 4 == 3 and ckpt >= 3
+    first = [e["data"]["iteration"] for e in ea if e["kind"] == "iteration" and e["attempt"] == 1]
+    again = [e["data"]["iteration"] for e in ea if e["kind"] == "iteration" and e["attempt"] == 2]
+    assert first == list(range(len(first))) and first[-1] >= ckpt
+    assert again == list(range(ckpt + 1, 200))  # resumed right after the checkpoint
+    assert [e["data"]["service"] for e in eb if e["kind"] == "placed"] == ["service-1"]
+    assert not any(e["kind"] == "interrupted" for e in eb)

@@ -25,3 +25,14 @@ def kill_own_worker(ctx: OpContext, *, at_iteration: int = 1) -> EvalStats:
     if ctx.iteration >= at_iteration:
         os._exit(17)
     return EvalStats(accuracy=0.0, response_length=0.0, size=0)
+
+
+@operator(placement="service")
+def kill_own_worker_once(ctx: OpContext, *, at_iteration: int = 1, marker: str = "") -> EvalStats:
+    """`kill_own_worker` the first time only: the process dies at `at_iteration` unless `marker` exists (it
+    creates it first), so that the job resumed elsewhere from its checkpoint runs through."""
+    if ctx.iteration >= at_iteration and not os.path.exists(marker):
+        with open(marker, "w"):
+            pass
+        os._exit(17)
+    return EvalStats(accuracy=0.0, response_length=0.0, size=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class Hook:
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None: ...
 
+    def on_checkpoint(self, run: JobRun, iteration: int, path: Path, error: str | None) -> None:
+        """The job's state after `iteration` (the planner's count) was saved to `path`, or that failed
+        (`error`; an earlier checkpoint stays intact). May come after the job ended."""
+
     def on_job_end(self, run: JobRun) -> None: ...
 
     def on_end(self, summary: RunSummary) -> None:
@@ -117,6 +122,9 @@ class HookList(Hook):
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         self._call("on_iteration_end", run, iteration, metrics)
+
+    def on_checkpoint(self, run: JobRun, iteration: int, path: Path, error: str | None) -> None:
+        self._call("on_checkpoint", run, iteration, path, error)
 
     def on_job_end(self, run: JobRun) -> None:
         self._call("on_job_end", run)

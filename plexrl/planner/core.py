@@ -165,7 +165,7 @@ class Planner:
         svc.alive = False
         self._admission_due = True
         for job_id in sorted(svc.jobs):
-            self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out)
+            self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out, lost=True)
         svc.queue.clear()
         svc.running = svc.next = None
         svc.resident = svc.prefetching = None
@@ -179,7 +179,7 @@ class Planner:
             self._admission_due = True  # a smaller state may leave room for a queued job
 
     def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
-        if ev.job_id in self.jobs:
+        if ev.job_id in self.jobs and self.jobs[ev.job_id].status not in TERMINAL:  # an ended job may come again
             raise InvalidTransition(self._history(f"job {ev.job_id!r} submitted twice"))
         if ev.plan.iterations < 1 or not ev.plan.nodes:
             self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
@@ -438,7 +438,13 @@ class Planner:
         return min(later)[1] if later else None
 
     def _end_job(
-        self, job_id: str, status: JobStatus, reason: str, out: list[Instruction], keep_pending: bool = False
+        self,
+        job_id: str,
+        status: JobStatus,
+        reason: str,
+        out: list[Instruction],
+        keep_pending: bool = False,
+        lost: bool = False,
     ) -> None:
         job = self.jobs.get(job_id)
         if job is None or job.status in TERMINAL:
@@ -465,7 +471,7 @@ class Planner:
         if status == "done":
             out.append(JobDone(job_id, job.service))
         else:
-            out.append(FailJob(job_id, reason or status, job.service, cancelled=status == "cancelled"))
+            out.append(FailJob(job_id, reason or status, job.service, status == "cancelled", lost))
 
     # -- state table ---------------------------------------------------------------------------------
     def _set_job(self, job: JobRecord, new: JobStatus) -> None:

@@ -145,6 +145,7 @@ class FailJob:
     reason: str
     service_id: str | None = None
     cancelled: bool = False  # ended by the user (JobCancelled), not by an error
+    service_lost: bool = False  # failed because its service was lost (its state there is gone)
 
 
 Instruction = PlaceJob | RunNode | IterationDone | JobDone | FailJob

@@ -86,11 +86,23 @@ class LoadReport:
 
 
 @dataclass(slots=True)
+class CheckpointReport:
+    """A job's state was saved to `path` (or that failed: `error`; an earlier checkpoint stays intact)."""
+
+    job_id: str
+    service_id: str
+    path: str
+    start: float
+    end: float
+    error: str | None = None
+
+
+@dataclass(slots=True)
 class Finished:
-    """A handle whose work ended, with its small report (`NodeReport` or `LoadReport`)."""
+    """A handle whose work ended, with its small report (`NodeReport`, `LoadReport` or `CheckpointReport`)."""
 
     handle: Handle
-    report: NodeReport | LoadReport
+    report: NodeReport | LoadReport | CheckpointReport
 
 
 class Executor(Protocol):
@@ -124,6 +136,13 @@ class Executor(Protocol):
 
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         """Save the job's current policy (HF format) to `path`; returns where it went."""
+        ...
+
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
+        """Save the job's state (weights, optimizer, reference, weight version) and `extra` to `path`, atomically;
+        its `CheckpointReport` comes back from `wait`. It runs on the service after the work already sent there
+        and before any node submitted after this call (so it holds the state as of the job's last finished
+        node), from whichever tier holds the state, without moving it."""
         ...
 
     def release(self, job_id: str, service_id: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.planner.state import Tier
-from plexrl.runtime.executor import Finished, Handle, LoadReport, NodeTask
+from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeTask
 
 
 class InlineExecutor:
@@ -86,10 +86,18 @@ class InlineExecutor:
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         return Path(self.services[service_id].save_model(job_id, path))
 
-    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Path:
-        """Save the job's engine state and `extra` to `path` atomically (`Service.checkpoint`). Not part of
-        the `Executor` protocol yet: `plexrl serve` checkpoints only on executors that have it."""
-        return self.services[service_id].checkpoint(job_id, Path(path), extra)
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
+        """Save the job's engine state and `extra` to `path` atomically (`Service.checkpoint`), now."""
+        handle = next(self._ids)
+        start = self.clock()
+        try:
+            where = str(self.services[service_id].checkpoint(job_id, Path(path), extra))
+            report = CheckpointReport(job_id, service_id, where, start, self.clock())
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            report = CheckpointReport(job_id, service_id, str(path), start, self.clock(), error)
+        self._done.append(Finished(handle, report))
+        return handle
 
     def release(self, job_id: str, service_id: str) -> None:
         self.services[service_id].release(job_id)

@@ -16,6 +16,7 @@ failing to load, a swap failing, its metrics failing to compute) fails that job 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import threading
@@ -47,7 +48,7 @@ from plexrl.planner import (
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Event, Instruction
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
-from plexrl.runtime.executor import Executor, Finished, Handle, LoadReport, NodeTask
+from plexrl.runtime.executor import CheckpointReport, Executor, Finished, Handle, LoadReport, NodeTask
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,13 @@ class Budgets:
 
 @dataclass(slots=True)
 class _Pending:
-    kind: str  # "node" | "load"
+    kind: str  # "node" | "load" | "checkpoint"
     job_id: str
     lane: str
     iteration: int = 0
     node: str = ""
+    task: NodeTask | None = None  # a node's task (run again on a retry)
+    attempt: int = 1  # which run of the node this is
 
 
 @dataclass(slots=True)
@@ -153,6 +156,11 @@ class Runner:
         self._late: list[JobRun] = []  # records of the jobs that came through `submit`
         self._stop_reason: str | None = None
         self.on_closed: Callable[[JobRun], None] | None = None
+        # (due, order, task, attempt): cpu nodes that raised, waiting for their next run (`JobConfig.retry`)
+        self._retries: list[tuple[float, int, NodeTask, int]] = []
+        self._retry_order = itertools.count()
+        # where to checkpoint a job after an iteration (None: not then); set by the server
+        self.checkpoint_at: Callable[[JobRun, int], Path | None] | None = None
 
     # -- public --------------------------------------------------------------------------------------
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -165,9 +173,14 @@ class Runner:
     def submit(self, spec: Any) -> None:
         """Add a job while the loop runs (thread-safe, callable from a hook or another thread). It is taken at
         the top of the loop's next turn, shipped and handed to the planner like a job given to `run`; its record
-        appears in `runs` then. Raises ValueError if this runner already has a job of that name."""
+        appears in `runs` then. Raises ValueError if this runner already has a job of that name, unless that
+        job failed or was cancelled (a lost service failed it, say): then it may come again under its name, its
+        new record replaces the old one in `runs`, and nothing of the old attempt reaches it."""
         with self._wake:
-            if spec.job_id in self.runs or any(s.job_id == spec.job_id for s in self._submits):
+            old = self.runs.get(spec.job_id)
+            if (old is not None and old.status not in ("failed", "cancelled")) or any(
+                s.job_id == spec.job_id for s in self._submits
+            ):
                 raise ValueError(f"a job named {spec.job_id!r} was already submitted; give each job a unique name")
             self._submits.append(spec)
             self._wake.notify_all()
@@ -241,6 +254,7 @@ class Runner:
             events.extend(self._take_submits())  # before the cancels: a job can be cancelled right after it came
             events.extend(self._take_cancels())
             events.extend(self._take_arrivals())
+            self._take_retries()
             while events:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
@@ -248,7 +262,7 @@ class Runner:
             if self._stop_reason is not None:
                 self._stop_open_jobs(self._stop_reason)
                 return
-            if not self._pending and not self._arrivals:
+            if not self._pending and not self._arrivals and not self._retries:
                 if self.planner.finished and until_stopped:
                     with self._wake:  # idle: wait for a submission, a cancel or a stop
                         while not (self._submits or self._cancels or self._stop_reason is not None):
@@ -263,6 +277,8 @@ class Runner:
             timeout = self.poll
             if self._arrivals:  # wake up for the next arrival
                 timeout = min(timeout, max(self._arrivals[0][0] - self.clock(), 0.0))
+            if self._retries:  # and for the next retry
+                timeout = min(timeout, max(self._retries[0][0] - self.clock(), 0.0))
             finished = self.executor.wait(timeout)
             for service_id, reason in self.executor.lost():
                 log.error("service %s lost: %s", service_id, reason)
@@ -292,6 +308,7 @@ class Runner:
             self._submits.clear()
         out = []
         for spec in specs:
+            self._drop_attempt(spec.job_id)
             run = self.runs[spec.job_id] = JobRun(spec)
             self._late.append(run)
             run.submitted_at = self.clock()
@@ -302,6 +319,30 @@ class Runner:
                 continue
             out.append(JobSubmitted(spec.job_id, spec.plan()))
         return out
+
+    def _drop_attempt(self, job_id: str) -> None:
+        """A job submitted again: forget what its previous attempt still has in flight or waiting."""
+        mine = [h for h, p in self._pending.items() if p.job_id == job_id]
+        for h in mine:
+            del self._pending[h]
+        self.executor.forget(mine)
+        if any(t.job_id == job_id for _, _, t, _ in self._retries):
+            self._retries = [r for r in self._retries if r[2].job_id != job_id]
+            heapq.heapify(self._retries)
+        self._failing.discard(job_id)
+        self._iter.pop(job_id, None)
+
+    def _take_retries(self) -> None:
+        """Run again the cpu nodes whose backoff has passed (their job still running)."""
+        now = self.clock()
+        while self._retries and self._retries[0][0] <= now:
+            _, _, task, attempt = heapq.heappop(self._retries)
+            run = self.runs.get(task.job_id)
+            if run is None or run.status != "running" or task.job_id in self._failing:
+                continue
+            self.hooks.before_node(run, task.iteration, task.node, task.lane, self.clock())
+            handle = self.executor.submit(task)
+            self._pending[handle] = _Pending("node", task.job_id, task.lane, task.iteration, task.node, task, attempt)
 
     def _take_cancels(self) -> list[JobCancelled]:
         with self._cancel_lock:
@@ -336,6 +377,7 @@ class Runner:
             self._end_job(run, "done", "", ins.service_id)
         elif isinstance(ins, FailJob):
             self._failing.discard(run.job_id)
+            run.service_lost = ins.service_lost
             self._end_job(run, "cancelled" if ins.cancelled else "failed", ins.reason, ins.service_id)
         return []
 
@@ -348,7 +390,7 @@ class Runner:
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline
         )
         handle = self.executor.submit(task)
-        self._pending[handle] = _Pending("node", run.job_id, lane, ins.iteration, ins.node)
+        self._pending[handle] = _Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
 
     # -- results --------------------------------------------------------------------------------------
     def _collect(self, f: Finished) -> list[Event]:
@@ -363,6 +405,11 @@ class Runner:
                 return [self._fail(run, f"loading the job on {p.lane}", rep.error)]
             self.hooks.on_load(run, p.lane, rep.start, rep.end, rep.nbytes)
             return [StateMeasured(p.lane, run.job_id, rep.nbytes)]
+        if isinstance(rep, CheckpointReport):
+            if rep.error is not None:
+                log.error("job %s: checkpoint after iteration %d failed: %s", run.job_id, p.iteration, rep.error)
+            self.hooks.on_checkpoint(run, p.iteration, Path(rep.path), rep.error)
+            return []
         events: list[Event] = [StateMeasured(p.lane, job_id, nbytes) for job_id, nbytes in rep.measured.items()]
         it = self._iter.get(run.job_id)
         if rep.swap_end > rep.swap_start:
@@ -375,6 +422,10 @@ class Runner:
         duration = rep.end - rep.start
         if rep.error is not None:
             self.executor.forget([f.handle])
+            if self._retry(run, p, rep.error):
+                return events
+            if p.attempt > 1:
+                rep.error = f"{rep.error} (after {p.attempt} runs)"
             events.append(
                 NodeFinished(run.job_id, rep.iteration, rep.node, ok=False, error=rep.error, duration=duration)
             )
@@ -390,6 +441,25 @@ class Runner:
             NodeFinished(run.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)
         )
         return events
+
+    def _retry(self, run: JobRun, p: _Pending, error: str) -> bool:
+        """Schedule the next run of a cpu node that failed, if its job's `retry` allows one (then True)."""
+        policy = getattr(getattr(run.spec, "config", None), "retry", None)
+        if policy is None or p.task is None or p.task.service_id is not None or p.attempt >= policy.attempts:
+            return False
+        if run.status != "running" or run.job_id in self._failing:
+            return False
+        delay = policy.delay(p.attempt)
+        log.warning(
+            "job %s: node %s (iteration %d) failed (run %d of %d), again in %.2fs: %s",
+            run.job_id, p.node, p.iteration, p.attempt, policy.attempts, delay, error,
+        )  # fmt: skip
+        it = self._iter.get(run.job_id)
+        if it is not None:
+            it.seconds[f"retry_wait_{p.node}"] = it.seconds.get(f"retry_wait_{p.node}", 0.0) + delay
+            it.metrics.setdefault("retries", {})[p.node] = float(p.attempt)
+        heapq.heappush(self._retries, (self.clock() + delay, next(self._retry_order), p.task, p.attempt + 1))
+        return True
 
     def _fail(self, run: JobRun, what: str, error: str) -> JobFailed:
         log.error("job %s: %s failed: %s", run.job_id, what, error)
@@ -415,6 +485,12 @@ class Runner:
         self._iter[run.job_id] = _Iteration(now)
         run.history.append(metrics)
         self.hooks.on_iteration_end(run, iteration, metrics)
+        path = self.checkpoint_at(run, iteration) if self.checkpoint_at is not None and iteration >= 0 else None
+        if path is not None and run.service is not None:
+            # runs on the service after the job's last node and before its next one (`Executor.checkpoint`)
+            real = iteration + getattr(run.spec, "start_iteration", 0)
+            handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": real})
+            self._pending[handle] = _Pending("checkpoint", run.job_id, run.service, iteration)
 
     def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:
         model_dir = run.spec.model_dir
@@ -449,6 +525,7 @@ class Runner:
                 self._close(run, "cancelled", reason)
         self.executor.forget(list(self._pending))
         self._pending.clear()
+        self._retries.clear()
         with self._wake:
             self._submits.clear()
 

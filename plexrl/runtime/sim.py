@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 from plexrl.planner.events import JobPlan, NodePlan
 from plexrl.planner.state import Tier
-from plexrl.runtime.executor import Finished, Handle, LoadReport, NodeReport, NodeTask
+from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
 
 GB = 1_000_000_000
 
@@ -72,9 +72,12 @@ class SimJob:
     dedicated: frozenset[str] = frozenset()
     # node -> durations to draw from (seconds), for cost models that sample (`SampledCosts`)
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    # a job resumed after iteration start_iteration - 1 (a server's checkpoint): it runs the iterations left
+    start_iteration: int = 0
 
     def plan(self) -> JobPlan:
-        return JobPlan(dict(self.nodes), self.iterations, self.order, self.baseline, self.state_bytes)
+        iterations = self.iterations - self.start_iteration
+        return JobPlan(dict(self.nodes), iterations, self.order, self.baseline, self.state_bytes)
 
     def inputs(self, node: str) -> dict[str, str]:
         """Input port -> producing node: one port per dependency, named after it."""
@@ -422,6 +425,17 @@ class SimExecutor:
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         """Writes nothing: a simulated job has no weights."""
         return path
+
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
+        """Writes nothing: the service is busy for the time a write of the job's state at swap speed takes
+        (after its earlier work, like a real checkpoint task); the report names `path`."""
+        handle = next(self._ids)
+        svc = self.services[service_id]
+        if svc.alive:
+            start = max(self.now, svc.free_at)
+            end = svc.free_at = start + self.costs.swap_seconds(self.specs[job_id].state_bytes)
+            self._push(end, handle, service_id, CheckpointReport(job_id, service_id, str(path), start, end))
+        return handle
 
     def release(self, job_id: str, service_id: str) -> None:
         svc = self.services[service_id]

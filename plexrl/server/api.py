@@ -197,8 +197,9 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     journal = Journal(cfg.journal)
     every, where = cfg.checkpoint_every, cfg.checkpoints()
     controller = Controller(
-        runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where, max_jobs_per_user=cfg.max_jobs_per_user
-    )
+        runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
+        max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,
+    )  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -67,8 +67,16 @@ class ServerConfig(StrictModel):
     checkpoint_every: int | None = Field(
         None,
         ge=1,
-        description="Save each job's state every k iterations; a restart resumes from the latest one, exactly "
-        "(driver: local). Must be a multiple of every periodic node's `every`. None: jobs restart from scratch.",
+        description="Save each job's state every k iterations; a restart, or the loss of the job's service, "
+        "resumes it from the latest one, exactly. Must be a multiple of every periodic node's `every`. "
+        "None: jobs restart from scratch.",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="Placements of one job in all: a job whose service is lost is placed again (from its latest "
+        "checkpoint) until it has had this many.",
     )
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go (default: a `checkpoints` folder next to the journal)."
@@ -83,8 +91,6 @@ class ServerConfig(StrictModel):
             )
         if self.scheduler is not None and self.driver != "dask":
             raise ValueError("`scheduler` needs `driver: dask`")
-        if self.checkpoint_every is not None and self.driver != "local":
-            raise ValueError("`checkpoint_every` needs `driver: local` (the Dask executor cannot checkpoint yet)")
         return self
 
     def checkpoints(self) -> Path:

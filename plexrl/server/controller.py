@@ -48,16 +48,17 @@ STOP_REASON = "the server stopped; the job runs again when it restarts (from its
 
 
 class JournalHook(Hook):
-    """Placements and iteration ends into the journal, and a checkpoint every `checkpoint_every` iterations
-    (on executors that can: `InlineExecutor.checkpoint`). Required: a journal that cannot be written stops the
-    runner rather than letting it run jobs whose progress nobody would know about after a restart. Comes after
-    the MLflow hook, whose run id it records. Iterations are journalled as the job's real iteration
-    (planner iteration + `spec.start_iteration` of a resumed job).
+    """Placements, iteration ends and checkpoints into the journal, and where a job is checkpointed: every
+    `checkpoint_every` iterations (`checkpoint_path`, the runner's `checkpoint_at`; the runner has the executor
+    write it on the job's service, in order with the job's nodes, on every executor). Required: a journal that
+    cannot be written stops the runner rather than letting it run jobs whose progress nobody would know about
+    after a restart. Comes after the MLflow hook, whose run id it records. Iterations are journalled as the
+    job's real iteration (planner iteration + `spec.start_iteration` of a resumed job).
 
-    A checkpoint is written to a new file `<dir>/<job>/after-<iteration>.pt` (atomically), THEN journalled,
-    THEN the previous file is removed: a crash at any point leaves the journal naming a complete file. A
-    checkpoint that cannot be written (disk full) is logged and journalled as `checkpoint_failed`; the job
-    goes on and the previous checkpoint stays the one to resume from."""
+    A checkpoint is written to a new file `<dir>/<job>/after-<iteration>.pt` (atomically), THEN journalled
+    (`on_checkpoint`), THEN the previous file is removed: a crash at any point leaves the journal naming a
+    complete file. A checkpoint that cannot be written (disk full) is journalled as `checkpoint_failed`; the
+    job goes on and the previous checkpoint stays the one to resume from."""
 
     required = True
 
@@ -76,27 +77,33 @@ class JournalHook(Hook):
         self.journal.placed(run.job_id, run.service, tracking)
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
-        real = iteration + getattr(run.spec, "start_iteration", 0) if iteration >= 0 else iteration
-        self.journal.iteration(run.job_id, real, metrics)
-        k, save = self.checkpoint_every, getattr(self.runner.executor, "checkpoint", None)
-        if k is None or save is None or iteration < 0 or (real + 1) % k or run.service is None:
-            return
+        self.journal.iteration(run.job_id, self._real(run, iteration), metrics)
+
+    @staticmethod
+    def _real(run: JobRun, iteration: int) -> int:
+        return iteration + getattr(run.spec, "start_iteration", 0) if iteration >= 0 else iteration
+
+    def checkpoint_path(self, run: JobRun, iteration: int) -> Path | None:
+        """Where to checkpoint `run` after planner iteration `iteration` (None: not now, or never)."""
+        k, real = self.checkpoint_every, self._real(run, iteration)
+        if k is None or iteration < 0 or (real + 1) % k:
+            return None
         spec: Any = run.spec  # a JobSpec, or a simulated job (which has `iterations` itself)
         total = spec.config.iterations if hasattr(spec, "config") else spec.iterations
         if real + 1 >= total:
-            return  # the job is done: nothing to resume
+            return None  # the job is done: nothing to resume
         assert self.checkpoint_dir is not None
-        path = self.checkpoint_dir / run.job_id / f"after-{real}.pt"
-        try:
-            save(run.job_id, run.service, path, {"iteration": real})
-        except Exception as exc:
-            log.error("job %s: checkpoint after iteration %d failed: %s", run.job_id, real, exc)
-            self.journal.note(
-                run.job_id, "checkpoint_failed", {"iteration": real, "error": f"{type(exc).__name__}: {exc}"}
-            )
+        return self.checkpoint_dir / run.job_id / f"after-{real}.pt"
+
+    def on_checkpoint(self, run: JobRun, iteration: int, path: Path, error: str | None) -> None:
+        real = self._real(run, iteration)
+        if error is not None:
+            self.journal.note(run.job_id, "checkpoint_failed", {"iteration": real, "error": error})
             return
         entry = self.journal.get(run.job_id)
-        previous = entry.checkpoint if entry is not None else None
+        if entry is None or entry.finished:
+            return  # ended meanwhile (done, cancelled): nothing will resume from it
+        previous = entry.checkpoint
         self.journal.checkpoint(run.job_id, real, str(path))
         if previous and previous != str(path):
             Path(previous).unlink(missing_ok=True)
@@ -115,12 +122,16 @@ class Controller:
         checkpoint_every: int | None = None,
         checkpoint_dir: Path | None = None,
         max_jobs_per_user: int | None = None,
+        max_attempts: int = 3,
     ) -> None:
         self.runner, self.journal, self.prepare = runner, journal, prepare
+        self.max_attempts = max_attempts
         self.checkpoint_dir = checkpoint_dir
         self.admission = Admission(max_jobs_per_user)  # guarded by _lock
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
-        runner.hooks.hooks.append(JournalHook(journal, runner, checkpoint_every, checkpoint_dir))
+        hook = JournalHook(journal, runner, checkpoint_every, checkpoint_dir)
+        runner.hooks.hooks.append(hook)
+        runner.checkpoint_at = hook.checkpoint_path
         runner.on_closed = self._closed
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
@@ -239,6 +250,18 @@ class Controller:
         if run.status == "cancelled" and run.error == STOP_REASON:
             self.journal.interrupt(run.job_id, STOP_REASON)
             return
+        if run.status == "failed" and run.service_lost and not self._stopping:
+            entry = self.journal.get(run.job_id)
+            if entry is not None and entry.attempt < self.max_attempts:
+                again = self.journal.requeue(run.job_id, run.error)
+                if again is not None:
+                    after = again.checkpoint_iteration
+                    how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
+                    log.warning("job %s: %s; placed again %s (attempt %d)", run.job_id, run.error, how, again.attempt)
+                    self._queue.put(run.job_id)
+                    return
+            tried = entry.attempt if entry else "?"
+            run.error += f" (attempt {tried} of at most {self.max_attempts}: not placed again)"
         self.journal.finish(run.job_id, run.status, run.error)  # type: ignore[arg-type]
         if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure, for a post-mortem
             shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)

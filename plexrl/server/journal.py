@@ -237,22 +237,27 @@ class Journal:
         returns them in submission order, to be submitted again."""
         with self._lock, self._tx():
             rows = self._db.execute("SELECT job_id FROM jobs WHERE status IN ('queued', 'running') ORDER BY seq")
-            out = []
-            for (job_id,) in rows.fetchall():
-                entry = self._get(job_id)
-                attempt = entry.attempt + 1
-                done = 0 if entry.checkpoint_iteration is None else entry.checkpoint_iteration + 1
-                self._db.execute(
-                    "UPDATE jobs SET attempt = ?, iterations_done = ?, service = NULL, started_at = NULL "
-                    "WHERE job_id = ?",
-                    (attempt, done, job_id),
-                )
-                resume = (
-                    "from scratch (no checkpoint)" if not done else f"from the checkpoint after iteration {done - 1}"
-                )
-                self._move(job_id, "queued", {"from": entry.status, "resume": resume})
-                out.append(self._get(job_id))
-            return out
+            return [self._again(job_id, {}) for (job_id,) in rows.fetchall()]
+
+    def requeue(self, job_id: str, reason: str) -> JobEntry | None:
+        """A running job lost its service: `queued` again with one more attempt, to resume (elsewhere) from its
+        latest checkpoint or from scratch, like a recovered job. None (nothing written) if it is not running."""
+        with self._lock, self._tx():
+            if self._get(job_id).status != "running":
+                return None
+            return self._again(job_id, {"reason": reason})
+
+    def _again(self, job_id: str, data: dict[str, Any]) -> JobEntry:
+        """Back to `queued` with one more attempt, progress set back to the latest checkpoint (lock held)."""
+        entry = self._get(job_id)
+        done = 0 if entry.checkpoint_iteration is None else entry.checkpoint_iteration + 1
+        self._db.execute(
+            "UPDATE jobs SET attempt = ?, iterations_done = ?, service = NULL, started_at = NULL WHERE job_id = ?",
+            (entry.attempt + 1, done, job_id),
+        )
+        resume = "from scratch (no checkpoint)" if not done else f"from the checkpoint after iteration {done - 1}"
+        self._move(job_id, "queued", {"from": entry.status, "resume": resume, **data})
+        return self._get(job_id)
 
     # -- reads ------------------------------------------------------------------------------------------
     def get(self, job_id: str) -> JobEntry | None:
