@@ -37,6 +37,7 @@ class JobSpec:
     start_iteration: int = 0
     resume_state: Path | None = None
     resume_run_id: str | None = None
+    user: str = ""  # who submitted it (a server's fair-share ordering)
 
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline. A resumed job's plan holds the iterations left and no
@@ -50,7 +51,7 @@ class JobSpec:
         order = tuple(self.graph.order)
         baseline = () if self.start_iteration else tuple(self.baseline_nodes())
         iterations = self.config.iterations - self.start_iteration
-        return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine())
+        return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine(), self.user)
 
     def engine(self) -> tuple[str, int] | None:
         """The shared generation engine this job needs on its service: (key, device bytes), or None (torch).

@@ -284,3 +284,42 @@ def test_lookahead_sends_the_next_node_of_another_job_while_one_runs() -> None:
     assert p.services["s0"].running == ("b", 0, "rollout") and p.services["s0"].next == ("c", 0, "rollout")
     p.handle(NodeFinished("b", 0, "rollout"))
     assert p.services["s0"].running == ("c", 0, "rollout")
+
+
+def test_fair_share_picks_the_user_who_used_least_then_the_inner_policy() -> None:
+    from plexrl.planner import FairShare, Fifo
+
+    queue = [QueuedNode(j, 0, "train", 0.0, i) for i, j in enumerate(["b1", "b2", "a1", "b3"])]
+    users = {"b1": "bob", "b2": "bob", "b3": "bob", "a1": "ann"}
+    usage = {"bob": 10.0, "ann": 2.0}
+    view = OrderingView(None, lambda q: 1.0, lambda j: 0.0, user=users.__getitem__, usage=usage.__getitem__)
+    fair = FairShare(Fifo())
+    assert fair.name == "fair-fifo" and fair.pick(queue, 1.0, view) == 2
+    usage["ann"] = 11.0
+    assert fair.pick(queue, 1.0, view) == 0  # bob used less now: his first ready node
+    solo = [q for q in queue if users[q.job_id] == "bob"]
+    assert fair.pick(solo, 1.0, view) == Fifo().pick(solo, 1.0, view)
+
+
+def test_one_users_twenty_jobs_cannot_starve_another_users_single_job() -> None:
+    """21 jobs on ONE service: bob's 20 and ann's 1. Without fair share ann's job waits behind bob's nodes
+    (slowdown 16-20); with it, each of her service nodes waits for about one of bob's."""
+    from plexrl.planner import FairShare, Fifo
+    from plexrl.runtime import Runner
+    from plexrl.runtime.sim import SeededCosts, SimExecutor, grpo_like_jobs
+
+    jobs = grpo_like_jobs(21, (40, 60), seed=3)
+    ann = replace(jobs[0], user="ann", job_id="ann")
+    bob = [replace(j, user="bob") for j in jobs[1:]]
+
+    def completion(specs: list, ordering: object) -> dict[str, float]:  # type: ignore[type-arg]
+        runner = Runner(SimExecutor(1, SeededCosts(seed=0)), placement=Pack(math.inf), ordering=ordering)
+        runs = runner.run(specs)  # type: ignore[arg-type]
+        assert all(r.status == "done" for r in runs)
+        return {r.job_id: r.finished_at - r.submitted_at for r in runs}  # type: ignore[operator]
+
+    alone = completion([ann], Hrrs())["ann"]
+    slowdown = {name: completion([ann, *bob], o)["ann"] / alone for name, o in
+                [("hrrs", Hrrs()), ("fifo", Fifo()), ("fair", FairShare(Hrrs()))]}  # fmt: skip
+    assert slowdown["hrrs"] > 10 and slowdown["fifo"] > 10, slowdown
+    assert slowdown["fair"] < 3.5, slowdown

@@ -36,7 +36,7 @@ TOKEN = "0123456789abcdef-token"
 def sim_prepare(entry: JobEntry) -> SimJob:
     """A simulated job shaped like GRPO with the submitted job's id and iteration count."""
     nodes = grpo_nodes(every=2)
-    return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB)
+    return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB, user=entry.user)
 
 
 def sim_runner(*hooks: Hook) -> Runner:
@@ -375,7 +375,7 @@ def resumable_prepare(entry: JobEntry) -> SimJob:
     start = 0 if entry.checkpoint_iteration is None else entry.checkpoint_iteration + 1
     nodes = grpo_nodes(every=2)
     return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB,
-                  start_iteration=start)  # fmt: skip
+                  start_iteration=start, user=entry.user)  # fmt: skip
 
 
 def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Path, job_yaml: Path) -> None:
@@ -404,3 +404,28 @@ def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Pa
     assert again == list(range(ckpt + 1, 200))  # resumed right after the checkpoint
     assert [e["data"]["service"] for e in eb if e["kind"] == "placed"] == ["service-1"]
     assert not any(e["kind"] == "interrupted" for e in eb)
+
+
+def test_per_user_tokens_decide_who_submits_and_who_may_cancel(tmp_path: Path, job_yaml: Path) -> None:
+    users = {"ann": "ann-secret-0123456789", "bob": "bob-secret-0123456789"}
+    with pytest.raises(ValueError, match="share a token"):
+        ServerConfig(users={"ann": TOKEN}, token=TOKEN)
+    with pytest.raises(ValueError, match="16\\+ characters"):
+        ServerConfig(users={"ann": "short"})
+    assert ServerConfig(host="0.0.0.0", users=users).token is None  # per-user tokens are enough off loopback
+    with serving(tmp_path, users=users, token=TOKEN) as srv:
+        ann, bob, admin = (Client(srv.url, token=t) for t in (users["ann"], users["bob"], TOKEN))
+        with pytest.raises(ServerError) as err:
+            Client(srv.url, token="bob-secret-01234567890").jobs()  # one character more than bob's
+        assert err.value.status == 401
+        job = ann.submit(job_yaml, ["iterations=400"])
+        assert job["user"] == "ann"  # the token decides, not the body
+        with pytest.raises(ServerError) as err:
+            ann.submit(job_yaml, user="bob")
+        assert err.value.status == 403 and "cannot submit as 'bob'" in str(err.value)
+        with pytest.raises(ServerError) as err:
+            bob.cancel(job["job_id"])
+        assert err.value.status == 403 and "'bob' cannot cancel it" in str(err.value)
+        assert admin.submit(job_yaml, user="carol")["user"] == "carol"  # the administrator submits for anyone
+        assert ann.cancel(job["job_id"])["status"] in ("cancelled", "done")
+        assert len(admin.jobs()) == 2  # nothing was recorded for the refused requests

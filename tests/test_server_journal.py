@@ -133,3 +133,32 @@ def test_admission_limits_each_user_and_keeps_arrival_order() -> None:
         adm.offer("a3", "ann")
     free = Admission(limit=None)
     assert [j for i in range(5) for j in free.offer(f"j{i}", "ann")] == [f"j{i}" for i in range(5)]
+
+
+def test_admission_quota_on_share_of_accelerator_seconds() -> None:
+    from plexrl.server.admission import Admission
+
+    shares = {"ann": 0.0, "bob": 0.0}
+    adm = Admission(max_share=0.5, share=lambda user: shares[user])
+    assert adm.offer("a1", "ann") == ["a1"]
+    shares["ann"] = 0.7
+    assert adm.offer("a2", "ann") == [] and adm.offer("b1", "bob") == ["b1"]  # over quota; bob is not
+    why = "waiting: user 'ann' uses 70% of the accelerator-seconds (recent, decayed), the quota is 50%"
+    assert adm.reason("a2") == why
+    assert adm.again() == []
+    shares["ann"] = 0.4  # ann's share decayed below the quota
+    assert adm.again() == ["a2"] and adm.reason("a2") is None
+    shares["ann"] = 0.9
+    assert adm.offer("a3", "ann") == []
+    assert adm.ended("a1") == [] and adm.ended("a2") == ["a3"]  # a user with nothing running gets one job in
+
+
+def test_usage_decays_with_its_half_life() -> None:
+    from plexrl.planner.shares import Usage
+
+    u = Usage(half_life=10.0)
+    u.add("ann", 8.0, now=0.0)
+    u.add("ann", 4.0, now=10.0)  # 8 s decayed to 4, plus 4
+    assert u.value("ann", 10.0) == 8.0 and u.value("ann", 30.0) == 2.0 and u.value("bob", 30.0) == 0.0
+    with pytest.raises(ValueError, match="half_life"):
+        Usage(half_life=0)

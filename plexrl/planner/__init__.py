@@ -21,6 +21,7 @@ from plexrl.planner.events import (
 from plexrl.planner.policies import (
     ORDERINGS,
     PLACEMENTS,
+    FairShare,
     Fifo,
     Hrrs,
     Isolated,
@@ -37,6 +38,7 @@ __all__ = [
     "PLACEMENTS",
     "CostModel",
     "FailJob",
+    "FairShare",
     "Fifo",
     "Hrrs",
     "InvalidTransition",

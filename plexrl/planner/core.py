@@ -68,6 +68,7 @@ from plexrl.planner.records import (
     NodeStatus,
     ServiceRecord,
 )
+from plexrl.planner.shares import Usage
 from plexrl.planner.state import Move, NoRoom, StateManager
 
 
@@ -113,6 +114,7 @@ class Planner:
         # offered a dispatch (a service nothing happened to would make the same choice as before)
         self._dirty: set[str] = set()
         self._gaps: dict[str, dict[str, float]] = {}  # job -> node -> gap_after (see there)
+        self.usage = Usage()  # service seconds per user (fair-share ordering)
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -212,6 +214,7 @@ class Planner:
             if svc is None or svc.running != (ev.job_id, ev.iteration, ev.node):
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
             svc.running, svc.next = svc.next, None
+            self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
             self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}", out)
             return
@@ -396,9 +399,11 @@ class Planner:
             return self.costs.swap_seconds(svc.state.size.get(job_id, 0))
 
         resident = svc.resident if svc.resident is not None and svc.state.on_device(svc.resident) else None
+        now, jobs = self.clock(), self.jobs
         return OrderingView(
             resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time,
-            lambda q: self.gap_after(q.job_id, q.node),
+            lambda q: self.gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
+            lambda u: self.usage.value(u, now),
         )  # fmt: skip
 
     def gap_after(self, job_id: str, node: str) -> float:

@@ -40,6 +40,7 @@ class JobPlan:
     state_bytes: int = 0  # policy + optimizer (+ reference) bytes: what the StateManager moves
     # (key, device bytes) of a generation engine the job shares with same-key jobs on its service (vLLM)
     engine: tuple[str, int] | None = None
+    user: str = ""  # who the job belongs to (fair-share ordering, `policies.FairShare`)
 
 
 # -- events -------------------------------------------------------------------------------------------

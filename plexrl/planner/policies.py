@@ -56,6 +56,8 @@ class OrderingView:
     swap_time: Callable[[str], float]  # predicted seconds to bring the job's state on device (0 if there)
     # predicted seconds from the node's end until its job needs a service again (off-service work it releases)
     gap_after: Callable[[QueuedNode], float] = lambda q: 0.0
+    user: Callable[[str], str] = lambda job_id: ""  # the user a job belongs to
+    usage: Callable[[str], float] = lambda user: 0.0  # a user's decayed service seconds (`shares.Usage`)
 
 
 class OrderingPolicy(Protocol):
@@ -169,6 +171,27 @@ class Hrrs:
         if top >= 0 and queue[best].job_id != resident and top_r * (1 + self.tie) >= best_r:
             return top
         return best
+
+
+class FairShare:
+    """Users first, then `inner`: among the users with a node queued, the one whose jobs have used the least
+    service time (decayed: `shares.Usage`) goes next, and `inner` picks among that user's nodes. Each user with
+    work waiting gets an equal share of the service, however many jobs they run: one user's twenty jobs cannot
+    starve another user's single job (its node waits at most for the node running, and for nodes of users
+    that have used less than it). With one user queued, it is `inner` exactly."""
+
+    def __init__(self, inner: OrderingPolicy) -> None:
+        self.inner = inner
+        self.name = f"fair-{inner.name}"
+
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
+        user = view.user
+        users = {user(q.job_id) for q in queue}
+        if len(users) < 2:
+            return self.inner.pick(queue, now, view)
+        first = min(users, key=lambda u: (view.usage(u), u))
+        mine = [i for i, q in enumerate(queue) if user(q.job_id) == first]
+        return mine[self.inner.pick([queue[i] for i in mine], now, view)]
 
 
 PLACEMENTS: dict[str, Callable[[], PlacementPolicy]] = {

@@ -134,6 +134,10 @@ class Executor(Protocol):
         """Services lost since the last call: (service id, reason). Their work in flight is gone."""
         ...
 
+    def joined(self) -> list[str]:
+        """Services started since the last call, beyond those `start` returned (a restarted or added worker)."""
+        ...
+
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         """Save the job's current policy (HF format) to `path`; returns where it went."""
         ...

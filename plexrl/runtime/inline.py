@@ -83,6 +83,9 @@ class InlineExecutor:
     def lost(self) -> list[tuple[str, str]]:
         return []
 
+    def joined(self) -> list[str]:
+        return []
+
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         return Path(self.services[service_id].save_model(job_id, path))
 

@@ -271,23 +271,48 @@ class Runner:
                 if self.planner.finished:
                     return
                 with self._cancel_lock:
-                    if not self._cancels:
-                        raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
-                continue
+                    if self._cancels:
+                        continue
+                if self.planner.pending and not any(s.alive for s in self.planner.services.values()):
+                    events.extend(self._without_services(until_stopped))
+                    continue
+                raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
             timeout = self.poll
             if self._arrivals:  # wake up for the next arrival
                 timeout = min(timeout, max(self._arrivals[0][0] - self.clock(), 0.0))
             if self._retries:  # and for the next retry
                 timeout = min(timeout, max(self._retries[0][0] - self.clock(), 0.0))
             finished = self.executor.wait(timeout)
-            for service_id, reason in self.executor.lost():
-                log.error("service %s lost: %s", service_id, reason)
-                for handle, p in list(self._pending.items()):
-                    if p.lane == service_id:
-                        del self._pending[handle]
-                events.append(ServiceLost(service_id, reason))
+            events.extend(self._services_changed())
             for f in finished:
                 events.extend(self._collect(f))
+
+    def _services_changed(self) -> list[Event]:
+        """Services lost (their work in flight is gone) and services that joined (a replacement) since the
+        last call."""
+        events: list[Event] = []
+        for service_id, reason in self.executor.lost():
+            log.error("service %s lost: %s", service_id, reason)
+            for handle, p in list(self._pending.items()):
+                if p.lane == service_id:
+                    del self._pending[handle]
+            events.append(ServiceLost(service_id, reason))
+        for service_id in self.executor.joined():
+            log.warning("service %s joined", service_id)
+            self.services.append(service_id)
+            events.append(self.budgets.joined(service_id))
+        return events
+
+    def _without_services(self, until_stopped: bool) -> list[Event]:
+        """Jobs wait for a service and every service is lost: a server waits for one to join (`poll`); a run
+        fails them."""
+        if until_stopped and math.isfinite(self.poll):
+            with self._wake:
+                if not (self._submits or self._cancels or self._stop_reason is not None):
+                    self._wake.wait(self.poll)
+            return self._services_changed()
+        why = "every service is lost and none joined to replace them; start a service worker and submit it again"
+        return [JobFailed(job_id, why) for job_id in self.planner.pending]
 
     def _take_arrivals(self) -> list[JobSubmitted]:
         """Submit (and ship) the jobs whose arrival time has come."""

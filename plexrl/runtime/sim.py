@@ -74,10 +74,11 @@ class SimJob:
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # a job resumed after iteration start_iteration - 1 (a server's checkpoint): it runs the iterations left
     start_iteration: int = 0
+    user: str = ""  # who submitted it (fair-share ordering)
 
     def plan(self) -> JobPlan:
         iterations = self.iterations - self.start_iteration
-        return JobPlan(dict(self.nodes), iterations, self.order, self.baseline, self.state_bytes)
+        return JobPlan(dict(self.nodes), iterations, self.order, self.baseline, self.state_bytes, user=self.user)
 
     def inputs(self, node: str) -> dict[str, str]:
         """Input port -> producing node: one port per dependency, named after it."""
@@ -421,6 +422,10 @@ class SimExecutor:
     def lost(self) -> list[tuple[str, str]]:
         out, self._lost = self._lost, []
         return out
+
+    def joined(self) -> list[str]:
+        """No service joins a simulation after its start."""
+        return []
 
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         """Writes nothing: a simulated job has no weights."""

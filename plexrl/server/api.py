@@ -7,8 +7,11 @@ GET /jobs/{id}/events?after=SEQ (the journal's events: `plexrl logs`), GET /heal
 Contract:
 - A submission is answered 201 only after the job is in the journal. A bad one gets 400 (413: body too large)
   with `{"problems": [{"where", "message"}, ...]}` naming every problem, and nothing is written.
-- With a `token`, every request must carry `Authorization: Bearer TOKEN` (compared with
-  `hmac.compare_digest`); otherwise 401 and nothing is done. Without one, the config only binds loopback.
+- With a `token` or per-user tokens (`users`), every request must carry `Authorization: Bearer TOKEN`
+  (compared with `hmac.compare_digest` against every secret); otherwise 401 and nothing is done. A user's
+  token makes the request that user's: submissions are recorded as theirs (a different `user` is 403) and
+  they may cancel only their own jobs (403); `token` is the administrator's. Without any, the config only
+  binds loopback.
 - Request bodies are read up to `max_body_bytes` and refused beyond it, whatever Content-Length says.
 - 503 when the controller is unhealthy (its runner died) or stopping.
 """
@@ -30,6 +33,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plexrl.errors import ConfigError, Problem
+from plexrl.planner.policies import FairShare
+from plexrl.planner.shares import Usage
 from plexrl.server.config import ServerConfig
 from plexrl.server.controller import Controller
 from plexrl.server.journal import JobEntry, Journal
@@ -44,7 +49,9 @@ class SubmitRequest(BaseModel):
 
     yaml: str = Field(description="The job YAML, as text (read by the client; the server opens no user path).")
     set: list[str] = Field(default_factory=list, description="Overrides, e.g. ['iterations=10'].")
-    user: str = Field("", max_length=64, description="Who submits (recorded with the job; no quotas yet).")
+    user: str = Field(
+        "", max_length=64, description="Who submits (quotas, fair share); with per-user tokens, the token decides."
+    )
 
 
 def _problems(status: int, problems: list[Problem]) -> Any:
@@ -57,16 +64,23 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
     from plexrl.server.submissions import check_submission
 
     app = FastAPI(title="PlexRL server", version="1", description="Submit, watch and cancel RLVR jobs.")
-    token = cfg.token.encode() if cfg.token else None
+    # (token, identity): identity None = the administrator (any user's jobs)
+    secrets: list[tuple[bytes, str | None]] = [(t.encode(), u) for u, t in sorted((cfg.users or {}).items())]
+    if cfg.token:
+        secrets.append((cfg.token.encode(), None))
     roots, modules, run_dir = cfg.roots(), list(cfg.allowed_modules), Path(cfg.run_dir).resolve()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
-        if token is not None:
-            given = request.headers.get("authorization", "")
-            scheme, _, value = given.partition(" ")
-            if not (scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), token)):
+        request.state.user = None
+        if secrets:
+            scheme, _, value = request.headers.get("authorization", "").partition(" ")
+            given = value.encode()
+            # every secret is compared (constant time each), so the time taken does not say which one matched
+            matches = [u for t, u in secrets if hmac.compare_digest(given, t)]
+            if scheme.lower() != "bearer" or not matches:
                 return _problems(401, [Problem("authorization", "missing or wrong token (Authorization: Bearer ...)")])
+            request.state.user = matches[0]
         return await call_next(request)
 
     def entry_or_404(job_id: str) -> JobEntry | Any:
@@ -99,12 +113,16 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
             return _problems(400, where)
         if not controller.healthy:
             return _problems(503, [Problem("server", "not accepting jobs (stopping, or its runner failed)")])
+        who: str | None = request.state.user
+        if who is not None and req.user and req.user != who:
+            return _problems(403, [Problem("user", f"this token is user {who!r}'s; it cannot submit as {req.user!r}")])
+        user = who if who is not None else req.user
 
         def accept() -> JobEntry:
             ok = check_submission(
                 req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules, checkpoint_every=cfg.checkpoint_every
             )
-            return controller.submit(ok.name, ok.config, ok.iterations, req.user)
+            return controller.submit(ok.name, ok.config, ok.iterations, user)
 
         try:
             entry = await run_in_threadpool(accept)
@@ -132,7 +150,13 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
         return {"job": entry.as_dict(), "events": [_event(e) for e in rows]}
 
     @app.post("/jobs/{job_id}/cancel")
-    def cancel(job_id: str) -> Any:
+    def cancel(job_id: str, request: Request) -> Any:
+        who: str | None = request.state.user
+        mine = entry_or_404(job_id)
+        if not isinstance(mine, JobEntry):
+            return mine
+        if who is not None and mine.user != who:
+            return _problems(403, [Problem("job", f"{job_id!r} is user {mine.user!r}'s; {who!r} cannot cancel it")])
         entry = controller.cancel(job_id)
         if entry is None:
             return entry_or_404(job_id)
@@ -153,7 +177,7 @@ def prepare_entry(entry: JobEntry) -> Any:
     from plexrl.config import load_job
     from plexrl.job import prepare_job
 
-    spec = prepare_job(load_job(entry.config), job_id=entry.job_id)
+    spec = dataclasses.replace(prepare_job(load_job(entry.config), job_id=entry.job_id), user=entry.user)
     if entry.checkpoint is None or entry.checkpoint_iteration is None:
         return spec
     return dataclasses.replace(
@@ -196,9 +220,13 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         runner = make_runner(cfg.cluster(), standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow))
     journal = Journal(cfg.journal)
     every, where = cfg.checkpoint_every, cfg.checkpoints()
+    if cfg.fair_share and not isinstance(runner.planner.ordering, FairShare):
+        runner.planner.ordering = FairShare(runner.planner.ordering)
+    runner.planner.usage = Usage(cfg.share_half_life_s)
     controller = Controller(
         runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,
+        max_share_per_user=cfg.max_share_per_user,
     )  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -36,6 +36,12 @@ class ServerConfig(StrictModel):
         min_length=16,
         description="Bearer token every request must carry (compared in constant time); or env PLEXRL_TOKEN.",
     )
+    users: dict[str, str] | None = Field(
+        None,
+        description="User name -> that user's bearer token (16+ characters each). A request carrying one acts as "
+        "that user: its jobs are recorded as theirs (quotas, fair share) and it may cancel only those. `token` "
+        "stays the administrator's (any user's jobs).",
+    )
     journal: str = Field("runs/server/journal.db", description="The sqlite journal (WAL); reuse it to recover.")
     run_dir: str = Field("runs", description="Default run_dir of submitted jobs; the server's timelines go here.")
     allowed_roots: list[str] | None = Field(
@@ -64,6 +70,21 @@ class ServerConfig(StrictModel):
     max_jobs_per_user: int | None = Field(
         None, ge=1, description="Jobs of one user handed to the runner at once; more wait, with the reason shown."
     )
+    max_share_per_user: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Quota: a user whose jobs use this share (0-1] of the cluster's accelerator-seconds (recent, "
+        "decayed with `share_half_life_s`) gets no further job in until it falls; one job always goes in.",
+    )
+    fair_share: bool = Field(
+        True,
+        description="Order each service's ready nodes by user first (the user whose jobs used the least service "
+        "time goes next), then by `ordering`: one user's many jobs cannot starve another's single job.",
+    )
+    share_half_life_s: float = Field(
+        3600.0, gt=0, description="Half-life of the service seconds counted for fair share and quotas."
+    )
     checkpoint_every: int | None = Field(
         None,
         ge=1,
@@ -84,11 +105,17 @@ class ServerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> ServerConfig:
-        if not is_loopback(self.host) and self.token is None:
+        if not is_loopback(self.host) and self.token is None and not self.users:
             raise ValueError(
-                f"binding {self.host!r} exposes the server beyond this machine: set `token` (16+ characters) or "
-                "the environment variable PLEXRL_TOKEN, or bind 127.0.0.1"
+                f"binding {self.host!r} exposes the server beyond this machine: set `token` (16+ characters), "
+                "`users`, or the environment variable PLEXRL_TOKEN, or bind 127.0.0.1"
             )
+        for user, secret in (self.users or {}).items():
+            if not user or len(user) > 64 or len(secret) < 16:
+                raise ValueError(f"users: {user!r} needs a name of 1-64 characters and a token of 16+ characters")
+        secrets = list((self.users or {}).values()) + ([self.token] if self.token else [])
+        if len(set(secrets)) != len(secrets):
+            raise ValueError("users: two identities share a token; give each user (and the administrator) its own")
         if self.scheduler is not None and self.driver != "dask":
             raise ValueError("`scheduler` needs `driver: dask`")
         return self

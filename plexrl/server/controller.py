@@ -29,6 +29,7 @@ docs/operations.md).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import shutil
 import threading
@@ -123,11 +124,13 @@ class Controller:
         checkpoint_dir: Path | None = None,
         max_jobs_per_user: int | None = None,
         max_attempts: int = 3,
+        max_share_per_user: float | None = None,
+        recheck_s: float = 2.0,
     ) -> None:
         self.runner, self.journal, self.prepare = runner, journal, prepare
-        self.max_attempts = max_attempts
+        self.max_attempts, self.recheck_s = max_attempts, recheck_s
         self.checkpoint_dir = checkpoint_dir
-        self.admission = Admission(max_jobs_per_user)  # guarded by _lock
+        self.admission = Admission(max_jobs_per_user, max_share_per_user, self.share)  # guarded by _lock
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         hook = JournalHook(journal, runner, checkpoint_every, checkpoint_dir)
         runner.hooks.hooks.append(hook)
@@ -199,6 +202,16 @@ class Controller:
                     self._hand_over(self.admission.ended(job_id))
         return self.journal.get(job_id)
 
+    def share(self, user: str) -> float:
+        """`user`'s share of the cluster's accelerator-seconds: their jobs' service seconds as the planner
+        counts them (decayed with its `usage.half_life`, i.e. a rate over roughly the last half-life / ln 2
+        seconds) over the alive services' capacity. Read from the runner's thread without its lock: a
+        momentarily stale value only delays an admission to the next check."""
+        planner = self.runner.planner
+        alive = sum(1 for s in list(planner.services.values()) if s.alive) or 1
+        window = planner.usage.half_life / math.log(2)
+        return planner.usage.value(user, self.runner.clock()) / (window * alive)
+
     # -- threads ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -210,7 +223,12 @@ class Controller:
 
     def _prepare_loop(self) -> None:
         while True:
-            job_id = self._queue.get()
+            try:
+                job_id = self._queue.get(timeout=self.recheck_s if self.admission.max_share is not None else None)
+            except queue.Empty:  # shares decay with time: jobs held by a quota may go in now
+                with self._lock:
+                    self._hand_over(self.admission.again())
+                continue
             if job_id is None or self._stopping:
                 return
             entry = self.journal.get(job_id)
