@@ -142,7 +142,9 @@ def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(yaml.safe_dump(tiny_config))
     run_dir = Path(tiny_config["run_dir"])
-    cfg = ServerConfig(port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), checkpoint_every=2)
+    cfg = ServerConfig(
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), checkpoint_every=2, driver="local"
+    )
 
     class Gate(Hook):
         def __init__(self) -> None:

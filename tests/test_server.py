@@ -163,7 +163,7 @@ def test_token_required_off_loopback_and_checked(tmp_path: Path, job_yaml: Path)
         load_server_config(None, ["host=0.0.0.0"])
     assert load_server_config(None, ["host=0.0.0.0"], token=TOKEN).token == TOKEN
     with pytest.raises(ConfigError, match="`scheduler` needs `driver: dask`"):
-        load_server_config(None, ["scheduler=tcp://x:1"])
+        load_server_config(None, ["scheduler=tcp://x:1", "driver=local"])
     with serving(tmp_path, token=TOKEN) as srv:
         for bad in (None, "wrong-token-wrong-token"):
             with pytest.raises(ServerError, match="missing or wrong token") as err:

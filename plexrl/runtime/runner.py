@@ -23,9 +23,8 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from plexrl.hooks.base import Hook, HookList, RunSummary
 from plexrl.job import JobRun
@@ -35,13 +34,11 @@ from plexrl.planner import (
     JobCancelled,
     JobDone,
     JobFailed,
-    JobPlan,
     JobSubmitted,
     NodeFinished,
     PlaceJob,
     Planner,
     RunNode,
-    ServiceJoined,
     ServiceLost,
     StateMeasured,
 )
@@ -49,6 +46,7 @@ from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Event, Instruction
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, Handle, LoadReport, NodeTask
+from plexrl.runtime.records import Budgets, Iteration, Pending, RunnableSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,57 +56,6 @@ _RUNNING: weakref.WeakSet[Runner] = weakref.WeakSet()
 def running_runners() -> list[Runner]:
     """The runners inside `run` in this process now (a SIGTERM handler stops them: `plexrl.server.signals`)."""
     return list(_RUNNING)
-
-
-class RunnableSpec(Protocol):
-    """What the runner needs of a job's spec (`JobSpec` for real jobs; the simulator has its own)."""
-
-    @property
-    def job_id(self) -> str: ...
-
-    def plan(self) -> JobPlan: ...
-
-    def inputs(self, node: str) -> Mapping[str, str]:
-        """Input port -> the node whose output feeds it."""
-        ...
-
-    @property
-    def model_dir(self) -> Path | None:
-        """Where to save the final model once done (None: do not)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class Budgets:
-    """Byte budgets per tier of every service (None = unlimited)."""
-
-    device: int | None = None
-    host: int | None = None
-    disk: int | None = None
-
-    def joined(self, service_id: str) -> ServiceJoined:
-        return ServiceJoined(service_id, self.device, self.host, self.disk)
-
-
-@dataclass(slots=True)
-class _Pending:
-    kind: str  # "node" | "load" | "checkpoint"
-    job_id: str
-    lane: str
-    iteration: int = 0
-    node: str = ""
-    task: NodeTask | None = None  # a node's task (run again on a retry)
-    attempt: int = 1  # which run of the node this is
-
-
-@dataclass(slots=True)
-class _Iteration:
-    """A job's current iteration as the runner sees it: output handles, metrics and seconds per node."""
-
-    start: float
-    outputs: dict[str, Handle] = field(default_factory=dict)
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class Runner:
@@ -143,8 +90,8 @@ class Runner:
         self.services: list[str] = []
         self.service_reports: dict[str, dict[str, Any]] = {}
         self.events_handled = 0
-        self._pending: dict[Handle, _Pending] = {}
-        self._iter: dict[str, _Iteration] = {}
+        self._pending: dict[Handle, Pending] = {}
+        self._iter: dict[str, Iteration] = {}
         self._failing: set[str] = set()  # reported to the planner, FailJob not yet received
         self._cancels: deque[JobCancelled] = deque()
         self._arrivals: list[tuple[float, int, str]] = []  # (time, order, job id): jobs not yet submitted
@@ -367,7 +314,7 @@ class Runner:
                 continue
             self.hooks.before_node(run, task.iteration, task.node, task.lane, self.clock())
             handle = self.executor.submit(task)
-            self._pending[handle] = _Pending("node", task.job_id, task.lane, task.iteration, task.node, task, attempt)
+            self._pending[handle] = Pending("node", task.job_id, task.lane, task.iteration, task.node, task, attempt)
 
     def _take_cancels(self) -> list[JobCancelled]:
         with self._cancel_lock:
@@ -392,10 +339,10 @@ class Runner:
             self._submit(run, ins)
         elif isinstance(ins, PlaceJob):
             run.status, run.service, run.started_at = "running", ins.service_id, self.clock()
-            self._iter[run.job_id] = _Iteration(self.clock())
+            self._iter[run.job_id] = Iteration(self.clock())
             self.hooks.on_job_start(run)
             handle = self.executor.load(run.job_id, ins.service_id, ins.tier)
-            self._pending[handle] = _Pending("load", run.job_id, ins.service_id)
+            self._pending[handle] = Pending("load", run.job_id, ins.service_id)
         elif isinstance(ins, IterationDone):
             self._end_iteration(run, ins.iteration)
         elif isinstance(ins, JobDone):
@@ -415,7 +362,7 @@ class Runner:
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline
         )
         handle = self.executor.submit(task)
-        self._pending[handle] = _Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
+        self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
 
     # -- results --------------------------------------------------------------------------------------
     def _collect(self, f: Finished) -> list[Event]:
@@ -467,7 +414,7 @@ class Runner:
         )
         return events
 
-    def _retry(self, run: JobRun, p: _Pending, error: str) -> bool:
+    def _retry(self, run: JobRun, p: Pending, error: str) -> bool:
         """Schedule the next run of a cpu node that failed, if its job's `retry` allows one (then True)."""
         policy = getattr(getattr(run.spec, "config", None), "retry", None)
         if policy is None or p.task is None or p.task.service_id is not None or p.attempt >= policy.attempts:
@@ -507,7 +454,7 @@ class Runner:
             metrics["time/iteration"] = now - it.start  # includes the previous iteration's hooks
             run.iterations_done += 1
         self.executor.forget(it.outputs.values())
-        self._iter[run.job_id] = _Iteration(now)
+        self._iter[run.job_id] = Iteration(now)
         run.history.append(metrics)
         self.hooks.on_iteration_end(run, iteration, metrics)
         path = self.checkpoint_at(run, iteration) if self.checkpoint_at is not None and iteration >= 0 else None
@@ -515,7 +462,7 @@ class Runner:
             # runs on the service after the job's last node and before its next one (`Executor.checkpoint`)
             real = iteration + getattr(run.spec, "start_iteration", 0)
             handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": real})
-            self._pending[handle] = _Pending("checkpoint", run.job_id, run.service, iteration)
+            self._pending[handle] = Pending("checkpoint", run.job_id, run.service, iteration)
 
     def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:
         model_dir = run.spec.model_dir
@@ -559,3 +506,6 @@ class Runner:
             if run.status == "running":
                 status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
                 self._close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))
+
+
+__all__ = ["Budgets", "RunnableSpec", "Runner", "running_runners"]

@@ -55,7 +55,9 @@ class ServerConfig(StrictModel):
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest request body accepted.")
     mlflow: bool = Field(True, description="Track every job in MLflow (a run per job, per attempt).")
     driver: Literal["dask", "local"] = Field(
-        "local", description="local: the runner executes nodes in-process; dask: on a Dask cluster."
+        "dask",
+        description="dask: nodes run on a Dask cluster (a local one, or `scheduler`); local: in the server process "
+        "(no worker to lose; for tests and a single small machine).",
     )
     scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (driver: dask).")
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
