@@ -36,3 +36,18 @@ def kill_own_worker_once(ctx: OpContext, *, at_iteration: int = 1, marker: str =
             pass
         os._exit(17)
     return EvalStats(accuracy=0.0, response_length=0.0, size=0)
+
+
+RUNS: dict[tuple[str, int], int] = {}  # (job, iteration) -> runs of `flaky_length_penalty` (in-process only)
+
+
+@operator(placement="cpu")
+def flaky_length_penalty(
+    ctx: OpContext, rollouts: Rollouts, rewards: Rewards, *, per_token: float = 0.25, fail_runs: int = 2
+) -> Rewards:
+    """`length_penalty` with a transient fault: its first `fail_runs` runs of each iteration raise."""
+    key = (ctx.job_id, ctx.iteration)
+    RUNS[key] = RUNS.get(key, 0) + 1
+    if RUNS[key] <= fail_runs:
+        raise ConnectionError(f"transient fault, run {RUNS[key]} of iteration {ctx.iteration}")
+    return Rewards(values=rewards.values - per_token * rollouts.response_lengths.float(), correct=rewards.correct)
