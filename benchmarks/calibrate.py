@@ -15,6 +15,9 @@ print prediction vs measurement side by side with the errors.
 that recording (a job alone has the machine to itself: its nodes and round trips are faster).
 
 Run it alone on the machine (2 cores): the fit run and the target run must see the same machine.
+
+`--smoke`: a tiny two-job mix (benchmarks/_tiny.py) on the local driver, 2 iterations, in a temporary
+directory, nothing saved (the test suite runs it; its errors mean nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import importlib.util
 import logging
 import pickle
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -132,7 +137,7 @@ def report(rec: dict[str, Any]) -> None:
     print(f"largest error {worst:.1%} (goal <= 15%)")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/multiplex.yaml")
     ap.add_argument("--iterations", type=int, default=20)
@@ -141,8 +146,17 @@ def main() -> None:
                     help="the fit run also records each job alone (for the isolated side)")  # fmt: skip
     ap.add_argument("--save", default="runs/calibrate/recording.pkl", help="where to keep the recorded runs")
     ap.add_argument("--replay", help="predict again from a saved recording (no real run)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, local driver, 2 iterations (tests)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.smoke:
+        sys.path.insert(0, str(HERE))
+        from _tiny import tiny_cluster_file
+
+        with tempfile.TemporaryDirectory(prefix="plexrl-calibrate-") as tmp:
+            args.config, args.iterations = str(tiny_cluster_file(tmp, driver="local")), 2
+            report(record(args))
+        return
     if args.replay:
         rec = pickle.loads(Path(args.replay).read_bytes())
     else:

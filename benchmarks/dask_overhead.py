@@ -3,12 +3,16 @@ to run it alone) and on a local Dask cluster (`DaskExecutor`, one service, looka
 on, as cluster runs use it), side by side; seconds per iteration over the iterations after the first 5
 and their ratio.
 
-    .venv/bin/python benchmarks/dask_overhead.py [--iterations 15] [--engine torch|vllm|auto]
+    .venv/bin/python benchmarks/dask_overhead.py [--iterations 15] [--engine torch|vllm|auto] [--smoke]
+
+`--smoke`: a tiny job (benchmarks/_tiny.py) for 3 iterations, 1 timed, in a temporary directory (the test
+suite runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +29,8 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_arithmetic.y
 WARMUP = 5
 
 
-def seconds_per_iteration(executor: Any, spec: Any, iterations: int, **kwargs: Any) -> float:
+def seconds_per_iteration(executor: Any, spec: Any, iterations: int, warmup: int = WARMUP, **kwargs: Any) -> float:
+    """Mean seconds per iteration over iterations warmup..iterations-1 (needs iterations > warmup)."""
     marks: dict[int, float] = {}
 
     class Clock(Hook):
@@ -35,25 +40,38 @@ def seconds_per_iteration(executor: Any, spec: Any, iterations: int, **kwargs: A
     (run,) = Runner(executor, hooks=[Clock()], **kwargs).run([spec])
     if run.status != "done":
         raise SystemExit(f"{run.status}: {run.error}")
-    return (marks[iterations - 1] - marks[WARMUP - 1]) / (iterations - WARMUP)
+    return (marks[iterations - 1] - marks[warmup - 1]) / (iterations - warmup)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=15)
     ap.add_argument("--engine", choices=["torch", "vllm", "auto"], default="auto")
+    ap.add_argument("--smoke", action="store_true", help="a tiny job, 3 iterations (for the tests)")
     args = ap.parse_args(argv)
-    raw = load_job(CONFIG).raw
-    raw.update(iterations=args.iterations, threads=1, engine=args.engine)  # one torch thread, as the services
-    raw["tracking"] = {"mlflow": False, "progress": False, "log_model": False}
+    warmup = WARMUP
+    tmp = tempfile.TemporaryDirectory(prefix="plexrl-dask-overhead-") if args.smoke else None
+    if tmp is not None:
+        from _tiny import tiny_job
+
+        raw = tiny_job(tmp.name, iterations=3)
+        args.iterations, warmup = 3, 2
+    else:
+        raw = load_job(CONFIG).raw
+        raw.update(iterations=args.iterations, threads=1, engine=args.engine)  # one torch thread, as the services
+        raw["tracking"] = {"mlflow": False, "progress": False, "log_model": False}
+    if args.iterations <= warmup:
+        ap.error(f"--iterations must exceed the {warmup} untimed ones")
     spec = prepare_job(load_job(raw))
     configure_torch(1)
-    inline = seconds_per_iteration(InlineExecutor(), spec, args.iterations)
+    inline = seconds_per_iteration(InlineExecutor(), spec, args.iterations, warmup)
     dask = seconds_per_iteration(
-        DaskExecutor(services=1, cpu_threads=1, service_threads=1), spec, args.iterations,
+        DaskExecutor(services=1, cpu_threads=1, service_threads=1), spec, args.iterations, warmup,
         lookahead=True, inline_below=0.01,
     )  # fmt: skip
-    print(f"engine {spec.generation}, {args.iterations - WARMUP} iterations timed (after {WARMUP})")
+    if tmp is not None:
+        tmp.cleanup()
+    print(f"engine {spec.generation}, {args.iterations - warmup} iterations timed (after {warmup})")
     print(f"in-process (InlineExecutor): {inline:.3f} s/iteration")
     print(f"local Dask (DaskExecutor)  : {dask:.3f} s/iteration")
     print(f"ratio dask / in-process = {dask / inline:.3f}")

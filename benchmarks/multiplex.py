@@ -1,22 +1,33 @@
-"""Multiplexing vs isolation, side by side in one invocation, on a real Dask cluster.
+"""Multiplexing against a lean dedicated baseline and against PlexRL-isolated, side by side in one invocation.
 
-The same job mix (a cluster config, default `configs/multiplex.yaml`) runs twice:
-(a) isolated: each job alone on its own service, the jobs one after another (so they do not compete for
-    this machine's cores); a job's isolated cost = 1 service x its own wall time (placement to end), and
-    its isolated completion time is the denominator of its slowdown;
-(b) multiplexed: all jobs on the config's services (fewer services than jobs), with its placement,
-    ordering and memory budgets; cost = services x the run's wall time.
-Prints per job: steps, isolated wall, multiplexed completion, slowdown; per run: accelerator-seconds per
-training step and the ratio multiplexed / isolated; swap figures: bytes moved, blocking swap seconds, and
-the share of swap time hidden by prefetch. Identical seeds in (a) and (b); MLflow and progress bars off.
+The same job mix (a cluster config, default `configs/multiplex.yaml`) runs three ways in every repetition:
+(a) lean: each job alone, in this process, on the local driver (`InlineExecutor`: no Dask, no scheduler round
+    trips, no copies of a batch; the fastest way PlexRL or a plain loop runs one job), with the same torch
+    threads for model work as the multiplexed service (`services.threads`); a job's cost = 1 service x its
+    own wall time (placement to end); its completion time is the denominator of its slowdown. This is the
+    dedicated baseline of DESIGN.md ("the fastest way a user could run it alone");
+(b) isolated on the config's driver (Dask by default): each job alone on its own service, one after another;
+    the second column, for comparison with the figures published before the lean baseline existed;
+(c) multiplexed: all jobs on the config's services with its placement, ordering and memory budgets;
+    cost = services x the makespan (first placement to last end).
+Prints per job: steps, wall alone (lean, isolated), multiplexed completion, slowdown against (a) and (b);
+per run: accelerator-seconds per training step and the ratios multiplexed / lean and multiplexed / isolated;
+with `--reps N` (default 3) every headline figure as mean +- sample standard deviation [min, max]. Also the
+service's busy / swap / startup / idle seconds and the swap figures of each multiplexed run (bytes moved,
+blocking seconds, share of swap time hidden by prefetch). Identical seeds in (a), (b) and (c); MLflow and
+progress bars off; warm starts are built (cached) before anything is timed.
 
-    .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--iterations 40]
-        [--engine auto|vllm|torch]
+Start-up: every arm's job wall time includes its own load (engine build). The process imports vLLM once
+before the lean runs (as a long-running trainer would have it); a Dask worker imports it on its first load,
+which the isolated and multiplexed runs pay (see the `startup` column of the accounting).
 
-Where the idle gaps of the default mix come from: the GRPO job's own CPU nodes (prompt sampling, reward
-verification, advantages: small) and its periodic evaluation; the two judged jobs wait for a remote
-verifier's round trip (0.5 s and 0.8 s per batch; `remote_verify` models that latency, it is the one
-modelled part). Run it alone on the machine: other processes on the 2 cores distort every figure.
+    .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--iterations 40] [--reps 3]
+        [--engine auto|vllm|torch] [--driver dask|local] [--smoke]
+
+`--smoke`: a tiny two-job mix (benchmarks/_tiny.py), 2 iterations, 1 repetition, everything on the local
+driver (no Dask), in a temporary directory (the test suite runs it; its figures mean nothing).
+
+Run it alone on the machine: other processes on the 2 cores distort every figure.
 """
 
 from __future__ import annotations
@@ -25,13 +36,17 @@ import argparse
 import copy
 import dataclasses
 import logging
+import statistics
+import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from plexrl.cluster import LoadedCluster, load_cluster, run_cluster
 
 
 def with_iterations(cluster: LoadedCluster, iterations: int | None, engine: str | None = None) -> LoadedCluster:
+    """A copy of `cluster` with every job's iterations (and engine) overridden, MLflow and progress bars off."""
     jobs = []
     for job in cluster.jobs:
         job = copy.deepcopy(job)
@@ -47,7 +62,20 @@ def with_iterations(cluster: LoadedCluster, iterations: int | None, engine: str 
     return dataclasses.replace(cluster, config=cfg, jobs=jobs)
 
 
+def alone(cluster: LoadedCluster, job: Any, driver: str) -> LoadedCluster:
+    """The cluster config reduced to `job` alone on one service of `driver`."""
+    cfg = cluster.config.model_copy(
+        update={
+            "services": cluster.config.services.model_copy(update={"count": 1}),
+            "placement": "isolated",
+            "driver": driver,
+        }
+    )
+    return dataclasses.replace(cluster, config=cfg, jobs=[job])
+
+
 def swap_summary(reports: dict[str, dict[str, Any]]) -> tuple[float, float, float, int]:
+    """Blocking swap seconds, prefetch seconds, share of swap time hidden by prefetch, bytes moved."""
     blocking = sum(r.get("blocking_swap_seconds", 0.0) for r in reports.values())
     prefetch = sum(r.get("prefetch_seconds", 0.0) for r in reports.values())
     waited = sum(r.get("prefetch_wait_seconds", 0.0) for r in reports.values())
@@ -69,75 +97,153 @@ def service_seconds(job: Any) -> float:
     return sum(r.get(f"time/{n}", 0.0) for r in rows for n in names) / max(len(rows), 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/multiplex.yaml")
-    ap.add_argument("--iterations", type=int, default=40, help="iterations per job (default 40; None: config's)")
-    ap.add_argument("--engine", choices=["auto", "vllm", "torch"], help="override the jobs' rollout engine")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    cluster = with_iterations(load_cluster(args.config), args.iterations, args.engine)
-    n_services = cluster.config.services.count
-    # warm starts first (cached), so neither side pays for them
-    from plexrl.job import prepare_job
+def spread(values: Sequence[float]) -> str:
+    """`mean +- sd [min, max]` (sd: sample standard deviation; one value: just the value)."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    sd = statistics.stdev(values)
+    return f"{statistics.mean(values):.3f} +- {sd:.3f} [{min(values):.3f}, {max(values):.3f}]"
 
-    for job in cluster.jobs:
-        prepare_job(job)
 
-    iso: dict[str, dict[str, float]] = {}
-    iso_cost = 0.0
-    iso_steps = 0
+@dataclasses.dataclass(slots=True)
+class Alone:
+    """One job run alone: wall time from placement to end, steps, status, service seconds per iteration."""
+
+    wall: float
+    steps: int
+    status: str
+    svc: float
+
+
+def run_alone(cluster: LoadedCluster, driver: str, label: str) -> dict[str, Alone]:
+    """Each job of `cluster` alone on one service of `driver`, one after another."""
+    out: dict[str, Alone] = {}
     for job in cluster.jobs:
-        alone_cfg = cluster.config.model_copy(
-            update={"services": cluster.config.services.model_copy(update={"count": 1}), "placement": "isolated"}
-        )
-        one = dataclasses.replace(cluster, config=alone_cfg, jobs=[job])
-        res = run_cluster(one)
-        (h,) = res.jobs
+        (h,) = run_cluster(alone(cluster, job, driver)).jobs
         wall = (h.finished_at or 0.0) - (h.started_at or 0.0)
-        iso[h.job_id] = {"wall": wall, "steps": h.iterations_done, "status": h.status, "svc": service_seconds(h)}
-        iso_cost += wall
-        iso_steps += h.iterations_done
-        print(f"isolated {h.job_id:<18} {h.status:<6} {h.iterations_done:>4} steps {wall:7.1f}s "
+        out[h.job_id] = Alone(wall, h.iterations_done, h.status, service_seconds(h))
+        print(f"  {label:<9} {h.job_id:<20} {h.status:<6} {h.iterations_done:>4} steps {wall:7.1f}s "
               f"({per_iteration(h):.3f} s/iteration)", flush=True)  # fmt: skip
+    return out
 
+
+@dataclasses.dataclass(slots=True)
+class Rep:
+    """One repetition's figures."""
+
+    lean: dict[str, Alone]
+    iso: dict[str, Alone]
+    completion: dict[str, float]
+    mux_svc: dict[str, float]
+    mux_cps: float
+    statuses: list[str]
+
+    def cost_per_step(self, arm: dict[str, Alone]) -> float:
+        return sum(a.wall for a in arm.values()) / sum(a.steps for a in arm.values())
+
+
+def one_rep(cluster: LoadedCluster, iso_driver: str) -> Rep:
+    """(a) lean, (b) isolated on `iso_driver`, (c) multiplexed: see the module docstring."""
+    from plexrl.runtime.jobs import configure_torch
+
+    configure_torch(cluster.config.services.threads)  # the lean runs' model work: the service's threads
+    lean = run_alone(cluster, "local", "lean")
+    iso = run_alone(cluster, iso_driver, "isolated")
     t0 = time.time()
     res = run_cluster(cluster)
-    mux_wall = time.time() - t0
+    wall = time.time() - t0
     first = min(h.started_at or 0.0 for h in res.jobs)
     last = max(h.finished_at or 0.0 for h in res.jobs)
     makespan = last - first
-    mux_cost = n_services * makespan
-    mux_steps = sum(h.iterations_done for h in res.jobs)
-    print()
-    print(
-        f"{'job':<20}{'steps':>6}{'isolated s':>12}{'mux completion s':>18}{'slowdown':>10}{'mux s/iteration':>17}"
-        f"{'service s/it iso -> mux':>26}"
-    )
-    slowdowns = []
-    for h in res.jobs:
-        completion = (h.finished_at or 0.0) - first
-        sd = completion / iso[h.job_id]["wall"]
-        slowdowns.append(sd)
-        print(f"{h.job_id:<20}{h.iterations_done:>6}{iso[h.job_id]['wall']:>12.1f}{completion:>18.1f}{sd:>10.2f}"
-              f"{per_iteration(h):>17.3f}{iso[h.job_id]['svc']:>18.3f} -> {service_seconds(h):.3f}")  # fmt: skip
-    iso_cps = iso_cost / iso_steps
-    mux_cps = mux_cost / mux_steps
-    print()
-    print(f"isolated:    {len(cluster.jobs)} services-worth, {iso_cost:.1f} accelerator-s, {iso_cps:.3f} acc-s/step")
-    print(f"multiplexed: {n_services} service(s), makespan {makespan:.1f}s (run {mux_wall:.1f}s incl. start-up), "
-          f"{mux_cost:.1f} accelerator-s, {mux_cps:.3f} acc-s/step")  # fmt: skip
+    mux_cps = cluster.config.services.count * makespan / max(sum(h.iterations_done for h in res.jobs), 1)
+    print(f"  multiplexed: makespan {makespan:.1f}s (run {wall:.1f}s incl. start-up), {mux_cps:.3f} acc-s/step")
     for s in res.report.services:
-        print(f"  {s.service}: busy {s.busy:.1f}s swap {s.swap:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")
+        print(f"    {s.service}: busy {s.busy:.1f}s (weight loads {s.weights:.2f}s of it) swap {s.swap:.2f}s "
+              f"startup {s.startup:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")  # fmt: skip
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
-    print(f"  swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, prefetch {prefetch:.2f}s, "
-          f"hidden by prefetch {hidden:.0%} of swap time")  # fmt: skip
+    print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, prefetch {prefetch:.2f}s, "
+          f"hidden by prefetch {hidden:.0%} of swap time", flush=True)  # fmt: skip
+    return Rep(
+        lean,
+        iso,
+        {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
+        {h.job_id: service_seconds(h) for h in res.jobs},
+        mux_cps,
+        [h.status for h in res.jobs],
+    )
+
+
+def summarize(reps: list[Rep], iso_label: str) -> None:
+    """The per-job table and the headline ratios over the repetitions."""
+    jobs = list(reps[0].completion)
     print()
-    ratio = mux_cps / iso_cps
-    worst = max(slowdowns)
-    print(f"accelerator-seconds per step, multiplexed / isolated = {ratio:.3f} (goal <= 0.65); "
-          f"largest slowdown {worst:.2f} (goal <= 1.25)")  # fmt: skip
-    if any(h.status != "done" for h in res.jobs) or any(v["status"] != "done" for v in iso.values()):
+    print(f"{'job':<20}{'steps':>6}{'lean s':>9}{f'{iso_label} s':>12}{'mux s':>9}{'slowdown vs lean':>34}"
+          f"{f'vs {iso_label}':>34}{'service s/it lean -> mux':>27}")  # fmt: skip
+    worst: list[float] = []
+    for r in reps:
+        worst.append(max(r.completion[j] / r.lean[j].wall for j in jobs))
+    for j in jobs:
+        lean = [r.lean[j].wall for r in reps]
+        iso = [r.iso[j].wall for r in reps]
+        mux = [r.completion[j] for r in reps]
+        sd_lean = [m / a for m, a in zip(mux, lean, strict=True)]
+        sd_iso = [m / a for m, a in zip(mux, iso, strict=True)]
+        svc = f"{statistics.mean(r.lean[j].svc for r in reps):.3f} -> {statistics.mean(r.mux_svc[j] for r in reps):.3f}"
+        print(f"{j:<20}{reps[0].lean[j].steps:>6}{statistics.mean(lean):>9.1f}{statistics.mean(iso):>12.1f}"
+              f"{statistics.mean(mux):>9.1f}{spread(sd_lean):>34}{spread(sd_iso):>34}{svc:>27}")  # fmt: skip
+    lean_cps = [r.cost_per_step(r.lean) for r in reps]
+    iso_cps = [r.cost_per_step(r.iso) for r in reps]
+    mux_cps = [r.mux_cps for r in reps]
+    print()
+    print(f"accelerator-seconds per step: lean {spread(lean_cps)}, {iso_label} {spread(iso_cps)}, "
+          f"multiplexed {spread(mux_cps)}")  # fmt: skip
+    vs_lean = [m / b for m, b in zip(mux_cps, lean_cps, strict=True)]
+    vs_iso = [m / b for m, b in zip(mux_cps, iso_cps, strict=True)]
+    print(f"multiplexed / lean     = {spread(vs_lean)} (goal <= 0.65); largest slowdown vs lean {spread(worst)} "
+          f"(goal <= 1.25)")  # fmt: skip
+    print(f"multiplexed / {iso_label:<8} = {spread(vs_iso)}")
+    print(f"({len(reps)} repetition(s); mean +- sample sd [min, max])")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/multiplex.yaml")
+    ap.add_argument("--iterations", type=int, default=40, help="iterations per job (default 40)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the three arms (default 3)")
+    ap.add_argument("--engine", choices=["auto", "vllm", "torch"], help="override the jobs' rollout engine")
+    ap.add_argument("--driver", choices=["dask", "local"], help="isolated and multiplexed arms (default: config's)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, 2 iterations, 1 rep, local (tests)")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    logging.basicConfig(level=logging.WARNING)
+    tmp = tempfile.TemporaryDirectory(prefix="plexrl-multiplex-") if args.smoke else None
+    if tmp is not None:
+        from _tiny import tiny_cluster_file
+
+        args.config = str(tiny_cluster_file(tmp.name, driver="local"))
+        args.iterations, args.reps, args.driver = 2, 1, "local"
+    cluster = with_iterations(load_cluster(args.config), args.iterations, args.engine)
+    if args.driver is not None:
+        cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"driver": args.driver}))
+    driver = cluster.config.driver
+    from plexrl.job import prepare_job
+
+    specs = [prepare_job(job) for job in cluster.jobs]  # warm starts first (cached), so no arm pays for them
+    if any(s.generation == "vllm" for s in specs):
+        from plexrl.engines.vllm_engine import _import_vllm
+
+        _import_vllm()  # once per process, before anything is timed (see the module docstring)
+    iso_label = "dask-iso" if driver == "dask" else "local-iso"
+    reps = []
+    for i in range(args.reps):
+        print(f"repetition {i + 1}/{args.reps}", flush=True)
+        reps.append(one_rep(cluster, driver))
+    summarize(reps, iso_label)
+    if tmp is not None:
+        tmp.cleanup()
+    bad = [s for r in reps for s in r.statuses + [a.status for a in (*r.lean.values(), *r.iso.values())]]
+    if any(s != "done" for s in bad):
         raise SystemExit("a job did not finish; the figures above are not comparable")
 
 

@@ -3,7 +3,9 @@ over the in-process executor, hooks incl. MLflow; `time/iteration` counts the ho
 hand-written loop calling the same operator functions directly, side by side in one process. Prints
 seconds per iteration of each and their ratio.
 
-    .venv/bin/python benchmarks/pipeline_overhead.py [--iterations 30] [--mlflow/--no-mlflow]
+    .venv/bin/python benchmarks/pipeline_overhead.py [--iterations 30] [--mlflow/--no-mlflow] [--smoke]
+
+`--smoke`: a tiny job (benchmarks/_tiny.py), 2 iterations, in a temporary directory (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import copy
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from plexrl.config import load_job
@@ -40,21 +43,25 @@ def hand_loop(job: Any, iterations: int) -> float:
     return (time.perf_counter() - start) / iterations
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--mlflow", action=argparse.BooleanOptionalAction, default=True)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a tiny job, 2 iterations (for the tests)")
+    args = ap.parse_args(argv)
     run_dir = tempfile.mkdtemp(prefix="plexrl-bench-")
-    raw = {
-        "run_dir": run_dir,
-        "iterations": args.iterations,
-        "tracking": {"mlflow": args.mlflow, "progress": False, "log_model": False},
-    }
+    tracking = {"mlflow": args.mlflow, "progress": False, "log_model": False}
+    raw: dict[str, Any] = {"run_dir": run_dir, "iterations": args.iterations, "tracking": tracking}
+    warmup = 5
+    if args.smoke:
+        from _tiny import tiny_job
+
+        raw = tiny_job(run_dir, iterations=2, tracking=tracking)
+        args.iterations, warmup = 2, 1
     loaded = load_job(copy.deepcopy(raw))
     configure_torch(loaded.config.threads)
     job = prepare_job(loaded)  # warm start, cached for both runs
-    hand_loop(job, 5)  # warm-up (allocator, kernels) so that order does not favour either side
+    hand_loop(job, warmup)  # warm-up (allocator, kernels) so that order does not favour either side
     before = hand_loop(job, args.iterations)
     (done,) = run_jobs([load_job(copy.deepcopy(raw))], progress=False)
     per_iteration = [row["time/iteration"] for row in done.history if "time/iteration" in row]  # not the baseline

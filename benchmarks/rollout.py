@@ -7,7 +7,10 @@ nearly every row runs to the limit; the mean length is printed so the three can 
 generated tokens / wall seconds of the call, median over `--repeats` after one untimed warm-up.
 
 * raw vLLM: one `LLM.generate` call with `SamplingParams(n=8, logprobs=0)` on the same in-process engine the
-  wrapper uses (same settings: fp32, eager, processed log-probs);
+  wrapper uses (same settings: fp32, eager, processed log-probs), and the SAME detokenize setting as the
+  wrapper: the wrapper asks vLLM to detokenize only when a stop string is given (none here), so raw calls
+  pass `detokenize=False` too (vLLM's default is True; `--raw-detokenize` times raw calls with it, to show
+  what it costs), and the same eos stop token;
 * wrapper: `VLLMEngine.generate` (one request per row with its own seed, building the padded tensors and
   behaviour log-probs of `GenerationOutput`); goal: overhead <= 10% vs raw;
 * torch: `TorchEngine.generate` (a KV-cached sampling loop); goal on the larger model: vLLM >= 1.5x torch.
@@ -15,15 +18,19 @@ generated tokens / wall seconds of the call, median over `--repeats` after one u
 Also timed: a weight sync (the policy's tensors streamed into vLLM after a training step) and a per-job
 weight swap (two jobs alternating on one shared engine), median over the repeats.
 
-    .venv/bin/python benchmarks/rollout.py [--repeats 5] [--tokens 128] [--skip-large]
+    .venv/bin/python benchmarks/rollout.py [--repeats 5] [--tokens 128] [--skip-large] [--raw-detokenize] [--smoke]
+
+`--smoke`: the tiny model only, built in a temporary directory, 8 tokens, 1 repeat (the test suite runs it;
+it still imports vLLM and starts an engine: ~10 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +67,9 @@ def timed(fn: Callable[[int], int], repeats: int) -> tuple[float, float]:
     return statistics.median(times), statistics.mean(counts)
 
 
-def bench_model(name: str, sizes: dict[str, int], root: Path, repeats: int, tokens: int) -> dict[str, Any]:
+def bench_model(
+    name: str, sizes: dict[str, int], root: Path, repeats: int, tokens: int, raw_detokenize: bool = False
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -86,9 +95,12 @@ def bench_model(name: str, sizes: dict[str, int], root: Path, repeats: int, toke
             per, reqs = (1, [p for p in prompts for _ in range(n)]) if greedy else (n, prompts)
             temp = 0.0 if greedy else 1.0
             sp = [
-                SamplingParams(n=per, temperature=temp, max_tokens=tokens, logprobs=0, seed=row_seed(seed, i * per))
+                SamplingParams(
+                    n=per, temperature=temp, max_tokens=tokens, logprobs=0, seed=row_seed(seed, i * per),
+                    stop_token_ids=[tok.eos_token_id], detokenize=raw_detokenize,
+                )
                 for i in range(len(reqs))
-            ]
+            ]  # fmt: skip
             outs = shared.llm.generate([TokensPrompt(prompt_token_ids=p) for p in reqs], sp, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
@@ -124,13 +136,19 @@ def bench_model(name: str, sizes: dict[str, int], root: Path, repeats: int, toke
     return row
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--root", default="runs/bench-models", help="where the built models are cached")
     ap.add_argument("--skip-large", action="store_true", help="only the tiny model")
-    args = ap.parse_args()
+    ap.add_argument("--raw-detokenize", action="store_true", help="raw calls detokenize (the wrapper does not)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model in a temp dir, 8 tokens, 1 repeat (tests)")
+    args = ap.parse_args(argv)
+    tmp = None
+    if args.smoke:
+        tmp = tempfile.TemporaryDirectory(prefix="plexrl-rollout-")
+        args.root, args.skip_large, args.repeats, args.tokens = tmp.name, True, 1, 8
     from plexrl.engines.vllm_engine import vllm_installed
 
     if not vllm_installed():
@@ -139,10 +157,13 @@ def main() -> None:
     for name, sizes in MODELS.items():
         if args.skip_large and name != next(iter(MODELS)):
             continue
-        rows.append(bench_model(name, sizes, Path(args.root), args.repeats, args.tokens))
+        rows.append(bench_model(name, sizes, Path(args.root), args.repeats, args.tokens, args.raw_detokenize))
+    if tmp is not None:
+        tmp.cleanup()
+    detok = "raw calls detokenize, the wrapper does not" if args.raw_detokenize else "neither detokenizes"
     print(f"\nbatch 64 (8 prompts x 8 samples), <= {args.tokens} new tokens, torch threads "
           f"{torch.get_num_threads()}, median of {args.repeats}; sampled = temperature 1.0 (raw and wrapper with "
-          "the same seeds), greedy = the same tokens on all three")  # fmt: skip
+          f"the same seeds), greedy = the same tokens on all three; {detok}")  # fmt: skip
     print(f"{'model':24} {'decoding':8} {'params':>7} {'raw vLLM tok/s':>15} {'VLLMEngine':>11} {'torch':>9} "
           f"{'wrapper/raw':>12} {'vLLM/torch':>11} {'mean len':>15}")  # fmt: skip
     for r in rows:

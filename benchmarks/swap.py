@@ -41,7 +41,11 @@ place: temporaries while building it left layouts that varied from run to run, a
 cores, each per-tensor `copy_` (one intra-op parallel region) waits for its preempted worker thread, and
 per-tensor copies, raw and swap alike, drop far below the one-buffer copy (compare `--threads 1`).
 
-    .venv/bin/python benchmarks/swap.py [--mb 300] [--repeats 5] [--device cpu|cuda] [--hidden 1024]
+    .venv/bin/python benchmarks/swap.py [--mb 300] [--repeats 5] [--device cpu|cuda] [--hidden 1024] [--smoke]
+
+The last line also holds the swaps against the machine's plain memory bandwidth: one reused buffer of the
+state's size filled by a single `copy_` (no allocation, no page faults, one parallel region), the fastest a
+byte can move here. `--smoke`: an 8 MiB state, one repeat of everything (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +161,7 @@ def big_copy(rec: Recorder, tag: str, nbytes: int, src_dev: torch.device, dst_de
     rec.on = False
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=300.0, help="state size in MiB (policy weights + 2 AdamW moments)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats of every phase (after one warm-up)")
@@ -167,7 +171,10 @@ def main() -> None:
     ap.add_argument("--spill-dir", default=None, help="directory of the disk spill file (default: system temp)")
     ap.add_argument("--fsync", action="store_true", help="also time an fsync of the spill file (real write-back)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="8 MiB state, hidden 64, one repeat (for the tests)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.mb, args.hidden, args.repeats, args.disk_repeats = 8.0, 64, 1, 1
     if args.repeats < 1 or args.disk_repeats < 1:
         ap.error("--repeats and --disk-repeats must be at least 1")
     if args.threads:
@@ -287,6 +294,8 @@ def main() -> None:
         f"swap-in {best['swap_in']:.1f} GB/s, swap-out {best['swap_out']:.1f} GB/s, raw copy {raw} GB/s "
         f"-> ratio {ratio:.2f} (goal >= 0.70, {goal})"
     )
+    bandwidth = f"{best['big_reused']:.1f}" + (f" / in {best[big_in]:.1f}" if cuda else "")
+    print(f"memory bandwidth (one reused buffer, copy_) {bandwidth} GB/s -> swap / bandwidth {vs_big:.2f}")
     if after != before:
         raise SystemExit("state changed across swaps")
 

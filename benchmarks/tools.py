@@ -17,6 +17,10 @@ busy.
 The sandbox's isolation on this machine is printed first: without namespaces the numbers are not comparable.
 
     .venv/bin/python benchmarks/tools.py [--calls 100] [--concurrency 4] [--seconds 6] [--burners N] [--before REV]
+        [--smoke]
+
+`--smoke`: 2 calls of each kind, 0.3 s throughput phases with one thread and one burner (the test suite runs
+it; a few seconds).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,7 +112,7 @@ def row(name: str, values: list[float]) -> str:
     return f"{name:<50} {len(ms):>6} {statistics.median(ms):>10.2f} {percentile(ms, 0.99):>10.2f}"
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=100, help="sequential python-tool calls for latency")
     ap.add_argument("--calc-calls", type=int, default=2000, help="sequential calculator calls for latency")
@@ -116,14 +120,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput phase")
     ap.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="CPU-spinning processes when busy")
     ap.add_argument("--before", help="git revision whose launcher to compare with (e.g. the commit before hardening)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a few calls, short phases (for the tests)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.calls, args.calc_calls, args.concurrency, args.seconds, args.burners = 2, 20, 1, 0.3, 1
     logging.basicConfig(level=logging.ERROR)  # the unfiltered sandbox warns that it is degraded: on purpose here
 
     python, calculator = PythonTool(timeout_s=10), Calculator()
     print(f"sandbox isolation: {python.sandbox.isolation.summary()}")
     print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}")
     calc = latencies(lambda: calculator.execute("bench", {"expression": "(17 * 23 + 4) ** 3 / 7"}), args.calc_calls)
-    latencies(lambda: python.execute("bench", {"code": "print(1)"}), 5)  # warm-up: page cache, imports
+    latencies(lambda: python.execute("bench", {"code": "print(1)"}), min(5, args.calls))  # warm-up: page cache, imports
     limits = SandboxLimits(timeout_s=10)
     with tempfile.TemporaryDirectory() as scratch:
         configs = {
@@ -139,7 +146,7 @@ def main() -> None:
     py = compared["hardened (all, seccomp filter)"]
     cases = unit_tests("f", [((x,), 3 * x + 1) for x in range(4)])
     verdicts = []
-    for _ in range(max(args.calls // 4, 5)):
+    for _ in range(max(args.calls // 4, 1 if args.smoke else 5)):
         started = time.perf_counter()
         if code_unit_tests(["def f(x):\n    return 3 * x + 1"], [cases]) != [1.0]:
             raise SystemExit("code_unit_tests failed on a correct program")

@@ -1,0 +1,122 @@
+"""Every script in benchmarks/ has a `--smoke` mode, and the test suite runs it, so that none can rot.
+
+A smoke run exercises the script's whole code path on tiny jobs (`benchmarks/_tiny.py`) in seconds; its
+figures mean nothing, only that it ran to the end and printed its headline line. Each runs in this process
+(`main(["--smoke"])`): a subprocess would pay torch's import every time. Three are run by the tests of what
+they measure (SMOKED_ELSEWHERE); a test checks that those tests still exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+# benchmark -> what its smoke run must print (the headline: the run reached its end); one not listed here is
+# still run, and must print something and not raise
+EXPECTED = {
+    "algorithms": "| algorithm | held-out accuracy before |",
+    "calibrate": "largest error",
+    "client_bytes": "client bytes/iteration",
+    "dask_overhead": "ratio dask / in-process",
+    "multiplex": "multiplexed / lean",
+    "pipeline_overhead": "ratio plexrl / hand",
+    "rollout": "wrapper/raw",
+    "serve": "status p99",
+    "swap": "memory bandwidth (one reused buffer, copy_)",
+    "tools": "ratio busy / idle",
+}
+SMOKED_ELSEWHERE = {
+    "planner": ("tests/test_sim.py", "test_benchmark_smoke_prints_dispatch_rates"),
+    "simulate": ("tests/test_simulate.py", "test_simulate_benchmark_smoke"),
+    "sim_layouts": ("tests/test_simulate.py", "load_benchmark(\"sim_layouts\""),
+}
+
+
+def scripts() -> list[str]:
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def load(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Import benchmarks/NAME.py as a module, with benchmarks/ on sys.path (for `_tiny`), as a script sees it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_has_a_smoke_mode_that_a_test_runs() -> None:
+    names = scripts()
+    assert len(names) >= 13
+    for name in names:
+        source = (BENCHMARKS / f"{name}.py").read_text()
+        assert '"--smoke"' in source, f"benchmarks/{name}.py has no --smoke mode"
+        assert "def main(argv: " in source, f"benchmarks/{name}.py: main(argv) lets the tests pass --smoke"
+    assert set(EXPECTED) <= set(names), "EXPECTED names a benchmark that is gone"
+    for path, marker in SMOKED_ELSEWHERE.values():
+        assert marker in (ROOT / path).read_text(), f"{path} no longer runs its benchmark's smoke mode"
+
+
+@pytest.fixture
+def torch_threads() -> Any:
+    """Benchmarks set torch's thread count for their model work; later tests get it back."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# Start a process and pay its imports (Dask workers, a server, vLLM's import and engine start): 15-60 s each on
+# 2 shared cores, the rest a few seconds. `-m "not slow"` leaves them out.
+SLOW = {"client_bytes", "dask_overhead", "rollout", "serve"}
+# A Dask cluster started while another process on the machine holds one of distributed's default HTTP ports:
+# distributed warns, takes another port, and leaks the socket of the failed bind (its bug, not ours).
+DASK_PORT_CLASH = [
+    pytest.mark.filterwarnings("ignore:Port .* is already in use:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+def params() -> list[Any]:
+    """Every benchmark not smoked elsewhere (a new one is picked up here with no edit: it runs as a script, in a
+    subprocess, and counts as slow until it is listed in EXPECTED)."""
+    out = []
+    for name in [n for n in scripts() if n not in SMOKED_ELSEWHERE]:
+        marks = [pytest.mark.slow] if name in SLOW or name not in EXPECTED else []
+        if name in ("client_bytes", "dask_overhead"):
+            marks += DASK_PORT_CLASH
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+@pytest.mark.parametrize("name", params())
+def test_smoke(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], torch_threads: Any
+) -> None:
+    if name == "rollout":
+        from plexrl.engines.vllm_engine import vllm_installed
+
+        if not vllm_installed():
+            pytest.skip("vLLM is not installed (make setup-vllm)")
+    monkeypatch.chdir(ROOT)
+    if name in EXPECTED:
+        load(name, monkeypatch).main(["--smoke"])
+        out = capsys.readouterr().out
+    else:  # not vetted for running in this process (it may spawn processes that re-import its __main__)
+        script = [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke"]
+        done = subprocess.run(script, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = done.stdout
+    assert EXPECTED.get(name, "") in out, out[-2000:]
+    assert out.strip(), "a smoke run printed nothing"
