@@ -40,6 +40,15 @@ class ServicesConfig(StrictModel):
     host_memory: ByteSize | None = Field(None, description="Host-tier budget per service (None: unlimited).")
     disk: ByteSize | None = Field(None, description="Disk-tier budget per service (None: unlimited).")
     threads: int | None = Field(None, ge=1, description="torch threads per service worker (default: torch's).")
+    ranks: int = Field(
+        1, ge=1, le=1024,
+        description="Accelerators (Dask workers) per service: > 1 makes each service a worker group with one "
+        "process group (FSDP2 training, rollouts on rank 0); budgets are per rank. Needs driver: dask.",
+    )  # fmt: skip
+    group_timeout: float = Field(
+        60.0, gt=0, le=3600,
+        description="Seconds a worker group waits for a rank to join or a collective to finish before the node fails.",
+    )  # fmt: skip
 
 
 class ClusterJob(StrictModel):
@@ -81,6 +90,12 @@ class ClusterConfig(StrictModel):
     experiment: str = Field("plexrl", description="MLflow experiment of the cluster run.")
     progress: bool = Field(True, description="Progress bars on a terminal.")
     jobs: list[ClusterJob] = Field(description="The jobs that share the services.", min_length=1)
+
+    @model_validator(mode="after")
+    def _groups_on_dask(self) -> ClusterConfig:
+        if self.services.ranks > 1 and self.driver != "dask":
+            raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
+        return self
 
 
 @dataclass(slots=True)
@@ -205,7 +220,7 @@ def make_executor(cfg: ClusterConfig) -> Executor:
 
     return DaskExecutor(
         services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
-        device=s.device, validate=cfg.validate_state,
+        device=s.device, validate=cfg.validate_state, ranks=s.ranks, group_timeout=s.group_timeout,
     )  # fmt: skip
 
 

@@ -62,7 +62,7 @@ class FSDPEngine:
         with_reference: bool = False,
         attention: str = "sdpa",
     ) -> None:
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
         from transformers import AutoModelForCausalLM
 
         self.group, self.rank = group, group.rank
@@ -74,6 +74,10 @@ class FSDPEngine:
             self.full = TorchEngine(model_dir, eos_id=eos_id, pad_id=pad_id, device=device,
                                     with_reference=with_reference, attention=attention)  # fmt: skip
             self.full.optimizer = None  # the moments live sharded below, not in the generation copy
+            with torch.no_grad():  # own, resizable storage (from_pretrained may map the file): swaps resize it
+                for model in (self.full.policy, self.full.reference):
+                    for p in model.parameters() if model is not None else ():
+                        p.data = p.data.clone()
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attention)
         self.policy = shard_model(model.to(self.device), group.mesh)  # type: ignore[arg-type]
         self.policy.eval()
@@ -87,7 +91,11 @@ class FSDPEngine:
                 p = params[int(i)]
                 for k, v in list(st.items()):
                     if isinstance(v, Tensor) and v.dim() > 0 and hasattr(p, "device_mesh"):
-                        st[k] = distribute_tensor(v.to(self.device), p.device_mesh, [Shard(0)], src_data_rank=None)
+                        dt = distribute_tensor(v.to(self.device), p.device_mesh, [Shard(0)], src_data_rank=None)
+                        # its own compact storage (the slice is a view of the whole loaded tensor, whose storage
+                        # belongs to the file reader and cannot be resized by a swap)
+                        st[k] = DTensor.from_local(dt.to_local().clone(), p.device_mesh, [Shard(0)], run_check=False,
+                                                   shape=dt.shape, stride=dt.stride())  # fmt: skip
             self.optimizer = torch.optim.AdamW(params)
             self.optimizer.load_state_dict(osd)
 
@@ -95,9 +103,17 @@ class FSDPEngine:
     def _from_rank0(self, what: str, fn: Any) -> Any:
         import torch.distributed as dist
 
-        box = [fn() if self.full is not None else None]
+        box: list[Any] = [None]
+        if self.full is not None:
+            try:
+                box = [("ok", fn())]
+            except Exception as exc:  # every rank raises it, so the ranks stay in step (no broken group)
+                box = [("error", f"{type(exc).__name__}: {exc}")]
         guarded(self.group, f"broadcast of {what}", lambda: dist.broadcast_object_list(box, src=0))
-        return box[0]
+        kind, value = box[0]
+        if kind == "error":
+            raise RuntimeError(f"{what} on rank 0 failed: {value}")
+        return value
 
     def generate(
         self,

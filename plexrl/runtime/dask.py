@@ -163,6 +163,7 @@ class _Work:
     iteration: int = 0
     node: str = ""
     reported: bool = False  # its report reached the runner; a node's future stays as its output
+    ranks: list[Any] = dataclasses.field(default_factory=list)  # a group node: every rank's future, rank 0 first
 
 
 class DaskExecutor:
@@ -177,6 +178,8 @@ class DaskExecutor:
         validate: bool = False,
         spill_dir: str | Path | None = None,
         poll: float = 0.5,
+        ranks: int = 1,
+        group_timeout: float = 60.0,
     ) -> None:
         self.clock = time.time
         self.n_services, self.cpu_threads, self.service_threads = services, cpu_threads, service_threads
@@ -198,6 +201,9 @@ class DaskExecutor:
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()  # node reports published by the workers
         self._next_check = 0.0
         self._ids = itertools.count()
+        # worker groups (runtime/group.py): each service spans `ranks` workers with one process group
+        self.ranks, self.group_timeout = ranks, group_timeout
+        self.groups: Any = None  # WorkerGroups when ranks > 1
 
     # -- cluster ------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -212,12 +218,12 @@ class DaskExecutor:
             # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
             dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
             opts = {"memory_limit": 0, "silence_logs": logging.ERROR}
+            names = [
+                f"service-{i}" + (f"-rank{r}" if r else "") for i in range(self.n_services) for r in range(self.ranks)
+            ]
             workers: dict[str, Any] = {
-                f"service-{i}": {
-                    "cls": Nanny,
-                    "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": f"service-{i}", **opts},
-                }
-                for i in range(self.n_services)
+                name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name, **opts}}
+                for name in names
             }
             workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0", **opts}}
             scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
@@ -236,6 +242,8 @@ class DaskExecutor:
         self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
         if not self.cpu_workers:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
+        if self.ranks > 1:
+            return self._start_groups(gpu)
         for i, (_, addr) in enumerate(gpu):
             self.worker_of[f"service-{i}"] = addr
         futs = [
@@ -251,6 +259,41 @@ class DaskExecutor:
         self._next_check = time.time() + self.poll
         return list(self.worker_of)
 
+    def _start_groups(self, gpu: list[tuple[str, str]]) -> list[str]:
+        """Services of `ranks` workers each (consecutive by name), each forming one process group."""
+        from plexrl.runtime.group import Group, WorkerGroups
+        from plexrl.services.group import group_topic, start_rank
+
+        if len(gpu) < self.ranks:
+            raise RuntimeError(
+                f"services of {self.ranks} ranks need {self.ranks} GPU workers; the cluster has {len(gpu)}"
+            )
+        groups = {}
+        for i in range(len(gpu) // self.ranks):
+            ranks = gpu[i * self.ranks : (i + 1) * self.ranks]
+            groups[f"service-{i}"] = Group(f"service-{i}", [n for n, _ in ranks], [a for _, a in ranks])
+            self.worker_of[f"service-{i}"] = ranks[0][1]
+        self.groups = WorkerGroups(
+            self.client, groups, key_of=self._key, start_rank=start_rank, start_args=self._start_args(),
+            backend="nccl" if self.device == "cuda" else "gloo", timeout_s=self.group_timeout,
+            topic=group_topic(self._topic),
+        )  # fmt: skip
+        futs = [f for sid in groups for f in self.groups.form(sid)]
+        self.client.gather(futs)
+        self.client.run(_warm_up)
+        self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
+        self._next_check = time.time() + self.poll
+        return list(self.worker_of)
+
+    def _start_args(self) -> tuple[Any, ...]:
+        return self.device, self.validate, self.spill_dir, self.service_threads
+
+    def _each(self, service_id: str, fn: Any, args: Any, after: Sequence[Any], key: str) -> list[Any]:
+        """The task on every rank of a group service (rank 0's future first)."""
+        futs: list[Any] = self.groups.submit(service_id, fn, args, after, key)
+        self._last_on[service_id] = futs[0]
+        return futs
+
     def close(self) -> dict[str, dict[str, Any]]:
         reports: dict[str, dict[str, Any]] = {}
         if self.client is None:
@@ -261,6 +304,15 @@ class DaskExecutor:
                     work.future.cancel()
             self._work.clear()
             alive = self._alive()
+            if self.groups is not None:
+                from plexrl.services.group import stop_rank
+
+                for sid, g in self.groups.groups.items():
+                    stops = [self.client.submit(stop_rank, self._key(sid), workers=[a], pure=False) for a in g.addrs]
+                    with contextlib.suppress(Exception):
+                        reports[sid] = self._fetch(stops[0], timeout=60)
+                        self.client.gather(stops[1:])
+                return reports
             futs = {
                 sid: self._on(sid, _stop_service, self._key(sid)) for sid, a in self.worker_of.items() if a in alive
             }
@@ -303,8 +355,15 @@ class DaskExecutor:
         self._specs[spec.job_id] = self.client.scatter(spec, hash=False)
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
-        fut = self._on(service_id, _load_job, self._key(service_id), self._specs[job_id], tier,
-                       key=f"load-{self.token}-{job_id}")  # fmt: skip
+        if self.groups is not None:
+            from plexrl.services.group import rank_load
+
+            spec, key = self._specs[job_id], self._key(service_id)
+            fut = self._each(service_id, rank_load, lambda r: (self._topic, key, r, spec, tier), [],
+                             f"load-{self.token}-{job_id}")[0]  # fmt: skip
+        else:
+            fut = self._on(service_id, _load_job, self._key(service_id), self._specs[job_id], tier,
+                           key=f"load-{self.token}-{job_id}")  # fmt: skip
         self._loaded[job_id] = fut
         handle = next(self._ids)
         self._work[handle] = _Work(fut, False, service_id, job_id)
@@ -323,6 +382,16 @@ class DaskExecutor:
             sid = task.service_id
             involved = {task.job_id} | {m.job_id for m in (*task.swaps, *task.prefetch)}
             after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
+            if self.groups is not None:  # every rank runs it; rank r reads rank r's outputs of service nodes
+                from plexrl.services.group import rank_node
+
+                ins = {p: self._work[h] for p, h in task.inputs.items()}
+                futs = self._each(sid, rank_node, lambda r: (
+                    self._topic, handle, self._key(sid), r, task.job_id, task.iteration, task.node,
+                    {p: w.ranks[r] if w.ranks else w.future for p, w in ins.items()}, task.swaps, task.prefetch,
+                ), after, key)  # fmt: skip
+                self._work[handle] = _Work(futs[0], True, task.lane, task.job_id, task.iteration, task.node, ranks=futs)
+                return handle
             previous = self._last_on.get(sid)
             if previous is not None and not previous.done():
                 after.append(previous)  # with lookahead, a service runs its nodes in the order they were sent
@@ -411,11 +480,22 @@ class DaskExecutor:
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         if service_id in self._lost:
             raise RuntimeError(f"service {service_id} is lost; the model of {job_id} cannot be saved")
+        if self.groups is not None:
+            from plexrl.services.group import rank_save
+
+            key, name = self._key(service_id), f"save-{self.token}-{job_id}-{next(self._ids)}"
+            futs = self._each(service_id, rank_save, lambda r: (key, r, job_id, str(path)), [], name)
+            return Path(self._fetch(futs[0], 300))
         return Path(self._fetch(self._on(service_id, _save_model, self._key(service_id), job_id, str(path)), 300))
 
     def release(self, job_id: str, service_id: str) -> None:
         self._loaded.pop(job_id, None)
-        if service_id not in self._lost:
+        if self.groups is not None and service_id not in self._lost:
+            from plexrl.services.group import rank_release
+
+            key, name = self._key(service_id), f"release-{self.token}-{job_id}-{next(self._ids)}"
+            self._each(service_id, rank_release, lambda r: (key, r, job_id), [], name)
+        elif service_id not in self._lost:
             self._on(service_id, _release, self._key(service_id), job_id)
 
     def forget(self, handles: Iterable[Handle]) -> None:

@@ -144,17 +144,16 @@ def member(key: str, epoch: int) -> RankState:
 
 def agree(state: RankState, error: str | None) -> str | None:
     """End of a group task: every rank learns every rank's error (one small all-gather within the timeout).
-    Returns the first error, prefixed by its rank, or None; a rank whose peers are gone or late gets a
-    `GroupBroken` error and its group is marked broken."""
+    Call it only when every rank got here in step: without an error, or with an error of the operator itself,
+    which SPMD ranks raise alike (same code, same inputs; the engines' collectives are `guarded` and break the
+    group instead). Returns the first error, prefixed by its rank, or None; a rank whose peers are gone or
+    late gets a `GroupBroken` error and its group is marked broken."""
     import torch.distributed as dist
 
-    if error is not None:  # peers may still be inside a collective: do not meet them with another one
-        state.broken = f"rank {state.rank}: {error}"
-        return f"rank {state.rank}: {error}"
     errors: list[str | None] = [None] * state.spec.world
     start = time.monotonic()
     try:
-        dist.all_gather_object(errors, None)
+        dist.all_gather_object(errors, error)
     except Exception as exc:
         state.broken = f"rank {state.rank}: {type(exc).__name__}: {exc}"
         return (
@@ -193,7 +192,7 @@ class Group:
 
 class WorkerGroups:
     """The client half: forms, feeds and re-forms the groups of a `DaskExecutor` (see the module docstring).
-    `start_rank(key, rank, spec)` and `stop_rank(key)` are the executor's worker-side start/stop functions."""
+    `start_rank(key, rank, spec, *start_args)` creates a rank's service in its worker (after joining)."""
 
     def __init__(
         self,
@@ -202,31 +201,41 @@ class WorkerGroups:
         *,
         key_of: Callable[[str], str],
         start_rank: Callable[..., Any],
+        start_args: Sequence[Any] = (),
         backend: str,
         timeout_s: float,
         topic: str,
     ) -> None:
         self.client, self.groups, self.key_of = client, groups, key_of
-        self.start_rank, self.backend, self.timeout_s = start_rank, backend, timeout_s
+        self.start_rank, self.start_args = start_rank, tuple(start_args)
+        self.backend, self.timeout_s = backend, timeout_s
         self.topic = topic  # ranks publish {"key": ..., "epoch": ...} here when their group breaks
         self._broken: set[tuple[str, int]] = set()
         client.subscribe_topic(topic, lambda event: self._broken.add((event[1]["key"], event[1]["epoch"])))
 
-    def form(self, service_id: str, *start_args: Any) -> list[Any]:
+    def form(self, service_id: str) -> list[Any]:
         """Form the service's group (at start, or again after a failure): a fresh port on rank 0's host, then
         one start task per rank, submitted together. Returns the start futures (each rank's pid)."""
         g = self.groups[service_id]
-        named = {w.get("name"): a for a, w in self.client.scheduler_info()["workers"].items()}
-        g.addrs = [named[n] for n in g.names if n in named]
-        if len(g.addrs) != len(g.names):
+        for fut in g.last:  # a task of the old group still queued for a worker that died never runs
+            if not fut.done():
+                fut.cancel()
+        deadline = time.monotonic() + self.timeout_s  # a killed worker comes back under its nanny
+        while True:
+            named = {w.get("name"): a for a, w in self.client.scheduler_info(n_workers=-1)["workers"].items()}
             missing = [n for n in g.names if n not in named]
-            raise GroupBroken(f"service {service_id}: workers {missing} of its group are not connected")
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise GroupBroken(f"service {service_id}: workers {missing} of its group are not connected")
+            time.sleep(0.1)
+        g.addrs = [named[n] for n in g.names]
         host, port = self.client.submit(free_port, workers=[g.addrs[0]], pure=False).result(timeout=60)
         epoch = 0 if g.spec is None else g.spec.epoch + 1
         g.spec = GroupSpec(self.key_of(service_id), len(g.names), host, port, self.backend, self.timeout_s, epoch)
         g.last = [
             self.client.submit(
-                self.start_rank, self.key_of(service_id), rank, g.spec, *start_args,
+                self.start_rank, self.key_of(service_id), rank, g.spec, *self.start_args,
                 workers=[addr], allow_other_workers=False, pure=False, resources={"GPU": 1},
                 key=f"group-{self.key_of(service_id)}-{epoch}-{rank}",
             )
@@ -245,7 +254,7 @@ class WorkerGroups:
 
     def submit(
         self, service_id: str, fn: Callable[..., Any], args: Callable[[int], Sequence[Any]], after: Sequence[Any],
-        key: str, *start_args: Any,
+        key: str,
     ) -> list[Any]:  # fmt: skip
         """One task per rank: `fn(*args(rank), *after_r)`, pinned to the rank's worker and holding its GPU
         slot, ordered after that rank's previous task (and after `after`, e.g. the job's load). Re-forms a
@@ -256,7 +265,7 @@ class WorkerGroups:
             log.warning(
                 "service %s: re-forming its worker group (epoch %d broke)", service_id, g.spec.epoch if g.spec else -1
             )
-            self.form(service_id, *start_args)
+            self.form(service_id)
         assert g.spec is not None
         futs = []
         for rank, addr in enumerate(g.addrs):

@@ -16,10 +16,13 @@ so a failure on any rank fails the node. A failure of the process group itself b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,6 +69,14 @@ def _storages(live: dict[str, Tensor]) -> dict[str, Any]:
 def _bytes_of(storage: Any, device: torch.device) -> Tensor:
     """A flat uint8 view [nbytes] of `storage`."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns that it assumes one process when told `no_dist`: that is the intent here (one rank's files)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class RankService(Service):
@@ -135,13 +146,15 @@ class RankService(Service):
         elif move.src == "disk":
             assert state.dcp_dir is not None
             host = {k: torch.empty(n, dtype=torch.uint8) for k, n in state.sizes.items()}
-            dcp.load(host, storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
+            with _quiet_dcp():
+                dcp.load(host, storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
             shutil.rmtree(state.dcp_dir, ignore_errors=True)
             state.host, state.dcp_dir = host, None
         if move.dst == "disk":
             assert state.host is not None
             where = self.spill_dir / f"{move.job_id}-rank{self.rank}"
-            dcp.save(state.host, storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True)
+            with _quiet_dcp():
+                dcp.save(state.host, storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True)
             state.dcp_dir, state.host = where, None
         elif move.dst == "device":
             assert state.host is not None
@@ -149,7 +162,8 @@ class RankService(Service):
                 s.resize_(state.sizes[k])
                 _bytes_of(s, self.device).copy_(state.host[k])
             if self.validate and state.checksum is not None:
-                now = {k: _bytes_of(s, self.device) for k, s in state.storages.items()}
+                # a copy: `checksum` goes through numpy, which pins a storage's size (no more swaps)
+                now = {k: _bytes_of(s, self.device).clone() for k, s in state.storages.items()}
                 if sw.checksum(now) != state.checksum:
                     raise sw.StateCorrupted(f"job {move.job_id}: rank {self.rank}'s shard changed between swap-out "
                                             "and swap-in")  # fmt: skip
@@ -209,8 +223,10 @@ def _checked(key: str, epoch: int, topic: str) -> tuple[RankService, RankState]:
 
 
 def _agree(state: RankState, error: str | None, topic: str) -> str | None:
-    """Exchange errors across ranks; a group that broke on this rank is reported to the client."""
-    if state.broken is None and error is not None and error.startswith("GroupBroken"):
+    """Exchange errors across ranks (`agree`), unless this rank's error may have left its peers inside a
+    collective (a broken group, a failed swap of this rank's shard): then the group is broken, and the client
+    is told, so that it re-forms the group before the next task."""
+    if state.broken is None and error is not None and error.startswith(("GroupBroken", "swap failed")):
         state.broken = error
     out = agree(state, error) if state.broken is None else f"rank {state.rank}: {error}"
     if state.broken is not None:
@@ -229,8 +245,8 @@ def rank_load(topic: str, key: str, rank: int, job: JobSpec, tier: Any, epoch: i
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         error = _agree(state, error, topic)
-    except GroupBroken as exc:
-        error = f"GroupBroken: {exc}"
+    except Exception as exc:  # never raise: a failed task would read as a dead worker
+        error = f"{type(exc).__name__}: {exc}"
     return LoadReport(job.job_id, service_id, nbytes, start, time.time(), error)
 
 
@@ -244,15 +260,19 @@ def rank_node(
 
     try:
         svc, state = _checked(key, epoch, topic)
+        gone = [j for j in {job_id} | {m.job_id for m in (*swaps, *prefetch)} if j not in svc.jobs]
+        if gone:  # before any collective: every rank finds the same
+            raise LookupError(f"the state of job(s) {sorted(gone)} on this group is gone: the group was re-formed "
+                              f"after a failure (now epoch {epoch})")  # fmt: skip
         outputs: dict[str, Any] = {p: r.output for p, r in inputs.items()}
         result = svc.run_node(job_id, iteration, node, outputs, swaps, prefetch)
         error = _agree(state, result.report.error, topic)
         if error != result.report.error:
             result = NodeResult(result.report, None)
             result.report.error = error
-    except GroupBroken as exc:
+    except Exception as exc:  # never raise: a failed task would read as a dead worker
         now = time.time()
-        result = NodeResult(NodeReport(job_id, iteration, node, f"GroupBroken: {exc}", now, now))
+        result = NodeResult(NodeReport(job_id, iteration, node, f"{type(exc).__name__}: {exc}", now, now))
     if rank == 0:
         _publish(topic, handle, result.report)
     return result

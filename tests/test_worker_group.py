@@ -1,0 +1,227 @@
+"""A service that spans two ranks (a worker group), on real torch.distributed (gloo) and a real Dask cluster.
+
+- parity: a job's first iteration on a 2-rank service (FSDP2) gives the loss and grad norm of the same job
+  on a 1-rank service to 1e-6; two runs on the 2-rank service are bitwise identical (metrics and weights);
+- multiplexing two jobs on one 2-rank service, with a device budget of one job state per rank (every switch
+  is a sharded swap-out on both ranks) and a host budget under one state (so the shards spill to disk
+  through DCP), gives each job exactly what it gets alone;
+- the sharded swap round trip device -> host -> disk -> host -> device is bit-exact and frees the storage;
+- a rank that never joins fails the group's start within its timeout; a rank killed mid-collective fails
+  the node within the timeout, and the group is re-formed (new port) and runs collectives again.
+
+One Dask cluster (two GPU workers, one CPU worker) serves the whole module; each run forms its own group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import local_runner
+from test_multiplex import final_weights, learning_job, same_weights, stable
+
+from plexrl.config import load_job
+from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.runtime import Budgets, Runner
+from plexrl.runtime.dask import DaskExecutor
+from plexrl.runtime.group import GroupBroken, GroupSpec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scheduler() -> Iterator[str]:
+    """A local Dask cluster shaped like a 1-service, 2-rank DaskExecutor's: `service-0`, `service-0-rank1`
+    (GPU=1 each, 2 threads) and a CPU-pool worker."""
+    import logging
+
+    import dask
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    opts = {"memory_limit": 0, "silence_logs": logging.ERROR}
+    workers: dict[str, Any] = {
+        name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name, **opts}}
+        for name in ("service-0", "service-0-rank1")
+    }
+    workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": 1, "name": "cpu-0", **opts}}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": {}}):
+        cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+                              silence_logs=logging.ERROR)  # fmt: skip
+    try:
+        yield cluster.scheduler_address
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("group") / "runs"
+
+
+def job(run_dir: Path, name: str, seed: int) -> JobSpec:
+    cfg = learning_job(run_dir, name, seed, iterations=2)
+    cfg["tracking"]["log_model"] = True
+    cfg["engine"] = "torch"
+    return prepare_job(load_job(cfg))
+
+
+def on_group(scheduler: str, specs: list[JobSpec], budgets: Budgets | None = None) -> list[JobRun]:
+    """Run `specs` on ONE 2-rank service (the planner sees one service) with every check on."""
+    executor = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=60, validate=True)
+    runner = Runner(executor, validate=True, lookahead=True, inline_below=0.01, budgets=budgets or Budgets())
+    runs = runner.run(specs)
+    assert runner.services == ["service-0"]
+    assert [r.status for r in runs] == ["done"] * len(specs), [r.error for r in runs]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def alone(scheduler: str, run_dir: Path) -> tuple[JobRun, dict[str, Any]]:
+    (run,) = on_group(scheduler, [job(run_dir, "a", 0)])
+    return run, final_weights(run)
+
+
+def test_two_ranks_train_like_one_and_two_runs_are_bitwise_identical(
+    scheduler: str, run_dir: Path, alone: tuple[JobRun, dict[str, Any]]
+) -> None:
+    run, weights = alone
+    (one,) = local_runner().run([job(run_dir, "a", 0)])  # the same job on a 1-rank (plain) service
+    assert one.status == "done", one.error
+    first, first_one = stable(run.history)[1], stable(one.history)[1]
+    assert first_one["train/grad_norm"] > 0.1 and first_one["train/loss"] != 0.0  # a real learning signal
+    for metric in ("train/loss", "train/grad_norm", "train/pg_loss", "train/kl"):
+        assert first[metric] == pytest.approx(first_one[metric], abs=1e-6), metric
+    (again,) = on_group(scheduler, [job(run_dir, "a", 0)])
+    assert stable(again.history) == stable(run.history)
+    assert same_weights(final_weights(again), weights)
+    assert stable(run.history)[1]["train/loss"] != stable(run.history)[2]["train/loss"]  # the weights moved
+
+
+def test_two_jobs_multiplexed_on_a_group_match_each_alone_bitwise(
+    scheduler: str, run_dir: Path, alone: tuple[JobRun, dict[str, Any]]
+) -> None:
+    a, b = job(run_dir, "a", 0), job(run_dir, "b", 1)
+    (b_alone,) = on_group(scheduler, [b])
+    b_weights = final_weights(b_alone)
+    size = max(s.state_bytes() for s in (a, b))
+    executor_runs = on_group(scheduler, [a, b], Budgets(device=size, host=size // 4))
+    assert stable(executor_runs[0].history) == stable(alone[0].history)
+    assert same_weights(final_weights(executor_runs[0]), alone[1])
+    assert stable(executor_runs[1].history) == stable(b_alone.history)
+    assert same_weights(final_weights(executor_runs[1]), b_weights)
+    assert stable(b_alone.history) != stable(alone[0].history)  # two different jobs: a swap mix-up would show
+
+
+def test_sharded_swap_round_trip_is_bit_exact(run_dir: Path) -> None:
+    """One rank in this process (a 1-rank gloo group): the shards and the generation copy go device -> host
+    -> disk (DCP) -> host -> device; the storage is freed off device and every byte comes back."""
+    import torch
+
+    from plexrl.planner.state import Move
+    from plexrl.runtime.group import join, leave
+    from plexrl.services.group import RankService
+
+    spec = job(run_dir, "s", 3)
+    state = join(GroupSpec("test/swap", 1, "127.0.0.1", _port(), timeout_s=30), 0, "cpu")
+    try:
+        svc = RankService("service-0", state, validate=True, spill_dir=run_dir / "spill")
+        svc.load_job(spec)
+        live = svc.engines["s"].state_tensors()
+        before = {k: v.detach().clone() for k, v in live.items()}
+        assert any(k.startswith("policy.") for k in live) and any(k.startswith("full.") for k in live)
+        for _ in range(2):  # twice: a first swap-in must leave the state able to move again
+            moved = svc.apply([Move("s", "device", "host", 0), Move("s", "host", "disk", 0)])
+            assert moved > 0 and all(t.untyped_storage().nbytes() == 0 for t in live.values())
+            assert svc.states["s"].dcp_dir is not None and any(svc.states["s"].dcp_dir.iterdir())
+            svc.apply([Move("s", "disk", "host", 0), Move("s", "host", "device", 0)])
+            after = svc.engines["s"].state_tensors()
+            assert after.keys() == before.keys()
+            assert all(torch.equal(after[k], before[k]) for k in before)
+        svc.close()
+    finally:
+        leave("test/swap")
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _collective(topic: str, key: str, rank: int, die: bool, epoch: int, *after: Any) -> tuple[str, float, float]:
+    """On each rank: a barrier, then an all-reduce; with `die`, rank 1 kills its own process (SIGKILL)
+    while rank 0 is inside the all-reduce. Returns (outcome, value or -1, seconds in the all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    from plexrl.runtime.group import guarded, member, publish_broken
+
+    state = member(key, epoch)
+    guarded(state, "barrier", dist.barrier)
+    if die and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    start = time.monotonic()
+    try:
+        guarded(state, "all-reduce", lambda: dist.all_reduce(t))
+    except GroupBroken:
+        publish_broken(topic, key, epoch)
+        return "broken", -1.0, time.monotonic() - start
+    return "ok", float(t), time.monotonic() - start
+
+
+def test_a_rank_that_never_joins_or_dies_mid_collective_fails_in_bounded_time_and_the_group_recovers(
+    scheduler: str,
+) -> None:
+    from plexrl.services.group import start_rank
+
+    timeout = 8.0
+    ex = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=timeout)
+    ex.start()
+    try:
+        groups, g = ex.groups, ex.groups.groups["service-0"]
+        # rank 0 alone: the rendezvous times out, clearly, and leaves the process able to join again
+        lonely = GroupSpec("test/lonely", 2, "127.0.0.1", _port(), timeout_s=3.0)
+        t0 = time.monotonic()
+        fut = ex.client.submit(start_rank, "test/lonely", 0, lonely, "cpu", False, None, None, workers=[g.addrs[0]],
+                               pure=False)  # fmt: skip
+        with pytest.raises(GroupBroken, match="could not form the process group within 3 s"):
+            fut.result(timeout=60)
+        assert time.monotonic() - t0 < 3.0 + 20
+        first = groups.form("service-0")
+        ex.client.gather(first, errors="raise")
+        port0, epoch0 = g.spec.port, g.spec.epoch
+        ok = groups.submit("service-0", _collective, lambda r: (groups.topic, g.spec.key, r, False), [], "fine")
+        assert [f.result(timeout=60)[:2] for f in ok] == [("ok", 2.0), ("ok", 2.0)]
+        # rank 1 dies while rank 0 is inside a collective: the node fails within the timeout
+        t0 = time.monotonic()
+        dying = groups.submit("service-0", _collective, lambda r: (groups.topic, g.spec.key, r, True), [], "dies")
+        outcome, _, seconds = dying[0].result(timeout=timeout + 60)
+        assert outcome == "broken" and seconds <= timeout + 2, (outcome, seconds)
+        assert time.monotonic() - t0 < timeout + 60
+        deadline = time.monotonic() + 30
+        while not groups.needs_reform("service-0"):  # the broken-group event is on its way
+            assert time.monotonic() < deadline, "the broken group was never reported"
+            time.sleep(0.05)
+        # the next submission re-forms the group (the killed worker is back under its nanny) on a new port
+        again = groups.submit("service-0", _collective, lambda r: (groups.topic, g.spec.key, r, False), [], "again")
+        assert [f.result(timeout=120)[:2] for f in again] == [("ok", 2.0), ("ok", 2.0)]
+        assert g.spec.epoch == epoch0 + 1 and g.spec.port != port0 and g.reforms == 1
+    finally:
+        ex.close()
+
+
+def test_cluster_config_with_ranks_validates(tmp_path: Path) -> None:
+    from plexrl.cluster import ClusterConfig
+
+    cfg = ClusterConfig.model_validate({"services": {"count": 1, "ranks": 2}, "jobs": [{"config": "x.yaml"}]})
+    assert cfg.services.ranks == 2 and cfg.services.group_timeout == 60.0
+    with pytest.raises(ValueError, match="needs driver: dask"):
+        ClusterConfig.model_validate({"driver": "local", "services": {"ranks": 2}, "jobs": [{"config": "x.yaml"}]})
