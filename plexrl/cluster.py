@@ -109,9 +109,10 @@ class LoadedCluster:
 def estimate_engine_bytes(cfg: JobConfig) -> int:
     """Device bytes of the vLLM engine the job's rollouts will use (one weight copy + KV cache; shared by the
     same-architecture jobs of a service), 0 when they run on the torch engine."""
-    from plexrl.config import vllm_problem
+    from plexrl.config import auto_engine_rule, vllm_problem
 
-    if cfg.engine == "torch" or (cfg.engine == "auto" and vllm_problem(cfg.model)):
+    small = cfg.engine == "auto" and auto_engine_rule(estimate_weight_bytes(cfg) // 4, cfg.vllm.auto_min_params)
+    if cfg.engine == "torch" or small or (cfg.engine == "auto" and vllm_problem(cfg.model)):
         return 0
     return estimate_weight_bytes(cfg) + cfg.vllm.kv_cache_mb * 2**20
 

@@ -176,11 +176,43 @@ class RetryConfig(StrictModel):
         return min(self.backoff_s * self.factor ** (failures - 1), self.max_backoff_s)
 
 
+# engine: auto's size threshold. Evidence (docs/benchmarks.md, "Which engine for which model"), measured on 2
+# CPU cores, one torch thread: the main job's 0.53M-parameter model ran its rollouts (64 x 8, <= 6 tokens) in
+# 0.072 s on torch and 0.193 s on vLLM (2.7x slower; `make demo` 157 s vs 246 s); a 31.6M-parameter model
+# generated 1.6x (greedy) to 3.9x (sampled) faster on vLLM. The crossover lies between: 10M until
+# benchmarks/engine_choice.py is re-measured alone on the sizes in between.
+AUTO_MIN_PARAMS = 10_000_000
+
+
+def auto_engine_rule(params: int, min_params: int) -> str | None:
+    """Why `engine: auto` keeps a model of `params` parameters on the torch engine, or None when its size
+    does not rule vLLM out (vLLM may still be missing or unable to serve the model). Pure.
+
+    >>> auto_engine_rule(530_000, 10_000_000) is not None
+    True
+    >>> auto_engine_rule(31_600_000, 10_000_000) is None
+    True
+    """
+    if params >= min_params:
+        return None
+    return (
+        f"the model has {params / 1e6:.2f}M parameters, under vllm.auto_min_params ({min_params / 1e6:g}M): "
+        "the torch engine generates faster for models this small (benchmarks/engine_choice.py)"
+    )
+
+
 class VLLMConfig(StrictModel):
     """The vLLM generation engine (used when `engine` resolves to vllm)."""
 
     kv_cache_mb: int = Field(
         64, ge=1, le=1 << 20, description="KV cache size (MiB); counted in the service's device budget."
+    )
+    auto_min_params: int = Field(
+        AUTO_MIN_PARAMS,
+        ge=0,
+        description="engine: auto runs rollouts on vLLM only for models with at least this many parameters; "
+        "smaller ones generate faster on the torch engine (vLLM's per-step scheduling costs more than their "
+        "forward). 0: vLLM whenever it can serve the model. See auto_engine_rule.",
     )
 
 

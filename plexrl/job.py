@@ -175,6 +175,24 @@ def model_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
+def count_parameters(model_dir: Path) -> int:
+    """Parameters (tensor elements) saved in a HF model directory, read from the safetensors headers (no
+    tensor is loaded; any dtype)."""
+    import json
+    import math
+    import struct
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    if not total:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return total
+
+
 def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobSpec:
     """Generate the task and build (or load from cache) the warm-started model of a validated job."""
     from plexrl.models import prepare_model
@@ -215,11 +233,18 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobSpec:
 
 
 def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
-    """The rollout engine for `engine: auto | vllm | torch`, with the reason: auto picks vLLM when it is
-    installed and can serve the model, else torch."""
+    """The rollout engine for `engine: auto | vllm | torch`, with the reason: auto picks the torch engine for
+    models under `vllm.auto_min_params` parameters (the faster one there; vLLM is not even imported), else
+    vLLM when it is installed and can serve the model, else torch."""
     if cfg.engine == "torch":
         return "torch", "engine: torch"
+    from plexrl.config import auto_engine_rule
     from plexrl.engines.vllm_engine import model_problem
+
+    if cfg.engine == "auto":
+        small = auto_engine_rule(count_parameters(model_path), cfg.vllm.auto_min_params)
+        if small:
+            return "torch", f"engine: auto, and {small}"
 
     why = model_problem(model_path)
     if cfg.engine == "vllm":
@@ -228,4 +253,4 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
         return "vllm", "engine: vllm"
     if why:
         return "torch", f"engine: auto, and {why}"
-    return "vllm", "engine: auto, vLLM is installed and supports the model"
+    return "vllm", "engine: auto, vLLM is installed and supports the model, which is large enough to gain from it"

@@ -26,6 +26,7 @@ EXPECTED = {
     "calibrate": "largest error",
     "client_bytes": "client bytes/iteration",
     "dask_overhead": "ratio dask / in-process",
+    "engine_choice": "vLLM / torch time",
     "multiplex": "multiplexed / lean",
     "pipeline_overhead": "ratio plexrl / hand",
     "rollout": "wrapper/raw",
@@ -36,7 +37,7 @@ EXPECTED = {
 SMOKED_ELSEWHERE = {
     "planner": ("tests/test_sim.py", "test_benchmark_smoke_prints_dispatch_rates"),
     "simulate": ("tests/test_simulate.py", "test_simulate_benchmark_smoke"),
-    "sim_layouts": ("tests/test_simulate.py", "load_benchmark(\"sim_layouts\""),
+    "sim_layouts": ("tests/test_simulate.py", 'load_benchmark("sim_layouts"'),
 }
 
 
@@ -79,7 +80,8 @@ def torch_threads() -> Any:
 
 # Start a process and pay its imports (Dask workers, a server, vLLM's import and engine start): 15-60 s each on
 # 2 shared cores, the rest a few seconds. `-m "not slow"` leaves them out.
-SLOW = {"client_bytes", "dask_overhead", "rollout", "serve"}
+SLOW = {"client_bytes", "dask_overhead", "engine_choice", "rollout", "serve"}
+NEEDS_VLLM = {"engine_choice", "rollout"}
 # A Dask cluster started while another process on the machine holds one of distributed's default HTTP ports:
 # distributed warns, takes another port, and leaks the socket of the failed bind (its bug, not ours).
 DASK_PORT_CLASH = [
@@ -104,7 +106,7 @@ def params() -> list[Any]:
 def test_smoke(
     name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], torch_threads: Any
 ) -> None:
-    if name == "rollout":
+    if name in NEEDS_VLLM:
         from plexrl.engines.vllm_engine import vllm_installed
 
         if not vllm_installed():

@@ -260,7 +260,8 @@ def test_engine_vllm_is_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ConfigError) as err:
         load_job(cfg)
     assert "head sizes" in str(err.value) and "engine: torch" in str(err.value)
-    cfg["engine"] = "auto"  # auto falls back to torch, and says why
+    cfg["engine"] = "auto"  # auto falls back to torch, and says why (whatever the model's size)
+    cfg["vllm"] = {"auto_min_params": 0}
     job = prepare_job(load_job(cfg))
     assert job.generation == "torch" and "head sizes" in job.generation_reason
     import plexrl.engines.vllm_engine as ve

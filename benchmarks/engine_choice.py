@@ -1,0 +1,103 @@
+"""Which rollout engine is faster for which model: the evidence behind `engine: auto`'s rule.
+
+For Llama models of growing size (built locally, random weights), one rollout of the main job's shape
+(`--prompts` addition prompts x `--n` samples, temperature 1.0, at most `--tokens` new tokens) on the torch
+engine (`TorchEngine.generate`) and on vLLM (`VLLMEngine.generate` on an in-process engine), side by side in
+one process with `--threads` torch threads (1 = a service's default in the shipped mixes). Seconds per
+rollout: median over `--repeats` calls after one untimed warm-up; the same seeds on both. Prints the ratio
+vLLM / torch per size and the smallest size at which vLLM was faster: `engine: auto` picks vLLM from
+`vllm.auto_min_params` parameters on (plexrl/config.py), a threshold set from this table.
+
+    .venv/bin/python benchmarks/engine_choice.py [--tokens 6] [--repeats 3] [--threads 1] [--smoke]
+
+`--smoke`: the smallest size, 1 repeat, 4 prompts (the test suite runs it when vLLM is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+
+SIZES = {  # name: layers, hidden, heads, intermediate (head size 32 or 64: both served by vLLM's CPU attention)
+    "0.5M": (2, 128, 4, 512),
+    "2M": (4, 192, 3, 768),
+    "5M": (4, 320, 5, 1280),
+    "14M": (6, 384, 6, 1536),
+    "32M": (10, 512, 8, 1376),
+}
+
+
+def median_seconds(fn: Callable[..., object], repeats: int) -> float:
+    """Median seconds of fn(seed=k) for k = 1..repeats, after an untimed fn(seed=0)."""
+    fn(seed=0)  # warm-up
+    times = []
+    for seed in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        fn(seed=seed)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=6, help="max new tokens (the main job: 6)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--smoke", action="store_true", help="smallest size, 1 repeat, 4 prompts (for the tests)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.repeats, args.prompts = ["0.5M"], 1, 4
+    from plexrl.config import ModelConfig
+    from plexrl.engines.torch_engine import TorchEngine
+    from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
+    from plexrl.models import build_model, build_tokenizer
+
+    if not vllm_installed():
+        raise SystemExit("vLLM is not installed: make setup-vllm")
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="plexrl-engine-choice-") as tmp:
+        for name in args.sizes:
+            layers, hidden, heads, inter = SIZES[name]
+            d = Path(tmp) / name
+            d.mkdir()
+            tok = build_tokenizer(d)
+            model = ModelConfig(layers=layers, hidden=hidden, heads=heads, intermediate=inter, max_position=64)
+            build_model(model, tok, d, seed=0)
+            trainer = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+            params = sum(p.numel() for p in trainer.policy.parameters())
+            shared = SharedLLM(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, kv_cache_bytes=64 * 2**20)
+            torch.set_num_threads(args.threads)  # building an LLM may change it
+            wrapper = VLLMEngine(trainer, shared, "bench")
+            prompts = [tok(f"{100 + 97 * i % 900}+{555 - 41 * i % 400}=")["input_ids"] for i in range(args.prompts)]
+            kw = {"n": args.n, "temperature": 1.0, "max_new_tokens": args.tokens}
+            t_torch, t_vllm = (
+                median_seconds(partial(engine.generate, prompts, **kw), args.repeats) for engine in (trainer, wrapper)
+            )
+            shared.shutdown()
+            rows.append((name, params, t_torch, t_vllm))
+            print(f"{name:>5} {params / 1e6:6.2f}M params: torch {t_torch:.3f}s vLLM {t_vllm:.3f}s "
+                  f"vLLM/torch time {t_vllm / t_torch:.2f}", flush=True)  # fmt: skip
+    print(f"\n{args.prompts} prompts x {args.n} samples, <= {args.tokens} new tokens, {args.threads} torch thread(s), "
+          f"median of {args.repeats}")  # fmt: skip
+    print(f"{'model':>6}{'params':>10}{'torch s':>10}{'vLLM s':>10}{'vLLM / torch time':>19}{'faster':>8}")
+    for name, params, t_torch, t_vllm in rows:
+        faster = "vLLM" if t_vllm < t_torch else "torch"
+        print(f"{name:>6}{params / 1e6:>9.2f}M{t_torch:>10.3f}{t_vllm:>10.3f}{t_vllm / t_torch:>19.2f}{faster:>8}")
+    wins = [params for _, params, t_torch, t_vllm in rows if t_vllm < t_torch]
+    print(f"smallest model where vLLM was faster: {min(wins) / 1e6:.2f}M parameters" if wins else
+          "vLLM was faster for none of these sizes")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
