@@ -56,12 +56,13 @@ class ModelConfig(StrictModel):
 class TaskConfig(StrictModel):
     """A verifiable task generated from a seed, with disjoint train and held-out splits."""
 
-    name: Literal["arithmetic", "tool_arithmetic", "code"] = Field(
+    name: Literal["arithmetic", "tool_arithmetic", "code", "copy"] = Field(
         "arithmetic",
         description="Task family: `arithmetic` (multi-digit addition, answered directly), `tool_arithmetic` "
-        "(multiplication, solved by calling the calculator tool; see plexrl/episodes.py for the tag format) or "
+        "(multiplication, solved by calling the calculator tool; see plexrl/episodes.py for the tag format), "
         "`code` (write a Python expression in x from input/output examples of a*x+b with `digits`-digit a and "
-        "b, rewarded by code_unit_tests in the sandbox on other inputs; see plexrl/tasks/code.py).",
+        "b, rewarded by code_unit_tests in the sandbox on other inputs; see plexrl/tasks/code.py) or `copy` "
+        "(copy a digit sequence of heavy-tailed length: long-tailed rollouts; see plexrl/tasks/copy.py).",
     )
     digits: int = Field(3, ge=1, le=9, description="Digits per operand (tool_arithmetic: of the first operand).")
     digits_b: int | None = Field(
@@ -74,6 +75,11 @@ class TaskConfig(StrictModel):
         description="tool_arithmetic: share of warm-start demonstrations that call the tool (the rest answer "
         "directly), so that RL has a tool-use rate to raise.",
     )
+    length_alpha: float = Field(
+        1.2, gt=0, le=10, description="copy: Pareto shape of the sequence length, P(L >= k) = k**-alpha (smaller: "
+        "heavier tail)."
+    )
+    max_length: int = Field(96, ge=1, le=4096, description="copy: longest sequence (the tail is clipped here).")
     train_size: int = Field(200000, ge=16, description="Problems in the train split.")
     eval_size: int = Field(500, ge=8, le=100000, description="Problems in the held-out split.")
     seed: int = Field(1234, description="Seed of the data generator (independent of the job seed).")
@@ -83,6 +89,10 @@ class TaskConfig(StrictModel):
         def count(digits: int) -> int:
             return 10**digits - (10 ** (digits - 1) if digits > 1 else 0)
 
+        if self.name == "copy":
+            if self.digits_b is not None:
+                raise ValueError("digits_b applies to task tool_arithmetic only; remove it (copy uses max_length)")
+            return self  # sequences may repeat (plexrl/tasks/copy.py): no count of distinct problems
         if self.name == "arithmetic" and self.digits_b is not None:
             raise ValueError("digits_b applies to task tool_arithmetic only; remove it (addition uses `digits`)")
         space = count(self.digits) * count(self.digits_b or self.digits)

@@ -1,8 +1,9 @@
 """Verifiable tasks: seeded problem generators with train and held-out splits, and pure verifiers.
 
 `make_task(cfg)` dispatches on `cfg.name`: `arithmetic` (addition, answered directly), `tool_arithmetic`
-(multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format) or `code` (a
-Python expression written from input/output examples, run in the sandbox by `code_unit_tests`).
+(multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format), `code` (a
+Python expression written from input/output examples, run in the sandbox by `code_unit_tests`) or `copy` (a
+digit sequence of heavy-tailed length copied: long-tailed rollouts).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from plexrl.config import TaskConfig
 from plexrl.tasks.arithmetic import ArithmeticTask, Problem, verify_answers
 from plexrl.tasks.arithmetic import make_task as make_arithmetic_task
 from plexrl.tasks.code import CodeProblem, CodeTask, make_code_task
+from plexrl.tasks.copy import CopyTask, make_copy_task
 from plexrl.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
 
-Task = ArithmeticTask | ToolArithmeticTask | CodeTask
+Task = ArithmeticTask | ToolArithmeticTask | CodeTask | CopyTask
 
 
 def make_task(cfg: TaskConfig) -> Task:
@@ -22,6 +24,8 @@ def make_task(cfg: TaskConfig) -> Task:
         return make_tool_task(cfg)
     if cfg.name == "code":
         return make_code_task(cfg)
+    if cfg.name == "copy":
+        return make_copy_task(cfg)
     return make_arithmetic_task(cfg)
 
 
@@ -29,6 +33,7 @@ __all__ = [
     "ArithmeticTask",
     "CodeProblem",
     "CodeTask",
+    "CopyTask",
     "Problem",
     "Task",
     "ToolArithmeticTask",
