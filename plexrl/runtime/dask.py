@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.planner.state import Move, Tier
-from plexrl.runtime.executor import Finished, Handle, LoadReport, NodeReport, NodeTask
+from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
 from plexrl.services.service import NodeResult, Service, run_cpu_node
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,13 @@ def _warm_up() -> None:
 
     for name in ("data", "rollout", "verify", "advantage", "train", "evaluate", "critic", "shaping", "external"):
         importlib.import_module(f"plexrl.operators.{name}")
+
+
+def _start_and_warm(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+    """A replacement service on a worker that joined late: start it and import what nodes need."""
+    pid = _start_service(key, device, validate, spill_dir, threads)
+    _warm_up()
+    return pid
 
 
 def _service(key: str) -> Service:
@@ -139,6 +146,16 @@ def _save_model(key: str, job_id: str, path: str) -> str:
     return str(_service(key).save_model(job_id, Path(path)))
 
 
+def _checkpoint(key: str, job_id: str, path: str, extra: dict[str, Any], *after: Any) -> CheckpointReport:
+    """`after`: the futures it must follow (the job's load, the service's previous task); unused."""
+    start, service_id = time.time(), key.rpartition("/")[2]
+    try:
+        where = str(_service(key).checkpoint(job_id, Path(path), extra))
+    except Exception as exc:
+        return CheckpointReport(job_id, service_id, path, start, time.time(), f"{type(exc).__name__}: {exc}")
+    return CheckpointReport(job_id, service_id, where, start, time.time())
+
+
 def _release(key: str, job_id: str) -> None:
     if key in _SERVICES:
         _SERVICES[key].release(job_id)
@@ -163,6 +180,7 @@ class _Work:
     iteration: int = 0
     node: str = ""
     reported: bool = False  # its report reached the runner; a node's future stays as its output
+    checkpoint: str = ""  # a checkpoint's path (then its future's value is a CheckpointReport)
     ranks: list[Any] = dataclasses.field(default_factory=list)  # a group node: every rank's future, rank 0 first
 
 
@@ -201,6 +219,10 @@ class DaskExecutor:
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()  # node reports published by the workers
         self._next_check = 0.0
         self._ids = itertools.count()
+        self._refused: list[Finished] = []  # work refused at submission (its service is lost), reported by wait
+        self._starting: dict[str, tuple[str, Any]] = {}  # worker address -> (service id, start future): joined
+        self._next_join = 0.0
+        self._refused_workers: set[str] = set()  # joined GPU workers where a service failed to start
         # worker groups (runtime/group.py): each service spans `ranks` workers with one process group
         self.ranks, self.group_timeout = ranks, group_timeout
         self.groups: Any = None  # WorkerGroups when ranks > 1
@@ -226,12 +248,13 @@ class DaskExecutor:
                 for name in names
             }
             workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0", **opts}}
-            scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+            scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
             self.cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR)
             self.client = Client(self.cluster)
         else:
             self.client = Client(self.scheduler)
-        self.client.wait_for_workers(1, timeout=120)
+        # a local cluster: every worker it was given (a service missing at start would never be used)
+        self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=120)
         info = self.client.scheduler_info()["workers"]
         gpu = sorted((w.get("name", a), a) for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1)
         if not gpu:
@@ -350,22 +373,22 @@ class DaskExecutor:
 
     # -- jobs and nodes -----------------------------------------------------------------------------
     def ship(self, spec: Any) -> None:
-        # scattered once, not broadcast: Dask copies it to a worker the first time a task there needs it
-        # (a job's service worker and the CPU workers that run its nodes), then keeps it there
-        self._specs[spec.job_id] = self.client.scatter(spec, hash=False)
+        # scattered once, not broadcast, to the CPU pool (a service worker may die; the spec must not die with
+        # it): Dask copies it to a worker the first time a task there needs it, then keeps it there
+        self._specs[spec.job_id] = self.client.scatter(spec, hash=False, workers=self.cpu_workers or None)
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
+        handle = next(self._ids)  # in the key: a job submitted again (after its service was lost) loads again
         if self.groups is not None:
             from plexrl.services.group import rank_load
 
             spec, key = self._specs[job_id], self._key(service_id)
             fut = self._each(service_id, rank_load, lambda r: (self._topic, key, r, spec, tier), [],
-                             f"load-{self.token}-{job_id}")[0]  # fmt: skip
+                             f"load-{self.token}-{job_id}-{handle}")[0]  # fmt: skip
         else:
             fut = self._on(service_id, _load_job, self._key(service_id), self._specs[job_id], tier,
-                           key=f"load-{self.token}-{job_id}")  # fmt: skip
+                           key=f"load-{self.token}-{job_id}-{handle}")  # fmt: skip
         self._loaded[job_id] = fut
-        handle = next(self._ids)
         self._work[handle] = _Work(fut, False, service_id, job_id)
         return handle
 
@@ -408,7 +431,8 @@ class DaskExecutor:
         fetched; a task that failed outside its operator (its worker died) is found by its future's status."""
         deadline = time.time() + timeout
         while True:
-            out = self._collect_reports()
+            out, self._refused = self._refused, []
+            out += self._collect_reports()
             out += self._collect_futures()
             if out or time.time() >= deadline:
                 return sorted(out, key=lambda f: f.handle)  # submission order
@@ -433,11 +457,17 @@ class DaskExecutor:
 
     def _collect_futures(self) -> list[Finished]:
         out = []
+        alive: set[str] | None = None
         for handle, work in list(self._work.items()):
             if work.reported or work.future.status == "pending":
                 continue
             if work.is_node and work.future.status == "finished":
                 continue  # done: its report event is on its way
+            if work.future.status != "finished" and work.lane in self.worker_of:
+                alive = self._alive() if alive is None else alive
+                if self.worker_of[work.lane] not in alive:  # its service worker died: `lost` reports the service
+                    self._next_check = 0.0
+                    continue
             work.reported = True
             if not work.is_node:
                 self._work.pop(handle)
@@ -457,6 +487,8 @@ class DaskExecutor:
         exc = fut.exception() if fut.status == "error" else RuntimeError(f"task {fut.status}")
         error = f"{type(exc).__name__}: {exc}"
         now = self.clock()
+        if work.checkpoint:
+            return CheckpointReport(work.job_id, work.lane, work.checkpoint, now, now, error)
         if not work.is_node:
             return LoadReport(work.job_id, work.lane, 0, now, now, error)
         return NodeReport(work.job_id, work.iteration, work.node, error, now, now)  # its worker died, say
@@ -477,6 +509,39 @@ class DaskExecutor:
             out.append((sid, f"worker {addr} is gone"))
         return out
 
+    def joined(self) -> list[str]:
+        """Services on GPU workers that joined after `start` (a worker the nanny restarted after a crash, a new
+        machine): each gets a new service id once its service has started there (single-rank services only;
+        a worker group needs all its ranks). Checked every `poll` seconds."""
+        if self.client is None or self.groups is not None:
+            return []
+        out = []
+        for addr, (sid, fut) in list(self._starting.items()):
+            if fut.status == "pending":
+                continue
+            del self._starting[addr]
+            if fut.status == "finished":
+                self.worker_of[sid] = addr
+                out.append(sid)
+            else:
+                self._refused_workers.add(addr)  # never tried again
+                log.error("could not start a service on the worker %s that joined: %s", addr, fut.exception())
+        if time.time() < self._next_join:
+            return out
+        self._next_join = time.time() + self.poll
+        gpu = self.client.run_on_scheduler(
+            lambda dask_scheduler: [a for a, w in dask_scheduler.workers.items() if w.resources.get("GPU", 0) >= 1]
+        )
+        known = set(self.worker_of.values()) | set(self._starting) | self._refused_workers
+        for addr in sorted(set(gpu) - known):
+            sid = f"service-{len(self.worker_of) + len(self._starting) + len(self._refused_workers)}"
+            fut = self.client.submit(
+                _start_and_warm, self._key(sid), *self._start_args(),
+                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{self._key(sid)}",
+            )  # fmt: skip
+            self._starting[addr] = (sid, fut)
+        return out
+
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         if service_id in self._lost:
             raise RuntimeError(f"service {service_id} is lost; the model of {job_id} cannot be saved")
@@ -487,6 +552,27 @@ class DaskExecutor:
             futs = self._each(service_id, rank_save, lambda r: (key, r, job_id, str(path)), [], name)
             return Path(self._fetch(futs[0], 300))
         return Path(self._fetch(self._on(service_id, _save_model, self._key(service_id), job_id, str(path)), 300))
+
+    def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
+        """A task on the service, after the job's load and the service's previous task, and before the next
+        one (`_last_on`): the same order in which the runner sent them."""
+        handle = next(self._ids)
+        refused = "lost" if service_id in self._lost else None
+        if self.groups is not None:
+            refused = "checkpoints of a service over several ranks (worker groups) are not built yet"
+        if refused is not None:
+            now = self.clock()
+            self._refused.append(Finished(handle, CheckpointReport(job_id, service_id, str(path), now, now, refused)))
+            return handle
+        after = [self._loaded[job_id]] if job_id in self._loaded else []
+        previous = self._last_on.get(service_id)
+        if previous is not None and not previous.done():
+            after.append(previous)
+        fut = self._on(service_id, _checkpoint, self._key(service_id), job_id, str(path), extra, *after,
+                       key=f"checkpoint-{self.token}-{job_id}-{handle}")  # fmt: skip
+        self._last_on[service_id] = fut
+        self._work[handle] = _Work(fut, False, service_id, job_id, checkpoint=str(path))
+        return handle
 
     def release(self, job_id: str, service_id: str) -> None:
         self._loaded.pop(job_id, None)
