@@ -95,3 +95,24 @@ def test_python_expression_runs_in_the_sandbox_and_refuses_statements() -> None:
     assert not long.ok and "longer than" in (long.error or "")
     wrong = tool.execute("e", {"code": "1"})
     assert not wrong.ok
+
+
+def test_an_agentic_episode_calls_the_sandboxed_expression_tool() -> None:
+    """The grpo_tools episode steps hand the call body to PythonExpression and append its value."""
+    import tempfile
+
+    from test_agentic import ScriptedEngine, prompts
+
+    from plexrl.episodes import TAGS, run_tools, start_episodes, take_turn
+    from plexrl.models import build_tokenizer
+    from plexrl.tasks.tool_arithmetic import TOOL_ALPHABET
+    from plexrl.tools import get_tool
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = build_tokenizer(Path(tmp), TOOL_ALPHABET, TAGS)
+    eps = start_episodes(prompts(tok, [("347*58=", "20126")]), n=1, temperature=1.0, token_budget=40, prefix="j/0")
+    eps = take_turn(ScriptedEngine(tok, [["<call>347*58</call>"]]), tok, eps, max_new_tokens=16, seed=0)
+    tool = get_tool("plexrl.tasks.python_calls:PythonExpression", timeout_s=10)
+    done = run_tools(eps, tool, tok, max_output_tokens=8)
+    assert tok.decode(done.tokens[0][len(eps.tokens[0]) :]) == "<out>20126</out>"
+    assert done.tool_calls == [1] and done.tool_errors == [0] and done.tool_latency_s[0] > 0.005
