@@ -76,8 +76,10 @@ class TaskConfig(StrictModel):
         "directly), so that RL has a tool-use rate to raise.",
     )
     length_alpha: float = Field(
-        1.2, gt=0, le=10, description="copy: Pareto shape of the sequence length, P(L >= k) = k**-alpha (smaller: "
-        "heavier tail)."
+        1.2,
+        gt=0,
+        le=10,
+        description="copy: Pareto shape of the sequence length, P(L >= k) = k**-alpha (smaller: heavier tail).",
     )
     max_length: int = Field(96, ge=1, le=4096, description="copy: longest sequence (the tail is clipped here).")
     train_size: int = Field(200000, ge=16, description="Problems in the train split.")
