@@ -122,3 +122,26 @@ def test_smoke(
         out = done.stdout
     assert EXPECTED.get(name, "") in out, out[-2000:]
     assert out.strip(), "a smoke run printed nothing"
+
+
+def test_multiplex_reports_slowdowns_and_cost_against_both_baselines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary's arithmetic on hand-made repetitions: cost per step = wall / steps per arm, the ratio
+    multiplexed / lean and / isolated, and each job's slowdown as mean +- sd over the repetitions."""
+    mux = load(name="multiplex", monkeypatch=monkeypatch)
+
+    def rep(lean: float, iso: float, done: float) -> Any:
+        arm = {j: mux.Alone(lean, 10, "done", 0.1) for j in ("a", "b")}
+        isolated = {j: mux.Alone(iso, 10, "done", 0.1) for j in ("a", "b")}
+        return mux.Rep(arm, isolated, {"a": done, "b": done}, {"a": 0.1, "b": 0.1}, done / 20, ["done", "done"])
+
+    reps = [rep(10.0, 20.0, 15.0), rep(10.0, 20.0, 25.0)]
+    assert reps[0].cost_per_step(reps[0].lean) == 1.0 and reps[0].cost_per_step(reps[0].iso) == 2.0
+    mux.summarize(reps, "dask-iso")
+    out = capsys.readouterr().out
+    # mux acc-s/step 0.75 and 1.25 against lean 1.0 -> ratio 1.0 +- 0.354; against isolated 2.0 -> 0.5 +- 0.177
+    assert "multiplexed / lean     = 1.000 +- 0.354 [0.750, 1.250]" in out
+    assert "multiplexed / dask-iso = 0.500 +- 0.177 [0.375, 0.625]" in out
+    assert "largest slowdown vs lean 2.000 +- 0.707 [1.500, 2.500]" in out
+    assert mux.spread([0.5]) == "0.500"
