@@ -25,8 +25,11 @@ import pytest
 from conftest import local_runner
 from test_multiplex import final_weights, learning_job, same_weights, stable
 
+from plexrl import operator
+from plexrl.batch import EvalStats, Rollouts
 from plexrl.config import load_job
 from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.operator import OpContext
 from plexrl.runtime import Budgets, Runner
 from plexrl.runtime.dask import DaskExecutor
 from plexrl.runtime.group import GroupBroken, GroupSpec
@@ -225,3 +228,35 @@ def test_cluster_config_with_ranks_validates(tmp_path: Path) -> None:
     assert cfg.services.ranks == 2 and cfg.services.group_timeout == 60.0
     with pytest.raises(ValueError, match="needs driver: dask"):
         ClusterConfig.model_validate({"driver": "local", "services": {"ranks": 2}, "jobs": [{"config": "x.yaml"}]})
+
+
+@operator(placement="service")
+def kill_rank1(ctx: OpContext, rollouts: Rollouts) -> EvalStats:
+    """Rank 1's process dies (SIGKILL) while rank 0 is inside a collective (the broadcast of log-probs)."""
+    if ctx.engine.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx.engine.logprobs(rollouts.input_ids, rollouts.attention_mask)
+    return EvalStats(accuracy=0.0, response_length=0.0, size=0)
+
+
+def test_a_rank_killed_inside_a_jobs_node_fails_that_node_in_bounded_time_and_no_job_hangs(
+    scheduler: str, run_dir: Path
+) -> None:
+    """Through the runner: the node fails with the rank and the cause within the group timeout; the other job
+    on the service finishes or fails with a clear error (its shards died with the group), never hangs."""
+    cfg = learning_job(run_dir, "victim", 2, iterations=2)
+    cfg["engine"] = "torch"
+    cfg["pipeline"]["nodes"].append(
+        {"name": "kill", "op": "test_worker_group:kill_rank1", "inputs": {"rollouts": "rollout"}}
+    )
+    victim, other = prepare_job(load_job(cfg)), job(run_dir, "other", 3)
+    timeout = 10.0
+    executor = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=timeout)
+    t0 = time.monotonic()
+    runs = Runner(executor, lookahead=True, inline_below=0.01).run([victim, other])
+    assert time.monotonic() - t0 < 600
+    assert runs[0].status == "failed" and "GroupBroken" in runs[0].error and "kill" in runs[0].error, runs[0].error
+    seconds = float(runs[0].error.split(" after ")[1].split(" s")[0])
+    assert seconds <= timeout + 2, runs[0].error
+    # its node already sent to the broken group fails fast, or its next one finds its state gone
+    assert runs[1].status == "done" or "re-formed" in runs[1].error, runs[1].error
