@@ -127,7 +127,9 @@ def test_cancel_and_lost_service() -> None:
     assert a[0] == PlaceJob("a", "s0") and b[0] == PlaceJob("b", "s1")
     assert p.handle(JobCancelled("a")) == [FailJob("a", "cancelled by user", "s0", cancelled=True)]
     assert finish(p, a[1]) == []  # late report of a cancelled job is ignored
-    assert p.handle(ServiceLost("s1", "worker died")) == [FailJob("b", "service 's1' lost: worker died", "s1")]
+    assert p.handle(ServiceLost("s1", "worker died")) == [
+        FailJob("b", "service 's1' lost: worker died", "s1", service_lost=True)
+    ]
     assert p.jobs["a"].status == "cancelled" and p.jobs["b"].status == "failed" and p.finished
 
 
