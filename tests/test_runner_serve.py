@@ -117,3 +117,32 @@ def test_submit_and_cancel_from_another_thread() -> None:
         **{j.job_id: "done" for j in jobs[:3]},
         jobs[3].job_id: "cancelled",
     }
+
+
+def test_a_long_running_loop_forgets_ended_jobs() -> None:
+    """`forget_ended` (the server): after 30 jobs ran one after another (the last cancelled, one failed by a
+    lost service), the runner, planner, cost model and executor hold nothing of them; hooks saw every end."""
+    jobs = _jobs(30, seed=5)
+    sim = SimExecutor(2, SeededCosts(seed=1), failures={"service-1": 3.0})
+    rec = Record()
+    runner = Runner(sim, hooks=[rec], validate=True)
+    runner.forget_ended = True
+    pending = list(jobs[2:])
+
+    class Next(Hook):
+        def on_job_end(self, run: JobRun) -> None:
+            if pending:
+                runner.submit(pending.pop(0))
+                if not pending:
+                    runner.cancel(jobs[-1].job_id)
+            if len(rec.ended) == len(jobs):
+                runner.stop("test over")
+
+    runner.hooks.hooks.append(Next())
+    runner.run(jobs[:2], until_stopped=True)  # spread: job001 on service-1, lost at t=3
+    statuses = [s for _, s in rec.ended]
+    assert len(rec.ended) == 30 and statuses.count("done") >= 27 and "failed" in statuses, rec.ended
+    assert (jobs[-1].job_id, "cancelled") in rec.ended and ("job001", "failed") in rec.ended
+    assert runner.runs == {} and runner.planner.jobs == {} and sim.specs == {}
+    assert not any(k[0] for k in runner.planner.costs.nodes)  # no job's own observations
+    assert runner.planner.costs.by_name  # what they taught about each node name stays

@@ -39,6 +39,7 @@ class TimelineRecorder(Hook):
         self.out_dir = Path(out_dir)
         self.draw = draw
         self.spans: list[Span] = []
+        self.keep_ended = True  # False: an ended job's spans are dropped once written (a long-running server)
         self.t0: float | None = None
 
     def on_start(self, time: float) -> None:
@@ -86,6 +87,8 @@ class TimelineRecorder(Hook):
             png = self.out_dir / job.job_id / "timeline.png"
             draw_timeline(mine, png)
             job.artifacts["timeline.png"] = png
+        if not self.keep_ended:
+            self.spans = [s for s in self.spans if s.job != job.job_id]
 
 
 def draw_timeline(spans: list[Span], path: Path) -> None:

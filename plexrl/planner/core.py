@@ -478,6 +478,15 @@ class Planner:
         else:
             out.append(FailJob(job_id, reason or status, job.service, status == "cancelled", lost))
 
+    def forget(self, job_id: str) -> None:
+        """Drop an ended job's record and its cost observations (a long-running server's memory). No-op for a
+        job that has not ended."""
+        job = self.jobs.get(job_id)
+        if job is not None and job.status in TERMINAL:
+            del self.jobs[job_id]
+            self._gaps.pop(job_id, None)
+            self.costs.forget(job_id)
+
     # -- state table ---------------------------------------------------------------------------------
     def _set_job(self, job: JobRecord, new: JobStatus) -> None:
         if (job.status, new) not in JOB_TRANSITIONS:

@@ -377,6 +377,12 @@ class DaskExecutor:
         # it): Dask copies it to a worker the first time a task there needs it, then keeps it there
         self._specs[spec.job_id] = self.client.scatter(spec, hash=False, workers=self.cpu_workers or None)
 
+    def unship(self, job_id: str) -> None:
+        """Drop the spec's future (Dask frees the data once no task needs it)."""
+        self._specs.pop(job_id, None)
+        self._loaded.pop(job_id, None)
+        self.bytes_by_job.pop(job_id, None)
+
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         handle = next(self._ids)  # in the key: a job submitted again (after its service was lost) loads again
         if self.groups is not None:

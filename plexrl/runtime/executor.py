@@ -118,6 +118,10 @@ class Executor(Protocol):
         """Make a job's frozen spec available where its nodes will run (once per job)."""
         ...
 
+    def unship(self, job_id: str) -> None:
+        """Drop a job's spec (the job ended and will send no more work; a long-running server's memory)."""
+        ...
+
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         """Create the job's engine on `service_id` and put its state in `tier` (strict affinity: it stays)."""
         ...

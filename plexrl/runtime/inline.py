@@ -46,6 +46,9 @@ class InlineExecutor:
     def ship(self, spec: Any) -> None:
         self.specs[spec.job_id] = spec
 
+    def unship(self, job_id: str) -> None:
+        self.specs.pop(job_id, None)
+
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         handle = next(self._ids)
         start = self.clock()

@@ -108,6 +108,9 @@ class Runner:
         self._retry_order = itertools.count()
         # where to checkpoint a job after an iteration (None: not then); set by the server
         self.checkpoint_at: Callable[[JobRun, int], Path | None] | None = None
+        # drop ended jobs' records, planner entries and specs (the server: weeks of jobs); their runs are then
+        # missing from `runs` and from the summary hooks see at the end
+        self.forget_ended = False
 
     # -- public --------------------------------------------------------------------------------------
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -489,6 +492,18 @@ class Runner:
             self.hooks.on_job_end(run)
         if self.on_closed is not None:  # every ended job, placed or not (the server's journal)
             self.on_closed(run)
+        if self.forget_ended:
+            self._forget(run)
+
+    def _forget(self, run: JobRun) -> None:
+        """A long-running loop (`forget_ended`): drop an ended job from every table once the hooks and
+        `on_closed` have seen it, so memory does not grow with the number of jobs ever run."""
+        if self.runs.get(run.job_id) is run:
+            del self.runs[run.job_id]
+        self._late = [r for r in self._late if r is not run]
+        self._drop_attempt(run.job_id)  # its work still in flight reports to nobody
+        self.planner.forget(run.job_id)  # (a no-op until the planner has ended it too)
+        self.executor.unship(run.job_id)
 
     def _stop_open_jobs(self, reason: str) -> None:
         """`stop`: close every job that has not ended, forget the work in flight, and drop late submissions."""

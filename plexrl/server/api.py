@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plexrl.errors import ConfigError, Problem
+from plexrl.hooks.timeline import TimelineRecorder
 from plexrl.planner.policies import FairShare
 from plexrl.planner.shares import Usage
 from plexrl.server.config import ServerConfig
@@ -220,6 +221,10 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         runner = make_runner(cfg.cluster(), standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow))
     journal = Journal(cfg.journal)
     every, where = cfg.checkpoint_every, cfg.checkpoints()
+    runner.forget_ended = True  # weeks of jobs: ended ones live on in the journal and MLflow, not in memory
+    for hook in runner.hooks.hooks:
+        if isinstance(hook, TimelineRecorder):
+            hook.keep_ended = False  # each job's timeline is written when it ends
     if cfg.fair_share and not isinstance(runner.planner.ordering, FairShare):
         runner.planner.ordering = FairShare(runner.planner.ordering)
     runner.planner.usage = Usage(cfg.share_half_life_s)
