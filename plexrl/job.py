@@ -38,6 +38,7 @@ class JobSpec:
     resume_state: Path | None = None
     resume_run_id: str | None = None
     user: str = ""  # who submitted it (a server's fair-share ordering)
+    resume_costs: dict[str, float] = field(default_factory=dict)  # the cost model's node times at the checkpoint
 
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline. A resumed job's plan holds the iterations left and no
@@ -51,7 +52,8 @@ class JobSpec:
         order = tuple(self.graph.order)
         baseline = () if self.start_iteration else tuple(self.baseline_nodes())
         iterations = self.config.iterations - self.start_iteration
-        return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine(), self.user)
+        costs = tuple(sorted(self.resume_costs.items()))
+        return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine(), self.user, costs)
 
     def engine(self) -> tuple[str, int] | None:
         """The shared generation engine this job needs on its service: (key, device bytes), or None (torch).

@@ -205,3 +205,16 @@ def test_hrrs_one_pass_pick_equals_its_definition() -> None:
         view = OrderingView(rng.choice([None, *jobs]), lambda q, t=times: t[q.job_id, q.node], swaps.__getitem__)
         now = t + rng.uniform(0, 3)
         assert Hrrs().pick(queue, now, view) == _hrrs_reference(queue, now, view)
+
+
+def test_a_resumed_jobs_cost_model_starts_from_its_checkpointed_node_times() -> None:
+    from dataclasses import replace
+
+    from plexrl.planner import JobPlan, JobSubmitted, NodePlan, Planner
+
+    plan = JobPlan({"rollout": NodePlan("service"), "verify": NodePlan("cpu", ("rollout",))}, iterations=2)
+    p = Planner(clock=lambda: 0.0)
+    p.handle(JobSubmitted("fresh", plan))
+    p.handle(JobSubmitted("resumed", replace(plan, costs=(("rollout", 2.5), ("gone", 1.0), ("verify", 0.25)))))
+    assert p.costs.of_job("fresh") == {}
+    assert p.costs.of_job("resumed") == {"rollout": 2.5, "verify": 0.25}  # a node the plan lacks is ignored

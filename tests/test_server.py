@@ -398,6 +398,9 @@ def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Pa
     assert len(requeued) == 1 and "service 'service-0' lost" in requeued[0]["data"]["reason"]
     ckpt = max(e["data"]["iteration"] for e in ea if e["kind"] == "checkpoint" and e["attempt"] == 1)
     assert ckpt % 4 == 3 and ckpt >= 3
+    costs = next(e["data"]["costs"] for e in ea if e["kind"] == "checkpoint" and e["data"]["iteration"] == ckpt)
+    assert set(costs) == {"prompts", "rollout", "verify", "advantage", "train", "evaluate"}  # the cost model's
+    assert all(v > 0 for v in costs.values())  # node times, journalled with the checkpoint
     first = [e["data"]["iteration"] for e in ea if e["kind"] == "iteration" and e["attempt"] == 1]
     again = [e["data"]["iteration"] for e in ea if e["kind"] == "iteration" and e["attempt"] == 2]
     assert first == list(range(len(first))) and first[-1] >= ckpt

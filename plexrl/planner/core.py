@@ -194,6 +194,9 @@ class Planner:
                 succ[dep].append(name)
         job.successors = {name: tuple(s) for name, s in succ.items()}
         job.sources = tuple(name for name, node in ev.plan.nodes.items() if not node.deps)
+        for learned, seconds in ev.plan.costs:
+            if learned in ev.plan.nodes and seconds >= 0:
+                self.costs.observe(ev.job_id, learned, seconds)
         self.pending.append(ev.job_id)
         self._admission_due = True
 

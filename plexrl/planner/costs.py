@@ -65,6 +65,10 @@ class CostModel:
     def observed(self, job_id: str, node: str) -> bool:
         return (job_id, node) in self.nodes
 
+    def of_job(self, job_id: str) -> dict[str, float]:
+        """The job's own predictions, node -> seconds (what a checkpoint keeps of the cost model)."""
+        return {node: e.value for (j, node), e in self.nodes.items() if j == job_id}
+
     def forget(self, job_id: str) -> None:
         for key in [k for k in self.nodes if k[0] == job_id]:
             del self.nodes[key]

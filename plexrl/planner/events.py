@@ -41,6 +41,9 @@ class JobPlan:
     # (key, device bytes) of a generation engine the job shares with same-key jobs on its service (vLLM)
     engine: tuple[str, int] | None = None
     user: str = ""  # who the job belongs to (fair-share ordering, `policies.FairShare`)
+    # node -> predicted seconds learned by an earlier attempt (a job resumed from a checkpoint): the cost
+    # model starts from them instead of the priors
+    costs: tuple[tuple[str, float], ...] = ()
 
 
 # -- events -------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ docs/operations.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -105,7 +106,7 @@ class JournalHook(Hook):
         if entry is None or entry.finished:
             return  # ended meanwhile (done, cancelled): nothing will resume from it
         previous = entry.checkpoint
-        self.journal.checkpoint(run.job_id, real, str(path))
+        self.journal.checkpoint(run.job_id, real, str(path), self.runner.planner.costs.of_job(run.job_id))
         if previous and previous != str(path):
             Path(previous).unlink(missing_ok=True)
 
@@ -236,6 +237,8 @@ class Controller:
                 continue
             try:
                 spec = self.prepare(entry)
+                if entry.checkpoint is not None and "resume_costs" in getattr(spec, "__dataclass_fields__", {}):
+                    spec = dataclasses.replace(spec, resume_costs=self.journal.checkpoint_costs(job_id))
             except Exception as exc:
                 log.exception("preparing job %s failed", job_id)
                 self.journal.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")

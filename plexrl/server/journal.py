@@ -188,14 +188,25 @@ class Journal:
             data = {"iteration": iteration, "metrics": {k: float(v) for k, v in metrics.items()}}
             self._event(job_id, self.clock(), entry.attempt, "iteration", data)
 
-    def checkpoint(self, job_id: str, iteration: int, path: str) -> None:
-        """The job's state after `iteration` is saved (durably) at `path`: a restart resumes from it."""
+    def checkpoint(self, job_id: str, iteration: int, path: str, costs: dict[str, float] | None = None) -> None:
+        """The job's state after `iteration` is saved (durably) at `path`: a restart resumes from it. `costs`:
+        the planner's predicted seconds per node of the job then (a resumed job's cost model starts there)."""
         with self._lock, self._tx():
             entry = self._get(job_id)
             self._db.execute(
                 "UPDATE jobs SET checkpoint = ?, checkpoint_iteration = ? WHERE job_id = ?", (path, iteration, job_id)
             )
-            self._event(job_id, self.clock(), entry.attempt, "checkpoint", {"iteration": iteration, "path": path})
+            data = {"iteration": iteration, "path": path, "costs": costs or {}}
+            self._event(job_id, self.clock(), entry.attempt, "checkpoint", data)
+
+    def checkpoint_costs(self, job_id: str) -> dict[str, float]:
+        """The `costs` journalled with the job's latest checkpoint ({} without one)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT data FROM events WHERE job_id = ? AND kind = 'checkpoint' ORDER BY seq DESC LIMIT 1", (job_id,)
+            ).fetchone()
+        costs = json.loads(row["data"]).get("costs", {}) if row is not None else {}
+        return {str(k): float(v) for k, v in costs.items()}
 
     def note(self, job_id: str, kind: str, data: dict[str, Any]) -> None:
         """Record an event that changes no status (e.g. `checkpoint_failed`)."""
