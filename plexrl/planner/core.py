@@ -48,7 +48,7 @@ from plexrl.planner.events import (
     StateMeasured,
     Transition,
 )
-from plexrl.planner.gaps import gap_after
+from plexrl.planner.gaps import gap_after, next_use
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
@@ -372,9 +372,9 @@ class Planner:
         index = candidates[self.ordering.pick(pool, now, view)]
         q = svc.queue[index]
         job = self.jobs[q.job_id]
-        next_use = self._next_use(svc, now)
+        use_in = next_use(svc, self.jobs, self.costs.predict, now)
         try:
-            swaps = svc.state.make_resident(q.job_id, next_use, busy)
+            swaps = svc.state.make_resident(q.job_id, use_in, busy)
         except NoRoom as exc:
             if busy:  # lookahead: the device cannot hold it beside the running job; send it later
                 return
@@ -388,9 +388,9 @@ class Planner:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1
         prefetch: list[Move] = []
-        nxt = self._next_job(svc, now, next_use, view, exclude=busy | {q.job_id})
+        nxt = self._next_job(svc, now, use_in, view, exclude=busy | {q.job_id})
         if nxt is not None:
-            prefetch = svc.state.prefetch(nxt, next_use, busy | {q.job_id})
+            prefetch = svc.state.prefetch(nxt, use_in, busy | {q.job_id})
             if prefetch:
                 svc.prefetching = nxt
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch)))
@@ -418,31 +418,14 @@ class Planner:
             gap = cached[node] = gap_after(self.jobs[job_id], node, self.costs.predict)
         return gap
 
-    def _next_use(self, svc: ServiceRecord, now: float) -> dict[str, float]:
-        """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
-        there, the predicted rest of its running CPU nodes otherwise, inf with nothing in flight."""
-        soon = {q.job_id for q in svc.queue}
-        for key in (svc.running, svc.next):
-            if key is not None:
-                soon.add(key[0])
-        out: dict[str, float] = {}
-        for job_id in svc.jobs:
-            if job_id in soon:
-                out[job_id] = 0.0
-                continue
-            job = self.jobs[job_id]
-            rests = [max(self.costs.predict(job_id, n) - (now - t0), 0.0) for n, t0 in job.cpu_started.items()]
-            out[job_id] = min(rests) if rests else math.inf
-        return out
-
     def _next_job(
-        self, svc: ServiceRecord, now: float, next_use: dict[str, float], view: OrderingView, exclude: set[str]
+        self, svc: ServiceRecord, now: float, use_in: dict[str, float], view: OrderingView, exclude: set[str]
     ) -> str | None:
         """The job the service will most likely run after the nodes sent to it (what to prefetch)."""
         others = [q for q in svc.queue if q.job_id not in exclude]
         if others:
             return others[self.ordering.pick(others, now, view)].job_id
-        later = [(t, j) for j, t in next_use.items() if j not in exclude and t < math.inf]
+        later = [(t, j) for j, t in use_in.items() if j not in exclude and t < math.inf]
         return min(later)[1] if later else None
 
     def _end_job(

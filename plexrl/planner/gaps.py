@@ -1,11 +1,12 @@
-"""How long a job will be away from the services after one of its nodes: the `gap` in gap-aware HRRS. Pure."""
+"""How long a job will be away from the services: after one of its nodes (the `gap` in gap-aware HRRS), and
+from now until each job on a service next needs it (what to evict, what to prefetch). Pure."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
-from plexrl.planner.records import JobRecord
+from plexrl.planner.records import JobRecord, ServiceRecord
 
 
 def gap_after(job: JobRecord, node: str, predict: Callable[[str, str], float]) -> float:
@@ -32,3 +33,23 @@ def gap_after(job: JobRecord, node: str, predict: Callable[[str, str], float]) -
         return best
 
     return reach(node, 0)
+
+
+def next_use(
+    svc: ServiceRecord, jobs: dict[str, JobRecord], predict: Callable[[str, str], float], now: float
+) -> dict[str, float]:
+    """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
+    there, the predicted rest of its running CPU nodes otherwise, inf with nothing in flight."""
+    soon = {q.job_id for q in svc.queue}
+    for key in (svc.running, svc.next):
+        if key is not None:
+            soon.add(key[0])
+    out: dict[str, float] = {}
+    for job_id in svc.jobs:
+        if job_id in soon:
+            out[job_id] = 0.0
+            continue
+        started = jobs[job_id].cpu_started.items()
+        rests = [max(predict(job_id, n) - (now - t0), 0.0) for n, t0 in started]
+        out[job_id] = min(rests) if rests else math.inf
+    return out
