@@ -258,5 +258,5 @@ def test_a_rank_killed_inside_a_jobs_node_fails_that_node_in_bounded_time_and_no
     assert runs[0].status == "failed" and "GroupBroken" in runs[0].error and "kill" in runs[0].error, runs[0].error
     seconds = float(runs[0].error.split(" after ")[1].split(" s")[0])
     assert seconds <= timeout + 2, runs[0].error
-    # its node already sent to the broken group fails fast, or its next one finds its state gone
-    assert runs[1].status == "done" or "re-formed" in runs[1].error, runs[1].error
+    # done before the kill, or its node met the dead rank (GroupBroken, at once) or the re-formed group
+    assert runs[1].status == "done" or "GroupBroken" in runs[1].error or "re-formed" in runs[1].error, runs[1].error
