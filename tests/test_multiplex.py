@@ -160,7 +160,7 @@ def external_cluster() -> Any:
                 "gpu-worker": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}}},
                 "cpu-worker": {"cls": Nanny, "options": {"nthreads": 2}},
             },
-            scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+            scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
             silence_logs=logging.ERROR,
         )
 

@@ -53,7 +53,7 @@ def scheduler() -> Iterator[str]:
     }
     workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": 1, "name": "cpu-0", **opts}}
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {}}):
-        cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+        cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
                               silence_logs=logging.ERROR)  # fmt: skip
     try:
         yield cluster.scheduler_address
