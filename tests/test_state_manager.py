@@ -88,3 +88,14 @@ def test_cost_model_learns_durations_and_bandwidth() -> None:
     assert cm.swap_seconds(4 * 10**9) == pytest.approx(1.0)
     cm.forget("a")
     assert not cm.observed("a", "rollout") and cm.predict("a", "rollout") == pytest.approx(2.0)
+
+
+def test_a_new_engine_is_refused_where_it_would_leave_a_placed_state_no_room_to_run() -> None:
+    """Found by the planner's property test: a 100-byte state on a 100-byte device, then a job whose vLLM-like
+    engine (30 bytes) would stay on device: the first job could never run again."""
+    sm = StateManager("s0", {"device": 100, "host": 1000, "disk": None})
+    assert sm.admit("big", 100) == "device"
+    assert sm.fits(0, ("engine", 30)) is False and sm.admit("small", 0, ("engine", 30)) is None
+    assert sm.fits(0) is True  # without an engine it may come (on host)
+    sm.release("big")
+    assert sm.admit("small", 0, ("engine", 30)) == "device"

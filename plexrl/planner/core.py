@@ -221,6 +221,12 @@ class Planner:
         if not ev.ok:
             self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}", out)
             return
+        if plan.chunks > 1 and job.chunk.get(ev.node, 0) + 1 < plan.chunks:  # more chunks: queue the next
+            job.chunk[ev.node] = job.chunk.get(ev.node, 0) + 1
+            self._set_node(job, ev.node, "ready")
+            self._queue(job, ev.node)
+            return
+        job.chunk.pop(ev.node, None)
         self._set_node(job, ev.node, "done")
         self._advance(job, out)
 
@@ -284,7 +290,7 @@ class Planner:
         plan = self.jobs[job_id].plan
         busy = gap = 0.0
         for name, node in plan.nodes.items():
-            sec = self.costs.predict(job_id, name) / (node.every or 1)
+            sec = self.costs.predict(job_id, name) * node.chunks / (node.every or 1)
             if node.placement == "service":
                 busy += sec
             else:
@@ -336,9 +342,11 @@ class Planner:
             job.cpu_started[name] = self.clock()
             out.append(RunNode(job.job_id, job.iteration, name, "cpu", None, inline=self._tiny(job, name)))
         else:
-            assert job.service is not None
-            q = QueuedNode(job.job_id, job.iteration, name, self.clock(), next(self._seq))
-            self.services[job.service].queue.append(q)
+            self._queue(job, name)
+
+    def _queue(self, job: JobRecord, name: str) -> None:
+        q = QueuedNode(job.job_id, job.iteration, name, self.clock(), next(self._seq))
+        self.services[job.service].queue.append(q)  # type: ignore[index]  # (a placed job has a service)
 
     def _tiny(self, job: JobRecord, name: str) -> bool:
         """Whether a cpu node is predicted to take less than `inline_below` (and may run inline at all)."""
@@ -393,7 +401,9 @@ class Planner:
             prefetch = svc.state.prefetch(nxt, use_in, busy | {q.job_id})
             if prefetch:
                 svc.prefetching = nxt
-        out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch)))
+        chunks = job.plan.nodes[q.node].chunks
+        out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
+                           chunk=job.chunk.get(q.node, 0), chunks=chunks))  # fmt: skip
 
     def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
         def swap_time(job_id: str) -> float:

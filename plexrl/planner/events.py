@@ -23,6 +23,9 @@ class NodePlan:
     # a cpu node that may run next to its inputs, outside the CPU pool, when it is predicted to be tiny
     # (the planner decides, see `Planner(inline_below=...)`); False for tool calls and untrusted code
     inline: bool = True
+    # a service node run as this many resumable chunks: after each, the service may run another job's node
+    # (function-level preemption); the cost model then learns the time of one chunk
+    chunks: int = 1
 
     def active(self, iteration: int, iterations: int) -> bool:
         return self.every is None or (iteration + 1) % self.every == 0 or iteration == iterations - 1
@@ -129,6 +132,8 @@ class RunNode:
     swaps: tuple[Move, ...] = ()  # carry out in order before the node (they make the job resident)
     prefetch: tuple[Move, ...] = ()  # start in the background while the node runs (the next job's state)
     inline: bool = False  # cpu node predicted tiny: an executor may run it next to its inputs, off the pool
+    chunk: int = 0  # which chunk of a chunked service node this is (of `chunks`)
+    chunks: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
     ("waiting", "done"),  # inactive this iteration
     ("ready", "running"),
     ("running", "done"),
+    ("running", "ready"),  # a chunk of a chunked service node ended; the next one waits for the service
 }
 TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
 
@@ -51,6 +52,7 @@ class JobRecord:
     # the plan's edges, for the gap prediction: node -> successors; nodes with no deps (an iteration's sources)
     successors: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
+    chunk: dict[str, int] = field(default_factory=dict)  # chunked service node -> its chunks done this iteration
 
 
 @dataclass(slots=True)

@@ -91,11 +91,16 @@ class StateManager:
         return budget is None or nbytes + reserved <= budget
 
     def fits(self, nbytes: int, engine: tuple[str, int] | None = None) -> bool:
-        """A new state of `nbytes` (using `engine`) can be admitted now: its engine has room on device and the
-        state fits in some tier, without moving others."""
+        """A new state of `nbytes` (using `engine`) can be admitted now: its engine has room on device, the
+        state fits in some tier without moving others, and a new engine leaves every placed state room to run
+        on device beside all the engines."""
         extra = self._new_engine_bytes(engine)
         if not self.can_ever_run(nbytes, engine) or self.free("device") < extra:
             return False
+        budget = self.budgets.get("device")
+        largest = max(self.size.values(), default=0)
+        if extra and budget is not None and largest + sum(self.engines.values()) + extra > budget:
+            return False  # a new engine must leave every placed job room to run beside the engines
         return any(self.free(t) - (extra if t == "device" else 0) >= nbytes for t in TIERS)
 
     def on_device(self, job_id: str) -> bool:

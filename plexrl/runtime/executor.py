@@ -43,6 +43,10 @@ class NodeTask:
     swaps: tuple[Move, ...] = ()
     prefetch: tuple[Move, ...] = ()
     inline: bool = False
+    # chunk `chunk` of `chunks` of a chunked service node (function-level preemption; simulated jobs only:
+    # the real services run a node whole, and no real job's plan has chunks > 1)
+    chunk: int = 0
+    chunks: int = 1
 
     @property
     def lane(self) -> str:

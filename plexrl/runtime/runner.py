@@ -362,8 +362,9 @@ class Runner:
         outputs = self._iter[run.job_id].outputs
         inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
         task = NodeTask(
-            run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline
-        )
+            run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
+            ins.chunk, ins.chunks,
+        )  # fmt: skip
         handle = self.executor.submit(task)
         self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
 
@@ -410,7 +411,7 @@ class Runner:
         else:
             it.outputs[rep.node] = f.handle
             it.metrics[rep.node] = rep.metrics
-            it.seconds[rep.node] = duration
+            it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration  # (the chunks of a chunked node)
         swap_seconds = rep.swap_end - rep.swap_start
         events.append(
             NodeFinished(run.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)

@@ -347,7 +347,7 @@ class SimExecutor:
             report = NodeReport(task.job_id, task.iteration, task.node, f"swap failed: {error}", t, t,
                                    swap_start, t, moved, measured=measured)  # fmt: skip
             return t, report
-        end = t + self.costs.duration(job, task.iteration, task.node)
+        end = t + self.costs.duration(job, task.iteration, task.node) / task.chunks  # chunks share the node's time
         svc.free_at = end
         svc.busy_seconds += end - t
         svc.nodes += 1
