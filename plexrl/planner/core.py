@@ -48,7 +48,7 @@ from plexrl.planner.events import (
     StateMeasured,
     Transition,
 )
-from plexrl.planner.gaps import gap_after, next_use
+from plexrl.planner.gaps import busy_fraction, gap_after, next_use
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
@@ -284,18 +284,8 @@ class Planner:
         self.pending = still
 
     def job_load(self, job_id: str) -> float:
-        """Predicted busy fraction of a job on its service: predicted service seconds per iteration over
-        service + CPU seconds (nodes that run every k iterations count 1/k). Before any observation the
-        cost model's prior makes it the share of service nodes."""
-        plan = self.jobs[job_id].plan
-        busy = gap = 0.0
-        for name, node in plan.nodes.items():
-            sec = self.costs.predict(job_id, name) * node.chunks / (node.every or 1)
-            if node.placement == "service":
-                busy += sec
-            else:
-                gap += sec
-        return busy / (busy + gap) if busy + gap > 0 else 0.0
+        """Predicted busy fraction of a job on its service (`gaps.busy_fraction`)."""
+        return busy_fraction(self.jobs[job_id], self.costs.predict)
 
     def _start_iteration(self, job: JobRecord, out: list[Instruction]) -> None:
         self._reset_nodes(job)

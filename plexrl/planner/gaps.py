@@ -53,3 +53,17 @@ def next_use(
         rests = [max(predict(job_id, n) - (now - t0), 0.0) for n, t0 in started]
         out[job_id] = min(rests) if rests else math.inf
     return out
+
+
+def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
+    """Predicted busy fraction of `job` on its service: predicted service seconds per iteration (every chunk
+    of a chunked node) over service + CPU seconds (nodes that run every k iterations count 1/k). Before any
+    observation the cost model's prior makes it the share of service nodes."""
+    busy = gap = 0.0
+    for name, node in job.plan.nodes.items():
+        sec = predict(job.job_id, name) * node.chunks / (node.every or 1)
+        if node.placement == "service":
+            busy += sec
+        else:
+            gap += sec
+    return busy / (busy + gap) if busy + gap > 0 else 0.0
