@@ -1,6 +1,7 @@
 """Server load: N tiny jobs submitted at once to a real `plexrl serve` (a separate process, its default
-driver: a local Dask cluster with 2 services), while this client polls `GET /jobs/{id}` and `GET /jobs` until every job has ended. Prints the
-submit, status and list latencies (p50 / p99 / max) and the wall time. Goal: status p99 < 200 ms.
+driver: a local Dask cluster with 2 services), while this client polls `GET /jobs/{id}` and `GET /jobs` until
+every job has ended. Prints the submit, status and list latencies (p50 / p99 / max) and the wall time.
+Goal: status p99 < 200 ms.
 
     .venv/bin/python benchmarks/serve.py [--jobs 50] [--iterations 4] [--smoke]
 
