@@ -22,29 +22,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import _tiny
 import yaml
 
 from plexrl.server.client import Client
 
-TINY_JOB = {  # tests/conftest.py's TINY: a 1-layer model on 2-digit addition
-    "name": "tiny",
-    "seed": 0,
-    "model": {"layers": 1, "hidden": 32, "heads": 2, "intermediate": 64},
-    "task": {"digits": 2, "train_size": 200, "eval_size": 16},
-    "warm_start": {"max_steps": 4, "batch_size": 16, "eval_every": 2, "eval_size": 16, "stop_at_accuracy": 0.9},
-    "pipeline": {
-        "name": "grpo",
-        "params": {
-            "batch_size": 4,
-            "n": 4,
-            "max_new_tokens": 4,
-            "eval_every": 2,
-            "eval_size": 16,
-            "skip_zero_advantage": False,
-        },
-    },
-    "tracking": {"progress": False, "log_model": False},
-}
+# the tiny job of every benchmark's smoke mode, on `engine: auto` with the machine's threads and MLflow on (a
+# user's defaults); each job runs `--iterations`
+TINY_JOB = {k: v for k, v in _tiny.TINY_JOB.items() if k not in ("engine", "threads", "iterations")}
+TINY_JOB["tracking"] = {"progress": False, "log_model": False}
 
 
 def quantile_ms(xs: list[float], q: float) -> float:

@@ -53,3 +53,24 @@ def local_runner(services: int = 1, *, validate: bool = True, **kwargs: Any) -> 
     from plexrl.runtime import InlineExecutor, Runner
 
     return Runner(InlineExecutor(services=services, validate=validate), validate=validate, **kwargs)
+
+
+VOLATILE = ("time/", "tokens_per_s")  # metrics that depend on the machine's speed, not on what was learned
+
+
+def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    """A job's metric rows without the timing keys: what must match exactly between two runs."""
+    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
+
+
+def wait_for(check: Any, what: str, timeout: float = 60.0, interval: float = 0.02) -> Any:
+    """Poll `check()` until it returns something truthy (returned), failing after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -7,15 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import stable
 
 from plexrl.config import load_job
 from plexrl.runtime.jobs import run_jobs
-
-VOLATILE = ("time/", "tokens_per_s")
-
-
-def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
 
 
 def test_two_iterations_log_to_mlflow_and_read_back(tiny_config: dict[str, Any]) -> None:

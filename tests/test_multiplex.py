@@ -21,19 +21,13 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import TINY, local_runner
+from conftest import TINY, local_runner, stable
 
 from plexrl.config import load_job
 from plexrl.hooks.base import Hook
 from plexrl.job import JobRun, JobSpec, prepare_job
 from plexrl.planner import Hrrs
 from plexrl.runtime import Budgets, NodeTask, Runner
-
-VOLATILE = ("time/", "tokens_per_s")
-
-
-def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
 
 
 def learning_job(run_dir: Path, name: str, seed: int, iterations: int = 3) -> dict[str, Any]:

@@ -9,16 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import user_ops
-from conftest import TINY, local_runner
+from conftest import TINY, local_runner, stable
 
 from plexrl.config import load_job
 from plexrl.job import prepare_job
-
-VOLATILE = ("time/", "tokens_per_s")
-
-
-def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
 
 
 def job(run_dir: Path, name: str, op: str, retry: dict[str, Any] | None = None, fail_runs: int = 2) -> Any:

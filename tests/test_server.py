@@ -9,7 +9,6 @@ import http.client
 import json
 import sys
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import TINY
+from conftest import TINY, wait_for
 
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
@@ -55,17 +54,6 @@ def serving(
         yield srv
     finally:
         srv.stop(60)
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    """Poll `check` until it returns something truthy, failing after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ KILLED, where it used to stay RUNNING). Every wait has a deadline; nothing sleep
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import queue
 import signal
@@ -13,11 +14,9 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+import conftest
 import pytest
 import yaml
 from conftest import TINY
@@ -27,14 +26,7 @@ from plexrl.server.client import Client
 pytestmark = pytest.mark.slow
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+wait_for = functools.partial(conftest.wait_for, timeout=180.0, interval=0.05)  # real processes: slower
 
 
 class Proc:

@@ -16,7 +16,6 @@ failing to load, a swap failing, its metrics failing to compute) fails that job 
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import math
 import threading
@@ -46,7 +45,7 @@ from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Event, Instruction
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, Handle, LoadReport, NodeTask
-from plexrl.runtime.records import Budgets, Iteration, Pending, RunnableSpec
+from plexrl.runtime.records import Budgets, Iteration, Pending, RetryQueue, RunnableSpec
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +103,7 @@ class Runner:
         self._stop_reason: str | None = None
         self.on_closed: Callable[[JobRun], None] | None = None
         # (due, order, task, attempt): cpu nodes that raised, waiting for their next run (`JobConfig.retry`)
-        self._retries: list[tuple[float, int, NodeTask, int]] = []
-        self._retry_order = itertools.count()
+        self._retries = RetryQueue()
         # where to checkpoint a job after an iteration (None: not then); set by the server
         self.checkpoint_at: Callable[[JobRun, int], Path | None] | None = None
         # drop ended jobs' records, planner entries and specs (the server: weeks of jobs); their runs are then
@@ -231,7 +229,7 @@ class Runner:
             if self._arrivals:  # wake up for the next arrival
                 timeout = min(timeout, max(self._arrivals[0][0] - self.clock(), 0.0))
             if self._retries:  # and for the next retry
-                timeout = min(timeout, max(self._retries[0][0] - self.clock(), 0.0))
+                timeout = min(timeout, max(self._retries.next_due() - self.clock(), 0.0))
             finished = self.executor.wait(timeout)
             events.extend(self._services_changed())
             for f in finished:
@@ -301,17 +299,14 @@ class Runner:
         for h in mine:
             del self._pending[h]
         self.executor.forget(mine)
-        if any(t.job_id == job_id for _, _, t, _ in self._retries):
-            self._retries = [r for r in self._retries if r[2].job_id != job_id]
-            heapq.heapify(self._retries)
+        self._retries.drop(job_id)
         self._failing.discard(job_id)
         self._iter.pop(job_id, None)
 
     def _take_retries(self) -> None:
         """Run again the cpu nodes whose backoff has passed (their job still running)."""
         now = self.clock()
-        while self._retries and self._retries[0][0] <= now:
-            _, _, task, attempt = heapq.heappop(self._retries)
+        for task, attempt in self._retries.due(now):
             run = self.runs.get(task.job_id)
             if run is None or run.status != "running" or task.job_id in self._failing:
                 continue
@@ -434,7 +429,7 @@ class Runner:
         if it is not None:
             it.seconds[f"retry_wait_{p.node}"] = it.seconds.get(f"retry_wait_{p.node}", 0.0) + delay
             it.metrics.setdefault("retries", {})[p.node] = float(p.attempt)
-        heapq.heappush(self._retries, (self.clock() + delay, next(self._retry_order), p.task, p.attempt + 1))
+        self._retries.push(self.clock() + delay, p.task, p.attempt + 1)
         return True
 
     def _fail(self, run: JobRun, what: str, error: str) -> JobFailed:
@@ -446,16 +441,8 @@ class Runner:
         """Assemble the iteration's metrics (iteration -1 is the baseline pass, logged as step 0)."""
         now = self.clock()
         it = self._iter[run.job_id]
-        metrics: dict[str, float] = {}
-        for name, values in it.metrics.items():
-            for key, value in values.items():
-                metrics[f"{name}/{key}"] = value
-        for name, sec in it.seconds.items():
-            metrics[f"time/{name}"] = sec
-            if f"{name}/tokens" in metrics and sec > 0:
-                metrics[f"{name}/tokens_per_s"] = metrics[f"{name}/tokens"] / sec
+        metrics = it.row(now if iteration >= 0 else None)
         if iteration >= 0:
-            metrics["time/iteration"] = now - it.start  # includes the previous iteration's hooks
             run.iterations_done += 1
         self.executor.forget(it.outputs.values())
         self._iter[run.job_id] = Iteration(now)
