@@ -239,6 +239,7 @@ class DaskExecutor:
             # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
             # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
             dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
+            dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
             opts = {"memory_limit": 0, "silence_logs": logging.ERROR}
             names = [
                 f"service-{i}" + (f"-rank{r}" if r else "") for i in range(self.n_services) for r in range(self.ranks)

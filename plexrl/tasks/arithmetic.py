@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from plexrl.config import TaskConfig
+from plexrl.tasks._columns import columnar_reduce
 
 ALPHABET = "0123456789+="
 
@@ -33,6 +34,9 @@ class ArithmeticTask:
     special_tokens: ClassVar[tuple[str, ...]] = ()  # extra special tokens (tool tags) of the tokenizer
     tool: ClassVar[str | None] = None  # no tool calls
     tool_demo_frac: ClassVar[float] = 0.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return columnar_reduce(self)  # fast to ship to the workers: plexrl/tasks/_columns.py
 
     @property
     def max_answer_chars(self) -> int:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from plexrl.config import TaskConfig
+from plexrl.tasks._columns import columnar_reduce
 from plexrl.tasks.arithmetic import Problem, verify_answers
 
 COPY_ALPHABET = "0123456789="
@@ -49,6 +50,9 @@ class CopyTask:
     special_tokens: ClassVar[tuple[str, ...]] = ()
     tool: ClassVar[str | None] = None
     tool_demo_frac: ClassVar[float] = 0.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return columnar_reduce(self)  # fast to ship to the workers: plexrl/tasks/_columns.py
 
     @property
     def max_answer_chars(self) -> int:

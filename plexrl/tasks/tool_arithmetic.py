@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from plexrl.config import TaskConfig
 from plexrl.episodes import CALL, CALL_END, OUT, OUT_END, TAGS
+from plexrl.tasks._columns import columnar_reduce
 from plexrl.tasks.arithmetic import Problem, verify_answers
 
 TOOL_ALPHABET = "0123456789*+=?"
@@ -39,6 +40,9 @@ class ToolArithmeticTask:
     alphabet: ClassVar[str] = TOOL_ALPHABET
     special_tokens: ClassVar[tuple[str, ...]] = TAGS
     tool: ClassVar[str | None] = "calculator"  # what `call_tools` uses unless the pipeline names another
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return columnar_reduce(self)  # fast to ship to the workers: plexrl/tasks/_columns.py
 
     @property
     def max_answer_chars(self) -> int:
