@@ -9,7 +9,8 @@ The same job mix (a cluster config, default `configs/multiplex.yaml`) runs three
 (b) isolated on the config's driver (Dask by default): each job alone on its own service, one after another;
     the second column, for comparison with the figures published before the lean baseline existed;
 (c) multiplexed: all jobs on the config's services with its placement, ordering and memory budgets;
-    cost = services x the makespan (first placement to last end).
+    cost = services x the makespan (first placement to last end). `--orderings hrrs,slowdown` runs this arm
+    once per ordering in every repetition, side by side against the same (a) and (b).
 Prints per job: steps, wall alone (lean, isolated), multiplexed completion, slowdown against (a) and (b);
 per run: accelerator-seconds per training step and the ratios multiplexed / lean and multiplexed / isolated;
 with `--reps N` (default 3) every headline figure as mean +- sample standard deviation [min, max]. Also the
@@ -22,7 +23,7 @@ before the lean runs (as a long-running trainer would have it); a Dask worker im
 which the isolated and multiplexed runs pay (see the `startup` column of the accounting).
 
     .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--iterations 40] [--reps 3]
-        [--engine auto|vllm|torch] [--driver dask|local] [--smoke]
+        [--engine auto|vllm|torch] [--driver dask|local] [--orderings hrrs,slowdown] [--smoke]
 
 `--smoke`: a tiny two-job mix (benchmarks/_tiny.py), 2 iterations, 1 repetition, everything on the local
 driver (no Dask), in a temporary directory (the test suite runs it; its figures mean nothing).
@@ -128,80 +129,94 @@ def run_alone(cluster: LoadedCluster, driver: str, label: str) -> dict[str, Alon
 
 
 @dataclasses.dataclass(slots=True)
+class Mux:
+    """One multiplexed run: each job's completion time (from the first placement), service seconds per
+    iteration, the accelerator-seconds per step and the jobs' statuses."""
+
+    completion: dict[str, float]
+    svc: dict[str, float]
+    cps: float
+    statuses: list[str]
+
+
+@dataclasses.dataclass(slots=True)
 class Rep:
-    """One repetition's figures."""
+    """One repetition's figures: the lean and isolated arms, and a multiplexed run per ordering."""
 
     lean: dict[str, Alone]
     iso: dict[str, Alone]
-    completion: dict[str, float]
-    mux_svc: dict[str, float]
-    mux_cps: float
-    statuses: list[str]
+    mux: dict[str, Mux]
 
     def cost_per_step(self, arm: dict[str, Alone]) -> float:
         return sum(a.wall for a in arm.values()) / sum(a.steps for a in arm.values())
 
 
-def one_rep(cluster: LoadedCluster, iso_driver: str) -> Rep:
-    """(a) lean, (b) isolated on `iso_driver`, (c) multiplexed: see the module docstring."""
-    from plexrl.runtime.jobs import configure_torch
-
-    configure_torch(cluster.config.services.threads)  # the lean runs' model work: the service's threads
-    lean = run_alone(cluster, "local", "lean")
-    iso = run_alone(cluster, iso_driver, "isolated")
+def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
+    """(c) the mix on its services with `ordering`."""
+    cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"ordering": ordering}))
     t0 = time.time()
     res = run_cluster(cluster)
     wall = time.time() - t0
     first = min(h.started_at or 0.0 for h in res.jobs)
     last = max(h.finished_at or 0.0 for h in res.jobs)
     makespan = last - first
-    mux_cps = cluster.config.services.count * makespan / max(sum(h.iterations_done for h in res.jobs), 1)
-    print(f"  multiplexed: makespan {makespan:.1f}s (run {wall:.1f}s incl. start-up), {mux_cps:.3f} acc-s/step")
+    cps = cluster.config.services.count * makespan / max(sum(h.iterations_done for h in res.jobs), 1)
+    print(f"  multiplexed ({ordering}): makespan {makespan:.1f}s (run {wall:.1f}s incl. start-up), "
+          f"{cps:.3f} acc-s/step")  # fmt: skip
     for s in res.report.services:
         print(f"    {s.service}: busy {s.busy:.1f}s (weight loads {s.weights:.2f}s of it) swap {s.swap:.2f}s "
               f"startup {s.startup:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")  # fmt: skip
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, prefetch {prefetch:.2f}s, "
           f"hidden by prefetch {hidden:.0%} of swap time", flush=True)  # fmt: skip
-    return Rep(
-        lean,
-        iso,
+    return Mux(
         {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
         {h.job_id: service_seconds(h) for h in res.jobs},
-        mux_cps,
+        cps,
         [h.status for h in res.jobs],
     )
 
 
+def one_rep(cluster: LoadedCluster, iso_driver: str, orderings: Sequence[str]) -> Rep:
+    """(a) lean, (b) isolated on `iso_driver`, (c) multiplexed with each ordering: see the module docstring."""
+    from plexrl.runtime.jobs import configure_torch
+
+    configure_torch(cluster.config.services.threads)  # the lean runs' model work: the service's threads
+    lean = run_alone(cluster, "local", "lean")
+    iso = run_alone(cluster, iso_driver, "isolated")
+    return Rep(lean, iso, {o: run_mux(cluster, o) for o in orderings})
+
+
 def summarize(reps: list[Rep], iso_label: str) -> None:
-    """The per-job table and the headline ratios over the repetitions."""
-    jobs = list(reps[0].completion)
-    print()
-    print(f"{'job':<20}{'steps':>6}{'lean s':>9}{f'{iso_label} s':>12}{'mux s':>9}{'slowdown vs lean':>34}"
-          f"{f'vs {iso_label}':>34}{'service s/it lean -> mux':>27}")  # fmt: skip
-    worst: list[float] = []
-    for r in reps:
-        worst.append(max(r.completion[j] / r.lean[j].wall for j in jobs))
-    for j in jobs:
-        lean = [r.lean[j].wall for r in reps]
-        iso = [r.iso[j].wall for r in reps]
-        mux = [r.completion[j] for r in reps]
-        sd_lean = [m / a for m, a in zip(mux, lean, strict=True)]
-        sd_iso = [m / a for m, a in zip(mux, iso, strict=True)]
-        svc = f"{statistics.mean(r.lean[j].svc for r in reps):.3f} -> {statistics.mean(r.mux_svc[j] for r in reps):.3f}"
-        print(f"{j:<20}{reps[0].lean[j].steps:>6}{statistics.mean(lean):>9.1f}{statistics.mean(iso):>12.1f}"
-              f"{statistics.mean(mux):>9.1f}{spread(sd_lean):>34}{spread(sd_iso):>34}{svc:>27}")  # fmt: skip
+    """Per ordering: the per-job table and the headline ratios over the repetitions."""
     lean_cps = [r.cost_per_step(r.lean) for r in reps]
     iso_cps = [r.cost_per_step(r.iso) for r in reps]
-    mux_cps = [r.mux_cps for r in reps]
-    print()
-    print(f"accelerator-seconds per step: lean {spread(lean_cps)}, {iso_label} {spread(iso_cps)}, "
-          f"multiplexed {spread(mux_cps)}")  # fmt: skip
-    vs_lean = [m / b for m, b in zip(mux_cps, lean_cps, strict=True)]
-    vs_iso = [m / b for m, b in zip(mux_cps, iso_cps, strict=True)]
-    print(f"multiplexed / lean     = {spread(vs_lean)} (goal <= 0.65); largest slowdown vs lean {spread(worst)} "
-          f"(goal <= 1.25)")  # fmt: skip
-    print(f"multiplexed / {iso_label:<8} = {spread(vs_iso)}")
+    for ordering in reps[0].mux:
+        muxes = [r.mux[ordering] for r in reps]
+        jobs = list(muxes[0].completion)
+        print()
+        print(f"ordering {ordering}")
+        print(f"{'job':<20}{'steps':>6}{'lean s':>9}{f'{iso_label} s':>12}{'mux s':>9}{'slowdown vs lean':>34}"
+              f"{f'vs {iso_label}':>34}{'service s/it lean -> mux':>27}")  # fmt: skip
+        worst = [max(m.completion[j] / r.lean[j].wall for j in jobs) for r, m in zip(reps, muxes, strict=True)]
+        for j in jobs:
+            lean = [r.lean[j].wall for r in reps]
+            iso = [r.iso[j].wall for r in reps]
+            mux = [m.completion[j] for m in muxes]
+            sd_lean = [m / a for m, a in zip(mux, lean, strict=True)]
+            sd_iso = [m / a for m, a in zip(mux, iso, strict=True)]
+            svc_lean, svc_mux = statistics.mean(r.lean[j].svc for r in reps), statistics.mean(m.svc[j] for m in muxes)
+            svc = f"{svc_lean:.3f} -> {svc_mux:.3f}"
+            print(f"{j:<20}{reps[0].lean[j].steps:>6}{statistics.mean(lean):>9.1f}{statistics.mean(iso):>12.1f}"
+                  f"{statistics.mean(mux):>9.1f}{spread(sd_lean):>34}{spread(sd_iso):>34}{svc:>27}")  # fmt: skip
+        mux_cps = [m.cps for m in muxes]
+        print(f"accelerator-seconds per step: lean {spread(lean_cps)}, {iso_label} {spread(iso_cps)}, "
+              f"multiplexed {spread(mux_cps)}")  # fmt: skip
+        vs_lean = [m / b for m, b in zip(mux_cps, lean_cps, strict=True)]
+        vs_iso = [m / b for m, b in zip(mux_cps, iso_cps, strict=True)]
+        print(f"multiplexed / lean     = {spread(vs_lean)} (goal <= 0.65); largest slowdown vs lean {spread(worst)} "
+              f"(goal <= 1.25)")  # fmt: skip
+        print(f"multiplexed / {iso_label:<8} = {spread(vs_iso)}")
     print(f"({len(reps)} repetition(s); mean +- sample sd [min, max])")
 
 
@@ -212,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the three arms (default 3)")
     ap.add_argument("--engine", choices=["auto", "vllm", "torch"], help="override the jobs' rollout engine")
     ap.add_argument("--driver", choices=["dask", "local"], help="isolated and multiplexed arms (default: config's)")
+    ap.add_argument("--orderings", help="comma-separated orderings of the multiplexed arm, each run side by side "
+                    "in every repetition (default: the config's)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, 2 iterations, 1 rep, local (tests)")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -235,14 +252,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         _import_vllm()  # once per process, before anything is timed (see the module docstring)
     iso_label = "dask-iso" if driver == "dask" else "local-iso"
+    orderings = args.orderings.split(",") if args.orderings else [cluster.config.ordering]
     reps = []
     for i in range(args.reps):
         print(f"repetition {i + 1}/{args.reps}", flush=True)
-        reps.append(one_rep(cluster, driver))
+        reps.append(one_rep(cluster, driver, orderings))
     summarize(reps, iso_label)
     if tmp is not None:
         tmp.cleanup()
-    bad = [s for r in reps for s in r.statuses + [a.status for a in (*r.lean.values(), *r.iso.values())]]
+    bad = [s for r in reps for m in r.mux.values() for s in m.statuses]
+    bad += [a.status for r in reps for a in (*r.lean.values(), *r.iso.values())]
     if any(s != "done" for s in bad):
         raise SystemExit("a job did not finish; the figures above are not comparable")
 

@@ -81,7 +81,11 @@ class ClusterConfig(StrictModel):
         1.0, gt=0, le=64,
         description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this.",
     )  # fmt: skip
-    ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
+    ordering: Literal["fifo", "hrrs", "slowdown"] = Field(
+        "hrrs",
+        description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware) or "
+        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns).",
+    )
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."
     )

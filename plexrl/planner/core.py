@@ -209,6 +209,7 @@ class Planner:
         plan = job.plan.nodes[ev.node]
         job.cpu_started.pop(ev.node, None)
         if ev.ok:
+            job.work_done += ev.duration
             self.costs.observe(ev.job_id, ev.node, ev.duration)
             self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
@@ -406,8 +407,15 @@ class Planner:
         return OrderingView(
             resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time,
             lambda q: self.gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
-            lambda u: self.usage.value(u, now),
+            lambda u: self.usage.value(u, now), lambda j: self._slowdown(jobs[j], now),
         )  # fmt: skip
+
+    @staticmethod
+    def _slowdown(job: JobRecord, now: float) -> float:
+        """Time since placement over the time the job's finished nodes took, each side + 1 s (a job that has
+        just started is not yet behind)."""
+        placed = job.placed_at if job.placed_at is not None else now
+        return (now - placed + 1.0) / (job.work_done + 1.0)
 
     def gap_after(self, job_id: str, node: str) -> float:
         """Predicted seconds from the end of `node` until its job can next use a service (`gaps.gap_after`).

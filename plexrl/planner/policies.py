@@ -58,6 +58,8 @@ class OrderingView:
     gap_after: Callable[[QueuedNode], float] = lambda q: 0.0
     user: Callable[[str], str] = lambda job_id: ""  # the user a job belongs to
     usage: Callable[[str], float] = lambda user: 0.0  # a user's decayed service seconds (`shares.Usage`)
+    # a job's slowdown so far: seconds since it was placed over the seconds its finished nodes took (+1 s each)
+    slowdown: Callable[[str], float] = lambda job_id: 1.0
 
 
 class OrderingPolicy(Protocol):
@@ -194,6 +196,31 @@ class FairShare:
         return mine[self.inner.pick([queue[i] for i in mine], now, view)]
 
 
+class Slowdown:
+    """Evens out the jobs' slowdowns, then `inner`: among the jobs with a node queued, those whose slowdown so
+    far (`OrderingView.slowdown`: time since placement over the time its finished nodes took) is within
+    `band` of the largest are candidates, and `inner` (HRRS by default) picks among their nodes.
+
+    With HRRS alone a compute-bound job that shares a service with jobs that wait on verifiers falls behind
+    (its nodes are long and open no gap), and the mix's worst slowdown is its. Serving the job furthest behind
+    its solo pace first makes the jobs finish about in proportion to their solo times, which lowers the worst
+    slowdown at the same total work; the band leaves `inner` room to keep a resident job and to overlap the
+    other jobs' off-service gaps. Every waiting job's slowdown grows while it waits, so none starves."""
+
+    def __init__(self, inner: OrderingPolicy | None = None, band: float = 0.1) -> None:
+        self.inner: OrderingPolicy = inner if inner is not None else Hrrs()
+        self.band = band
+        self.name = "slowdown" if isinstance(self.inner, Hrrs) else f"slowdown-{self.inner.name}"
+
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
+        slow = {j: view.slowdown(j) for j in {q.job_id for q in queue}}
+        if len(slow) < 2:
+            return self.inner.pick(queue, now, view)
+        cut = max(slow.values()) / (1.0 + self.band)
+        mine = [i for i, q in enumerate(queue) if slow[q.job_id] >= cut]
+        return mine[self.inner.pick([queue[i] for i in mine], now, view)]
+
+
 PLACEMENTS: dict[str, Callable[[], PlacementPolicy]] = {
     "isolated": Isolated,
     "pack": Pack,
@@ -215,4 +242,5 @@ ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {
     "fifo": Fifo,
     "hrrs": Hrrs,
     "hrrs-classic": lambda: Hrrs(gap=False),
+    "slowdown": Slowdown,
 }

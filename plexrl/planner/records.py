@@ -53,6 +53,7 @@ class JobRecord:
     successors: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
     chunk: dict[str, int] = field(default_factory=dict)  # chunked service node -> its chunks done this iteration
+    work_done: float = 0.0  # seconds its finished nodes took (the `Slowdown` ordering's solo pace)
 
 
 @dataclass(slots=True)

@@ -66,7 +66,11 @@ class ServerConfig(StrictModel):
         "spread+backfill", description="Placement policy."
     )
     max_load: float = Field(1.0, gt=0, le=64, description="Load cap of pack and spread+backfill.")
-    ordering: Literal["fifo", "hrrs"] = Field("hrrs", description="Ordering of ready service nodes.")
+    ordering: Literal["fifo", "hrrs", "slowdown"] = Field(
+        "hrrs",
+        description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware) or "
+        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns).",
+    )
     lookahead: bool = Field(True, description="dask: send a service its next node while one runs.")
     validate_state: bool = Field(False, description="Planner invariants after every event (tests).")
     max_jobs_per_user: int | None = Field(
