@@ -13,8 +13,8 @@ Ordering sees the nodes queued on one service in the order they became ready (`r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -58,15 +58,20 @@ class OrderingView:
     gap_after: Callable[[QueuedNode], float] = lambda q: 0.0
     user: Callable[[str], str] = lambda job_id: ""  # the user a job belongs to
     usage: Callable[[str], float] = lambda user: 0.0  # a user's decayed service seconds (`shares.Usage`)
-    # a job's slowdown so far: seconds since it was placed over the seconds its finished nodes took (+1 s each)
+    # a job's projected slowdown: (seconds since placement + predicted rest of its work) over (seconds its
+    # finished nodes took + that rest) (`Planner._slowdown`)
     slowdown: Callable[[str], float] = lambda job_id: 1.0
+    # jobs on the service with no node queued there but work in flight -> predicted seconds until their next
+    # service node is ready (the running node's job: the gap its end opens; negative: a CPU node overdue)
+    due: Mapping[str, float] = field(default_factory=dict)
 
 
 class OrderingPolicy(Protocol):
     name: str
 
     def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
-        """Index into `queue` (non-empty, in ready order) of the node the free service runs next."""
+        """Index into `queue` (non-empty, in ready order) of the node the free service runs next, or -1 to run
+        none of them now (the service waits for the next event: only `Slowdown` with `hold_s` does this)."""
 
 
 class Isolated:
@@ -193,30 +198,44 @@ class FairShare:
             return self.inner.pick(queue, now, view)
         first = min(users, key=lambda u: (view.usage(u), u))
         mine = [i for i, q in enumerate(queue) if user(q.job_id) == first]
-        return mine[self.inner.pick([queue[i] for i in mine], now, view)]
+        i = self.inner.pick([queue[i] for i in mine], now, view)
+        return mine[i] if i >= 0 else -1
 
 
 class Slowdown:
-    """Evens out the jobs' slowdowns, then `inner`: among the jobs with a node queued, those whose slowdown so
-    far (`OrderingView.slowdown`: time since placement over the time its finished nodes took) is within
-    `band` of the largest are candidates, and `inner` (HRRS by default) picks among their nodes.
+    """Evens out the jobs' slowdowns, then `inner`: among the jobs with a node queued, those whose projected
+    slowdown (`OrderingView.slowdown`: time since placement plus the predicted rest of its work at its solo
+    pace, over its solo time) is within `band` of the largest are candidates, and `inner` (HRRS by default)
+    picks among their nodes.
 
     With HRRS alone a compute-bound job that shares a service with jobs that wait on verifiers falls behind
     (its nodes are long and open no gap), and the mix's worst slowdown is its. Serving the job furthest behind
     its solo pace first makes the jobs finish about in proportion to their solo times, which lowers the worst
     slowdown at the same total work; the band leaves `inner` room to keep a resident job and to overlap the
-    other jobs' off-service gaps. Every waiting job's slowdown grows while it waits, so none starves."""
+    other jobs' off-service gaps. Every waiting job's slowdown grows while it waits, so none starves.
 
-    def __init__(self, inner: OrderingPolicy | None = None, band: float = 0.1) -> None:
+    `hold_s`: when the job furthest behind (beyond the band) has no node queued but is predicted to have one
+    ready within `hold_s` seconds (`OrderingView.due`: its running node opens a short gap, or a short CPU node
+    of it is in flight, not overdue), the service waits for it (-1) instead of starting another job's node
+    that it would then wait behind. Without this a compute-bound job whose nodes are separated by a few
+    milliseconds of CPU work waits behind one node of another job at every step. The wait ends at the next
+    event on the service; an overdue CPU node is never waited for. 0 turns holding off."""
+
+    def __init__(self, inner: OrderingPolicy | None = None, band: float = 0.1, hold_s: float = 0.1) -> None:
         self.inner: OrderingPolicy = inner if inner is not None else Hrrs()
-        self.band = band
+        self.band, self.hold_s = band, hold_s
         self.name = "slowdown" if isinstance(self.inner, Hrrs) else f"slowdown-{self.inner.name}"
 
     def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
         slow = {j: view.slowdown(j) for j in {q.job_id for q in queue}}
+        top = max(slow.values())
+        if self.hold_s > 0:
+            late = [j for j, rest in view.due.items() if j not in slow and 0.0 <= rest <= self.hold_s]
+            if late and max(view.slowdown(j) for j in late) > top * (1.0 + self.band):
+                return -1
         if len(slow) < 2:
             return self.inner.pick(queue, now, view)
-        cut = max(slow.values()) / (1.0 + self.band)
+        cut = top / (1.0 + self.band)
         mine = [i for i, q in enumerate(queue) if slow[q.job_id] >= cut]
         return mine[self.inner.pick([queue[i] for i in mine], now, view)]
 
