@@ -1,0 +1,46 @@
+"""Tasks cross process boundaries with their job's spec (Dask ships it to the workers): they pickle their
+problem lists column by column (`plexrl/tasks/_columns.py`), and come back equal."""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import pytest
+
+from plexrl.config import TaskConfig
+from plexrl.tasks import make_task
+from plexrl.tasks._columns import _Columns, columnar_reduce
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "tool_arithmetic", "code", "copy"])
+def test_a_task_round_trips_through_pickle_column_by_column(name: str) -> None:
+    task = make_task(TaskConfig(name=name, train_size=300, eval_size=40))
+    _, (cls, state) = columnar_reduce(task)
+    assert cls is type(task)
+    for split in ("train", "held_out"):
+        columns = state[split]
+        assert isinstance(columns, _Columns) and columns.cls is type(task.train[0])
+        assert all(isinstance(v, (str, int)) for column in columns.columns for v in column)  # no problem objects
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        back = pickle.loads(dumps(task))
+        assert back == task and type(back) is type(task)
+        assert [type(p) for p in back.train] == [type(p) for p in task.train]
+        assert back.verify(["1"], ["1"]) == task.verify(["1"], ["1"])
+
+
+def test_a_list_of_mixed_types_is_kept_as_it_is() -> None:
+    from dataclasses import dataclass
+
+    from plexrl.tasks.arithmetic import Problem
+
+    @dataclass(frozen=True)
+    class Other:
+        prompt: str
+        answer: str
+
+    task = make_task(TaskConfig(name="arithmetic", train_size=20, eval_size=10))
+    task.train.append(Other("x", "y"))  # type: ignore[arg-type]
+    _, (_, state) = columnar_reduce(task)
+    assert isinstance(state["train"], list) and isinstance(state["held_out"], _Columns)
+    assert isinstance(task.held_out[0], Problem)
