@@ -239,6 +239,8 @@ class DaskExecutor:
             # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
             # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
             dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
+            # the active memory manager's ReduceReplicas dropped the copy of a job's spec that a worker had
+            # fetched, so the next node there fetched (and pickled, on both workers' event loops) it again
             dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
             opts = {"memory_limit": 0, "silence_logs": logging.ERROR}
             names = [
