@@ -134,7 +134,9 @@ def test_multiplex_reports_slowdowns_and_cost_against_both_baselines(
     def rep(lean: float, iso: float, done: float) -> Any:
         arm = {j: mux.Alone(lean, 10, "done", 0.1) for j in ("a", "b")}
         isolated = {j: mux.Alone(iso, 10, "done", 0.1) for j in ("a", "b")}
-        return mux.Rep(arm, isolated, {"a": done, "b": done}, {"a": 0.1, "b": 0.1}, done / 20, ["done", "done"])
+        hrrs = mux.Mux({"a": done, "b": done}, {"a": 0.1, "b": 0.1}, done / 20, ["done", "done"])
+        slow = mux.Mux({"a": done / 2, "b": done}, {"a": 0.1, "b": 0.1}, done / 10, ["done", "done"])
+        return mux.Rep(arm, isolated, {"hrrs": hrrs, "slowdown": slow})
 
     reps = [rep(10.0, 20.0, 15.0), rep(10.0, 20.0, 25.0)]
     assert reps[0].cost_per_step(reps[0].lean) == 1.0 and reps[0].cost_per_step(reps[0].iso) == 2.0
@@ -144,4 +146,8 @@ def test_multiplex_reports_slowdowns_and_cost_against_both_baselines(
     assert "multiplexed / lean     = 1.000 +- 0.354 [0.750, 1.250]" in out
     assert "multiplexed / dask-iso = 0.500 +- 0.177 [0.375, 0.625]" in out
     assert "largest slowdown vs lean 2.000 +- 0.707 [1.500, 2.500]" in out
+    # each ordering is summarized on its own, against the same lean and isolated arms
+    hrrs, slow = out.split("ordering slowdown")
+    assert "ordering hrrs" in hrrs and "multiplexed / lean     = 1.000" in hrrs
+    assert "multiplexed / lean     = 2.000 +- 0.707 [1.500, 2.500]" in slow
     assert mux.spread([0.5]) == "0.500"

@@ -48,7 +48,7 @@ from plexrl.planner.events import (
     StateMeasured,
     Transition,
 )
-from plexrl.planner.gaps import busy_fraction, gap_after, next_use
+from plexrl.planner.gaps import busy_fraction, due, gap_after, next_use, projected_slowdown
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
@@ -410,33 +410,9 @@ class Planner:
         return OrderingView(
             resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time,
             lambda q: self.gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
-            lambda u: self.usage.value(u, now), lambda j: self._slowdown(jobs[j], now), self._due(svc, now),
+            lambda u: self.usage.value(u, now), lambda j: projected_slowdown(jobs[j], self.costs.predict, now),
+            due(svc, jobs, self.costs.predict, self.gap_after, now),
         )  # fmt: skip
-
-    def _slowdown(self, job: JobRecord, now: float) -> float:
-        """The job's projected slowdown: (time since placement + the predicted rest of its work at its solo
-        pace) / (the time its finished nodes took + that rest), each side + 1 s. The rest is the iterations
-        left times the cost model's seconds per iteration (every node, nodes that run every k iterations
-        counting 1/k). A job about to finish is judged by how late it will end, not by how late it is now: a
-        short job kept waiting cannot catch up later, a long one can (the others' end frees the service)."""
-        placed = job.placed_at if job.placed_at is not None else now
-        left = max(job.plan.iterations - max(job.iteration, 0), 0)
-        rest = left * sum(self.costs.predict(job.job_id, n) / (p.every or 1) for n, p in job.plan.nodes.items())
-        return (now - placed + rest + 1.0) / (job.work_done + rest + 1.0)
-
-    def _due(self, svc: ServiceRecord, now: float) -> dict[str, float]:
-        """`OrderingView.due`: the running node's job -> the gap its node opens; a job with CPU nodes in flight
-        -> the least predicted rest of them (negative when overdue). Jobs with a node queued are left out."""
-        queued = {q.job_id for q in svc.queue}
-        out: dict[str, float] = {}
-        for key in (svc.running, svc.next):
-            if key is not None and key[0] not in queued:
-                out[key[0]] = self.gap_after(key[0], key[2])
-        for job_id in svc.jobs - queued - out.keys():
-            started = self.jobs[job_id].cpu_started.items()
-            if started:
-                out[job_id] = min(self.costs.predict(job_id, n) - (now - t0) for n, t0 in started)
-        return out
 
     def gap_after(self, job_id: str, node: str) -> float:
         """Predicted seconds from the end of `node` until its job can next use a service (`gaps.gap_after`).

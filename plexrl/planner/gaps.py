@@ -1,5 +1,6 @@
 """How long a job will be away from the services: after one of its nodes (the `gap` in gap-aware HRRS), and
-from now until each job on a service next needs it (what to evict, what to prefetch). Pure."""
+from now until each job on a service next needs it (what to evict, what to prefetch, whom to wait for); and
+how far behind its solo pace a job will end (the `slowdown` ordering). Pure."""
 
 from __future__ import annotations
 
@@ -67,3 +68,38 @@ def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float
         else:
             gap += sec
     return busy / (busy + gap) if busy + gap > 0 else 0.0
+
+
+def due(
+    svc: ServiceRecord,
+    jobs: dict[str, JobRecord],
+    predict: Callable[[str, str], float],
+    gap: Callable[[str, str], float],
+    now: float,
+) -> dict[str, float]:
+    """`OrderingView.due`: for the jobs on `svc` with no node queued there, the predicted seconds until their
+    next service node is ready: the running (or sent-ahead) node's job -> `gap(job, node)`, the gap that
+    node's end opens; a job with CPU nodes in flight -> the least predicted rest of them (negative when
+    overdue). Jobs with nothing in flight are left out."""
+    queued = {q.job_id for q in svc.queue}
+    out: dict[str, float] = {}
+    for key in (svc.running, svc.next):
+        if key is not None and key[0] not in queued:
+            out[key[0]] = gap(key[0], key[2])
+    for job_id in svc.jobs - queued - out.keys():
+        started = jobs[job_id].cpu_started.items()
+        if started:
+            out[job_id] = min(predict(job_id, n) - (now - t0) for n, t0 in started)
+    return out
+
+
+def projected_slowdown(job: JobRecord, predict: Callable[[str, str], float], now: float) -> float:
+    """The job's projected slowdown: (time since placement + the predicted rest of its work at its solo pace) /
+    (the time its finished nodes took + that rest), each side + 1 s. The rest is the iterations left times
+    the predicted seconds per iteration (every node; nodes that run every k iterations count 1/k). A job about
+    to finish is judged by how late it will end, not by how late it is now: a short job kept waiting cannot
+    catch up later, a long one can (the others' end frees the service)."""
+    placed = job.placed_at if job.placed_at is not None else now
+    left = max(job.plan.iterations - max(job.iteration, 0), 0)
+    rest = left * sum(predict(job.job_id, n) / (p.every or 1) for n, p in job.plan.nodes.items())
+    return (now - placed + rest + 1.0) / (job.work_done + rest + 1.0)

@@ -59,7 +59,7 @@ class OrderingView:
     user: Callable[[str], str] = lambda job_id: ""  # the user a job belongs to
     usage: Callable[[str], float] = lambda user: 0.0  # a user's decayed service seconds (`shares.Usage`)
     # a job's projected slowdown: (seconds since placement + predicted rest of its work) over (seconds its
-    # finished nodes took + that rest) (`Planner._slowdown`)
+    # finished nodes took + that rest) (`gaps.projected_slowdown`)
     slowdown: Callable[[str], float] = lambda job_id: 1.0
     # jobs on the service with no node queued there but work in flight -> predicted seconds until their next
     # service node is ready (the running node's job: the gap its end opens; negative: a CPU node overdue)
