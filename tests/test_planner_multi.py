@@ -399,12 +399,12 @@ def test_slowdown_ordering_serves_the_job_furthest_behind_then_the_inner_policy(
     # work is overdue, it is due later than hold_s, or it is within the band of the queued jobs
     slow["d"] = 4.0
     for due, waits in [(0.05, True), (-0.01, False), (0.5, False)]:
-        held = replace(view, due={"d": due})
+        held = replace(view, due=lambda due=due: {"d": due})
         assert (policy.pick(queue, 1.0, held) == -1) is waits, due
         assert (FairShare(policy).pick(queue, 1.0, held) == -1) is waits, due
     slow["d"] = 2.1  # within 10% of c's 2.0
-    assert policy.pick(queue, 1.0, replace(view, due={"d": 0.05})) == 2
-    assert Slowdown(Fifo(), hold_s=0).pick(queue, 1.0, replace(view, due={"d": 0.0})) >= 0
+    assert policy.pick(queue, 1.0, replace(view, due=lambda: {"d": 0.05})) == 2
+    assert Slowdown(Fifo(), hold_s=0).pick(queue, 1.0, replace(view, due=lambda: {"d": 0.0})) >= 0
 
 
 def test_slowdown_ordering_lowers_the_worst_slowdown_of_a_mix_at_the_same_makespan() -> None:

@@ -411,7 +411,7 @@ class Planner:
             resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time,
             lambda q: self.gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
             lambda u: self.usage.value(u, now), lambda j: projected_slowdown(jobs[j], self.costs.predict, now),
-            due(svc, jobs, self.costs.predict, self.gap_after, now),
+            lambda: due(svc, jobs, self.costs.predict, self.gap_after, now),
         )  # fmt: skip
 
     def gap_after(self, job_id: str, node: str) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -62,8 +62,9 @@ class OrderingView:
     # finished nodes took + that rest) (`gaps.projected_slowdown`)
     slowdown: Callable[[str], float] = lambda job_id: 1.0
     # jobs on the service with no node queued there but work in flight -> predicted seconds until their next
-    # service node is ready (the running node's job: the gap its end opens; negative: a CPU node overdue)
-    due: Mapping[str, float] = field(default_factory=dict)
+    # service node is ready (the running node's job: the gap its end opens; negative: a CPU node overdue);
+    # computed on demand (`gaps.due`), only `Slowdown` asks
+    due: Callable[[], Mapping[str, float]] = lambda: {}
 
 
 class OrderingPolicy(Protocol):
@@ -230,7 +231,7 @@ class Slowdown:
         slow = {j: view.slowdown(j) for j in {q.job_id for q in queue}}
         top = max(slow.values())
         if self.hold_s > 0:
-            late = [j for j, rest in view.due.items() if j not in slow and 0.0 <= rest <= self.hold_s]
+            late = [j for j, rest in view.due().items() if j not in slow and 0.0 <= rest <= self.hold_s]
             if late and max(view.slowdown(j) for j in late) > top * (1.0 + self.band):
                 return -1
         if len(slow) < 2:
