@@ -172,7 +172,7 @@ def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(
     from distributed import Client
     from mlflow.tracking import MlflowClient
 
-    import plexrl.runtime.dask as dask_executor
+    import plexrl.runtime.dask_tasks as dask_tasks
     from plexrl.hooks.mlflow_hook import MlflowHook
 
     cfgs = [rewarded_job(run_dir), learning_job(run_dir, "b", 1), learning_job(run_dir, "c", 2)]
@@ -191,7 +191,7 @@ def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(
         a, b, c = runner.run(jobs)
         with Client(cluster) as client:  # the cluster outlives the runner, its services are stopped
             assert len(client.scheduler_info()["workers"]) == 2
-            assert set(client.run(lambda: len(dask_executor._SERVICES)).values()) == {0}
+            assert set(client.run(lambda: len(dask_tasks._SERVICES)).values()) == {0}
     finally:
         cluster.close()
     assert (a.status, b.status, c.status) == ("done", "done", "cancelled"), [j.error for j in (a, b, c)]

@@ -178,7 +178,7 @@ class RankService(Service):
 
 # -- what each rank's worker runs ------------------------------------------------------------------------
 def _registry() -> dict[str, Service]:
-    from plexrl.runtime.dask import _SERVICES
+    from plexrl.runtime.dask_tasks import _SERVICES
 
     return _SERVICES
 
@@ -256,7 +256,7 @@ def rank_node(
 ) -> NodeResult:  # fmt: skip
     """Run a service node on this rank (every rank runs it); rank 0 publishes the report. `inputs`: this
     rank's outputs of earlier service nodes, or the cpu nodes' (one copy each)."""
-    from plexrl.runtime.dask import _publish
+    from plexrl.runtime.dask_tasks import _publish
 
     try:
         svc, state = _checked(key, epoch, topic)

@@ -1,0 +1,139 @@
+"""What the `DaskExecutor` runs inside the Dask workers: a service's start, the job loads, the node tasks,
+saves, checkpoints, releases and the stop. A worker's `Service` lives in `_SERVICES` (one per executor token
+and service id), so a job's state stays resident in that worker process between tasks. A node task
+publishes its small `NodeReport` as a Dask event before it returns (`_publish`); its return value stays on
+the worker as the node's output."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from plexrl.planner.state import Move, Tier
+from plexrl.runtime.executor import CheckpointReport, LoadReport, NodeReport
+from plexrl.services.service import NodeResult, Service, run_cpu_node
+
+_SERVICES: dict[str, Service] = {}
+
+
+def _start_service(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+    """Create the service `key` (`<executor token>/<service id>`: two runs on one cluster never share one)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if key in _SERVICES:
+        raise RuntimeError(f"service {key} already runs in this worker")
+    service_id = key.rpartition("/")[2]
+    _SERVICES[key] = Service(service_id, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    return os.getpid()
+
+
+def _warm_up() -> None:
+    """Import what every node needs once per worker, at cluster start, not inside a job's first node."""
+    import importlib
+
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    import plexrl.engines.torch_engine  # noqa: F401
+
+    for name in ("data", "rollout", "verify", "advantage", "train", "evaluate", "critic", "shaping", "external"):
+        importlib.import_module(f"plexrl.operators.{name}")
+
+
+def _start_and_warm(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+    """A replacement service on a worker that joined late: start it and import what nodes need."""
+    pid = _start_service(key, device, validate, spill_dir, threads)
+    _warm_up()
+    return pid
+
+
+def _service(key: str) -> Service:
+    try:
+        return _SERVICES[key]
+    except KeyError:
+        raise RuntimeError(f"service {key} is not running in this worker (was the worker restarted?)") from None
+
+
+def _load_job(key: str, spec: Any, tier: Tier) -> LoadReport:
+    start = time.time()
+    service_id = key.rpartition("/")[2]
+    try:
+        nbytes = _service(key).load_job(spec, tier)
+    except Exception as exc:
+        return LoadReport(spec.job_id, service_id, 0, start, time.time(), f"{type(exc).__name__}: {exc}")
+    return LoadReport(spec.job_id, service_id, nbytes, start, time.time())
+
+
+def _publish(topic: str, handle: int, report: NodeReport) -> None:
+    """Send the node's small report to the client as a Dask event (one message, no extra task)."""
+    from distributed import get_worker
+
+    get_worker().log_event(topic, {"handle": handle, "report": dataclasses.asdict(report)})
+
+
+def _outputs(inputs: dict[str, NodeResult]) -> dict[str, Any]:
+    return {port: res.output for port, res in inputs.items()}
+
+
+def _run_service_node(
+    topic: str,
+    handle: int,
+    key: str,
+    job_id: str,
+    iteration: int,
+    node: str,
+    inputs: dict[str, NodeResult],
+    swaps: Sequence[Move],
+    prefetch: Sequence[Move],
+    *after: Any,
+) -> NodeResult:
+    """`after`: futures this node must wait for (its job's load, the service's previous node); unused."""
+    result = _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch)
+    _publish(topic, handle, result.report)
+    return result
+
+
+def _run_cpu_node(
+    topic: str, handle: int, spec: Any, iteration: int, node: str, inputs: dict[str, NodeResult], threads: int
+) -> NodeResult:
+    import torch
+
+    if not _SERVICES and torch.get_num_threads() != threads:  # never change a service worker's threads
+        torch.set_num_threads(threads)
+    result = run_cpu_node(spec, iteration, node, _outputs(inputs), time.time)
+    _publish(topic, handle, result.report)
+    return result
+
+
+def _save_model(key: str, job_id: str, path: str) -> str:
+    return str(_service(key).save_model(job_id, Path(path)))
+
+
+def _checkpoint(key: str, job_id: str, path: str, extra: dict[str, Any], *after: Any) -> CheckpointReport:
+    """`after`: the futures it must follow (the job's load, the service's previous task); unused."""
+    start, service_id = time.time(), key.rpartition("/")[2]
+    try:
+        where = str(_service(key).checkpoint(job_id, Path(path), extra))
+    except Exception as exc:
+        return CheckpointReport(job_id, service_id, path, start, time.time(), f"{type(exc).__name__}: {exc}")
+    return CheckpointReport(job_id, service_id, where, start, time.time())
+
+
+def _release(key: str, job_id: str) -> None:
+    if key in _SERVICES:
+        _SERVICES[key].release(job_id)
+
+
+def _stop_service(key: str) -> dict[str, Any]:
+    svc = _SERVICES.pop(key, None)
+    if svc is None:
+        return {}
+    report = svc.report()
+    svc.close()
+    return report
