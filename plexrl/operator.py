@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import sys
 import types
 import typing
 import zlib
@@ -68,6 +69,18 @@ class Port:
     optional: bool
 
 
+def _built_in(module: str) -> bool:
+    return module == "plexrl" or module.startswith("plexrl.")
+
+
+def _operator_at(module: str, attr: str) -> Operator:
+    """The operator `attr` of `module` (how an importable operator is unpickled)."""
+    op = getattr(importlib.import_module(module), attr)
+    if not isinstance(op, Operator):
+        raise TypeError(f"{module}:{attr} is not an operator")
+    return op
+
+
 class Operator:
     """A typed operator; call `run(ctx, inputs, params)` to execute it."""
 
@@ -111,6 +124,10 @@ class Operator:
         self.params_model: type[BaseModel] = create_model(
             f"{self.name}_params", __config__=ConfigDict(extra="forbid"), **fields
         )
+        if _built_in(fn.__module__):  # found by pickle as `<module>.<function name>.params_model` (the node's
+            # params then pickle by reference, like the operator: `__reduce_ex__`)
+            self.params_model.__module__ = fn.__module__
+            self.params_model.__qualname__ = f"{fn.__name__}.params_model"
 
     def check_params(self, raw: dict[str, Any], where: str) -> tuple[BaseModel | None, list[Problem]]:
         """Validate raw parameters; return the parsed model or the problems, each naming the field."""
@@ -129,6 +146,18 @@ class Operator:
                     msg = f"{err['msg']} (got {err.get('input')!r})"
                 problems.append(Problem(f"{where}.params.{loc}", msg))
             return None, problems
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """An operator importable by its `ref` pickles as that reference: the job's spec then pickles with plain
+        pickle, without copying the function and its dynamic pydantic params model by value (cloudpickle did,
+        and a copy made while another thread used the model once failed with "dictionary changed size during
+        iteration" when a Dask worker sent a spec on). Only PlexRL's own operators, which every worker has;
+        a user's operator pickles by value as before (its module may not be importable on the workers)."""
+        module, _, attr = self.ref.partition(":")
+        mod = sys.modules.get(module)
+        if _built_in(module) and mod is not None and getattr(mod, attr, None) is self:
+            return _operator_at, (module, attr)
+        return super().__reduce_ex__(protocol)
 
     def run(self, ctx: OpContext, inputs: dict[str, Batch], params: BaseModel) -> Batch:
         kwargs: dict[str, Any] = {name: inputs.get(name) for name in self.inputs}

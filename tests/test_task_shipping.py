@@ -4,6 +4,7 @@ problem lists column by column (`plexrl/tasks/_columns.py`), and come back equal
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import cloudpickle
 import pytest
@@ -44,3 +45,19 @@ def test_a_list_of_mixed_types_is_kept_as_it_is() -> None:
     _, (_, state) = columnar_reduce(task)
     assert isinstance(state["train"], list) and isinstance(state["held_out"], _Columns)
     assert isinstance(task.held_out[0], Problem)
+
+
+def test_a_built_in_jobs_spec_pickles_with_plain_pickle_and_operators_by_reference(
+    tiny_config: dict[str, Any],
+) -> None:
+    """PlexRL's operators and their params models pickle by reference: a spec no longer needs cloudpickle,
+    which copied each operator's function and dynamic params model by value (and once failed with
+    "dictionary changed size during iteration" while a worker sent a spec on)."""
+    from plexrl.config import load_job
+    from plexrl.job import prepare_job
+
+    spec = prepare_job(load_job(tiny_config))
+    back = pickle.loads(pickle.dumps(spec))
+    for a, b in zip(spec.graph.nodes, back.graph.nodes, strict=True):
+        assert b.operator is a.operator and b.params == a.params and type(b.params) is type(a.params)
+    assert back.task == spec.task and back.config == spec.config
