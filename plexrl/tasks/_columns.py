@@ -2,10 +2,11 @@
 
 A job's spec (with its task) crosses process boundaries: it is shipped to the Dask workers that run the job's
 nodes, and again to a worker that lost its copy. Pickled object by object, the 200,000 problems of the
-default arithmetic task took 1.8 s with cloudpickle (the spec needs it for its operators) and about as long
-to load, and a Dask worker does both on its event loop: while it did, the worker answered nothing, and every
-job's nodes on it waited (measured on the multiplexed runtime: gaps of 2-3 s between a job's nodes). As a
-few lists of strings the whole spec takes ~0.17 s to dump and ~0.5 s to load (rebuilding the objects).
+default arithmetic task took 1.8 s with cloudpickle (which the spec needed then: its operators pickled by
+value) and about as long to load, and a Dask worker does both on its event loop: while it did, the worker
+answered nothing, and every job's nodes on it waited (measured on the multiplexed runtime: gaps of 2-3 s
+between a job's nodes). As a few lists of strings the whole spec takes ~0.17 s to dump and ~0.5 s to load
+(rebuilding the objects).
 """
 
 from __future__ import annotations
