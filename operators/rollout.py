@@ -10,7 +10,7 @@ from plexrl.batch import LogProbs, Prompts, Rollouts
 from plexrl.operator import OpContext, operator
 
 
-@operator(placement="service")
+@operator(placement="service", chunk_input="prompts")
 def rollout(
     prompts: Prompts,
     ctx: OpContext,
@@ -25,7 +25,9 @@ def rollout(
     once it contains one of the `stop` strings); records token ids, masks, behaviour log-probs (temperature and
     top-p applied), lengths, finish reasons and the weight version that sampled. Rows: [P*n], grouped by
     prompt. Runs on the job's generation engine (vLLM or torch, `engine:` in the job config). No prompts: an
-    empty rollout (0 rows), without calling the engine."""
+    empty rollout (0 rows), without calling the engine. Chunkable (`chunks: {rollout: C}` in the job config):
+    chunk k samples the groups of prompts `chunk_rows(P, k, C)` with its own seed; the node's output is the
+    concatenation of the C chunks (`Rollouts.concat`)."""
     import torch
 
     engine, tok = ctx.engine, ctx.tokenizer

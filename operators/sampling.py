@@ -75,36 +75,11 @@ def select_rows(ro: Rollouts, rows: Tensor) -> Rollouts:
 
 
 def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
-    """Rows of `a` then rows of `b`, re-padded to one layout: prompts left-padded to the longer prompt
-    length, responses right-padded to the longer response width (pad id `pad_id`, masks and log-probs 0).
-    Both must come from the same sampler (group size, temperature, weight version). An empty side is
-    dropped."""
-    import torch
-
-    if (a.group_size, a.temperature, a.weight_version) != (b.group_size, b.temperature, b.weight_version):
-        raise ValueError("cannot pool rollouts from different samplers (group size, temperature or weights)")
-    if len(b) == 0:
-        return a
-    if len(a) == 0:
-        return b
-    lp = max(a.prompt_len, b.prompt_len)
-    width = max(x.input_ids.shape[1] - x.prompt_len for x in (a, b))
-
-    def pad(x: Rollouts, t: Tensor, value: float) -> Tensor:
-        left, right = lp - x.prompt_len, width - (t.shape[1] - x.prompt_len)
-        return torch.nn.functional.pad(t, (left, right), value=value)
-
-    def cat(name: str, value: float) -> Tensor:
-        return torch.cat([pad(x, getattr(x, name), value) for x in (a, b)])
-
-    return Rollouts(
-        input_ids=cat("input_ids", pad_id), attention_mask=cat("attention_mask", 0),
-        response_mask=cat("response_mask", 0), behaviour_logprobs=cat("behaviour_logprobs", 0), prompt_len=lp,
-        response_lengths=torch.cat([a.response_lengths, b.response_lengths]),
-        finish_reasons=a.finish_reasons + b.finish_reasons, completions=a.completions + b.completions,
-        answers=a.answers + b.answers, group_size=a.group_size, temperature=a.temperature,
-        weight_version=a.weight_version,
-    )  # fmt: skip
+    """Rows of `a` then rows of `b`, re-padded to one layout (`Rollouts.concat`): both must come from the same
+    sampler (group size, temperature, weight version); an empty side is dropped."""
+    if type(a) is not Rollouts or type(b) is not Rollouts:
+        raise TypeError("dynamic sampling handles plain Rollouts only")
+    return Rollouts.concat([a, b], pad_id)
 
 
 @operator(placement="cpu")

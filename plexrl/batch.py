@@ -11,6 +11,7 @@ node name (`verify/reward_mean`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,20 @@ class Batch:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+
+def chunk_rows(rows: int, chunk: int, chunks: int) -> tuple[int, int]:
+    """The rows [start, stop) that chunk `chunk` of `chunks` takes of `rows` (contiguous, in order, sizes
+    differing by at most one; a chunk may be empty when rows < chunks).
+
+    >>> [chunk_rows(4, k, 3) for k in range(3)]
+    [(0, 1), (1, 2), (2, 4)]
+    >>> [chunk_rows(2, k, 3) for k in range(3)]
+    [(0, 0), (0, 1), (1, 2)]
+    """
+    if not 0 <= chunk < chunks:
+        raise ValueError(f"chunk {chunk} of {chunks}: need 0 <= chunk < chunks")
+    return chunk * rows // chunks, (chunk + 1) * rows // chunks
 
 
 @dataclass(slots=True)
@@ -39,6 +54,10 @@ class Prompts(Batch):
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def rows(self, start: int, stop: int) -> Prompts:
+        """Prompts [start, stop) (a chunk of a chunked rollout: `chunk_rows`); may be empty."""
+        return Prompts(self.texts[start:stop], self.token_ids[start:stop], self.answers[start:stop])
 
 
 @dataclass(slots=True)
@@ -72,6 +91,55 @@ class Rollouts(Batch):
 
     def __len__(self) -> int:
         return len(self.completions)
+
+    @staticmethod
+    def concat(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
+        """The rows of `parts`, in order, re-padded to one layout: prompts left-padded to the longest padded
+        prompt (`prompt_len`), responses right-padded to the widest response part, with `pad_id` in
+        `input_ids` and 0 in the masks and log-probs. Rows of a part keep their tokens; only padding is
+        added. Empty parts (0 rows, e.g. a chunk without prompts) are dropped; all empty: the first part.
+        Every part must be a plain `Rollouts` from the same sampler: group size, temperature and weight
+        version agree (else ValueError). Used by chunked rollouts and dynamic sampling's pool."""
+        import torch
+
+        if not parts:
+            raise ValueError("no rollouts to concatenate")
+        first = parts[0]
+        for x in parts:
+            if type(x) is not Rollouts:
+                raise TypeError(f"only plain Rollouts concatenate, not {type(x).__name__}")
+            if (x.group_size, x.temperature, x.weight_version) != (
+                first.group_size,
+                first.temperature,
+                first.weight_version,
+            ):
+                raise ValueError(
+                    "cannot concatenate rollouts from different samplers (group size "
+                    f"{first.group_size} vs {x.group_size}, temperature {first.temperature} vs {x.temperature}, "
+                    f"weight version {first.weight_version} vs {x.weight_version})"
+                )
+        full = [x for x in parts if len(x)]
+        if len(full) <= 1:
+            return full[0] if full else first
+        lp = max(x.prompt_len for x in full)
+        width = max(x.input_ids.shape[1] - x.prompt_len for x in full)
+
+        def cat(name: str, value: float) -> Tensor:
+            padded = []
+            for x in full:
+                t = getattr(x, name)
+                left, right = lp - x.prompt_len, width - (t.shape[1] - x.prompt_len)
+                padded.append(torch.nn.functional.pad(t, (left, right), value=value))
+            return torch.cat(padded)
+
+        return Rollouts(
+            input_ids=cat("input_ids", pad_id), attention_mask=cat("attention_mask", 0),
+            response_mask=cat("response_mask", 0), behaviour_logprobs=cat("behaviour_logprobs", 0), prompt_len=lp,
+            response_lengths=torch.cat([x.response_lengths for x in full]),
+            finish_reasons=[r for x in full for r in x.finish_reasons],
+            completions=[c for x in full for c in x.completions], answers=[a for x in full for a in x.answers],
+            group_size=first.group_size, temperature=first.temperature, weight_version=first.weight_version,
+        )  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.completions), 1)

@@ -14,7 +14,7 @@ import difflib
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, validate_call
 
@@ -113,7 +113,15 @@ class WarmStartConfig(StrictModel):
     enabled: bool = Field(True, description="Run the warm start (cached under run_dir/cache).")
     max_steps: int = Field(3000, ge=0, description="Upper bound on optimizer steps.")
     batch_size: int = Field(128, ge=1, description="Sequences per step.")
-    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate.")
+    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate (the peak, with a schedule).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up from 0 over this many steps.")
+    decay_steps: int = Field(
+        0,
+        ge=0,
+        description="Cosine decay of the learning rate over this many steps after the warm-up, down to "
+        "`lr * min_lr_ratio`, then held there; 0: constant after the warm-up.",
+    )
+    min_lr_ratio: float = Field(0.05, ge=0, le=1, description="Final learning rate of the decay, as a share of lr.")
     adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping.")
     stop_at_accuracy: float = Field(
@@ -248,6 +256,14 @@ class JobConfig(StrictModel):
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo", nodes=None))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
     retry: RetryConfig = Field(default_factory=RetryConfig)  # type: ignore[arg-type]
+    chunks: dict[str, Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=dict,
+        description="Function-level preemption: pipeline node name -> number of chunks it runs as, e.g. "
+        "`{rollout: 4}`. Each chunk runs on a slice of the node's prompts (whole groups) with its own seed; "
+        "between two chunks the service may run another job's node. Only service nodes of chunkable "
+        "operators (`rollout`); 1 or absent: the node runs whole. Chunking changes the samples (per-chunk "
+        "seeds), not what multiplexing does to them.",
+    )
 
     @model_validator(mode="after")
     def _warm_start_fits(self) -> JobConfig:
@@ -366,6 +382,8 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
             problems += exc.problems
         except ValidationError:
             pass
+    if config is not None and graph is not None:
+        problems += chunk_problems(config.chunks, graph)
     if config is not None and config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         problems.append(
             Problem(
@@ -381,6 +399,34 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
     if problems or config is None or graph is None:
         raise ConfigError(problems, name)
     return LoadedJob(config, graph, raw, name)
+
+
+def chunk_problems(chunks: dict[str, int], graph: PipelineGraph) -> list[Problem]:
+    """What is wrong with `chunks` for this pipeline: every named node must exist, run on a service and have a
+    chunkable operator (one that declares `chunk_input`: a row-sliceable input and a concatenable output)."""
+    problems = []
+    names = [n.name for n in graph.nodes]
+    for name, count in chunks.items():
+        where = f"chunks.{name}"
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(Problem(where, f"no pipeline node {name!r}; {hint}nodes: {', '.join(names)}"))
+            continue
+        op = graph.node(name).operator
+        if count == 1:
+            continue
+        if op.placement != "service":
+            why = f"node {name!r} ({op.name}) runs on the CPU pool; only service nodes run in chunks: remove it"
+            problems.append(Problem(where, why))
+        elif not op.chunkable:
+            chunkable = sorted(n.name for n in graph.nodes if n.operator.chunkable) or ["none in this pipeline"]
+            why = (
+                f"operator {op.name!r} of node {name!r} cannot run in chunks (it declares no chunk_input); remove "
+                f"it. Chunkable nodes here: {', '.join(chunkable)}"
+            )
+            problems.append(Problem(where, why))
+    return problems
 
 
 def vllm_problem(model: ModelConfig) -> str | None:

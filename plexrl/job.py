@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from plexrl.config import JobConfig, LoadedJob
+from plexrl.config import JobConfig, LoadedJob, chunk_problems
+from plexrl.errors import ConfigError
 from plexrl.graph import PipelineGraph
 from plexrl.planner.events import JobPlan, NodePlan
 
@@ -45,8 +46,11 @@ class JobSpec:
         baseline pass; the planner numbers them from 0 and operators see `planner iteration + start_iteration`
         (`OpContext.iteration`), so a periodic node stays in phase when start_iteration is a multiple of its
         `every` (the server checks that)."""
+        chunks = self.config.chunks
         nodes = {
-            n.name: NodePlan(n.placement, tuple(self.graph.deps(n.name)), n.every, n.operator.inline)
+            n.name: NodePlan(
+                n.placement, tuple(self.graph.deps(n.name)), n.every, n.operator.inline, chunks.get(n.name, 1)
+            )
             for n in self.graph.nodes
         }
         order = tuple(self.graph.order)
@@ -201,6 +205,9 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobSpec:
     from plexrl.tasks import make_task
 
     cfg = loaded.config
+    problems = chunk_problems(cfg.chunks, loaded.graph)
+    if problems:  # `load_job` finds them first; a LoadedJob built otherwise is checked here
+        raise ConfigError(problems, loaded.source)
     run_dir = Path(cfg.run_dir).resolve()
     task = make_task(cfg.task)
     prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir)

@@ -11,6 +11,11 @@ An operator is a plain function wrapped by `@operator(placement=...)`:
   (use `Annotated[float, Field(gt=0)]` for ranges) with `extra="forbid"`;
 - the return annotation, a `Batch` subclass, is the *output type*.
 
+`chunk_input="prompts"` declares a service operator *chunkable* (function-level preemption, `JobConfig.chunks`):
+the named input's type slices rows (`rows(start, stop)`, and `len`) and the output type concatenates parts
+(`concat(parts, pad_id)`), so that the service may run the node as C chunks, chunk k on rows
+`batch.chunk_rows(P, k, C)` of that input, and hand downstream nodes the concatenation of the C outputs.
+
 The placement says where a node of the operator runs: `service` (inside the job's LLM service, with the
 engine in `ctx.engine`) or `cpu` (the CPU pool; `ctx.engine` is None). Operators never import mlflow and
 never touch another job's state.
@@ -43,7 +48,9 @@ class OpContext:
 
     `engine` is the job's `Engine` on its service; None for cpu nodes. `seed(*keys)` derives a stable
     seed from the job seed, the iteration, the node and any extra keys, so that results do not depend on
-    what other jobs run in between (DESIGN.md invariant 4).
+    what other jobs run in between (DESIGN.md invariant 4). A chunked node runs chunk `chunk` of `chunks`
+    (then the chunk is part of every seed: each chunk samples with its own stream; chunks == 1 leaves the
+    seeds of an unchunked node unchanged).
     """
 
     job_id: str
@@ -54,8 +61,12 @@ class OpContext:
     tokenizer: Any = None
     engine: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    chunk: int = 0
+    chunks: int = 1
 
     def seed(self, *keys: object) -> int:
+        if self.chunks > 1:
+            keys = (*keys, f"chunk {self.chunk} of {self.chunks}")
         text = "/".join(str(k) for k in (self.job_seed, self.iteration, self.node, *keys))
         return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
@@ -85,7 +96,13 @@ class Operator:
     """A typed operator; call `run(ctx, inputs, params)` to execute it."""
 
     def __init__(
-        self, fn: Callable[..., Batch], placement: Placement, name: str | None = None, *, inline: bool = True
+        self,
+        fn: Callable[..., Batch],
+        placement: Placement,
+        name: str | None = None,
+        *,
+        inline: bool = True,
+        chunk_input: str | None = None,
     ) -> None:
         if placement not in ("service", "cpu"):
             raise ValueError(f"placement must be 'service' or 'cpu', got {placement!r}")
@@ -121,6 +138,9 @@ class Operator:
         if not (isinstance(out, type) and issubclass(out, Batch)):
             raise TypeError(f"operator {self.ref}: return annotation must be a Batch subclass, got {out!r}")
         self.output: type[Batch] = out
+        self.chunk_input = chunk_input  # the row-sliceable input of a chunkable service operator (`chunkable`)
+        if chunk_input is not None:
+            self._check_chunkable(chunk_input)
         self.params_model: type[BaseModel] = create_model(
             f"{self.name}_params", __config__=ConfigDict(extra="forbid"), **fields
         )
@@ -128,6 +148,26 @@ class Operator:
             # params then pickle by reference, like the operator: `__reduce_ex__`)
             self.params_model.__module__ = fn.__module__
             self.params_model.__qualname__ = f"{fn.__name__}.params_model"
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether a node of this operator may run as several chunks (`JobConfig.chunks`)."""
+        return self.chunk_input is not None
+
+    def _check_chunkable(self, port: str) -> None:
+        if self.placement != "service":
+            raise TypeError(f"operator {self.ref}: only service operators run in chunks (chunk_input={port!r})")
+        if port not in self.inputs:
+            raise TypeError(f"operator {self.ref}: chunk_input {port!r} is not one of its inputs {list(self.inputs)}")
+        if not callable(getattr(self.inputs[port].type, "rows", None)):
+            raise TypeError(
+                f"operator {self.ref}: chunk_input {port!r} is a {self.inputs[port].type.__name__}, which has no "
+                "rows(start, stop) to slice it"
+            )
+        if not callable(getattr(self.output, "concat", None)):
+            raise TypeError(
+                f"operator {self.ref}: its output {self.output.__name__} has no concat(parts, pad_id) to join chunks"
+            )
 
     def check_params(self, raw: dict[str, Any], where: str) -> tuple[BaseModel | None, list[Problem]]:
         """Validate raw parameters; return the parsed model or the problems, each naming the field."""
@@ -184,14 +224,15 @@ def _port_type(hint: Any) -> tuple[type[Batch] | None, bool]:
 
 
 def operator(
-    placement: Placement, name: str | None = None, *, inline: bool = True
+    placement: Placement, name: str | None = None, *, inline: bool = True, chunk_input: str | None = None
 ) -> Callable[[Callable[..., Batch]], Operator]:
     """Decorator turning a typed function into an `Operator` (see the module docstring). `inline=False` keeps
     a cpu operator on the CPU pool even when it is fast (the DaskDriver otherwise runs CPU nodes observed
-    under `inline_below` in the driver process): use it for tool calls and anything that runs untrusted code."""
+    under `inline_below` in the driver process): use it for tool calls and anything that runs untrusted code.
+    `chunk_input`: the input a chunked node slices by rows (a chunkable service operator, see above)."""
 
     def wrap(fn: Callable[..., Batch]) -> Operator:
-        return Operator(fn, placement, name, inline=inline)
+        return Operator(fn, placement, name, inline=inline, chunk_input=chunk_input)
 
     return wrap
 

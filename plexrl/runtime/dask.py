@@ -306,18 +306,21 @@ class DaskExecutor:
                 from plexrl.services.group import rank_node
 
                 ins = {p: self._work[h] for p, h in task.inputs.items()}
+                done = [self._work[h] for h in task.parts]
                 futs = self._each(sid, rank_node, lambda r: (
                     self._topic, handle, self._key(sid), r, task.job_id, task.iteration, task.node,
                     {p: w.ranks[r] if w.ranks else w.future for p, w in ins.items()}, task.swaps, task.prefetch,
+                    task.chunk, task.chunks, [w.ranks[r] if w.ranks else w.future for w in done],
                 ), after, key)  # fmt: skip
                 self._work[handle] = _Work(futs[0], True, task.lane, task.job_id, task.iteration, task.node, ranks=futs)
                 return handle
             previous = self._last_on.get(sid)
             if previous is not None and not previous.done():
                 after.append(previous)  # with lookahead, a service runs its nodes in the order they were sent
+            parts = [self._work[h].future for h in task.parts]  # earlier chunks: on this worker already
             fut = self._on(
                 sid, _run_service_node, self._topic, handle, self._key(sid), task.job_id, task.iteration,
-                task.node, inputs, task.swaps, task.prefetch, *after, key=key,
+                task.node, inputs, task.swaps, task.prefetch, task.chunk, task.chunks, parts, *after, key=key,
             )  # fmt: skip
             self._last_on[sid] = fut
         self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node)

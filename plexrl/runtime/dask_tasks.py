@@ -91,10 +91,15 @@ def _run_service_node(
     inputs: dict[str, NodeResult],
     swaps: Sequence[Move],
     prefetch: Sequence[Move],
+    chunk: int,
+    chunks: int,
+    parts: list[NodeResult],
     *after: Any,
 ) -> NodeResult:
-    """`after`: futures this node must wait for (its job's load, the service's previous node); unused."""
-    result = _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch)
+    """`after`: futures this node must wait for (its job's load, the service's previous node); unused.
+    `parts`: the earlier chunks' results of a chunked node's last chunk (made on this worker: no transfer)."""
+    outs = [p.output for p in parts if p.output is not None]
+    result = _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch, chunk, chunks, outs)
     _publish(topic, handle, result.report)
     return result
 

@@ -43,10 +43,13 @@ class NodeTask:
     swaps: tuple[Move, ...] = ()
     prefetch: tuple[Move, ...] = ()
     inline: bool = False
-    # chunk `chunk` of `chunks` of a chunked service node (function-level preemption; simulated jobs only:
-    # the real services run a node whole, and no real job's plan has chunks > 1)
+    # chunk `chunk` of `chunks` of a chunked service node (function-level preemption, `JobConfig.chunks`): the
+    # service runs the chunk on its rows of the node's chunk input (`Service.run_node`). `parts`: with the LAST
+    # chunk only, the handles of the earlier chunks' outputs, in order; the executor resolves them where they
+    # were made (the same service) and the last chunk's output is their concatenation, the node's output
     chunk: int = 0
     chunks: int = 1
+    parts: tuple[Handle, ...] = ()
 
     @property
     def lane(self) -> str:

@@ -69,7 +69,9 @@ class InlineExecutor:
             res = run_cpu_node(self.specs[task.job_id], task.iteration, task.node, inputs, self.clock)
         else:
             svc = self.services[task.service_id]
-            res = svc.run_node(task.job_id, task.iteration, task.node, inputs, task.swaps, task.prefetch)
+            parts = [self.outputs[h] for h in task.parts]
+            res = svc.run_node(task.job_id, task.iteration, task.node, inputs, task.swaps, task.prefetch,
+                               task.chunk, task.chunks, parts)  # fmt: skip
         if res.output is not None:
             self.outputs[handle] = res.output
         self._done.append(Finished(handle, res.report))

@@ -58,12 +58,18 @@ class Pending:
 
 @dataclass(slots=True)
 class Iteration:
-    """A job's current iteration as the runner sees it: output handles, metrics and seconds per node."""
+    """A job's current iteration as the runner sees it: output handles, metrics and seconds per node, and the
+    handles of the chunks a chunked node has finished so far (`parts`; its last chunk's handle is its output)."""
 
     start: float
     outputs: dict[str, Handle] = field(default_factory=dict)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, list[Handle]] = field(default_factory=dict)
+
+    def handles(self) -> list[Handle]:
+        """Every handle of the iteration the executor still holds output for (to forget them)."""
+        return [*self.outputs.values(), *(h for hs in self.parts.values() for h in hs)]
 
     def row(self, end: float | None) -> dict[str, float]:
         """The iteration's metrics row: `<node>/<metric>`, `time/<node>`, `<node>/tokens_per_s`, and

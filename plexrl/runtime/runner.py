@@ -354,11 +354,14 @@ class Runner:
     def _submit(self, run: JobRun, ins: RunNode) -> None:
         lane = ins.service_id or "cpu"
         self.hooks.before_node(run, ins.iteration, ins.node, lane, self.clock())
-        outputs = self._iter[run.job_id].outputs
+        it = self._iter[run.job_id]
+        outputs = it.outputs
         inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
+        last = ins.chunks > 1 and ins.chunk == ins.chunks - 1
+        parts = tuple(it.parts.get(ins.node, ())) if last else ()  # the earlier chunks, joined by the last
         task = NodeTask(
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
-            ins.chunk, ins.chunks,
+            ins.chunk, ins.chunks, parts,
         )  # fmt: skip
         handle = self.executor.submit(task)
         self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
@@ -392,7 +395,7 @@ class Runner:
         self.hooks.after_node(run, rep.iteration, rep.node, p.lane, rep.start, rep.end, rep.metrics)
         duration = rep.end - rep.start
         if rep.error is not None:
-            self.executor.forget([f.handle])
+            self.executor.forget([f.handle, *(it.parts.pop(rep.node, []) if it is not None else [])])
             if self._retry(run, p, rep.error):
                 return events
             if p.attempt > 1:
@@ -401,12 +404,17 @@ class Runner:
                 NodeFinished(run.job_id, rep.iteration, rep.node, ok=False, error=rep.error, duration=duration)
             )
             return events
+        task = p.task
         if it is None:
             self.executor.forget([f.handle])
+        elif task is not None and task.chunk < task.chunks - 1:  # a part of a chunked node: kept for its last chunk
+            it.parts.setdefault(rep.node, []).append(f.handle)
+            it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration
         else:
             it.outputs[rep.node] = f.handle
             it.metrics[rep.node] = rep.metrics
             it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration  # (the chunks of a chunked node)
+            self.executor.forget(it.parts.pop(rep.node, []))  # joined into the last chunk's output
         swap_seconds = rep.swap_end - rep.swap_start
         events.append(
             NodeFinished(run.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)
@@ -444,7 +452,7 @@ class Runner:
         metrics = it.row(now if iteration >= 0 else None)
         if iteration >= 0:
             run.iterations_done += 1
-        self.executor.forget(it.outputs.values())
+        self.executor.forget(it.handles())
         self._iter[run.job_id] = Iteration(now)
         run.history.append(metrics)
         self.hooks.on_iteration_end(run, iteration, metrics)
@@ -475,7 +483,7 @@ class Runner:
             log.error("job %s failed: %s", run.job_id, reason)
         it = self._iter.pop(run.job_id, None)
         if it is not None:
-            self.executor.forget(it.outputs.values())
+            self.executor.forget(it.handles())
         if run.started_at is not None:
             self.hooks.on_job_end(run)
         if self.on_closed is not None:  # every ended job, placed or not (the server's journal)

@@ -252,10 +252,12 @@ def rank_load(topic: str, key: str, rank: int, job: JobSpec, tier: Any, epoch: i
 
 def rank_node(
     topic: str, handle: int, key: str, rank: int, job_id: str, iteration: int, node: str,
-    inputs: dict[str, NodeResult], swaps: tuple[Move, ...], prefetch: tuple[Move, ...], epoch: int, *after: Any,
+    inputs: dict[str, NodeResult], swaps: tuple[Move, ...], prefetch: tuple[Move, ...], chunk: int, chunks: int,
+    parts: list[NodeResult], epoch: int, *after: Any,
 ) -> NodeResult:  # fmt: skip
-    """Run a service node on this rank (every rank runs it); rank 0 publishes the report. `inputs`: this
-    rank's outputs of earlier service nodes, or the cpu nodes' (one copy each)."""
+    """Run a service node (or chunk `chunk` of `chunks` of one, `parts`: this rank's earlier chunks) on this
+    rank (every rank runs it); rank 0 publishes the report. `inputs`: this rank's outputs of earlier service
+    nodes, or the cpu nodes' (one copy each)."""
     from plexrl.runtime.dask_tasks import _publish
 
     try:
@@ -265,7 +267,8 @@ def rank_node(
             raise LookupError(f"the state of job(s) {sorted(gone)} on this group is gone: the group was re-formed "
                               f"after a failure (now epoch {epoch})")  # fmt: skip
         outputs: dict[str, Any] = {p: r.output for p, r in inputs.items()}
-        result = svc.run_node(job_id, iteration, node, outputs, swaps, prefetch)
+        outs = [r.output for r in parts if r.output is not None]
+        result = svc.run_node(job_id, iteration, node, outputs, swaps, prefetch, chunk, chunks, outs)
         error = _agree(state, result.report.error, topic)
         if error != result.report.error:
             result = NodeResult(result.report, None)

@@ -84,6 +84,19 @@ def run_cpu_node(
     return _finish(NodeReport(job.job_id, iteration, node_name, None, start, clock()), out)
 
 
+def chunk_inputs(op: Any, inputs: dict[str, Batch], chunk: int, chunks: int, parts: int) -> dict[str, Batch]:
+    """The inputs of chunk `chunk` of `chunks` of a node of `op`: its chunk input cut to the chunk's rows, the
+    rest whole. `parts`: how many earlier chunks' outputs came with it (the last chunk needs all of them)."""
+    from plexrl.batch import chunk_rows
+
+    if not op.chunkable:
+        raise ValueError(f"operator {op.name!r} cannot run in chunks (it declares no chunk_input)")
+    if parts != (chunk if chunk == chunks - 1 else 0):
+        raise ValueError(f"chunk {chunk} of {chunks} got {parts} earlier parts")
+    batch: Any = inputs[op.chunk_input]  # a row-sliceable batch (`Operator._check_chunkable`)
+    return {**inputs, op.chunk_input: batch.rows(*chunk_rows(len(batch), chunk, chunks))}
+
+
 class Service:
     def __init__(
         self,
@@ -167,9 +180,11 @@ class Service:
     def tier(self, job_id: str) -> str:
         return self.states[job_id].tier
 
-    def context(self, job: JobSpec, iteration: int, node: str) -> OpContext:
+    def context(self, job: JobSpec, iteration: int, node: str, chunk: int = 0, chunks: int = 1) -> OpContext:
         real = iteration + job.start_iteration  # a resumed job's planner counts from 0 (JobSpec.plan)
-        return OpContext(job.job_id, real, node, job.config.seed, job.task, job.tokenizer, self.engines[job.job_id])
+        engine = self.engines[job.job_id]
+        return OpContext(job.job_id, real, node, job.config.seed, job.task, job.tokenizer, engine, chunk=chunk,
+                         chunks=chunks)  # fmt: skip
 
     def run_node(
         self,
@@ -179,8 +194,17 @@ class Service:
         inputs: dict[str, Batch],
         swaps: Sequence[Move] = (),
         prefetch: Sequence[Move] = (),
+        chunk: int = 0,
+        chunks: int = 1,
+        parts: Sequence[Batch] = (),
     ) -> NodeResult:
-        """Apply `swaps`, start `prefetch` in the background, run the node. Errors are returned."""
+        """Apply `swaps`, start `prefetch` in the background, run the node. Errors are returned.
+
+        A chunked node (`chunks` > 1, a chunkable operator: `Operator.chunk_input`) runs chunk `chunk` only: on
+        rows `chunk_rows(P, chunk, chunks)` of its chunk input, with per-chunk seeds. An earlier chunk's output
+        is a part (its report carries no metrics); the last chunk gets the earlier parts (`parts`, in order,
+        where they were made: this service) and its output is the concatenation of every chunk, the node's
+        output, with the whole node's metrics."""
         job = self.jobs[job_id]
         swap_start = self.clock()
         moved = 0
@@ -202,7 +226,13 @@ class Service:
         node = job.graph.node(node_name)
         start = self.clock()
         try:
-            out = node.operator.run(self.context(job, iteration, node_name), inputs, node.params)
+            if chunks > 1:
+                inputs = chunk_inputs(node.operator, inputs, chunk, chunks, len(parts))
+            ctx = self.context(job, iteration, node_name, chunk, chunks)
+            out = node.operator.run(ctx, inputs, node.params)
+            if chunks > 1 and chunk == chunks - 1:
+                pad_id = getattr(job.tokenizer, "pad_token_id", None) or 0
+                out = node.operator.output.concat([*parts, out], pad_id)  # type: ignore[attr-defined]
         except Exception as exc:
             log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
                       exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
@@ -214,6 +244,8 @@ class Service:
         end = self.clock()
         report = NodeReport(job_id, iteration, node_name, None, start, end, swap_start, swap_end, moved,
                             self._weight_loads(job_id), measured=measured)  # fmt: skip
+        if chunk < chunks - 1:
+            return NodeResult(report, out)  # a part: the last chunk reports the whole node's metrics
         return _finish(report, out)
 
     def _weight_loads(self, job_id: str) -> list[tuple[str, float, float, int]]:
