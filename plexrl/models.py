@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -182,6 +183,24 @@ def demonstration_ids(task: Task, tokenizer: Any, problem: Any, use_tool: bool) 
     return [*ids, tokenizer.eos_token_id], [*trained, True]
 
 
+def warm_start_lr(cfg: WarmStartConfig, step: int) -> float:
+    """The warm start's learning rate at optimizer step `step` (1-based): linear warm-up over
+    `cfg.warmup_steps`, then cosine decay over `cfg.decay_steps` to `cfg.lr * cfg.min_lr_ratio`, held after.
+
+    >>> from plexrl.config import WarmStartConfig
+    >>> c = WarmStartConfig(lr=1e-3, warmup_steps=10, decay_steps=100, min_lr_ratio=0.1)
+    >>> [round(warm_start_lr(c, s) * 1e4, 3) for s in (1, 10, 60, 110, 500)]
+    [1.0, 10.0, 5.5, 1.0, 1.0]
+    """
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.decay_steps == 0:
+        return cfg.lr
+    done = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + 0.5 * (cfg.lr - low) * (1.0 + math.cos(math.pi * done))
+
+
 def warm_start(
     base: Path,
     out: Path,
@@ -209,6 +228,8 @@ def warm_start(
     checks = task.held_out[: cfg.eval_size]
     acc, step = 0.0, 0
     for step in range(1, cfg.max_steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = warm_start_lr(cfg, step)
         batch: list[Any] = rng.sample(task.train, cfg.batch_size)
         p_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
         demos = [

@@ -1,0 +1,38 @@
+"""The supervised warm start's learning-rate schedule."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import plexrl.models as models_mod
+from plexrl.config import WarmStartConfig
+from plexrl.models import warm_start_lr
+
+
+def test_models_doctests() -> None:
+    result = doctest.testmod(models_mod)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_default_schedule_is_constant() -> None:
+    cfg = WarmStartConfig()
+    assert {warm_start_lr(cfg, s) for s in range(1, 2000, 7)} == {cfg.lr}
+
+
+def test_warmup_then_cosine_decay_then_hold() -> None:
+    cfg = WarmStartConfig(lr=3e-3, warmup_steps=50, decay_steps=600, min_lr_ratio=0.05)
+    lrs = [warm_start_lr(cfg, s) for s in range(1, 1001)]
+    warm, decay, held = lrs[:50], lrs[50:650], lrs[650:]
+    assert all(a < b for a, b in zip(warm, warm[1:], strict=False)) and warm[-1] == pytest.approx(3e-3)
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    assert decay[-1] == pytest.approx(3e-3 * 0.05) and held == pytest.approx([3e-3 * 0.05] * len(held))
+    assert warm_start_lr(cfg, 350) == pytest.approx(3e-3 * (0.05 + 0.95 * 0.5))  # half-way down the cosine
+
+
+def test_schedule_fields_are_validated() -> None:
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        WarmStartConfig(min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="decay_steps"):
+        WarmStartConfig(decay_steps=-1)
