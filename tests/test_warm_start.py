@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import itertools
 
 import pytest
 
@@ -25,8 +26,8 @@ def test_warmup_then_cosine_decay_then_hold() -> None:
     cfg = WarmStartConfig(lr=3e-3, warmup_steps=50, decay_steps=600, min_lr_ratio=0.05)
     lrs = [warm_start_lr(cfg, s) for s in range(1, 1001)]
     warm, decay, held = lrs[:50], lrs[50:650], lrs[650:]
-    assert all(a < b for a, b in zip(warm, warm[1:], strict=False)) and warm[-1] == pytest.approx(3e-3)
-    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(warm)) and warm[-1] == pytest.approx(3e-3)
+    assert all(a > b for a, b in itertools.pairwise(decay))
     assert decay[-1] == pytest.approx(3e-3 * 0.05) and held == pytest.approx([3e-3 * 0.05] * len(held))
     assert warm_start_lr(cfg, 350) == pytest.approx(3e-3 * (0.05 + 0.95 * 0.5))  # half-way down the cosine
 
