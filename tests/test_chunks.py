@@ -174,7 +174,8 @@ class Watch(Hook):
         def watching(task: NodeTask) -> int:
             handle = submit(task)
             self.tasks[handle] = task
-            if task.job_id == job_id and task.node == "rollout" and task.chunk == task.chunks - 1:
+            inline = hasattr(executor, "outputs")
+            if inline and task.job_id == job_id and task.node == "rollout" and task.chunk == task.chunks - 1:
                 prompts = executor.outputs[task.inputs["prompts"]]  # type: ignore[attr-defined]
                 self.last_rollouts.append((executor.outputs[handle], prompts))  # type: ignore[attr-defined]
             return handle
@@ -187,14 +188,17 @@ class Watch(Hook):
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         if run.job_id != self.job_id:
             return
-        held = self.runner.executor.outputs  # type: ignore[attr-defined]
+        executor: Any = self.runner.executor
+        held = executor.outputs if hasattr(executor, "outputs") else executor._work  # inline | Dask
         mine = [h for h, t in self.tasks.items() if t.job_id == run.job_id and t.iteration <= iteration]
         self.leaks += [h for h in mine if h in held]
 
 
-def run_jobs(cfgs: list[dict[str, Any]], watched: str, budgets: Budgets | None = None) -> tuple[list[JobRun], Watch]:
+def run_jobs(
+    cfgs: list[dict[str, Any]], watched: str, budgets: Budgets | None = None, runner: Runner | None = None
+) -> tuple[list[JobRun], Watch]:
     specs = [prepare_job(load_job(cfg)) for cfg in cfgs]
-    runner = local_runner(budgets=budgets or Budgets())
+    runner = runner or local_runner(budgets=budgets or Budgets())
     watch = Watch(runner, watched)
     runner.hooks.hooks.append(watch)
     runs = runner.run(specs)
@@ -257,3 +261,23 @@ def test_multiplexed_chunked_job_logs_what_it_logs_alone_and_lets_the_other_in_b
             if nxt is not None and service[nxt][2] == "rollout":
                 between += [s for s in service[k + 1 : nxt] if s[0] == "b"]
     assert between, service
+
+
+def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alone(
+    run_dir: Path, alone: tuple[JobRun, Watch]
+) -> None:
+    """The same two jobs on a local Dask cluster (one service worker, one CPU-pool worker, lookahead): the
+    last chunk's task gets the earlier chunks' futures (resolved on the service worker that made them), the
+    runner forgets them, and the chunked job's metrics equal its inline run alone."""
+    from plexrl.runtime.dask import DaskExecutor
+
+    cfgs = [job_config(run_dir, "a", 0, {"rollout": 3}), job_config(run_dir, "b", 1, {})]
+    size = max(prepare_job(load_job(c)).state_bytes() for c in cfgs)
+    executor = DaskExecutor(services=1, cpu_threads=1, validate=True)
+    runner = Runner(executor, validate=True, lookahead=True, budgets=Budgets(device=size))
+    (a, _b), watch = run_jobs(cfgs, "a", runner=runner)
+    assert stable(a.history) == stable(alone[0].history)
+    assert watch.leaks == []
+    assert [t.parts != () for t in watch.tasks.values() if t.job_id == "a" and t.node == "rollout"] == [
+        False, False, True,
+    ] * 2  # fmt: skip
