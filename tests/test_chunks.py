@@ -263,6 +263,39 @@ def test_multiplexed_chunked_job_logs_what_it_logs_alone_and_lets_the_other_in_b
     assert between, service
 
 
+def test_a_service_runs_one_chunk_per_task_and_the_last_joins_them(run_dir: Path) -> None:
+    """5 chunks of 4 prompts: chunk 0 has none (an empty rollout, no engine call); the earlier chunks report
+    no metrics; the last chunk's output holds every chunk's rows in order, with the whole node's metrics.
+    A node whose operator is not chunkable refuses to run in chunks."""
+    from plexrl.services.service import Service, run_cpu_node
+
+    spec = prepare_job(load_job(job_config(run_dir, "a", 0, {"rollout": 5})))
+    svc = Service("s")
+    try:
+        svc.load_job(spec)
+        prompts = run_cpu_node(spec, 0, "prompts", {}, svc.clock).output
+        assert isinstance(prompts, Prompts) and len(prompts) == 4
+        parts: list[Any] = []
+        for k in range(5):
+            res = svc.run_node(
+                "a", 0, "rollout", {"prompts": prompts}, chunk=k, chunks=5, parts=parts if k == 4 else ()
+            )
+            assert res.report.ok, res.report.error
+            if k < 4:
+                assert res.report.metrics == {}
+                parts.append(res.output)
+        assert [len(p) for p in parts] == [0, 4, 4, 4]  # prompts (0, 1, 1, 1) x n = 4; the last chunk has 1
+        whole = res.output
+        assert isinstance(whole, Rollouts) and len(whole) == 16
+        last = whole.answers[12:]
+        assert rows_of(whole)[:12] == [r for p in parts for r in rows_of(p)] and last == [prompts.answers[3]] * 4
+        assert res.report.metrics["tokens"] == float(whole.response_lengths.sum())
+        bad = svc.run_node("a", 0, "train", {}, chunk=0, chunks=2)
+        assert bad.output is None and "cannot run in chunks" in (bad.report.error or "")
+    finally:
+        svc.close()
+
+
 def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alone(
     run_dir: Path, alone: tuple[JobRun, Watch]
 ) -> None:

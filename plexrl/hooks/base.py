@@ -54,7 +54,8 @@ class Hook:
     def after_node(
         self, run: JobRun, iteration: int, node: str, lane: str, start: float, end: float, metrics: dict[str, float]
     ) -> None:
-        """A node ended (`metrics`: its output's metrics; empty when it failed)."""
+        """A node ended (`metrics`: its output's metrics; empty when it failed, and for every chunk of a chunked
+        node but the last, whose metrics are the whole node's)."""
 
     def on_swap(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
         """State moved on service `lane` before one of the job's nodes (the blocking part only)."""
