@@ -21,11 +21,12 @@ import pytest
 import torch
 from conftest import TINY, local_runner, stable
 
-from plexrl.batch import Prompts, Rollouts, chunk_rows
+from plexrl.batch import Prompts, Rewards, Rollouts, chunk_rows
 from plexrl.config import load_job
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
 from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.operator import OpContext, operator, resolve_operator
 from plexrl.runtime import Budgets, NodeTask, Runner
 
 PAD = 9
@@ -117,6 +118,21 @@ def test_rollouts_concat_refuses_parts_of_different_samplers() -> None:
         Rollouts.concat([a, make_rollouts([[1]], [[5], [6]], g=2, version=1)], PAD)
     with pytest.raises(ValueError, match="group size 2 vs 1"):
         Rollouts.concat([a, make_rollouts([[1]], [[5]], g=1)], PAD)
+
+
+def test_a_chunkable_operator_declares_a_sliceable_input_and_a_concatenable_output() -> None:
+    assert resolve_operator("rollout").chunkable and resolve_operator("rollout").chunk_input == "prompts"
+    assert not resolve_operator("train").chunkable and not resolve_operator("verify").chunkable
+
+    def gen(prompts: Prompts, ctx: OpContext) -> Rollouts: ...
+    def score(rollouts: Rollouts, ctx: OpContext) -> Rewards: ...
+
+    with pytest.raises(TypeError, match="only service operators run in chunks"):
+        operator("cpu", chunk_input="prompts")(gen)
+    with pytest.raises(TypeError, match="'prompt' is not one of its inputs"):
+        operator("service", chunk_input="prompt")(gen)
+    with pytest.raises(TypeError, match="no rows"):
+        operator("service", chunk_input="rollouts")(score)
 
 
 # -- config --------------------------------------------------------------------------------------------
