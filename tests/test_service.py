@@ -5,6 +5,8 @@ an error, not a silent overwrite."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -86,4 +88,83 @@ def test_prefetch_runs_in_the_background_and_the_next_node_waits_for_it(job: Job
     res = svc.run_node(job.job_id, -1, "evaluate", {})  # waits for the prefetch, then runs on device
     assert res.report.ok and svc.tier(job.job_id) == "device"
     assert svc.report()["prefetch_seconds"] > 0
+    svc.close()
+
+
+def test_early_swaps_start_after_the_previous_node_passes_and_run_in_the_background(job: JobSpec) -> None:
+    """A lookahead node's swaps queued before the node before it started (`start_early`) wait for that
+    node's own swaps, then run on the background thread while it computes; the node then only waits. Every
+    move keeps the device within two states; a late start is ignored and a failed early move fails the node."""
+    a, b, c = (dataclasses.replace(job, job_id=name) for name in ("a", "b", "c"))
+    svc = Service("s0", validate=True)
+    svc.load_job(a)
+    size = svc.load_job(b, tier="host")
+    svc.load_job(c, tier="host")
+    log: list[tuple[str, str, str, int]] = []  # (job, destination, thread, state bytes on device after it)
+    move = svc._move
+
+    def recording(m: Move) -> int:
+        nbytes = move(m)
+        on_device = sum(p.nbytes for p in svc.states.values() if p.tier == "device")
+        log.append((m.job_id, m.dst, threading.current_thread().name, on_device))
+        return nbytes
+
+    svc._move = recording  # type: ignore[method-assign]
+    running, go = threading.Event(), threading.Event()
+    context = svc.context
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # node 0 "computes" until the test lets it go
+        running.set()
+        assert go.wait(30)
+        return context(*args, **kwargs)
+
+    # node 1 (job c) is sent while node 0 (job b) has not applied its swaps yet: its early swaps wait
+    evict_in = [Move("a", "device", "host", 0), Move("c", "host", "device", 0)]
+    assert svc.start_early(1, evict_in) == "staged"
+    assert (svc.tier("a"), svc.tier("c")) == ("device", "host")
+    svc.context = held  # type: ignore[method-assign]
+    first: list[Any] = []
+    node0 = threading.Thread(target=lambda: first.append(svc.run_node(
+        "b", -1, "evaluate", {}, swaps=[Move("b", "host", "device", 0)], seq=0)))  # fmt: skip
+    node0.start()
+    try:
+        assert running.wait(30)  # node 0 runs; node 1's swaps move in the background meanwhile
+        svc._early[1].result(timeout=30)
+        assert (svc.tier("a"), svc.tier("b"), svc.tier("c")) == ("host", "device", "device")
+    finally:
+        go.set()
+        node0.join(30)
+    svc.context = context  # type: ignore[method-assign]
+    assert first[0].report.ok, first[0].report.error
+    assert [(j, d) for j, d, _, _ in log] == [("b", "device"), ("a", "host"), ("c", "device")]
+    assert not log[0][2].startswith("s0-prefetch")  # node 0 applied its own swaps
+    assert all(t.startswith("s0-prefetch") for _, _, t, _ in log[1:])
+    assert all(on_device <= 2 * size for *_, on_device in log)
+    res = svc.run_node("c", -1, "evaluate", {}, swaps=evict_in, seq=1)
+    assert res.report.ok, res.report.error
+    assert res.report.swap_bytes == 0 and len(log) == 3  # nothing left to move: it only waited
+    assert svc.start_early(1, evict_in) == "late"  # node 1 has begun: a late start is ignored
+    stats = svc.report()
+    assert stats["early_starts"] == stats["early_during_previous"] == 1
+    assert 0 < stats["early_swap_seconds"] <= stats["prefetch_seconds"]
+    # an early move that fails (a is on host, not disk) fails its node with the reason, no hang
+    assert svc.start_early(2, [Move("a", "disk", "device", 0)]) == "started"
+    res = svc.run_node("a", -1, "evaluate", {}, swaps=[Move("a", "disk", "device", 0)], seq=2)
+    assert not res.report.ok and "swap failed: StateCorrupted" in (res.report.error or "")
+    assert "is on host" in (res.report.error or "")
+    svc.close()
+
+
+def test_an_early_start_waits_for_a_checkpoint_numbered_before_it(job: JobSpec, tmp_path: Path) -> None:
+    """A checkpoint sent between two nodes holds back the next node's early swaps until it is written."""
+    a, b = (dataclasses.replace(job, job_id=name) for name in ("a", "b"))
+    svc = Service("s0")
+    svc.load_job(a)
+    svc.load_job(b, tier="host")
+    assert svc.start_early(1, [Move("a", "device", "host", 0), Move("b", "host", "device", 0)]) == "staged"
+    with svc.in_order(0):
+        svc.checkpoint("a", tmp_path / "a.ckpt", {})
+        assert (svc.tier("a"), svc.tier("b")) == ("device", "host") and 1 not in svc._early
+    svc._early[1].result(timeout=30)
+    assert (svc.tier("a"), svc.tier("b")) == ("host", "device")
     svc.close()

@@ -50,6 +50,7 @@ from plexrl.runtime.dask_tasks import (
     _save_model,
     _start_and_warm,
     _start_service,
+    _start_swaps,
     _stop_service,
     _warm_up,
 )
@@ -102,6 +103,7 @@ class DaskExecutor:
         self._specs: dict[str, Any] = {}  # job -> scattered spec future
         self._loaded: dict[str, Any] = {}  # job -> future of its load (its service nodes run after it)
         self._last_on: dict[str, Any] = {}  # service -> its latest task: the next one runs after it (order)
+        self._seq: dict[str, int] = {}  # service -> number of the latest task sent in that order (`_next_seq`)
         self._lost: set[str] = set()
         self._topic = f"plexrl-reports-{self.token}"
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()  # node reports published by the workers
@@ -315,16 +317,40 @@ class DaskExecutor:
                 self._work[handle] = _Work(futs[0], True, task.lane, task.job_id, task.iteration, task.node, ranks=futs)
                 return handle
             previous = self._last_on.get(sid)
-            if previous is not None and not previous.done():
+            ahead = previous is not None and not previous.done()
+            if ahead:
                 after.append(previous)  # with lookahead, a service runs its nodes in the order they were sent
             parts = [self._work[h].future for h in task.parts]  # earlier chunks: on this worker already
+            seq = self._next_seq(sid)
             fut = self._on(
                 sid, _run_service_node, self._topic, handle, self._key(sid), task.job_id, task.iteration,
-                task.node, inputs, task.swaps, task.prefetch, task.chunk, task.chunks, parts, *after, key=key,
+                task.node, inputs, task.swaps, task.prefetch, task.chunk, task.chunks, parts, seq, *after, key=key,
             )  # fmt: skip
             self._last_on[sid] = fut
+            if ahead and task.swaps:
+                self._start_early(sid, seq, task, key)
         self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node)
         return handle
+
+    def _next_seq(self, service_id: str) -> int:
+        """Number the service's ordered tasks (nodes, checkpoints) in the order they are sent."""
+        self._seq[service_id] = seq = self._seq.get(service_id, -1) + 1
+        return seq
+
+    def _start_early(self, service_id: str, seq: int, task: NodeTask, key: str) -> None:
+        """The swaps of a node sent while the service runs another: a small task on the service worker, not
+        chained after the running node and holding no GPU slot (the worker's second thread), hands them to
+        the service's background thread (`Service.start_early`), which starts them once the node before
+        this one has applied its own swaps. If it runs late or fails, the node applies its swaps itself;
+        nothing waits on it (fire and forget: a lost worker takes it along)."""
+        from distributed import fire_and_forget
+
+        loads = [self._loaded[j] for j in sorted({m.job_id for m in task.swaps}) if j in self._loaded]
+        fut = self.client.submit(
+            _start_swaps, self._key(service_id), seq, task.swaps, *loads,
+            workers=[self.worker_of[service_id]], allow_other_workers=False, pure=False, key=f"early-{key}",
+        )  # fmt: skip
+        fire_and_forget(fut)
 
     def wait(self, timeout: float) -> list[Finished]:
         """Node reports arrive as events the workers publish when a node ends (no task, no fetch); loads are
@@ -468,7 +494,8 @@ class DaskExecutor:
         previous = self._last_on.get(service_id)
         if previous is not None and not previous.done():
             after.append(previous)
-        fut = self._on(service_id, _checkpoint, self._key(service_id), job_id, str(path), extra, *after,
+        seq = self._next_seq(service_id)
+        fut = self._on(service_id, _checkpoint, self._key(service_id), job_id, str(path), extra, seq, *after,
                        key=f"checkpoint-{self.token}-{job_id}-{handle}")  # fmt: skip
         self._last_on[service_id] = fut
         self._work[handle] = _Work(fut, False, service_id, job_id, checkpoint=str(path))

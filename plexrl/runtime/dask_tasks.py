@@ -94,14 +94,24 @@ def _run_service_node(
     chunk: int,
     chunks: int,
     parts: list[NodeResult],
+    seq: int,
     *after: Any,
 ) -> NodeResult:
     """`after`: futures this node must wait for (its job's load, the service's previous node); unused.
-    `parts`: the earlier chunks' results of a chunked node's last chunk (made on this worker: no transfer)."""
+    `parts`: the earlier chunks' results of a chunked node's last chunk (made on this worker: no transfer).
+    `seq`: the node's number among the service's tasks in the order they were sent (`Service.run_node`)."""
     outs = [p.output for p in parts if p.output is not None]
-    result = _service(key).run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch, chunk, chunks, outs)
+    svc = _service(key)
+    result = svc.run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch, chunk, chunks, outs, seq)
     _publish(topic, handle, result.report)
     return result
+
+
+def _start_swaps(key: str, seq: int, swaps: Sequence[Move], *after: Any) -> str:
+    """A lookahead node's swaps, started early on the service's background thread (`Service.start_early`).
+    Runs on the service worker's second thread, NOT after the service's running node (no GPU slot, no
+    chain); returns at once. `after`: the loads of the jobs it moves; unused."""
+    return _service(key).start_early(seq, swaps)
 
 
 def _run_cpu_node(
@@ -120,11 +130,14 @@ def _save_model(key: str, job_id: str, path: str) -> str:
     return str(_service(key).save_model(job_id, Path(path)))
 
 
-def _checkpoint(key: str, job_id: str, path: str, extra: dict[str, Any], *after: Any) -> CheckpointReport:
-    """`after`: the futures it must follow (the job's load, the service's previous task); unused."""
+def _checkpoint(key: str, job_id: str, path: str, extra: dict[str, Any], seq: int, *after: Any) -> CheckpointReport:
+    """`after`: the futures it must follow (the job's load, the service's previous task); unused. `seq`: its
+    number among the service's tasks: no later node's early swaps start before it ends."""
     start, service_id = time.time(), key.rpartition("/")[2]
     try:
-        where = str(_service(key).checkpoint(job_id, Path(path), extra))
+        svc = _service(key)
+        with svc.in_order(seq):
+            where = str(svc.checkpoint(job_id, Path(path), extra))
     except Exception as exc:
         return CheckpointReport(job_id, service_id, path, start, time.time(), f"{type(exc).__name__}: {exc}")
     return CheckpointReport(job_id, service_id, where, start, time.time())

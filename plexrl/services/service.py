@@ -4,21 +4,29 @@ the jobs' service nodes one at a time (the planner guarantees that; the service 
 Before a node it applies the blocking moves the planner attached (evictions, then the job's swap-in), then
 starts the attached prefetch in a background thread (a separate CUDA stream on GPU) so that the next job's
 state arrives while this node computes, and runs the node. It reports the node's own run time and the time
-it spent moving state (blocking swaps plus any wait for an unfinished prefetch) separately: the first is
-`busy`, the second `swap` in the accounting. In validate mode it checksums a job's state at swap-out and
+it spent moving state (blocking swaps plus any wait for unfinished background moves) separately: the first
+is `busy`, the second `swap` in the accounting. In validate mode it checksums a job's state at swap-out and
 checks it at swap-in.
+
+Early swaps (lookahead): an executor that sends a service's next node while one runs numbers the service's
+nodes (`seq`, consecutive in the order they were sent) and may call `start_early(seq, swaps)` at once. The
+moves then start on the background thread as soon as node `seq - 1` has applied its own swaps and queued
+its prefetch (what the planner assumed when it computed them), and node `seq` only waits for what has not
+finished yet. All background moves run on ONE thread in the order they were queued, which is the planner's
+order, so tiers and budgets follow the StateManager's sequence exactly; moves of one job never overlap.
 
 Strict affinity: a job's engine is created here and stays here until the job ends; only its tensors move.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,12 +67,29 @@ def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
 
 @dataclass(slots=True)
 class SwapStats:
-    blocking_seconds: float = 0.0  # moves the node had to wait for (evictions + swap-in)
-    prefetch_seconds: float = 0.0  # moves done in the background
-    prefetch_wait_seconds: float = 0.0  # part of a prefetch a node still had to wait for
+    """Seconds of state moves on one service. `blocking_seconds` is what nodes saw (the sum of their swap
+    spans: moves on the node's thread plus waits for background moves); `prefetch_seconds` is move time on
+    the background thread (prefetch and early swaps); `prefetch_wait_seconds` is the part of
+    `blocking_seconds` spent waiting for background moves. So background time hidden from the nodes =
+    prefetch - wait, and the share of swap time hidden = hidden / (blocking + hidden) (`hidden_share`)."""
+
+    blocking_seconds: float = 0.0  # nodes' swap spans: moves they made or waited for (evictions + swap-in)
+    prefetch_seconds: float = 0.0  # moves done in the background (prefetch + early swaps)
+    prefetch_wait_seconds: float = 0.0  # part of blocking_seconds spent waiting for background moves
+    early_seconds: float = 0.0  # part of prefetch_seconds: lookahead nodes' swaps started early
+    early_starts: int = 0  # lookahead nodes whose swaps started before the node did
+    early_during_previous: int = 0  # of them: started while the node before was still computing
     bytes_moved: int = 0
     moves: int = 0
     per_tier: dict[str, int] = field(default_factory=dict)
+
+
+def hidden_share(blocking: float, prefetch: float, waited: float) -> float:
+    """Share of swap time that no node saw: background move seconds not waited for / all swap seconds
+    (`SwapStats`). NaN when nothing moved."""
+    hidden = max(prefetch - waited, 0.0)
+    total = blocking + hidden
+    return hidden / total if total > 0 else float("nan")
 
 
 def run_cpu_node(
@@ -120,9 +145,17 @@ class Service:
         self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
         self.states: dict[str, sw.Placement] = {}
         self.stats = SwapStats()
+        # ONE background thread: its moves run in the order they were queued (the planner's order)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{service_id}-prefetch")
-        self._inflight: dict[str, Future[None]] = {}
-        self._lock = threading.Lock()
+        self._inflight: dict[str, Future[int]] = {}  # job -> its latest queued background move
+        self._lock = threading.Lock()  # stats
+        self._order = threading.RLock()  # _inflight and the early-start bookkeeping below
+        self._claimed = -1  # highest node seq that has begun (its early start, if any, is taken or too late)
+        self._passed = -1  # highest node seq whose swaps are applied and whose prefetch is queued
+        self._staged: dict[int, list[Move]] = {}  # seq -> early swaps waiting for node seq - 1 to pass
+        self._early: dict[int, Future[int]] = {}  # seq -> early swaps queued on the background thread
+        self._released: set[str] = set()
+        self._computing: int | None = None  # seq of the node whose operator runs now (stats only)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- jobs ---------------------------------------------------------------------------------------
@@ -145,6 +178,7 @@ class Service:
         if job.generation == "vllm":
             engine = self._vllm_engine(job, engine)
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
+        self._released.discard(job.job_id)
         self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
         if tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
@@ -197,8 +231,14 @@ class Service:
         chunk: int = 0,
         chunks: int = 1,
         parts: Sequence[Batch] = (),
+        seq: int | None = None,
     ) -> NodeResult:
         """Apply `swaps`, start `prefetch` in the background, run the node. Errors are returned.
+
+        `seq`: the node's number among the service's nodes in the order they were sent (None: no early
+        starts). If `start_early(seq, swaps)` queued its swaps already, the node waits for them instead of
+        applying them (that wait is its swap span); then it marks `seq` passed, which lets node `seq + 1`'s
+        early swaps start.
 
         A chunked node (`chunks` > 1, a chunkable operator: `Operator.chunk_input`) runs chunk `chunk` only: on
         rows `chunk_rows(P, chunk, chunks)` of its chunk input, with per-chunk seeds. An earlier chunk's output
@@ -210,19 +250,32 @@ class Service:
         moved = 0
         measured: dict[str, int] = {}
         try:
-            moved += self.apply(swaps)
-            measured = {m.job_id: self.states[m.job_id].nbytes for m in swaps if m.src == "device"}
-            self._wait_for(job_id)
-            if self.states[job_id].tier != "device":
-                raise sw.StateCorrupted(f"job {job_id} is on {self.states[job_id].tier}, not device, at run time")
-        except Exception as exc:
-            now = self.clock()
-            error = f"swap failed: {type(exc).__name__}: {exc}"
-            return NodeResult(NodeReport(job_id, iteration, node_name, error, now, now, swap_start, now, moved))
-        swap_end = self.clock()
-        self.stats.blocking_seconds += swap_end - swap_start
-        if prefetch:
-            self._start_prefetch(list(prefetch))
+            try:
+                early = self._claim(seq)
+                if early is None:
+                    moved += self.apply(swaps)
+                else:  # queued by start_early: wait for what has not finished yet
+                    self._wait(early)
+                    for m in swaps:
+                        self._wait_for(m.job_id)
+                measured = {m.job_id: self.states[m.job_id].nbytes for m in swaps if m.src == "device"}
+                self._wait_for(job_id)
+                if self.states[job_id].tier != "device":
+                    raise sw.StateCorrupted(f"job {job_id} is on {self.states[job_id].tier}, not device, at run time")
+            except Exception as exc:
+                now = self.clock()
+                with self._lock:
+                    self.stats.blocking_seconds += now - swap_start
+                error = f"swap failed: {type(exc).__name__}: {exc}"
+                return NodeResult(NodeReport(job_id, iteration, node_name, error, now, now, swap_start, now, moved))
+            swap_end = self.clock()
+            with self._lock:
+                self.stats.blocking_seconds += swap_end - swap_start
+            if prefetch:
+                self._start_prefetch(list(prefetch))
+            self._computing = seq  # from here the node computes (cleared when its operator returns)
+        finally:
+            self._pass(seq)  # also after a failed swap: a later early start must not wait forever
         node = job.graph.node(node_name)
         start = self.clock()
         try:
@@ -241,6 +294,8 @@ class Service:
             report = NodeReport(job_id, iteration, node_name, error, start, self.clock(), swap_start, swap_end, moved,
                                 self._weight_loads(job_id), measured=measured)  # fmt: skip
             return NodeResult(report)
+        finally:
+            self._computing = None
         end = self.clock()
         report = NodeReport(job_id, iteration, node_name, None, start, end, swap_start, swap_end, moved,
                             self._weight_loads(job_id), measured=measured)  # fmt: skip
@@ -253,7 +308,7 @@ class Service:
         return [(w.kind, w.start, w.end, w.nbytes) for w in take()] if take else []
 
     def save_model(self, job_id: str, path: Path) -> Path:
-        self._wait_for(job_id)
+        self._wait_for(job_id, count=False)
         if self.states[job_id].tier != "device":
             self._move(Move(job_id, self.states[job_id].tier, "device", 0))  # type: ignore[arg-type]
         self.engines[job_id].save_pretrained(path)
@@ -265,8 +320,9 @@ class Service:
         critic, weight version) and `extra` to `path`, from whichever tier holds it and without moving it
         (the StateManager's budgets stay true). Atomic: written to a temp file, fsynced, renamed; an error
         (disk full, unwritable directory) leaves an earlier checkpoint at `path` intact. Not thread-safe with
-        a node of the same job: call it between nodes (the runner's thread does)."""
-        self._wait_for(job_id)
+        a node of the same job: call it between nodes (the runner's thread does; on Dask it is numbered among
+        the service's nodes, `in_order`, so no early start moves a state while it is read)."""
+        self._wait_for(job_id, count=False)
         engine, place = self.engines[job_id], self.states[job_id]
         if place.tier == "device":
             state = engine.export_state()
@@ -285,8 +341,13 @@ class Service:
         return sw.save_checkpoint({"engine": state, **extra}, path)
 
     def release(self, job_id: str) -> None:
-        """Forget the job: engine, host copies and spill file."""
-        self._wait_for(job_id)
+        """Forget the job: engine, host copies and spill file. A background move of it queued later (a
+        lookahead node's early eviction sent before the job ended) is skipped."""
+        try:
+            self._wait_for(job_id, count=False)
+        except Exception as exc:  # the node that needed that move failed with it already; the state goes anyway
+            log.warning("job %s: a background move failed before its release: %s", job_id, exc)
+        self._released.add(job_id)
         state = self.states.pop(job_id, None)
         if state is not None and state.disk is not None:
             state.disk.unlink(missing_ok=True)
@@ -312,6 +373,10 @@ class Service:
             "blocking_swap_seconds": s.blocking_seconds,
             "prefetch_seconds": s.prefetch_seconds,
             "prefetch_wait_seconds": s.prefetch_wait_seconds,
+            "early_swap_seconds": s.early_seconds,
+            "early_starts": s.early_starts,
+            "early_during_previous": s.early_during_previous,
+            "hidden_share": hidden_share(s.blocking_seconds, s.prefetch_seconds, s.prefetch_wait_seconds),
             "bytes_moved": s.bytes_moved,
             "moves": s.moves,
             "bytes_to_tier": dict(s.per_tier),
@@ -329,37 +394,123 @@ class Service:
         return total
 
     def _start_prefetch(self, moves: list[Move]) -> None:
-        def work() -> None:
-            t0 = time.perf_counter()
-            if self._copy_stream is not None:
-                import torch
+        """Queue `moves` on the background thread (behind every move queued before: the planner's order)."""
+        self._background(moves, early=False)
 
-                with torch.cuda.stream(self._copy_stream):
+    def _background(self, moves: list[Move], *, early: bool) -> Future[int]:
+        """Queue `moves` on the one background thread; each of their jobs' in-flight entry becomes this
+        future. A move whose job's earlier background move failed fails too (the state is not where the
+        planner thinks). Returns the future (its value: the bytes moved)."""
+        with self._order:
+            prior = {m.job_id: self._inflight.get(m.job_id) for m in moves}
+
+            def work() -> int:
+                for job_id, fut in prior.items():  # done: the one thread ran them first
+                    exc = fut.exception() if fut is not None else None
+                    if exc is not None:
+                        raise RuntimeError(f"an earlier move of job {job_id} failed: {type(exc).__name__}: {exc}")
+                t0 = time.perf_counter()
+                total = 0
+                if self._copy_stream is not None:
+                    import torch
+
+                    with torch.cuda.stream(self._copy_stream):
+                        for m in moves:
+                            total += self._move(m)
+                    self._copy_stream.synchronize()
+                else:
                     for m in moves:
-                        self._move(m)
-                self._copy_stream.synchronize()
-            else:
-                for m in moves:
-                    self._move(m)
+                        total += self._move(m)
+                with self._lock:
+                    seconds = time.perf_counter() - t0
+                    self.stats.prefetch_seconds += seconds
+                    if early:
+                        self.stats.early_seconds += seconds
+                return total
+
+            fut = self._prefetcher.submit(work)
+            for m in moves:
+                self._inflight[m.job_id] = fut
+            return fut
+
+    # -- early swaps of a lookahead node ----------------------------------------------------------------
+    def start_early(self, seq: int, moves: Sequence[Move]) -> str:
+        """Start node `seq`'s swaps in the background before the node runs: at once if node `seq - 1` has
+        passed (applied its swaps, queued its prefetch), else as soon as it does. Returns "started",
+        "staged" (waiting for node `seq - 1`) or "late" (node `seq` has begun; it applies them itself).
+        Thread-safe; never blocks."""
+        with self._order:
+            if seq <= self._claimed:
+                return "late"
+            if seq - 1 <= self._passed:
+                self._launch(seq, list(moves))
+                return "started"
+            self._staged[seq] = list(moves)
+            return "staged"
+
+    def _launch(self, seq: int, moves: list[Move]) -> None:
+        self._early[seq] = self._background(moves, early=True)
+        with self._lock:
+            self.stats.early_starts += 1
+            if self._computing is not None and self._computing == seq - 1:
+                self.stats.early_during_previous += 1
+
+    def _claim(self, seq: int | None) -> Future[int] | None:
+        """Node `seq` begins: its early swaps' future if they were queued, else None (a staged start that
+        never got going is dropped: the node applies its swaps itself)."""
+        if seq is None:
+            return None
+        with self._order:
+            self._claimed = max(self._claimed, seq)
+            self._staged.pop(seq, None)
+            return self._early.pop(seq, None)
+
+    def _pass(self, seq: int | None) -> None:
+        """Node `seq` applied its swaps and queued its prefetch: start node `seq + 1`'s staged swaps."""
+        if seq is None:
+            return
+        with self._order:
+            self._passed = max(self._passed, seq)
+            for s in sorted(self._staged):
+                if s <= self._claimed:
+                    del self._staged[s]  # its node began without it
+                elif s - 1 <= self._passed:
+                    self._launch(s, self._staged.pop(s))
+
+    @contextlib.contextmanager
+    def in_order(self, seq: int | None) -> Iterator[None]:
+        """Run a service task numbered among the nodes (a checkpoint) in that order: no early start of a
+        later node begins until it ends."""
+        self._claim(seq)
+        try:
+            yield
+        finally:
+            self._pass(seq)
+
+    def _wait(self, fut: Future[int]) -> None:
+        """Wait for a background move inside a node's swap span (counted as a prefetch wait)."""
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        finally:
             with self._lock:
-                self.stats.prefetch_seconds += time.perf_counter() - t0
+                self.stats.prefetch_wait_seconds += time.perf_counter() - t0
 
-        for m in moves:
-            self._wait_for(m.job_id)
-        fut = self._prefetcher.submit(work)
-        for m in moves:
-            self._inflight[m.job_id] = fut
-
-    def _wait_for(self, job_id: str) -> None:
-        fut = self._inflight.pop(job_id, None)
+    def _wait_for(self, job_id: str, *, count: bool = True) -> None:
+        """Wait for the job's queued background moves; raise if they failed. `count`: inside a node's swap
+        span (a prefetch wait), not a save, checkpoint or release."""
+        with self._order:
+            fut = self._inflight.pop(job_id, None)
         if fut is None:
             return
-        t0 = time.perf_counter()
-        fut.result()
-        with self._lock:
-            self.stats.prefetch_wait_seconds += time.perf_counter() - t0
+        if count:
+            self._wait(fut)
+        else:
+            fut.result()
 
     def _move(self, move: Move) -> int:
+        if move.job_id in self._released and move.job_id not in self.states:
+            return 0  # the job ended after this move was sent: its state is gone, the planner forgot it
         state = self.states[move.job_id]
         if state.tier != move.src:
             raise sw.StateCorrupted(
