@@ -15,8 +15,8 @@ Prints per job: steps, wall alone (lean, isolated), multiplexed completion, slow
 per run: accelerator-seconds per training step and the ratios multiplexed / lean and multiplexed / isolated;
 with `--reps N` (default 3) every headline figure as mean +- sample standard deviation [min, max]. Also the
 service's busy / swap / startup / idle seconds and the swap figures of each multiplexed run (bytes moved,
-blocking seconds, share of swap time hidden by prefetch). Identical seeds in (a), (b) and (c); MLflow and
-progress bars off; warm starts are built (cached) before anything is timed.
+blocking seconds, share of swap time hidden: background moves no node waited for). Identical seeds in (a),
+(b) and (c); MLflow and progress bars off; warm starts are built (cached) before anything is timed.
 
 Start-up: every arm's job wall time includes its own load (engine build). The process imports vLLM once
 before the lean runs (as a long-running trainer would have it); a Dask worker imports it on its first load,
@@ -76,14 +76,16 @@ def alone(cluster: LoadedCluster, job: Any, driver: str) -> LoadedCluster:
 
 
 def swap_summary(reports: dict[str, dict[str, Any]]) -> tuple[float, float, float, int]:
-    """Blocking swap seconds, prefetch seconds, share of swap time hidden by prefetch, bytes moved."""
+    """Blocking swap seconds (the nodes' swap spans: moves they made or waited for), background move seconds
+    (prefetch and lookahead nodes' early swaps), the share of swap time hidden from the nodes (background
+    seconds not waited for / (blocking + those); `plexrl.services.service.hidden_share`), bytes moved."""
+    from plexrl.services.service import hidden_share
+
     blocking = sum(r.get("blocking_swap_seconds", 0.0) for r in reports.values())
     prefetch = sum(r.get("prefetch_seconds", 0.0) for r in reports.values())
     waited = sum(r.get("prefetch_wait_seconds", 0.0) for r in reports.values())
     moved = sum(r.get("bytes_moved", 0) for r in reports.values())
-    hidden = prefetch - waited
-    total = blocking + prefetch
-    return blocking, prefetch, (hidden / total if total > 0 else float("nan")), moved
+    return blocking, prefetch, hidden_share(blocking, prefetch, waited), moved
 
 
 def per_iteration(job: Any) -> float:
@@ -167,8 +169,8 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
         print(f"    {s.service}: busy {s.busy:.1f}s (weight loads {s.weights:.2f}s of it) swap {s.swap:.2f}s "
               f"startup {s.startup:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")  # fmt: skip
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
-    print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, prefetch {prefetch:.2f}s, "
-          f"hidden by prefetch {hidden:.0%} of swap time", flush=True)  # fmt: skip
+    print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
+          f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
     return Mux(
         {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
         {h.job_id: service_seconds(h) for h in res.jobs},

@@ -209,6 +209,26 @@ def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(
     assert runner.planner.sent_ahead > 0  # nodes were sent while another job's node ran (lookahead)
 
 
+def test_dask_lookahead_starts_the_next_nodes_swaps_while_a_node_runs(run_dir: Path) -> None:
+    """Three jobs on one service whose device holds two states: with lookahead the next node's swaps are
+    handed to the service's background thread while the node before it still computes (`Service.start_early`),
+    and every job logs what it logs in the same mix in-process (no lookahead, blocking swaps)."""
+    names = (("x", 5), ("y", 6), ("z", 7))
+    cfgs = [learning_job(run_dir, name, seed, iterations=3) for name, seed in names]
+    jobs = [prepare_job(load_job(cfg)) for cfg in cfgs]
+    inline = local_runner(services=1, ordering=Hrrs(), budgets=one_state_budget(jobs, on_device=2)).run(jobs)
+    assert [j.status for j in inline] == ["done"] * 3, [j.error for j in inline]
+    jobs = [prepare_job(load_job(cfg)) for cfg in cfgs]
+    runner = dask_runner(executor={"cpu_threads": 2}, ordering=Hrrs(), budgets=one_state_budget(jobs, on_device=2))
+    runs = runner.run(jobs)
+    assert [j.status for j in runs] == ["done"] * 3, [j.error for j in runs]
+    assert [stable(j.history) for j in runs] == [stable(j.history) for j in inline]
+    report = runner.service_reports["service-0"]
+    assert runner.planner.sent_ahead > 0 and report["moves"] > 0
+    assert report["early_starts"] > 0 and report["early_during_previous"] > 0, report
+    assert report["early_swap_seconds"] > 0, report
+
+
 def test_a_lost_service_worker_fails_its_jobs_only(run_dir: Path) -> None:
     doomed = learning_job(run_dir, "doomed", 3)
     doomed["pipeline"]["nodes"].append(
