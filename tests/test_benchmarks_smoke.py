@@ -24,6 +24,7 @@ BENCHMARKS = ROOT / "benchmarks"
 EXPECTED = {
     "algorithms": "| algorithm | held-out accuracy before |",
     "calibrate": "largest error",
+    "chunks": "largest slowdown of the other jobs",
     "client_bytes": "client bytes/iteration",
     "dask_overhead": "ratio dask / in-process",
     "engine_choice": "vLLM / torch time",
