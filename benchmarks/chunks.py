@@ -9,7 +9,7 @@ For (b) and (c): each job's completion time over its lean time (slowdown), accel
 the lean arm's, and the chunked job's service seconds per iteration (a chunk runs to its own longest row, so
 chunks can cost decode steps: the price of letting the other job in).
 
-    .venv/bin/python benchmarks/chunks.py [--config configs/multiplex_chunks.yaml] [--iterations 40]
+    .venv/bin/python benchmarks/chunks.py [--config configs/multiplex_chunks.yaml] [--iterations N]
         [--reps 1] [--job grpo-copy] [--node rollout] [--chunks 4] [--smoke]
 """
 
@@ -70,7 +70,7 @@ def summarize(reps: list[Rep], chunked: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/multiplex_chunks.yaml")
-    ap.add_argument("--iterations", type=int, default=40, help="iterations per job (default 40)")
+    ap.add_argument("--iterations", type=int, help="iterations of every job (default: the config's)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the three arms (default 1)")
     ap.add_argument("--job", default="grpo-copy", help="the job whose node runs in chunks")
     ap.add_argument("--node", default="rollout", help="the chunked node")
