@@ -327,7 +327,7 @@ class DaskExecutor:
                 task.node, inputs, task.swaps, task.prefetch, task.chunk, task.chunks, parts, seq, *after, key=key,
             )  # fmt: skip
             self._last_on[sid] = fut
-            if ahead and task.swaps:
+            if ahead and task.swaps and sid not in self._lost:
                 self._start_early(sid, seq, task, key)
         self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node)
         return handle
