@@ -78,8 +78,8 @@ def alone(cluster: LoadedCluster, job: Any, driver: str) -> LoadedCluster:
 def swap_summary(reports: dict[str, dict[str, Any]]) -> tuple[float, float, float, int]:
     """Blocking swap seconds (the nodes' swap spans: moves they made or waited for), background move seconds
     (prefetch and lookahead nodes' early swaps), the share of swap time hidden from the nodes (background
-    seconds not waited for / (blocking + those); `plexrl.services.service.hidden_share`), bytes moved."""
-    from plexrl.services.service import hidden_share
+    seconds not waited for / (blocking + those); `plexrl.services.moves.hidden_share`), bytes moved."""
+    from plexrl.services.moves import hidden_share
 
     blocking = sum(r.get("blocking_swap_seconds", 0.0) for r in reports.values())
     prefetch = sum(r.get("prefetch_seconds", 0.0) for r in reports.values())

@@ -129,7 +129,7 @@ def test_early_swaps_start_after_the_previous_node_passes_and_run_in_the_backgro
     node0.start()
     try:
         assert running.wait(30)  # node 0 runs; node 1's swaps move in the background meanwhile
-        svc._early[1].result(timeout=30)
+        svc.background.early[1].result(timeout=30)
         assert (svc.tier("a"), svc.tier("b"), svc.tier("c")) == ("host", "device", "device")
     finally:
         go.set()
@@ -164,7 +164,7 @@ def test_an_early_start_waits_for_a_checkpoint_numbered_before_it(job: JobSpec, 
     assert svc.start_early(1, [Move("a", "device", "host", 0), Move("b", "host", "device", 0)]) == "staged"
     with svc.in_order(0):
         svc.checkpoint("a", tmp_path / "a.ckpt", {})
-        assert (svc.tier("a"), svc.tier("b")) == ("device", "host") and 1 not in svc._early
-    svc._early[1].result(timeout=30)
+        assert (svc.tier("a"), svc.tier("b")) == ("device", "host") and 1 not in svc.background.early
+    svc.background.early[1].result(timeout=30)
     assert (svc.tier("a"), svc.tier("b")) == ("host", "device")
     svc.close()

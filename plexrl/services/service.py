@@ -8,12 +8,9 @@ it spent moving state (blocking swaps plus any wait for unfinished background mo
 is `busy`, the second `swap` in the accounting. In validate mode it checksums a job's state at swap-out and
 checks it at swap-in.
 
-Early swaps (lookahead): an executor that sends a service's next node while one runs numbers the service's
-nodes (`seq`, consecutive in the order they were sent) and may call `start_early(seq, swaps)` at once. The
-moves then start on the background thread as soon as node `seq - 1` has applied its own swaps and queued
-its prefetch (what the planner assumed when it computed them), and node `seq` only waits for what has not
-finished yet. All background moves run on ONE thread in the order they were queued, which is the planner's
-order, so tiers and budgets follow the StateManager's sequence exactly; moves of one job never overlap.
+Early swaps (lookahead): an executor that sends a service's next node while one runs may start that node's
+swaps at once (`start_early`); they run on the background thread once the node before has applied its own
+swaps, and the node then only waits for what has not finished (`plexrl/services/moves.py`).
 
 Strict affinity: a job's engine is created here and stays here until the job ends; only its tensors move.
 """
@@ -26,9 +23,8 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +33,7 @@ from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.runtime.executor import NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
@@ -63,33 +60,6 @@ def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
             report.error = f"metrics of node {report.node!r}: {type(exc).__name__}: {exc}"
             return NodeResult(report, None)
     return NodeResult(report, out)
-
-
-@dataclass(slots=True)
-class SwapStats:
-    """Seconds of state moves on one service. `blocking_seconds` is what nodes saw (the sum of their swap
-    spans: moves on the node's thread plus waits for background moves); `prefetch_seconds` is move time on
-    the background thread (prefetch and early swaps); `prefetch_wait_seconds` is the part of
-    `blocking_seconds` spent waiting for background moves. So background time hidden from the nodes =
-    prefetch - wait, and the share of swap time hidden = hidden / (blocking + hidden) (`hidden_share`)."""
-
-    blocking_seconds: float = 0.0  # nodes' swap spans: moves they made or waited for (evictions + swap-in)
-    prefetch_seconds: float = 0.0  # moves done in the background (prefetch + early swaps)
-    prefetch_wait_seconds: float = 0.0  # part of blocking_seconds spent waiting for background moves
-    early_seconds: float = 0.0  # part of prefetch_seconds: lookahead nodes' swaps started early
-    early_starts: int = 0  # lookahead nodes whose swaps started before the node did
-    early_during_previous: int = 0  # of them: started while the node before was still computing
-    bytes_moved: int = 0
-    moves: int = 0
-    per_tier: dict[str, int] = field(default_factory=dict)
-
-
-def hidden_share(blocking: float, prefetch: float, waited: float) -> float:
-    """Share of swap time that no node saw: background move seconds not waited for / all swap seconds
-    (`SwapStats`). NaN when nothing moved."""
-    hidden = max(prefetch - waited, 0.0)
-    total = blocking + hidden
-    return hidden / total if total > 0 else float("nan")
 
 
 def run_cpu_node(
@@ -145,18 +115,11 @@ class Service:
         self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
         self.states: dict[str, sw.Placement] = {}
         self.stats = SwapStats()
-        # ONE background thread: its moves run in the order they were queued (the planner's order)
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{service_id}-prefetch")
-        self._inflight: dict[str, Future[int]] = {}  # job -> its latest queued background move
         self._lock = threading.Lock()  # stats
-        self._order = threading.RLock()  # _inflight and the early-start bookkeeping below
-        self._claimed = -1  # highest node seq that has begun (its early start, if any, is taken or too late)
-        self._passed = -1  # highest node seq whose swaps are applied and whose prefetch is queued
-        self._staged: dict[int, list[Move]] = {}  # seq -> early swaps waiting for node seq - 1 to pass
-        self._early: dict[int, Future[int]] = {}  # seq -> early swaps queued on the background thread
         self._released: set[str] = set()
-        self._computing: int | None = None  # seq of the node whose operator runs now (stats only)
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
+        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, stream)
 
     # -- jobs ---------------------------------------------------------------------------------------
     def load_job(self, job: JobSpec, tier: str = "device") -> int:
@@ -251,11 +214,11 @@ class Service:
         measured: dict[str, int] = {}
         try:
             try:
-                early = self._claim(seq)
+                early = self.background.claim(seq)
                 if early is None:
                     moved += self.apply(swaps)
                 else:  # queued by start_early: wait for what has not finished yet
-                    self._wait(early)
+                    self.background.wait(early)
                     for m in swaps:
                         self._wait_for(m.job_id)
                 measured = {m.job_id: self.states[m.job_id].nbytes for m in swaps if m.src == "device"}
@@ -273,9 +236,9 @@ class Service:
                 self.stats.blocking_seconds += swap_end - swap_start
             if prefetch:
                 self._start_prefetch(list(prefetch))
-            self._computing = seq  # from here the node computes (cleared when its operator returns)
+            self.background.computing = seq  # from here the node computes (cleared when its operator returns)
         finally:
-            self._pass(seq)  # also after a failed swap: a later early start must not wait forever
+            self.background.passed(seq)  # also after a failed swap: a later early start must not wait forever
         node = job.graph.node(node_name)
         start = self.clock()
         try:
@@ -295,7 +258,7 @@ class Service:
                                 self._weight_loads(job_id), measured=measured)  # fmt: skip
             return NodeResult(report)
         finally:
-            self._computing = None
+            self.background.computing = None
         end = self.clock()
         report = NodeReport(job_id, iteration, node_name, None, start, end, swap_start, swap_end, moved,
                             self._weight_loads(job_id), measured=measured)  # fmt: skip
@@ -356,7 +319,7 @@ class Service:
         self._drop_generators()
 
     def close(self) -> None:
-        self._prefetcher.shutdown(wait=True)
+        self.background.shutdown()
         for job_id in list(self.states):
             self.release(job_id)
         for llm in self.generators.values():
@@ -395,118 +358,18 @@ class Service:
 
     def _start_prefetch(self, moves: list[Move]) -> None:
         """Queue `moves` on the background thread (behind every move queued before: the planner's order)."""
-        self._background(moves, early=False)
+        self.background.queue(moves)
 
-    def _background(self, moves: list[Move], *, early: bool) -> Future[int]:
-        """Queue `moves` on the one background thread; each of their jobs' in-flight entry becomes this
-        future. A move whose job's earlier background move failed fails too (the state is not where the
-        planner thinks). Returns the future (its value: the bytes moved)."""
-        with self._order:
-            prior = {m.job_id: self._inflight.get(m.job_id) for m in moves}
-
-            def work() -> int:
-                for job_id, fut in prior.items():  # done: the one thread ran them first
-                    exc = fut.exception() if fut is not None else None
-                    if exc is not None:
-                        raise RuntimeError(f"an earlier move of job {job_id} failed: {type(exc).__name__}: {exc}")
-                t0 = time.perf_counter()
-                total = 0
-                if self._copy_stream is not None:
-                    import torch
-
-                    with torch.cuda.stream(self._copy_stream):
-                        for m in moves:
-                            total += self._move(m)
-                    self._copy_stream.synchronize()
-                else:
-                    for m in moves:
-                        total += self._move(m)
-                with self._lock:
-                    seconds = time.perf_counter() - t0
-                    self.stats.prefetch_seconds += seconds
-                    if early:
-                        self.stats.early_seconds += seconds
-                return total
-
-            fut = self._prefetcher.submit(work)
-            for m in moves:
-                self._inflight[m.job_id] = fut
-            return fut
-
-    # -- early swaps of a lookahead node ----------------------------------------------------------------
     def start_early(self, seq: int, moves: Sequence[Move]) -> str:
-        """Start node `seq`'s swaps in the background before the node runs: at once if node `seq - 1` has
-        passed (applied its swaps, queued its prefetch), else as soon as it does. Returns "started",
-        "staged" (waiting for node `seq - 1`) or "late" (node `seq` has begun; it applies them itself).
-        Thread-safe; never blocks."""
-        with self._order:
-            if seq <= self._claimed:
-                return "late"
-            if seq - 1 <= self._passed:
-                self._launch(seq, list(moves))
-                return "started"
-            self._staged[seq] = list(moves)
-            return "staged"
+        """Start node `seq`'s swaps in the background before it runs (`BackgroundMoves.start_early`)."""
+        return self.background.start_early(seq, moves)
 
-    def _launch(self, seq: int, moves: list[Move]) -> None:
-        self._early[seq] = self._background(moves, early=True)
-        with self._lock:
-            self.stats.early_starts += 1
-            if self._computing is not None and self._computing == seq - 1:
-                self.stats.early_during_previous += 1
-
-    def _claim(self, seq: int | None) -> Future[int] | None:
-        """Node `seq` begins: its early swaps' future if they were queued, else None (a staged start that
-        never got going is dropped: the node applies its swaps itself)."""
-        if seq is None:
-            return None
-        with self._order:
-            self._claimed = max(self._claimed, seq)
-            self._staged.pop(seq, None)
-            return self._early.pop(seq, None)
-
-    def _pass(self, seq: int | None) -> None:
-        """Node `seq` applied its swaps and queued its prefetch: start node `seq + 1`'s staged swaps."""
-        if seq is None:
-            return
-        with self._order:
-            self._passed = max(self._passed, seq)
-            for s in sorted(self._staged):
-                if s <= self._claimed:
-                    del self._staged[s]  # its node began without it
-                elif s - 1 <= self._passed:
-                    self._launch(s, self._staged.pop(s))
-
-    @contextlib.contextmanager
-    def in_order(self, seq: int | None) -> Iterator[None]:
-        """Run a service task numbered among the nodes (a checkpoint) in that order: no early start of a
-        later node begins until it ends."""
-        self._claim(seq)
-        try:
-            yield
-        finally:
-            self._pass(seq)
-
-    def _wait(self, fut: Future[int]) -> None:
-        """Wait for a background move inside a node's swap span (counted as a prefetch wait)."""
-        t0 = time.perf_counter()
-        try:
-            fut.result()
-        finally:
-            with self._lock:
-                self.stats.prefetch_wait_seconds += time.perf_counter() - t0
+    def in_order(self, seq: int | None) -> contextlib.AbstractContextManager[None]:
+        """Run a task numbered among the service's nodes (a checkpoint) in its place."""
+        return self.background.in_order(seq)
 
     def _wait_for(self, job_id: str, *, count: bool = True) -> None:
-        """Wait for the job's queued background moves; raise if they failed. `count`: inside a node's swap
-        span (a prefetch wait), not a save, checkpoint or release."""
-        with self._order:
-            fut = self._inflight.pop(job_id, None)
-        if fut is None:
-            return
-        if count:
-            self._wait(fut)
-        else:
-            fut.result()
+        self.background.wait_for(job_id, count=count)
 
     def _move(self, move: Move) -> int:
         if move.job_id in self._released and move.job_id not in self.states:
