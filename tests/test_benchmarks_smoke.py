@@ -34,6 +34,7 @@ EXPECTED = {
     "serve": "status p99",
     "swap": "memory bandwidth (one reused buffer, copy_)",
     "tools": "ratio busy / idle",
+    "warm_start": "slowest seed's steps to",
 }
 SMOKED_ELSEWHERE = {
     "planner": ("tests/test_sim.py", "test_benchmark_smoke_prints_dispatch_rates"),
