@@ -9,7 +9,8 @@ on the seed; a schedule is judged by its slowest seed. Each run builds the seed'
         [--eval-every 25] [--max-steps 1000] [--smoke]
 
 Schedules: `constant` (AdamW 1e-3, the default warm start), `cosine` (3e-3 after a 50-step warm-up, cosine
-decay over 900 steps: configs/dapo_refill_fast_arithmetic.yaml), `cosine2e-3` (the same at 2e-3).
+decay over 900 steps), `cosine2e-3` (the same at 2e-3), `hold50` (3e-3 held until a check reaches 50%, then
+cosine decay over 700 steps).
 Measure with nothing else running; the steps do not depend on the machine's load, the seconds do.
 """
 
@@ -30,6 +31,7 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     "constant": {"lr": 1e-3},
     "cosine": {"lr": 3e-3, "warmup_steps": 50, "decay_steps": 900},
     "cosine2e-3": {"lr": 2e-3, "warmup_steps": 50, "decay_steps": 900},
+    "hold50": {"lr": 3e-3, "warmup_steps": 50, "decay_steps": 700, "decay_from_accuracy": 0.5},
 }
 THRESHOLDS = (0.5, 0.9, 0.95, 0.97)
 CHECK = re.compile(r"warm start step (\d+) loss [\d.]+ held-out accuracy ([\d.]+)")

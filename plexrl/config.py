@@ -122,6 +122,14 @@ class WarmStartConfig(StrictModel):
         "`lr * min_lr_ratio`, then held there; 0: constant after the warm-up.",
     )
     min_lr_ratio: float = Field(0.05, ge=0, le=1, description="Final learning rate of the decay, as a share of lr.")
+    decay_from_accuracy: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Hold the peak learning rate after the warm-up until an accuracy check reaches this, then "
+        "start the decay there (so a seed whose loss plateaus longer is not decayed before it learns); None: "
+        "decay right after the warm-up.",
+    )
     adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping.")
     stop_at_accuracy: float = Field(

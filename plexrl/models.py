@@ -183,9 +183,11 @@ def demonstration_ids(task: Task, tokenizer: Any, problem: Any, use_tool: bool) 
     return [*ids, tokenizer.eos_token_id], [*trained, True]
 
 
-def warm_start_lr(cfg: WarmStartConfig, step: int) -> float:
+def warm_start_lr(cfg: WarmStartConfig, step: int, decay_from: int | None = None) -> float:
     """The warm start's learning rate at optimizer step `step` (1-based): linear warm-up over
     `cfg.warmup_steps`, then cosine decay over `cfg.decay_steps` to `cfg.lr * cfg.min_lr_ratio`, held after.
+    With `cfg.decay_from_accuracy`, the peak holds until `decay_from` (the step whose check reached it; None:
+    not yet) and the decay starts there.
 
     >>> from plexrl.config import WarmStartConfig
     >>> c = WarmStartConfig(lr=1e-3, warmup_steps=10, decay_steps=100, min_lr_ratio=0.1)
@@ -196,7 +198,12 @@ def warm_start_lr(cfg: WarmStartConfig, step: int) -> float:
         return cfg.lr * step / cfg.warmup_steps
     if cfg.decay_steps == 0:
         return cfg.lr
-    done = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
+    start = cfg.warmup_steps
+    if cfg.decay_from_accuracy is not None:
+        if decay_from is None:
+            return cfg.lr
+        start = max(start, decay_from)
+    done = min(1.0, (step - start) / cfg.decay_steps)
     low = cfg.lr * cfg.min_lr_ratio
     return low + 0.5 * (cfg.lr - low) * (1.0 + math.cos(math.pi * done))
 
@@ -227,9 +234,10 @@ def warm_start(
     tool_rng = random.Random(f"{seed}/tool-demos")  # apart from `rng`: the problems drawn do not depend on it
     checks = task.held_out[: cfg.eval_size]
     acc, step = 0.0, 0
+    decay_from: int | None = None  # the step whose check reached cfg.decay_from_accuracy
     for step in range(1, cfg.max_steps + 1):
         for group in opt.param_groups:
-            group["lr"] = warm_start_lr(cfg, step)
+            group["lr"] = warm_start_lr(cfg, step, decay_from)
         batch: list[Any] = rng.sample(task.train, cfg.batch_size)
         p_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
         demos = [
@@ -260,6 +268,8 @@ def warm_start(
             log.info("warm start step %d loss %.3f held-out accuracy %.3f", step, loss.item(), acc)
             if acc >= cfg.stop_at_accuracy:
                 break
+            if decay_from is None and cfg.decay_from_accuracy is not None and acc >= cfg.decay_from_accuracy:
+                decay_from = step
     model.save_pretrained(str(out))
     if cfg.keep_optimizer:
         torch.save(opt.state_dict(), out / OPTIMIZER_FILE)

@@ -37,3 +37,13 @@ def test_schedule_fields_are_validated() -> None:
         WarmStartConfig(min_lr_ratio=1.5)
     with pytest.raises(ValueError, match="decay_steps"):
         WarmStartConfig(decay_steps=-1)
+
+
+def test_decay_from_accuracy_holds_the_peak_until_the_check_then_decays_from_there() -> None:
+    cfg = WarmStartConfig(lr=3e-3, warmup_steps=50, decay_steps=700, decay_from_accuracy=0.5)
+    assert warm_start_lr(cfg, 25) == pytest.approx(1.5e-3)  # the warm-up is unchanged
+    assert [warm_start_lr(cfg, s) for s in (51, 400, 2000)] == [3e-3] * 3  # no check has reached 50% yet
+    assert warm_start_lr(cfg, 450, decay_from=450) == pytest.approx(3e-3)
+    assert warm_start_lr(cfg, 800, decay_from=450) == pytest.approx(3e-3 * (0.05 + 0.95 * 0.5))  # half-way
+    assert warm_start_lr(cfg, 1150, decay_from=450) == pytest.approx(3e-3 * 0.05)
+    assert warm_start_lr(WarmStartConfig(lr=3e-3, warmup_steps=50, decay_steps=700), 400, decay_from=450) < 3e-3
