@@ -74,14 +74,6 @@ def select_rows(ro: Rollouts, rows: Tensor) -> Rollouts:
     )  # fmt: skip
 
 
-def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
-    """Rows of `a` then rows of `b`, re-padded to one layout (`Rollouts.concat`): both must come from the same
-    sampler (group size, temperature, weight version); an empty side is dropped."""
-    if type(a) is not Rollouts or type(b) is not Rollouts:
-        raise TypeError("dynamic sampling handles plain Rollouts only")
-    return Rollouts.concat([a, b], pad_id)
-
-
 @operator(placement="cpu")
 def keep_informative(
     rollouts: Rollouts,
@@ -114,7 +106,7 @@ def keep_informative(
         raise ValueError("cannot pool rewards with and without `correct`")
     both = torch.cat([old.correct, correct]) if old.correct is not None and correct is not None else None
     return RolloutPool(
-        concat_rollouts(pool.rollouts, new_ro, pad_id),
+        Rollouts.concat([pool.rollouts, new_ro], pad_id),
         Rewards(values=torch.cat([old.values, new_rw.values]), correct=both),
         want=groups,
         attempts=pool.attempts + (sampled > 0),
