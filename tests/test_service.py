@@ -168,3 +168,38 @@ def test_an_early_start_waits_for_a_checkpoint_numbered_before_it(job: JobSpec, 
     svc.background.early[1].result(timeout=30)
     assert (svc.tier("a"), svc.tier("b")) == ("host", "device")
     svc.close()
+
+
+def test_blocking_swaps_wait_for_the_background_moves_queued_before_them(job: JobSpec) -> None:
+    """A node that applies its swaps itself (no early start) runs them after the prefetch queued before it:
+    the planner computed them assuming that prefetch had happened, so side by side the device could briefly
+    hold one state too many (here: c still evicting while b swaps in)."""
+    a, b, c = (dataclasses.replace(job, job_id=name) for name in ("a", "b", "c"))
+    svc = Service("s0")
+    svc.load_job(a)
+    size = svc.load_job(b, tier="host")
+    svc.load_job(c)
+    log: list[tuple[str, str, int]] = []  # (job, destination, state bytes on device after the move)
+    move, wait_all = svc._move, svc.background.wait_all
+    go = threading.Event()  # released when the node waits (correct) or when it moves anyway (the bug)
+
+    def recording(m: Move) -> int:
+        if m.job_id == "c":
+            assert go.wait(30)  # the prefetch's eviction is slow
+        nbytes = move(m)
+        log.append((m.job_id, m.dst, sum(p.nbytes for p in svc.states.values() if p.tier == "device")))
+        go.set()
+        return nbytes
+
+    def waiting() -> None:
+        go.set()
+        wait_all()
+
+    svc._move = recording  # type: ignore[method-assign]
+    svc.background.wait_all = waiting  # type: ignore[method-assign]
+    svc._start_prefetch([Move("c", "device", "host", 0)])  # queued by the node before
+    res = svc.run_node("a", -1, "evaluate", {}, swaps=[Move("b", "host", "device", 0)])
+    assert res.report.ok, res.report.error
+    assert [(j, d) for j, d, _ in log] == [("c", "host"), ("b", "device")]
+    assert max(on_device for *_, on_device in log) <= 2 * size
+    svc.close()

@@ -17,6 +17,7 @@ Does NOT decide which moves to make (the planner's StateManager does) nor carry 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -66,6 +67,7 @@ class BackgroundMoves:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-prefetch")
         self._order = threading.RLock()  # everything below
         self._inflight: dict[str, Future[int]] = {}  # job -> its latest queued background move
+        self._last: Future[int] | None = None  # the latest queued move (one thread: done => all done)
         self._claimed = -1  # highest seq that has begun (its early start, if any, is taken or too late)
         self._passed = -1  # highest seq whose swaps are applied and whose prefetch is queued
         self._staged: dict[int, list[Move]] = {}  # seq -> early swaps waiting for seq - 1 to pass
@@ -106,6 +108,7 @@ class BackgroundMoves:
             fut = self._thread.submit(work)
             for m in moves:
                 self._inflight[m.job_id] = fut
+            self._last = fut
             return fut
 
     # -- early swaps of a lookahead node ----------------------------------------------------------------
@@ -170,6 +173,21 @@ class BackgroundMoves:
         finally:
             with self._lock:
                 self.stats.prefetch_wait_seconds += time.perf_counter() - t0
+
+    def wait_all(self) -> None:
+        """Wait for every background move queued so far, inside a node's swap span (a prefetch wait). A node
+        that applies its swaps itself calls it first: the planner computed those swaps after the moves queued
+        before them, so running them side by side could briefly exceed a tier's budget (a prefetch still
+        evicting while the node swaps in). Does not raise for a failed move: the move's job fails when it
+        next waits for it (`wait_for`)."""
+        with self._order:
+            last = self._last
+        if last is None or last.done():
+            return
+        t0 = time.perf_counter()
+        concurrent.futures.wait([last])
+        with self._lock:
+            self.stats.prefetch_wait_seconds += time.perf_counter() - t0
 
     def wait_for(self, job_id: str, *, count: bool = True) -> None:
         """Wait for the job's queued background moves; raise if they failed. `count`: inside a node's swap

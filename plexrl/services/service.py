@@ -349,8 +349,12 @@ class Service:
 
     # -- moves --------------------------------------------------------------------------------------
     def apply(self, moves: Sequence[Move]) -> int:
-        """Carry out `moves` in order (blocking). Returns the bytes moved."""
+        """Carry out `moves` in order (blocking), after every background move queued before them
+        (`BackgroundMoves.wait_all`: the planner's order, so no tier goes over budget). Returns the bytes
+        moved."""
         total = 0
+        if moves:
+            self.background.wait_all()
         for move in moves:
             self._wait_for(move.job_id)
             total += self._move(move)
