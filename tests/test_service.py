@@ -203,3 +203,22 @@ def test_blocking_swaps_wait_for_the_background_moves_queued_before_them(job: Jo
     assert [(j, d) for j, d, _ in log] == [("c", "host"), ("b", "device")]
     assert max(on_device for *_, on_device in log) <= 2 * size
     svc.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_save_model_reads_a_swapped_out_state_without_moving_it(job: JobSpec, tmp_path: Path, tier: str) -> None:
+    """A finished job's model is saved from whichever tier holds it: the device budget the planner keeps
+    stays true (the state is not brought back to device behind its back)."""
+    from transformers import LlamaForCausalLM
+
+    svc = Service("s0", spill_dir=tmp_path / "spill")
+    svc.load_job(job)
+    weights = {k: v.detach().clone() for k, v in svc.engines[job.job_id].policy.state_dict().items()}
+    svc.apply([Move(job.job_id, "device", tier, 0)])  # type: ignore[arg-type]
+    path = svc.save_model(job.job_id, tmp_path / "model")
+    assert svc.tier(job.job_id) == tier
+    assert all(t.numel() == 0 for t in svc.engines[job.job_id].state_tensors().values())  # still swapped out
+    saved = LlamaForCausalLM.from_pretrained(str(path)).state_dict()
+    assert all(torch.equal(saved[k], weights[k]) for k in weights if k in saved)
+    assert "model.embed_tokens.weight" in saved
+    svc.close()

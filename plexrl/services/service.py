@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -271,12 +271,33 @@ class Service:
         return [(w.kind, w.start, w.end, w.nbytes) for w in take()] if take else []
 
     def save_model(self, job_id: str, path: Path) -> Path:
+        """Save the job's policy as a Hugging Face model directory at `path`, from whichever tier holds its
+        state and without moving it (the StateManager's budgets stay true)."""
         self._wait_for(job_id, count=False)
-        if self.states[job_id].tier != "device":
-            self._move(Move(job_id, self.states[job_id].tier, "device", 0))  # type: ignore[arg-type]
-        self.engines[job_id].save_pretrained(path)
+        with self._state_in_place(job_id):
+            self.engines[job_id].save_pretrained(path)
         self.jobs[job_id].tokenizer.save_pretrained(str(path))
         return path
+
+    @contextlib.contextmanager
+    def _state_in_place(self, job_id: str) -> Iterator[None]:
+        """Point the job's live tensors at its host copy (or its spill file's) while the body reads them, then
+        back; a no-op for a state on device. Not thread-safe with a node or a move of the same job."""
+        place = self.states[job_id]
+        if place.tier == "device":
+            yield
+            return
+        tensors = place.host if place.tier == "host" else sw.read_spill(place.disk)
+        assert tensors is not None
+        live = self.engines[job_id].state_tensors()
+        kept = {k: t.data for k, t in live.items()}
+        try:
+            for k, t in live.items():
+                t.data = tensors[k]
+            yield
+        finally:
+            for k, t in live.items():
+                t.data = kept[k]
 
     def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
         """Save the job's engine state (`export_state`: weights, optimizer with its step counts, reference,
@@ -286,21 +307,8 @@ class Service:
         a node of the same job: call it between nodes (the runner's thread does; on Dask it is numbered among
         the service's nodes, `in_order`, so no early start moves a state while it is read)."""
         self._wait_for(job_id, count=False)
-        engine, place = self.engines[job_id], self.states[job_id]
-        if place.tier == "device":
-            state = engine.export_state()
-        else:  # point the live tensors at the host copy (or the spill file's) for the export, then back
-            tensors = place.host if place.tier == "host" else sw.read_spill(place.disk)
-            assert tensors is not None
-            live = engine.state_tensors()
-            kept = {k: t.data for k, t in live.items()}
-            try:
-                for k, t in live.items():
-                    t.data = tensors[k]
-                state = engine.export_state()
-            finally:
-                for k, t in live.items():
-                    t.data = kept[k]
+        with self._state_in_place(job_id):
+            state = self.engines[job_id].export_state()
         return sw.save_checkpoint({"engine": state, **extra}, path)
 
     def release(self, job_id: str) -> None:
