@@ -75,6 +75,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, out_dir: Path, seed: int) -> N
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
         dtype="float32",
     )
     LlamaForCausalLM(config).save_pretrained(str(out_dir))

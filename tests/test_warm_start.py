@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import doctest
 import itertools
+from pathlib import Path
 
 import pytest
+import torch
 
 import plexrl.models as models_mod
 from plexrl.config import WarmStartConfig
@@ -47,3 +49,24 @@ def test_decay_from_accuracy_holds_the_peak_until_the_check_then_decays_from_the
     assert warm_start_lr(cfg, 800, decay_from=450) == pytest.approx(3e-3 * (0.05 + 0.95 * 0.5))  # half-way
     assert warm_start_lr(cfg, 1150, decay_from=450) == pytest.approx(3e-3 * 0.05)
     assert warm_start_lr(WarmStartConfig(lr=3e-3, warmup_steps=50, decay_steps=700), 400, decay_from=450) < 3e-3
+
+
+@pytest.mark.parametrize("std", [0.02, 0.05])
+def test_init_std_sets_the_scale_of_the_initial_weights(tmp_path: Path, std: float) -> None:
+    """`model.init_std` reaches the built model: its linear and embedding weights have that spread (the
+    warm start's plateau on addition depends on it), and the same seed builds the same weights."""
+    from safetensors.torch import load_file
+
+    from plexrl.config import ModelConfig
+    from plexrl.models import build_model, build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "tok")
+    cfg = ModelConfig(layers=1, hidden=64, heads=2, intermediate=128, init_std=std)
+    for name in ("a", "b"):
+        build_model(cfg, tok, tmp_path / name, seed=3)
+    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    spread = torch.cat([t.flatten() for k, t in a.items() if "proj" in k or "embed" in k]).std().item()
+    assert spread == pytest.approx(std, rel=0.05)
+    with pytest.raises(ValueError, match="init_std"):
+        ModelConfig(init_std=0)
