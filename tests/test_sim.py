@@ -155,6 +155,25 @@ def test_executor_timings_of_swaps_prefetch_and_cpu_slots() -> None:
     assert (rep["prefetch_seconds"], rep["prefetch_wait_seconds"], rep["moves"]) == (4.0, 2.0, 2)
 
 
+def test_blocking_swaps_wait_for_the_prefetch_queued_before_them() -> None:
+    """As on the real service (`BackgroundMoves.wait_all`): a node's own swaps start only once every
+    prefetch queued before them has landed, even a prefetch of another job (no tier over budget)."""
+    ex = SimExecutor(1, SeededCosts(jitter=0.0, swap_bandwidth=GB, load_bandwidth=None))
+    for name, means in (("A", {"a": 1.0, "b": 1.0, "c": 1.0}), ("B", MEANS), ("C", MEANS)):
+        ex.ship(SimJob(name, CHAIN, 1, means))
+    ex.load("A", "service-0", "device"), ex.load("B", "service-0", "device"), ex.load("C", "service-0", "host")
+    ex.wait(1.0)
+    # A runs 0..1 and evicts B in the background (4 GB: 0..4); A's next node swaps C in (1 GB) only after it
+    ex.submit(NodeTask("A", 0, "a", "service-0", prefetch=(Move("B", "device", "host", 4 * GB),)))
+    h = ex.submit(NodeTask("A", 0, "b", "service-0", swaps=(Move("C", "host", "device", GB),)))
+    got = {}
+    while h not in got:
+        got.update({f.handle: f.report for f in ex.wait(10.0)})
+    r = got[h]
+    assert (r.swap_start, r.swap_end, r.start, r.end) == (1.0, 5.0, 5.0, 6.0)
+    assert ex.close()["service-0"]["prefetch_wait_seconds"] == 3.0
+
+
 def test_loads_occupy_their_service_and_lost_work_is_dropped() -> None:
     ex = SimExecutor(2, EXACT, failures={"service-1": 1.5})
     for name in ("A", "B"):

@@ -4,10 +4,10 @@ nothing sleeps: the same `Runner` and planner as a real run, on as many simulate
 Contract (what it models):
 - A service runs one unit of work at a time, in the order the runner submitted it: a job's load, then
   nodes. A node sent while its service is busy (the planner's lookahead) starts when the previous one ends.
-- Before a node, its `swaps` run in order, each `costs.swap_seconds(move.nbytes)`; a move of a job whose
-  prefetch is still in flight first waits for that prefetch. The node then waits for its own job's
-  unfinished prefetch. All of that is the node's swap time (`swap_start`..`swap_end`, `swap_bytes`), as the
-  real `Service` reports it; `measured` holds `job_id -> move.nbytes` for each swap whose source is device.
+- Before a node, its `swaps` run in order, each `costs.swap_seconds(move.nbytes)`, after every prefetch
+  queued before them has landed (the real service's barrier, `BackgroundMoves.wait_all`). The node then
+  waits for its own job's unfinished prefetch. All of that is the node's swap time (`swap_start`..`swap_end`,
+  `swap_bytes`), as the real `Service` reports it; `measured` holds `job_id -> move.nbytes` for each swap whose source is device.
 - `prefetch` moves start in the background when the node starts, on one prefetch channel per service (one
   batch after another, like the service's single prefetch thread), and land together at the batch's end.
 - CPU nodes run concurrently on a pool of `cpu_slots` slots (None: unlimited), first come first served.
@@ -328,6 +328,9 @@ class SimExecutor:
         """Schedule one service node after the service's earlier work: swaps, then the node; its prefetch
         starts with it. Returns (end, report)."""
         swap_start = t = max(self.now + self._draw(1), svc.free_at)
+        if task.swaps and svc.prefetch_free_at > t:  # blocking swaps follow the moves queued before them
+            svc.prefetch_wait_seconds += svc.prefetch_free_at - t
+            t = svc.prefetch_free_at
         moved, error = 0, None
         for m in task.swaps:
             t = self._wait_prefetch(svc, m.job_id, t)
