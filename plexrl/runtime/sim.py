@@ -7,7 +7,8 @@ Contract (what it models):
 - Before a node, its `swaps` run in order, each `costs.swap_seconds(move.nbytes)`, after every prefetch
   queued before them has landed (the real service's barrier, `BackgroundMoves.wait_all`). The node then
   waits for its own job's unfinished prefetch. All of that is the node's swap time (`swap_start`..`swap_end`,
-  `swap_bytes`), as the real `Service` reports it; `measured` holds `job_id -> move.nbytes` for each swap whose source is device.
+  `swap_bytes`), as the real `Service` reports it; `measured` holds `job_id -> move.nbytes` for each swap
+  whose source is device.
 - `prefetch` moves start in the background when the node starts, on one prefetch channel per service (one
   batch after another, like the service's single prefetch thread), and land together at the batch's end.
 - CPU nodes run concurrently on a pool of `cpu_slots` slots (None: unlimited), first come first served.
