@@ -165,11 +165,15 @@ class BackgroundMoves:
             self.passed(seq)
 
     # -- waiting ----------------------------------------------------------------------------------------
-    def wait(self, fut: Future[int]) -> None:
-        """Wait for a background move inside a node's swap span (counted as a prefetch wait)."""
+    def wait(self, fut: Future[int], *, check: bool = True) -> None:
+        """Wait for a background move inside a node's swap span (counted as a prefetch wait); `check`: raise
+        if it failed."""
         t0 = time.perf_counter()
         try:
-            fut.result()
+            if check:
+                fut.result()
+            else:
+                concurrent.futures.wait([fut])
         finally:
             with self._lock:
                 self.stats.prefetch_wait_seconds += time.perf_counter() - t0
@@ -182,12 +186,8 @@ class BackgroundMoves:
         next waits for it (`wait_for`)."""
         with self._order:
             last = self._last
-        if last is None or last.done():
-            return
-        t0 = time.perf_counter()
-        concurrent.futures.wait([last])
-        with self._lock:
-            self.stats.prefetch_wait_seconds += time.perf_counter() - t0
+        if last is not None and not last.done():
+            self.wait(last, check=False)
 
     def wait_for(self, job_id: str, *, count: bool = True) -> None:
         """Wait for the job's queued background moves; raise if they failed. `count`: inside a node's swap
