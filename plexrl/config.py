@@ -36,9 +36,7 @@ class ModelConfig(StrictModel):
     intermediate: int = Field(512, ge=8, le=32768, description="MLP inner size.")
     max_position: int = Field(64, ge=16, le=32768, description="Maximum sequence length (prompt + response).")
     tie_embeddings: bool = Field(True, description="Share the input embedding and the output head.")
-    init_std: float = Field(
-        0.02, gt=0, le=1, description="Standard deviation of the random initial weights (`initializer_range`)."
-    )
+    init_std: float = Field(0.02, gt=0, le=1, description="Std of the random initial weights (initializer_range).")
     attention: Literal["eager", "sdpa"] = Field(
         "eager", description="Attention kernel; eager is faster for tiny models on CPU, sdpa for larger ones."
     )
