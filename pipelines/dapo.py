@@ -26,8 +26,10 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from plexrl.graph import NodeRef, Pipeline, PipelineGraph
+from plexrl.roles import pipeline_builder
 
 
+@pipeline_builder
 def dapo(
     *,
     batch_size: int = 64,

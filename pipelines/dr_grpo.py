@@ -15,8 +15,10 @@ from typing import Annotated
 from pydantic import Field
 
 from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.roles import pipeline_builder
 
 
+@pipeline_builder
 def dr_grpo(
     *,
     batch_size: int = 64,

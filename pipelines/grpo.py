@@ -17,8 +17,10 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.roles import pipeline_builder
 
 
+@pipeline_builder
 def grpo(
     *,
     batch_size: int = 64,

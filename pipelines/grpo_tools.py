@@ -16,8 +16,10 @@ from typing import Annotated
 from pydantic import Field
 
 from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.roles import pipeline_builder
 
 
+@pipeline_builder
 def grpo_tools(
     *,
     batch_size: int = 32,

@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Literal
 
 from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.roles import pipeline_builder
 
 
+@pipeline_builder
 def ppo(
     *,
     batch_size: int = 64,

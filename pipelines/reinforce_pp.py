@@ -22,8 +22,10 @@ from pydantic import Field
 
 from plexrl.errors import ConfigError, Problem
 from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.roles import pipeline_builder
 
 
+@pipeline_builder
 def reinforce_pp(
     *,
     batch_size: int = 64,

@@ -6,6 +6,7 @@ Light imports only: torch, transformers and mlflow load when a job runs, not whe
 from plexrl.batch import Advantages, Batch, EvalStats, LogProbs, Prompts, Rewards, Rollouts, TrainStats, Values
 from plexrl.graph import NodeRef, Pipeline, PipelineGraph
 from plexrl.operator import OpContext, Operator, operator
+from plexrl.roles import pipeline_builder
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,5 @@ __all__ = [
     "TrainStats",
     "Values",
     "operator",
+    "pipeline_builder",
 ]

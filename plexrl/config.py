@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from plexrl.errors import ConfigError, Problem
 from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
+from plexrl.roles import resolve
 from plexrl.yamlio import load_yaml_file, load_yaml_text
 
 
@@ -319,17 +319,21 @@ def build_pipeline(cfg: PipelineConfig, where: str = "pipeline") -> PipelineGrap
                 )
             ]
         )
-    module_name, _, attr = ref.partition(":")
     try:
-        builder = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError([Problem(f"{where}.name", f"cannot load pipeline builder {ref!r}: {exc}")]) from None
+        # declared builders only, in an allowed module (plexrl.roles)
+        builder = resolve(ref, "pipeline", builtin=cfg.name in BUILTIN_PIPELINES)
+    except LookupError as exc:
+        raise ConfigError([Problem(f"{where}.name", f"cannot load pipeline builder: {exc}")]) from None
     try:
         graph = validate_call(config=ConfigDict(extra="forbid"))(builder)(**cfg.params)
     except ValidationError as exc:
         raise ConfigError([_problem(e, f"{where}.params", None) for e in exc.errors()]) from None
     except ConfigError as exc:
         raise _named(exc, cfg.name) from None
+    except Exception as exc:  # a user's builder with a bug: a problem of this config, not a server error
+        raise ConfigError(
+            [Problem(f"{where}.name", f"pipeline builder {ref!r} raised {type(exc).__name__}: {exc}")]
+        ) from None
     if not isinstance(graph, PipelineGraph):
         raise ConfigError([Problem(f"{where}.name", f"builder {ref!r} must return a PipelineGraph")])
     return graph

@@ -272,7 +272,8 @@ def resolve_operator(ref: str | Operator) -> Operator:
     """
     if isinstance(ref, Operator):
         return ref
-    if ":" not in ref:
+    builtin = ":" not in ref
+    if builtin:
         if ref not in BUILTIN_OPERATORS:
             close = difflib.get_close_matches(ref, BUILTIN_OPERATORS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -281,17 +282,7 @@ def resolve_operator(ref: str | Operator) -> Operator:
                 "a user operator is named by dotted path, e.g. 'mypkg.ops:length_penalty'"
             )
         ref = BUILTIN_OPERATORS[ref]
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise LookupError(
-            f"cannot import module {module_name!r} of operator {ref!r} ({exc}); "
-            "check the path and that the module is importable (installed, or on PYTHONPATH)"
-        ) from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise LookupError(f"module {module_name!r} has no attribute {attr!r} (operator {ref!r})")
-    if not isinstance(obj, Operator):
-        raise LookupError(f"{ref!r} is not an operator; decorate the function with @plexrl.operator(placement=...)")
+    from plexrl.roles import resolve
+
+    obj: Operator = resolve(ref, "operator", builtin=builtin)  # LookupError with the fix in words
     return obj

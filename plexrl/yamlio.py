@@ -11,7 +11,10 @@ raise `ConfigError` (never a traceback-worthy exception) for:
 - an integer literal with more than MAX_INT_DIGITS digits (Python refuses to parse > 4300 digits, and no
   config value needs more than a handful);
 - a mapping that repeats a key (PyYAML would silently keep the last value). Keys merged in with `<<` may
-  be overridden, as YAML intends.
+  be overridden, as YAML intends;
+- any explicit tag (`!!binary`, `!!python/object`, `!!str`, a custom `!tag`, the bare `!`): a config is
+  plain scalars, lists and maps, so nothing a tag could construct (bytes that a schema later turns into a
+  string, objects, sets) ever reaches validation or a policy check.
 
 Anchors, aliases and merge keys within the limits work as usual. This module does not validate what the
 document means; `plexrl.config` and `plexrl.cluster` do.
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.events import MappingStartEvent, ScalarEvent, SequenceStartEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from plexrl.errors import ConfigError, Problem
@@ -51,10 +55,14 @@ class _LimitedLoader(yaml.SafeLoader):
         try:
             if self._nodes > MAX_NODES:
                 raise UnsafeYAML(f"more than {MAX_NODES} values; a config is never this large")
+            event = self.peek_event()
+            line = event.start_mark.line + 1 if event.start_mark is not None else "?"
             if self._depth > MAX_DEPTH:
-                mark = self.peek_event().start_mark
+                raise UnsafeYAML(f"nesting deeper than {MAX_DEPTH} levels (line {line}); a config is never this deep")
+            if isinstance(event, ScalarEvent | SequenceStartEvent | MappingStartEvent) and event.tag is not None:
                 raise UnsafeYAML(
-                    f"nesting deeper than {MAX_DEPTH} levels (line {mark.line + 1}); a config is never this deep"
+                    f"the tag {event.tag!r} on line {line}: a config holds plain values, lists and maps only; "
+                    "remove the tag (quote the value if it is a string)"
                 )
             return super().compose_node(parent, index)
         finally:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 import plexrl.tools.calculator as calculator_module
+from plexrl.roles import declare
 from plexrl.tools import Calculator, PythonTool, Sandbox, Tool, ToolResult, ToolSpec, get_tool
 from plexrl.tools.sandbox import SandboxLimits
 
@@ -41,6 +42,7 @@ class EchoTool:
         self.episodes.discard(episode_id)
 
 
+@declare("tool")
 def make_echo(**params: Any) -> EchoTool:
     return EchoTool(**params)
 
@@ -48,6 +50,11 @@ def make_echo(**params: Any) -> EchoTool:
 NOT_A_TOOL = 3
 
 
+def undeclared_factory() -> EchoTool:
+    return EchoTool()
+
+
+@declare("tool")
 def not_a_tool_factory() -> object:
     return object()
 
@@ -74,8 +81,11 @@ def test_get_tool_builds_the_builtins_and_user_tools() -> None:
     [
         ("shell", r"unknown tool 'shell': use a built-in tool \(calculator, python\) or a dotted path"),
         ("no_such_module_xyz:Tool", "cannot import module 'no_such_module_xyz'"),
-        (f"{__name__}:Missing", "has no callable 'Missing'"),
-        (f"{__name__}:NOT_A_TOOL", "has no callable 'NOT_A_TOOL'"),
+        (f"{__name__}:Missing", "has no attribute 'Missing'"),
+        (f"{__name__}:NOT_A_TOOL", "is not a declared tool"),
+        (f"{__name__}:undeclared_factory", "is not a declared tool"),
+        ("subprocess:Popen", "is not a declared tool"),
+        ("plexrl.yamlio:load_yaml_file", "is not a declared tool"),
         (f"{__name__}:not_a_tool_factory", "returned object, which is not a Tool"),
     ],
 )

@@ -2,11 +2,21 @@
 limits, applies `--set` overrides, checks the server owner's policy, validates the job like `plexrl validate`,
 and returns the config to journal, or raises ONE `ConfigError` naming every problem.
 
-Policy (checked BEFORE the job is compiled, because compiling imports the modules that dotted paths name):
-- every string of the form `pkg.module:name`, anywhere in the config, names a module inside `allowed_modules`;
-- `name` is a plain identifier (it becomes part of the job id, of MLflow run names and of file paths);
+Policy, checked on the parsed, TYPED config (after every coercion the schema makes) and on the raw values,
+BEFORE anything is compiled (compiling imports the modules that dotted paths name):
+- every string of the form `pkg.module:name` (`plexrl.roles.parse_ref`), anywhere in the config, names a
+  module inside `allowed_modules`; compiling then runs under `plexrl.roles.allowed_modules`, so an import that
+  a builder or operator attempts from a string the scan did not see is refused at the import itself, and a
+  dotted path names only code declared for its role (no project helper can be called as a "builder");
+- `name` is a plain identifier, matched whole (it becomes part of the job id, of MLflow run names and of file
+  paths);
 - `run_dir` and `model.path` resolve under one of the allowed roots (a missing `run_dir` becomes the server's);
-- `tracking.uri` is the server owner's, not the job's: a job may not set it.
+  a path outside them gets the same answer whether or not it exists (nothing about it is looked up);
+- `tracking.uri` is the server owner's, not the job's: a job may not set it;
+- with `max_warm_start_steps`, an enabled warm start runs at most that many steps.
+A submission refused by the policy is never compiled: no module it names is imported, no path it names is
+opened. An exception raised by an allowed user module while the job compiles is a problem of the
+submission (a 400 naming it), not a server error.
 
 What it does NOT check: what the allowed modules do when imported or run (the allow-list is the trust
 boundary), quotas, and whether the cluster can hold the job (the planner fails a job no service fits).
@@ -14,15 +24,18 @@ boundary), quotas, and whether the cluster can hold the job (the planner fails a
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plexrl.errors import ConfigError, Problem
+from plexrl.roles import module_allowed, parse_ref
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-DOTTED = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*:\s*[A-Za-z_]\w*\s*$")
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", re.ASCII)  # used with fullmatch: no trailing newline
 MAX_SETS = 100
 
 
@@ -44,47 +57,46 @@ def check_submission(
     roots: list[Path],
     modules: list[str],
     checkpoint_every: int | None = None,
+    max_warm_start_steps: int | None = None,
 ) -> Accepted:
     """See the module docstring. `run_dir`: the server's default run_dir; `roots`: resolved allowed roots;
     `modules`: allowed top-level packages or modules (a module matches itself and its submodules);
     `checkpoint_every`: the server's, which every periodic node's `every` must divide (a job resumed after
-    iteration k*j - 1 must keep its evaluations in phase)."""
+    iteration k*j - 1 must keep its evaluations in phase); `max_warm_start_steps`: the server's cap on a
+    job's supervised warm start (None: no cap)."""
     from pydantic import ValidationError
 
     from plexrl.config import JobConfig, _problem, apply_overrides, load_job
+    from plexrl.roles import allowed_modules
     from plexrl.yamlio import load_yaml_text
 
     if len(overrides) > MAX_SETS:
         raise ConfigError([Problem("set", f"{len(overrides)} overrides; at most {MAX_SETS}")], "submission")
-    raw = load_yaml_text(text, "job") or {}
+    raw = load_yaml_text(text, "job") or {}  # plain values only: any YAML tag is refused there
     if not isinstance(raw, dict):
         raise ConfigError([Problem("job", "a job config must be a YAML mapping of keys to values")], "job")
     problems = apply_overrides(raw, overrides)
-    imports = _dotted_problems(raw, modules, "")
-    problems += imports
-    name = raw.get("name", "grpo-arithmetic")
-    if not isinstance(name, str) or not NAME.match(name):
-        problems.append(
-            Problem("name", f"{name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
-        )
     raw.setdefault("run_dir", str(run_dir))
-    problems += _path_problem(raw.get("run_dir"), "run_dir", roots)
-    model = raw.get("model")
-    if isinstance(model, dict) and model.get("path") is not None:
-        problems += _path_problem(model["path"], "model.path", roots)
-    tracking = raw.get("tracking")
-    if isinstance(tracking, dict) and tracking.get("uri") is not None:
-        problems.append(Problem("tracking.uri", "set by the server's owner; remove it from the job"))
-    if imports:  # never import what the policy refuses: check the schema, but do not compile the pipeline
-        try:
-            JobConfig.model_validate(raw)
-        except ValidationError as exc:
-            problems += [_problem(e, "", JobConfig) for e in exc.errors()]
-        raise ConfigError(problems, "job")
+    typed: JobConfig | None = None
+    try:  # the schema alone: pydantic, no import, no file opened
+        typed = JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems += [_problem(e, "", JobConfig) for e in exc.errors()]
+    # the policy on the raw values and on the typed config: a coercion cannot hide a value from it
+    policy = _policy_problems(raw, modules, roots, max_warm_start_steps)
+    if typed is not None:
+        policy += _policy_problems(typed.model_dump(), modules, roots, max_warm_start_steps)
+    problems += _unique(policy)
+    if problems:  # never compile what the policy or the schema refuses
+        raise ConfigError(_unique(problems), "job")
     try:
-        loaded = load_job(raw)
+        with allowed_modules(modules):
+            loaded = load_job(raw)
     except ConfigError as exc:
-        raise ConfigError(problems + exc.problems, "job") from None
+        raise ConfigError(exc.problems, "job") from None
+    except Exception as exc:  # an allowed module's code failed while the job compiled: the submission's problem
+        log.warning("a submission failed to compile", exc_info=True)
+        raise ConfigError([Problem("job", f"compiling the job raised {type(exc).__name__}: {exc}")], "job") from None
     for node in loaded.graph.nodes:
         if checkpoint_every is not None and node.every is not None and checkpoint_every % node.every:
             problems.append(
@@ -101,33 +113,75 @@ def check_submission(
     return Accepted(loaded.config.name, config, loaded.config.iterations)
 
 
+def _policy_problems(
+    cfg: dict[str, Any], modules: list[str], roots: list[Path], max_warm_start_steps: int | None
+) -> list[Problem]:
+    """The owner's policy on one view of the config (raw or typed-and-dumped); see the module docstring."""
+    problems = _dotted_problems(cfg, modules, "")
+    name = cfg.get("name", "grpo-arithmetic")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        problems.append(
+            Problem("name", f"{name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
+        )
+    problems += _path_problem(cfg.get("run_dir"), "run_dir", roots)
+    model = cfg.get("model")
+    if isinstance(model, dict) and model.get("path") is not None:
+        problems += _path_problem(model["path"], "model.path", roots)
+    tracking = cfg.get("tracking")
+    if isinstance(tracking, dict) and tracking.get("uri") is not None:
+        problems.append(Problem("tracking.uri", "set by the server's owner; remove it from the job"))
+    warm = cfg.get("warm_start")
+    if max_warm_start_steps is not None and isinstance(warm, dict) and warm.get("enabled", True) is not False:
+        steps = warm.get("max_steps", 3000)  # the schema's default (WarmStartConfig.max_steps)
+        if not isinstance(steps, int) or steps > max_warm_start_steps:
+            problems.append(
+                Problem(
+                    "warm_start.max_steps",
+                    f"{steps!r} (or the default 3000) exceeds this server's max_warm_start_steps "
+                    f"({max_warm_start_steps}); lower it, or disable the warm start",
+                )
+            )
+    return problems
+
+
+def _unique(problems: list[Problem]) -> list[Problem]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for p in problems:
+        if (p.where, p.message) not in seen:
+            seen.add((p.where, p.message))
+            out.append(p)
+    return out
+
+
 def _dotted_problems(value: Any, modules: list[str], where: str) -> list[Problem]:
     out: list[Problem] = []
     if isinstance(value, dict):
         for k, v in value.items():
             out += _dotted_problems(v, modules, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, list):
+    elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             out += _dotted_problems(v, modules, f"{where}[{i}]")
-    elif isinstance(value, str):
-        m = DOTTED.match(value)
-        if m is not None:
-            module = m.group(1)
-            if not any(module == a or module.startswith(a + ".") for a in modules):
-                out.append(
-                    Problem(
-                        where,
-                        f"{value.strip()!r} names module {module!r}, outside this server's allowed modules "
-                        f"{modules}; ask the server's owner to add it to `allowed_modules`",
-                    )
+    elif isinstance(value, str | bytes):
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        ref = parse_ref(text.strip())
+        if ref is not None and not module_allowed(ref[0], modules):
+            out.append(
+                Problem(
+                    where,
+                    f"{text.strip()!r} names module {ref[0]!r}, outside this server's allowed modules "
+                    f"{modules}; ask the server's owner to add it to `allowed_modules`",
                 )
+            )
     return out
 
 
 def _path_problem(value: Any, where: str, roots: list[Path]) -> list[Problem]:
     if not isinstance(value, str):
         return []  # the schema reports the type
-    path = Path(value).resolve()
+    if "\0" in value:
+        return [Problem(where, "contains a NUL character; give a plain path")]
+    path = Path(value).resolve()  # symlinks followed; nothing is created or read
     if any(path == r or path.is_relative_to(r) for r in roots):
         return []
     shown = ", ".join(str(r) for r in roots)

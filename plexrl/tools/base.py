@@ -8,7 +8,6 @@ wrong. Tools do not know about batches, tokens or loss masks; the agentic rollou
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,7 +87,9 @@ def _builtins() -> dict[str, Callable[..., Tool]]:
 
 def get_tool(name: str, **params: Any) -> Tool:
     """Build a tool: a built-in by name ("calculator", "python") or a user's own as "pkg.module:Factory",
-    where Factory is a class or callable returning a `Tool`; `params` go to its constructor.
+    where Factory is a tool class (a `ToolSpec` as its `spec`) or a factory declared with
+    `@plexrl.roles.declare("tool")` (`plexrl.roles`: nothing else of a module can be named); `params` go to
+    its constructor.
 
     Raises ValueError for an unknown name, a module or attribute that cannot be found, or a factory that
     does not return a Tool.
@@ -99,18 +100,19 @@ def get_tool(name: str, **params: Any) -> Tool:
     hint = f"use a built-in tool ({', '.join(sorted(builtins))}) or a dotted path 'pkg.module:Factory'"
     if ":" not in name:
         raise ValueError(f"unknown tool {name!r}: {hint}")
-    module_name, _, attr = name.partition(":")
+    from plexrl.roles import resolve
+
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"tool {name!r}: cannot import module {module_name!r} ({exc}); {hint}") from exc
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ValueError(f"tool {name!r}: module {module_name!r} has no callable {attr!r}; {hint}")
-    tool = factory(**params)
+        factory = resolve(name, "tool")
+    except LookupError as exc:
+        raise ValueError(f"tool {name!r}: {exc}; {hint}") from None
+    try:
+        tool = factory(**params)
+    except Exception as exc:  # a user's tool with a bug: its error, named (validation builds tools)
+        raise ValueError(f"tool {name!r}: building it raised {type(exc).__name__}: {exc}") from None
     if not isinstance(tool, Tool) or not isinstance(getattr(tool, "spec", None), ToolSpec):
         raise ValueError(
-            f"tool {name!r}: {attr} returned {type(tool).__name__}, which is not a Tool "
+            f"tool {name!r}: it returned {type(tool).__name__}, which is not a Tool "
             "(needs a ToolSpec `spec` and create/execute/release methods)"
         )
     return tool
