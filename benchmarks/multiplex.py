@@ -12,7 +12,10 @@ The same job mix (a cluster config, default `configs/multiplex.yaml`) runs three
     cost = services x the makespan (first placement to last end). `--orderings hrrs,slowdown` runs this arm
     once per ordering in every repetition, side by side against the same (a) and (b).
 Prints per job: steps, wall alone (lean, isolated), multiplexed completion, slowdown against (a) and (b);
-per run: accelerator-seconds per training step and the ratios multiplexed / lean and multiplexed / isolated;
+per run: accelerator-seconds per training step and the ratios multiplexed / lean and multiplexed / isolated,
+and each figure next to its physical bound from the lean arm (`plexrl.accounting.cost_bound`: the jobs' busy
+service seconds alone over their steps; `slowdown_bound`: the least slowdown earliest-deadline-first
+feasibility allows) as measured / bound;
 with `--reps N` (default 3) every headline figure as mean +- sample standard deviation [min, max]. Also the
 service's busy / swap / startup / idle seconds and the swap figures of each multiplexed run (bytes moved,
 blocking seconds, share of swap time hidden: background moves no node waited for). Identical seeds in (a),
@@ -189,6 +192,15 @@ def one_rep(cluster: LoadedCluster, iso_driver: str, orderings: Sequence[str]) -
     return Rep(lean, iso, {o: run_mux(cluster, o) for o in orderings})
 
 
+def bounds(rep: Rep) -> tuple[float, float]:
+    """(cost bound in accelerator-seconds per step, slowdown bound) of `rep`'s mix, from its lean arm."""
+    from plexrl.accounting import cost_bound, slowdown_bound
+
+    jobs = list(rep.lean.values())
+    busy = [a.svc * a.steps for a in jobs]
+    return cost_bound(busy, [a.steps for a in jobs]), slowdown_bound(busy, [a.wall for a in jobs])
+
+
 def summarize(reps: list[Rep], iso_label: str) -> None:
     """Per ordering: the per-job table and the headline ratios over the repetitions."""
     lean_cps = [r.cost_per_step(r.lean) for r in reps]
@@ -219,6 +231,16 @@ def summarize(reps: list[Rep], iso_label: str) -> None:
         print(f"multiplexed / lean     = {spread(vs_lean)} (goal <= 0.65); largest slowdown vs lean {spread(worst)} "
               f"(goal <= 1.25)")  # fmt: skip
         print(f"multiplexed / {iso_label:<8} = {spread(vs_iso)}")
+        # the physical limits of this mix, from the lean arm of the same repetition (plexrl/accounting.py)
+        bound_cps = [bounds(r)[0] for r in reps]
+        bound_sd = [bounds(r)[1] for r in reps]
+        print(f"bounds: cost >= {spread(bound_cps)} acc-s/step (the jobs' busy service seconds alone / steps) = "
+              f"{spread([b / c for b, c in zip(bound_cps, lean_cps, strict=True)])} of lean; slowdown >= "
+              f"{spread(bound_sd)} (earliest-deadline-first on those busy seconds)")  # fmt: skip
+        print(
+            f"measured / bound: cost {spread([m / b for m, b in zip(mux_cps, bound_cps, strict=True)])} "
+            f"(goal <= 1.05), largest slowdown {spread([w / b for w, b in zip(worst, bound_sd, strict=True)])}"
+        )
     print(f"({len(reps)} repetition(s); mean +- sample sd [min, max])")
 
 

@@ -184,3 +184,35 @@ def format_report(report: ClusterReport) -> str:
             f"{j.cost_per_step:>11.3f}{j.completion:>14.1f}"
         )
     return "\n".join(lines)
+
+
+# -- physical bounds of a multiplexed run, from each job's figures alone -------------------------------------
+def cost_bound(busy: list[float], steps: list[int]) -> float:
+    """The least accelerator-seconds per step any schedule of these jobs can reach: the service time the jobs'
+    nodes need (`busy[i]` seconds for job i, measured alone) spread over their steps, on fully busy services.
+    It ignores swaps, start-up and a node running slower beside other work (all of which only raise the cost).
+
+    >>> round(cost_bound([18.2, 20.4, 20.5], [40, 40, 40]), 4)
+    0.4925
+    """
+    return sum(busy) / max(sum(steps), 1)
+
+
+def slowdown_bound(busy: list[float], alone: list[float]) -> float:
+    """The smallest slowdown s for which a schedule of these jobs on ONE service can finish every job i by
+    s * alone[i]: earliest-deadline-first feasibility of the service demands `busy[i]` (all jobs start at 0):
+    for the jobs sorted by deadline, the demand of the first k must fit before the k-th deadline, and no job
+    finishes before its own time alone (s >= 1). What it ignores: that a job's service work comes in nodes
+    between its CPU gaps (it cannot all run early), swaps, and a node running slower beside other work; so it
+    is a lower bound, not a promise.
+
+    >>> round(slowdown_bound([18.2, 20.4, 20.5], [18.6, 40.9, 53.0]), 3)
+    1.115
+    >>> slowdown_bound([1.0, 1.0], [10.0, 10.0])
+    1.0
+    """
+    s, total = 1.0, 0.0
+    for need, deadline in sorted(zip(busy, alone, strict=True), key=lambda p: p[1]):
+        total += need
+        s = max(s, total / deadline)
+    return s

@@ -62,3 +62,19 @@ def test_a_weight_load_outside_every_node_counts_as_busy() -> None:
     [svc] = account(spans, two_jobs(), ["service-0"], 10.0).services
     assert svc.busy == pytest.approx(1.0 + 0.5 + 0.8)  # b's node covers it, but it is a's weights
     assert svc.weights == 0.5
+
+
+def test_bounds_of_a_mix() -> None:
+    import doctest
+
+    import plexrl.accounting
+    from plexrl.accounting import cost_bound, slowdown_bound
+
+    result = doctest.testmod(plexrl.accounting)
+    assert result.attempted >= 3 and result.failed == 0
+    # two jobs alone 10 s each, 6 s of service each: 12 s of demand cannot all fit before 10 s -> s >= 1.2
+    assert slowdown_bound([6.0, 6.0], [10.0, 10.0]) == 1.2
+    # a short job first: its deadline binds before the long one's
+    assert slowdown_bound([4.0, 1.0], [4.0, 100.0]) == 1.0
+    assert slowdown_bound([4.0, 1.0], [5.0, 2.0]) == 1.0 and slowdown_bound([1.0, 4.0], [2.0, 4.0]) == 1.25
+    assert cost_bound([6.0, 6.0], [3, 3]) == 2.0

@@ -148,6 +148,10 @@ def test_multiplex_reports_slowdowns_and_cost_against_both_baselines(
     assert "multiplexed / lean     = 1.000 +- 0.354 [0.750, 1.250]" in out
     assert "multiplexed / dask-iso = 0.500 +- 0.177 [0.375, 0.625]" in out
     assert "largest slowdown vs lean 2.000 +- 0.707 [1.500, 2.500]" in out
+    # bounds from the lean arm: 0.1 s of service per iteration x 10 steps per job -> 2 s over 20 steps
+    assert "bounds: cost >= 0.100 +- 0.000 [0.100, 0.100] acc-s/step" in out
+    assert "= 0.100 +- 0.000 [0.100, 0.100] of lean; slowdown >= 1.000 +- 0.000 [1.000, 1.000]" in out
+    assert "measured / bound: cost 10.000 +- 3.536 [7.500, 12.500] (goal <= 1.05)" in out
     # each ordering is summarized on its own, against the same lean and isolated arms
     hrrs, slow = out.split("ordering slowdown")
     assert "ordering hrrs" in hrrs and "multiplexed / lean     = 1.000" in hrrs

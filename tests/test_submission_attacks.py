@@ -224,3 +224,12 @@ def test_resolve_checks_the_allow_list_before_importing(arena: dict[str, Any]) -
     arena["marker"].unlink()
     with pytest.raises(LookupError, match="not a dotted path"):
         resolve("subprocess : run", "pipeline")
+
+
+def test_roles_doctests() -> None:
+    import doctest
+
+    import plexrl.roles
+
+    result = doctest.testmod(plexrl.roles)
+    assert result.attempted > 0 and result.failed == 0
