@@ -41,9 +41,20 @@ class ModelConfig(StrictModel):
         "eager", description="Attention kernel; eager is faster for tiny models on CPU, sdpa for larger ones."
     )
     path: str | None = Field(None, description="Load this local HF model directory instead of building one.")
+    pretrained: str | None = Field(
+        None,
+        description="A real pretrained model by short name, shipped in a package and converted once into a local "
+        "cache (plexrl/pretrained.py): smollm2-135m-instruct. Instead of `path` and the size fields.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
+        from plexrl.pretrained import PRETRAINED
+
+        if self.pretrained is not None and self.pretrained not in PRETRAINED:
+            raise ValueError(f"unknown pretrained model {self.pretrained!r}; known: {', '.join(sorted(PRETRAINED))}")
+        if self.pretrained is not None and self.path is not None:
+            raise ValueError("give either `path` (a local HF directory) or `pretrained` (a short name), not both")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}); change one of them")
         if (self.hidden // self.heads) % 2:

@@ -74,3 +74,28 @@ def wait_for(check: Any, what: str, timeout: float = 60.0, interval: float = 0.0
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def smol_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (1 layer, hidden 32) with the REAL SmolLM2-135M-Instruct tokenizer and chat template
+    (converted at set-up by `make setup`, or here on first use): a real tokenizer at test speed."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from plexrl.pretrained import pretrained_path
+
+    real = pretrained_path("smollm2-135m-instruct")
+    out = tmp_path_factory.mktemp("smol-tiny")
+    tok = AutoTokenizer.from_pretrained(str(real))
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig.from_pretrained(str(real)).save_pretrained(out)
+    return out
