@@ -3,7 +3,8 @@
 `make_task(cfg)` dispatches on `cfg.name`: `arithmetic` (addition, answered directly), `tool_arithmetic`
 (multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format), `code` (a
 Python expression written from input/output examples, run in the sandbox by `code_unit_tests`) or `copy` (a
-digit sequence of heavy-tailed length copied: long-tailed rollouts).
+digit sequence of heavy-tailed length copied: long-tailed rollouts). A job's data from files is a
+`DatasetTask` (`make_dataset_task(cfg.data, tokenizer, ...)`, plexrl/tasks/dataset.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from plexrl.tasks.arithmetic import ArithmeticTask, Problem, verify_answers
 from plexrl.tasks.arithmetic import make_task as make_arithmetic_task
 from plexrl.tasks.code import CodeProblem, CodeTask, make_code_task
 from plexrl.tasks.copy import CopyTask, make_copy_task
+from plexrl.tasks.dataset import DatasetProblem, DatasetTask, make_dataset_task
 from plexrl.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
 
 Task = ArithmeticTask | ToolArithmeticTask | CodeTask | CopyTask
@@ -34,9 +36,12 @@ __all__ = [
     "CodeProblem",
     "CodeTask",
     "CopyTask",
+    "DatasetProblem",
+    "DatasetTask",
     "Problem",
     "Task",
     "ToolArithmeticTask",
+    "make_dataset_task",
     "make_task",
     "verify_answers",
 ]

@@ -1,0 +1,110 @@
+"""Prompts through the model's own tokenizer and chat template, and the model's eos / pad ids.
+
+`render_prompt` turns a row's prompt (a string or chat messages), with an optional system prompt and format
+instruction, into the text the model sees: `tokenizer.apply_chat_template(messages, tokenize=False,
+add_generation_prompt=True)` when the tokenizer has a chat template, else plain text (the messages' contents
+joined by blank lines). `prompt_ids` tokenizes that text: with `add_special_tokens=False` after a template
+(the template writes its own bos, if the model wants one; transformers 5's `apply_chat_template(...,
+tokenize=True)` returns a dict, which is never handed on), with the tokenizer's usual special tokens for
+plain text. Engines take the ids (vLLM: `{"prompt_token_ids": ids}`), never the text.
+
+`special_ids(model_dir, tokenizer)` reads eos (one id or several) and pad from the model's
+`generation_config.json` when present, else from the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Messages = list[dict[str, str]]
+
+
+def build_messages(
+    prompt: str | Messages, system_prompt: str | None = None, format_instruction: str | None = None
+) -> Messages:
+    """The chat messages of a prompt: `system_prompt` first unless the prompt has a system message of its own,
+    `format_instruction` appended to the last user message (after a blank line).
+
+    >>> build_messages("2+2?", "Be brief.", "End with 'Answer: N'.")
+    [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': "2+2?\\n\\nEnd with 'Answer: N'."}]
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if format_instruction:
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last is None:
+            messages.append({"role": "user", "content": format_instruction})
+        else:
+            messages[last]["content"] = f"{messages[last]['content']}\n\n{format_instruction}"
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether `tokenizer` carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(
+    tokenizer: Any,
+    prompt: str | Messages,
+    system_prompt: str | None = None,
+    format_instruction: str | None = None,
+) -> str:
+    """The text the model is given for `prompt` (see the module docstring). Without a chat template:
+
+    >>> render_prompt(None, "2+2?", "Be brief.", "Say 'Answer: N'.")
+    "Be brief.\\n\\n2+2?\\n\\nSay 'Answer: N'."
+    """
+    messages = build_messages(prompt, system_prompt, format_instruction)
+    if tokenizer is not None and has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
+        return text
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered prompt: no special tokens added after a chat template (it wrote them), the
+    tokenizer's usual ones (e.g. bos) for plain text."""
+    ids = tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+    return list(ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialIds:
+    """eos: every id that ends a response (first: the one to append); pad: the padding id."""
+
+    eos: tuple[int, ...]
+    pad: int
+
+
+def special_ids(model_dir: Path | str | None, tokenizer: Any) -> SpecialIds:
+    """eos and pad ids: `generation_config.json` of `model_dir` first (its eos may be a list), then the
+    tokenizer; pad falls back to the first eos. Raises ValueError when neither names an eos."""
+    gen: dict[str, Any] = {}
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        gen = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
+    eos_value = gen.get("eos_token_id", getattr(tokenizer, "eos_token_id", None))
+    eos = tuple(eos_value) if isinstance(eos_value, list) else () if eos_value is None else (int(eos_value),)
+    if not eos:
+        raise ValueError(
+            f"no eos token id in {model_dir}/generation_config.json nor the tokenizer; set eos_token_id in one of them"
+        )
+    pad = gen.get("pad_token_id", getattr(tokenizer, "pad_token_id", None))
+    return SpecialIds(eos, eos[0] if pad is None else int(pad))
+
+
+__all__ = [
+    "Messages",
+    "SpecialIds",
+    "build_messages",
+    "has_chat_template",
+    "prompt_ids",
+    "render_prompt",
+    "special_ids",
+]
