@@ -259,6 +259,7 @@ def serve(
     )
     from plexrl.server.api import start_server
     from plexrl.server.config import load_server_config
+    from plexrl.server.journal import JournalError
     from plexrl.server.signals import stop_event
 
     overrides = list(set_ or [])
@@ -269,7 +270,7 @@ def serve(
         cfg = load_server_config(config, overrides, token=os.environ.get("PLEXRL_TOKEN"))
         stop = stop_event()
         server = start_server(cfg)
-    except (PlexRLError, OSError, ValueError) as exc:
+    except (PlexRLError, JournalError, OSError, ValueError) as exc:  # JournalError: a held or unreadable journal
         _fail(exc)
         return
     resumed = len(server.controller.recovered)
@@ -283,6 +284,29 @@ def serve(
     ok = server.stop()
     typer.echo("PlexRL server stopped" + ("" if ok else " (some threads did not end in time)"))
     raise typer.Exit(0 if ok and server.controller.failure is None else 1)
+
+
+@app.command()
+def certs(
+    directory: Annotated[Path, typer.Argument(help="Where to write ca.pem, ca-key.pem, cert.pem and key.pem.")],
+    host: Annotated[
+        list[str] | None, typer.Option("--host", help="A name or address the certificate names (repeatable).")
+    ] = None,
+    days: Annotated[int, typer.Option("--days", min=1, help="Days the certificates are valid.")] = 365,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing files.")] = False,
+) -> None:
+    """Make TLS files for the Dask cluster: a CA and one certificate it signed, which the scheduler, every
+    worker and the PlexRL client present (set `dask_tls` in the server or cluster config). Copy ca.pem,
+    cert.pem and key.pem to the cluster's machines; keep ca-key.pem elsewhere. Details: docs/operations.md."""
+    from plexrl.runtime.dask import write_certs
+
+    try:
+        files = write_certs(directory, host or [], days, force)
+    except OSError as exc:
+        _fail(exc)
+        return
+    typer.echo(f"wrote {directory}/ca.pem, ca-key.pem (keep it off the cluster), cert.pem, key.pem; use:")
+    typer.echo(f"  dask_tls: {{ca_file: {files.ca_file}, cert: {files.cert}, key: {files.key}}}")
 
 
 def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-def]

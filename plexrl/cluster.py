@@ -51,6 +51,61 @@ class ServicesConfig(StrictModel):
     )  # fmt: skip
 
 
+class DaskTLS(StrictModel):
+    """Mutual TLS for the Dask cluster: every member (scheduler, workers, nannies) and this client present `cert`,
+    signed by the CA in `ca_file`, and accept only peers that do. `plexrl certs DIR` makes all three files."""
+
+    ca_file: str = Field(description="The CA certificate (PEM) that signed every member's certificate.")
+    cert: str = Field(description="The certificate (PEM) this process and the local cluster's members present.")
+    key: str = Field(description="The private key (PEM) of `cert`; keep it readable by its owner only.")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (an address or `localhost`; a bare name may resolve to anything) only accepts
+    connections from this machine."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def scheduler_host(address: str) -> str:
+    """The host part of a Dask address: `tls://10.0.0.5:8786` -> `10.0.0.5`, `[::1]:8786` -> `::1`."""
+    rest = address.split("://", 1)[-1]
+    if rest.startswith("["):
+        return rest[1 : rest.find("]")]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+
+
+def dask_network_problem(host: str, scheduler: str | None, tls: bool, allow_plaintext: bool = False) -> str | None:
+    """Why a Dask network setting lets others run code (Dask's protocol is pickle), with the fix; None if it
+    does not. `host`: the local cluster's interface (used when `scheduler` is None); `scheduler`: an external
+    scheduler's address (tls:// passes here: the executor refuses it at start without certificates, from
+    `dask_tls` or Dask's own `distributed.comm.tls` configuration); `tls`: TLS files are given;
+    `allow_plaintext`: plain tcp:// off loopback accepted."""
+    if scheduler is None:
+        if is_loopback_host(host) or tls:
+            return None
+        return (
+            f"dask_host {host!r} lets anyone who reaches it run code on the local Dask cluster: give `dask_tls` "
+            "(ca_file, cert, key; make them with `plexrl certs DIR`), or keep dask_host: 127.0.0.1"
+        )
+    if scheduler.startswith(("tls://", "inproc://")) or is_loopback_host(scheduler_host(scheduler)) or allow_plaintext:
+        return None
+    return (
+        f"scheduler {scheduler!r} is reached over plain TCP off this machine: anyone who reaches it can run code "
+        "on its workers and in this process. Run the cluster with TLS (`plexrl certs DIR`; `dask scheduler "
+        "--protocol tls --tls-ca-file DIR/ca.pem --tls-cert DIR/cert.pem --tls-key DIR/key.pem`, the same "
+        "--tls-* options on every `dask worker`), connect to tls://HOST:PORT and set `dask_tls` to those files; "
+        "or, on a network you trust entirely, set allow_plaintext_scheduler: true"
+    )
+
+
 class ClusterJob(StrictModel):
     """One job of the mix: a job YAML (path relative to the cluster file) with overrides, or inline."""
 
@@ -72,6 +127,21 @@ class ClusterConfig(StrictModel):
     run_dir: str = Field("runs", description="Directory for the cluster's timeline, report and MLflow store.")
     driver: Literal["dask", "local"] = Field("dask", description="dask: a Dask cluster; local: in-process.")
     scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (default: start one).")
+    dask_host: str = Field(
+        "127.0.0.1",
+        description="Interface the local Dask cluster's scheduler, workers and nannies bind (its dashboard stays "
+        "on 127.0.0.1). Anything but loopback needs `dask_tls`.",
+    )
+    dask_tls: DaskTLS | None = Field(
+        None,
+        description="Mutual TLS for the Dask cluster (`plexrl certs DIR` makes the files): needed for a dask_host "
+        "off loopback and for a tls:// scheduler.",
+    )
+    allow_plaintext_scheduler: bool = Field(
+        False,
+        description="Accept a `scheduler` off this machine over plain tcp://. Whoever reaches that scheduler can "
+        "run code on its workers and in this process: only on a network you trust entirely; prefer dask_tls.",
+    )
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
@@ -99,6 +169,15 @@ class ClusterConfig(StrictModel):
     def _groups_on_dask(self) -> ClusterConfig:
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _dask_network(self) -> ClusterConfig:
+        if self.driver == "dask":
+            tls, plain = self.dask_tls is not None, self.allow_plaintext_scheduler
+            problem = dask_network_problem(self.dask_host, self.scheduler, tls, plain)
+            if problem is not None:
+                raise ValueError(problem)
         return self
 
 
@@ -221,11 +300,13 @@ def make_executor(cfg: ClusterConfig) -> Executor:
         from plexrl.runtime.inline import InlineExecutor
 
         return InlineExecutor(services=s.count, device=s.device, validate=cfg.validate_state, clock=time.time)
-    from plexrl.runtime.dask import DaskExecutor
+    from plexrl.runtime.dask import DaskExecutor, TLSFiles
 
+    t = cfg.dask_tls
     return DaskExecutor(
         services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
         device=s.device, validate=cfg.validate_state, ranks=s.ranks, group_timeout=s.group_timeout,
+        host=cfg.dask_host, tls=TLSFiles(t.ca_file, t.cert, t.key) if t is not None else None,
     )  # fmt: skip
 
 
@@ -285,4 +366,13 @@ def run_cluster(
     )
 
 
-__all__ = ["ClusterConfig", "LoadedCluster", "is_cluster_file", "load_cluster", "make_runner", "run_cluster"]
+__all__ = [
+    "ClusterConfig",
+    "DaskTLS",
+    "LoadedCluster",
+    "dask_network_problem",
+    "is_cluster_file",
+    "load_cluster",
+    "make_runner",
+    "run_cluster",
+]

@@ -21,6 +21,14 @@ service nodes, one for inline cpu nodes) and one CPU-pool worker process with `c
 `dask worker ADDRESS --resources GPU=1 --nthreads 2` per accelerator, and plain `dask worker ADDRESS` for
 the CPU pool; see docs/architecture.md for the environment those workers need).
 
+Nothing listens unauthenticated: Dask's protocol is pickle, so whoever reaches a scheduler, worker or nanny
+can run code in it. The local cluster binds its scheduler, workers and nannies to `host` (127.0.0.1 by
+default) and its HTTP servers (dashboard, the workers' /health and /metrics) always to 127.0.0.1. A `host`
+off loopback is refused unless `tls` is given (`TLSFiles`: a CA and a certificate it signed, made by
+`plexrl certs DIR`): then every member speaks tls:// and presents that certificate, and so must every
+worker that joins (mutual TLS, `require_encryption`). The configs (`ClusterConfig`, `ServerConfig`) refuse
+an external `scheduler` off loopback over plain tcp:// before anything starts.
+
 A service worker that disappears (process killed, machine gone) is reported by `lost()` within `poll`
 seconds; its work in flight is gone. Not done here: recovery from checkpoints.
 """
@@ -58,6 +66,107 @@ from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadRepo
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+
+
+# -- network: loopback by default, mutual TLS beyond it --------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files for Dask's mutual TLS: the CA every member trusts, and the certificate (with its key) that this
+    process, the local cluster's scheduler, workers and nannies present (one certificate for every role; it
+    must allow both server and client authentication, as `write_certs` makes it)."""
+
+    ca_file: str
+    cert: str
+    key: str
+
+    def security(self) -> Any:
+        """A `distributed.security.Security` that requires TLS on every connection."""
+        from distributed.security import Security
+
+        for what, path in (("ca_file", self.ca_file), ("cert", self.cert), ("key", self.key)):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"TLS {what} {path!r} does not exist; make the files with `plexrl certs DIR`")
+        return Security(
+            tls_ca_file=self.ca_file, tls_client_cert=self.cert, tls_client_key=self.key,
+            tls_scheduler_cert=self.cert, tls_scheduler_key=self.key, tls_worker_cert=self.cert,
+            tls_worker_key=self.key, require_encryption=True,
+        )  # fmt: skip
+
+
+def _loopback(host: str) -> bool:
+    """Whether the interface `host` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def write_certs(directory: str | Path, hosts: Sequence[str] = (), days: int = 365, force: bool = False) -> TLSFiles:
+    """Make a CA (`ca.pem`, its key `ca-key.pem`) and one certificate it signed (`cert.pem`, `key.pem`) for
+    every member of a Dask cluster and its clients, valid `days` days, for `localhost`, 127.0.0.1, ::1 and
+    `hosts` (Dask does not check host names; the names are there for other tools). Keys are written 0600.
+    Refuses to overwrite existing files unless `force`. Keep `ca-key.pem` off the cluster's machines."""
+    import datetime
+    import ipaddress
+    import os
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = Path(directory)
+    names = {"ca": out / "ca.pem", "ca_key": out / "ca-key.pem", "cert": out / "cert.pem", "key": out / "key.pem"}
+    existing = [str(p) for p in names.values() if p.exists()]
+    if existing and not force:
+        raise FileExistsError(f"{', '.join(existing)} exist already; choose another directory or pass --force")
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "plexrl dask CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    alt: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    alt += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1")]
+    for h in hosts:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            alt.append(x509.DNSName(h))
+    usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "plexrl dask")]))
+        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False).add_extension(usage, critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    pem = serialization.Encoding.PEM
+
+    def private(path: Path, k: ec.EllipticCurvePrivateKey) -> None:
+        data = k.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(path, 0o600)  # an existing file (--force) keeps its old mode otherwise
+
+    private(names["ca_key"], ca_key)
+    private(names["key"], key)
+    names["ca"].write_bytes(ca.public_bytes(pem))
+    names["cert"].write_bytes(cert.public_bytes(pem))
+    return TLSFiles(str(names["ca"]), str(names["cert"]), str(names["key"]))
+
 
 # -- the executor -------------------------------------------------------------------------------------
 @dataclass(slots=True)
@@ -87,8 +196,11 @@ class DaskExecutor:
         poll: float = 0.5,
         ranks: int = 1,
         group_timeout: float = 60.0,
+        host: str = LOOPBACK,
+        tls: TLSFiles | None = None,
     ) -> None:
         self.clock = time.time
+        self.host, self.tls = host, tls  # the local cluster's interface; mutual TLS (see the module docstring)
         self.n_services, self.cpu_threads, self.service_threads = services, cpu_threads, service_threads
         self.scheduler, self.device, self.validate, self.poll = scheduler, device, validate, poll
         self.spill_dir = str(spill_dir) if spill_dir is not None else None
@@ -124,6 +236,19 @@ class DaskExecutor:
 
         if not logging.getLogger().isEnabledFor(logging.INFO):
             logging.getLogger("distributed").setLevel(logging.ERROR)  # no INFO chatter on start and stop
+        if self.scheduler is None and self.tls is None and not _loopback(self.host):
+            raise ValueError(
+                f"a local Dask cluster on {self.host!r} would let anyone who reaches it run code in it (its "
+                "protocol is pickle): give TLS files (dask_tls: ca_file, cert, key; make them with `plexrl certs "
+                "DIR`), or bind 127.0.0.1"
+            )
+        security = self.tls.security() if self.tls is not None else None
+        tls_scheduler = self.scheduler is not None and self.scheduler.startswith("tls://")
+        if tls_scheduler and security is None and dask.config.get("distributed.comm.tls.ca-file", None) is None:
+            raise ValueError(
+                f"scheduler {self.scheduler!r} speaks TLS but no certificates are given: set `dask_tls` "
+                "(ca_file, cert, key), or distributed.comm.tls in Dask's configuration"
+            )
         if self.scheduler is None:
             # Dask's nanny exports MALLOC_TRIM_THRESHOLD_ to its workers; glibc then stops adapting its mmap
             # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
@@ -132,7 +257,11 @@ class DaskExecutor:
             # the active memory manager's ReduceReplicas dropped the copy of a job's spec that a worker had
             # fetched, so the next node there fetched (and pickled, on both workers' event loops) it again
             dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
-            opts = {"memory_limit": 0, "silence_logs": logging.ERROR}
+            # Dask's comms on `host`; the http servers (the scheduler's dashboard, each worker's /health and
+            # /metrics, plain HTTP even with TLS) on loopback whatever `host` is
+            net: dict[str, Any] = {"host": self.host, "protocol": "tls" if security else "tcp", "security": security}
+            http = f"{LOOPBACK}:0"
+            opts = {"memory_limit": 0, "silence_logs": logging.ERROR, "dashboard_address": http, **net}
             names = [
                 f"service-{i}" + (f"-rank{r}" if r else "") for i in range(self.n_services) for r in range(self.ranks)
             ]
@@ -141,11 +270,14 @@ class DaskExecutor:
                 for name in names
             }
             workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0", **opts}}
-            scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-            self.cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR)
-            self.client = Client(self.cluster)
+            scheduler = {"cls": Scheduler, "options": {"dashboard_address": http, **net}}
+            self.cluster = SpecCluster(
+                workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, security=security
+            )
+            self.client = Client(self.cluster, security=security)
+            log.info("local Dask cluster: scheduler %s, dashboard on 127.0.0.1", self.cluster.scheduler_address)
         else:
-            self.client = Client(self.scheduler)
+            self.client = Client(self.scheduler, security=security)
         # a local cluster: every worker it was given (a service missing at start would never be used)
         self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=120)
         info = self.client.scheduler_info()["workers"]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from plexrl.cluster import ClusterConfig, ServicesConfig
+from plexrl.cluster import ClusterConfig, DaskTLS, ServicesConfig, dask_network_problem
 from plexrl.config import StrictModel, _problem, apply_overrides
 from plexrl.errors import ConfigError, Problem
 
@@ -60,6 +60,21 @@ class ServerConfig(StrictModel):
         "(no worker to lose; for tests and a single small machine).",
     )
     scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (driver: dask).")
+    dask_host: str = Field(
+        "127.0.0.1",
+        description="Interface the local Dask cluster's scheduler, workers and nannies bind (its dashboard stays "
+        "on 127.0.0.1). Anything but loopback needs `dask_tls`.",
+    )
+    dask_tls: DaskTLS | None = Field(
+        None,
+        description="Mutual TLS for the Dask cluster (`plexrl certs DIR` makes the files): needed for a dask_host "
+        "off loopback and for a tls:// scheduler.",
+    )
+    allow_plaintext_scheduler: bool = Field(
+        False,
+        description="Accept a `scheduler` off this machine over plain tcp://. Whoever reaches that scheduler can "
+        "run code on its workers and in this server: only on a network you trust entirely; prefer dask_tls.",
+    )
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
@@ -126,6 +141,15 @@ class ServerConfig(StrictModel):
             raise ValueError("`scheduler` needs `driver: dask`")
         return self
 
+    @model_validator(mode="after")
+    def _dask_network(self) -> ServerConfig:
+        if self.driver == "dask":
+            tls, plain = self.dask_tls is not None, self.allow_plaintext_scheduler
+            problem = dask_network_problem(self.dask_host, self.scheduler, tls, plain)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
     def checkpoints(self) -> Path:
         """The checkpoint directory, resolved."""
         return Path(self.checkpoint_dir or Path(self.journal).parent / "checkpoints").resolve()
@@ -136,7 +160,8 @@ class ServerConfig(StrictModel):
 
     def cluster(self) -> ClusterConfig:
         """The equivalent cluster config (no jobs), for `plexrl.cluster.make_runner`."""
-        fields = ("driver", "scheduler", "cpu_threads", "services", "placement", "max_load", "ordering", "lookahead")
+        fields: tuple[str, ...] = ("driver", "scheduler", "cpu_threads", "services", "placement", "max_load")
+        fields += ("ordering", "lookahead", "dask_host", "dask_tls", "allow_plaintext_scheduler")
         values: dict[str, Any] = {f: getattr(self, f) for f in fields}
         return ClusterConfig.model_construct(
             name="server", run_dir=self.run_dir, validate_state=self.validate_state, mlflow=False, jobs=[], **values

@@ -15,6 +15,18 @@ Contract:
   their attempt number), and those after the checkpoint are run again.
 - Thread-safe: one connection guarded by a lock (the HTTP handlers, the runner thread and the preparation
   thread all write). Reads take the same lock; a read is a few indexed rows.
+- One owner: a `Journal` holds an exclusive `flock` on `<journal>.lock` (next to the file, which records the
+  owner's pid, host and start time) from opening to `close()`; the kernel releases it when the process dies,
+  even by kill -9. A second `Journal` on the same file, in this process or another, raises `JournalError`
+  naming the owner: two servers on one journal would each recover and run the other's jobs.
+- A file that is not a readable journal (not sqlite, truncated or damaged, another program's tables, a
+  newer version) raises `JournalError` at opening, with what to do; nothing is written to it.
+- `done` means every iteration is recorded: `finish(job, "done")` checks that the current attempt journalled
+  iterations `start..iterations-1` (`start`: 0, or the iteration after the checkpoint that attempt resumed
+  from, i.e. the latest checkpoint journalled by an earlier attempt). If any is missing, the job is recorded
+  `failed` instead, with a reason naming the missing iterations (and `finish` still returns True). It is
+  not raised: `finish` runs on the runner thread, where an exception stops the whole server for every job,
+  while a failed job is consistent (terminal, with its recorded iterations) and its user can resubmit it.
 
 What it does NOT do: it keeps no model weights or optimizer state (a checkpoint is a file; the journal keeps
 its path once it is written and fsynced), and no MLflow data (the journal keeps the run id).
@@ -22,7 +34,12 @@ its path once it is written and fsynced), and no MLflow data (the journal keeps 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
+import os
+import socket
 import sqlite3
 import threading
 import time
@@ -79,10 +96,20 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, seq);
 """
 VERSION = 1
+COLUMNS: dict[str, set[str]] = {  # what this version reads (a journal may have more, never fewer)
+    "jobs": {
+        "seq", "job_id", "name", "user", "config", "status", "reason", "service", "iterations", "iterations_done",
+        "attempt", "submitted_at", "started_at", "finished_at", "tracking", "checkpoint", "checkpoint_iteration",
+    },
+    "events": {"seq", "job_id", "time", "attempt", "kind", "data"},
+}  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 class JournalError(RuntimeError):
-    """An illegal status move, an unknown job, or a journal written by an incompatible version."""
+    """An illegal status move, an unknown job, a journal another server holds, or a file that is not a
+    readable journal of this version."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,17 +165,101 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._owner = self._own()  # before sqlite touches the file: a second owner never reads or writes it
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as exc:
+            self._disown()
+            raise JournalError(
+                f"{self.path}: cannot open the journal ({exc}); check the path and its permissions"
+            ) from None
         self._db.row_factory = sqlite3.Row
+        try:
+            self._open()
+        except (sqlite3.DatabaseError, JournalError) as exc:
+            self._db.close()
+            self._disown()
+            if isinstance(exc, JournalError):
+                raise
+            raise JournalError(
+                f"{self.path} is not a readable PlexRL journal ({exc}): it is damaged (truncated, overwritten) or "
+                "another program's file. Nothing was written to it. Restore it from a backup, or move it away to "
+                "start with an empty journal (its jobs are then forgotten; `sqlite3 FILE .recover` may save rows)"
+            ) from None
+
+    def _open(self) -> None:
+        """Check what is there (reading only), then WAL mode, durable commits, and the schema: created in a new
+        file, checked in an existing one."""
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, VERSION):
+            raise JournalError(
+                f"{self.path}: journal version {version}, this server reads version {VERSION}; run the plexrl "
+                "version that wrote it, or give this server another journal"
+            )
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        foreign = tables - set(COLUMNS) - {"sqlite_sequence"}
+        if version == 0 and foreign:
+            raise JournalError(
+                f"{self.path} is not a PlexRL journal (it holds the tables {', '.join(sorted(foreign))}); point "
+                "`journal` at a new file, or at the journal.db a PlexRL server wrote"
+            )
+        check = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]  # reads every page once
+        if check != "ok":
+            raise sqlite3.DatabaseError(check)
+        if version == VERSION:
+            self._check_columns()
         mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise JournalError(f"{self.path}: sqlite refused WAL mode (got {mode!r}); put the journal on a local disk")
         self._db.execute("PRAGMA synchronous=FULL")
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, VERSION):
-            raise JournalError(f"{self.path}: journal version {version}, this server reads version {VERSION}")
         if version == 0:  # a new journal (IF NOT EXISTS: a crash half-way through is repaired next time)
             self._db.executescript(SCHEMA + f"PRAGMA user_version={VERSION};")
+            self._check_columns()  # (tables of ours left by such a crash, or by another program)
+
+    def _check_columns(self) -> None:
+        for table, needed in COLUMNS.items():
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if not needed <= have:
+                missing = ", ".join(sorted(needed - have))
+                raise JournalError(
+                    f"{self.path}: the table {table!r} lacks {missing}: not a journal of this version "
+                    f"({VERSION}); restore it from a backup or give this server another journal"
+                )
+
+    def _own(self) -> int:
+        """Take the journal's lock file (see the module docstring); returns its descriptor."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise JournalError(
+                f"{self.path}: cannot create its lock file {lock} ({exc}); check the permissions"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if not isinstance(exc, BlockingIOError):
+                os.close(fd)
+                raise JournalError(
+                    f"{self.path}: cannot lock {lock} ({exc}); put the journal on a local disk"
+                ) from None
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "a process that did not say"
+            os.close(fd)
+            raise JournalError(
+                f"the journal {self.path} is in use by another PlexRL server ({holder}); a journal has one owner. "
+                "Stop that server first (SIGTERM or Ctrl-C; the new one then resumes its unfinished jobs), or give "
+                "this one another journal (--set journal=PATH)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode(), 0)
+        return fd
+
+    def _disown(self) -> None:
+        if self._owner >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._owner, fcntl.LOCK_UN)
+            os.close(self._owner)
+            self._owner = -1
 
     # -- writes (each one transaction, committed before returning) --------------------------------------
     def submit(self, name: str, config: dict[str, Any], iterations: int, user: str = "") -> JobEntry:
@@ -219,12 +330,23 @@ class Journal:
             self._db.execute("UPDATE jobs SET reason = ? WHERE job_id = ? AND status = 'queued'", (reason, job_id))
 
     def finish(self, job_id: str, status: JobState, reason: str = "") -> bool:
-        """Record a terminal status; False (nothing written) if the job had already ended."""
+        """Record a terminal status; False (nothing written) if the job had already ended. `done` with an
+        iteration of the current attempt missing is recorded as `failed` (see the module docstring)."""
         if status not in TERMINAL:
             raise JournalError(f"finish({job_id!r}, {status!r}): not a terminal status ({sorted(TERMINAL)})")
         with self._lock, self._tx():
-            if self._get(job_id).finished:
+            entry = self._get(job_id)
+            if entry.finished:
                 return False
+            if status == "done":
+                missing = self._missing(entry)
+                if missing:
+                    status = "failed"
+                    reason = (
+                        f"reported done, but iteration(s) {_spans(missing)} of attempt {entry.attempt} are not in "
+                        "the journal, so it is not recorded done; resubmit it"
+                    ) + (f" ({reason})" if reason else "")
+                    log.error("job %s: %s", job_id, reason)
             self._move(job_id, status, {"reason": reason})
             self._db.execute(
                 "UPDATE jobs SET reason = ?, finished_at = ? WHERE job_id = ?", (reason, self.clock(), job_id)
@@ -299,8 +421,10 @@ class Journal:
         ]
 
     def close(self) -> None:
+        """Close the database, then release the lock file: another server may open the journal now."""
         with self._lock:
             self._db.close()
+            self._disown()
 
     # -- internals (called with the lock held) ----------------------------------------------------------
     def _tx(self) -> Any:
@@ -320,6 +444,22 @@ class Journal:
             r["finished_at"], json.loads(r["tracking"]), r["checkpoint"], r["checkpoint_iteration"],
         )  # fmt: skip
 
+    def _missing(self, entry: JobEntry) -> list[int]:
+        """Iterations the current attempt should have journalled and did not: from 0, or after the checkpoint
+        it resumed from (the latest one journalled by an earlier attempt), to `iterations - 1`."""
+        row = self._db.execute(
+            "SELECT data FROM events WHERE job_id = ? AND kind = 'checkpoint' AND attempt < ? "
+            "ORDER BY seq DESC LIMIT 1",
+            (entry.job_id, entry.attempt),
+        ).fetchone()
+        start = 0 if row is None else int(json.loads(row["data"])["iteration"]) + 1
+        rows = self._db.execute(
+            "SELECT data FROM events WHERE job_id = ? AND kind = 'iteration' AND attempt = ?",
+            (entry.job_id, entry.attempt),
+        ).fetchall()
+        recorded = {int(json.loads(r["data"])["iteration"]) for r in rows}
+        return [i for i in range(start, entry.iterations) if i not in recorded]
+
     def _move(self, job_id: str, new: str, data: dict[str, Any]) -> JobEntry:
         entry = self._get(job_id)
         kind = TRANSITIONS.get((entry.status, new))
@@ -338,6 +478,17 @@ class Journal:
             "INSERT INTO events (job_id, time, attempt, kind, data) VALUES (?, ?, ?, ?, ?)",
             (job_id, now, attempt, kind, json.dumps(data)),
         )
+
+
+def _spans(numbers: list[int]) -> str:
+    """Sorted integers as spans: [0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 class _Transaction:
