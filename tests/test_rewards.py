@@ -1,0 +1,244 @@
+"""Rewards (plexrl/rewards.py): built-ins, the weighted sum, user rewards by dotted path with a time limit."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+import plexrl.rewards as rewards_mod
+from plexrl.data.config import DataConfig, RewardTerm
+from plexrl.errors import ConfigError
+from plexrl.rewards import (
+    BUILTINS,
+    ChoiceParams,
+    ExactParams,
+    FormatParams,
+    MathParams,
+    NumericParams,
+    RegexParams,
+    batched_reward,
+    build_reward,
+    call_with_timeout,
+    stuck_threads,
+)
+from plexrl.roles import allowed_modules, declare
+
+# ---- user rewards, named below as `test_rewards:<name>` (this file is importable from tests/) -------------
+
+RELEASE = threading.Event()  # lets a hanging reward return when its test ends
+CALLS: list[str] = []
+
+
+@declare("reward")
+def length_bonus(
+    prompt: str, response: str, ground_truth: str, extra: dict[str, Any], *, per_char: float = 0.1
+) -> float:
+    CALLS.append(prompt)
+    return per_char * len(response) + (1.0 if extra.get("bonus") else 0.0)
+
+
+@declare("reward")
+def parts(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> dict[str, float]:
+    return {"correct": float(response.strip() == ground_truth), "short": -0.5 * (len(response) > 3)}
+
+
+@declare("reward")
+def raises_on_x(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
+    if "x" in response:
+        raise RuntimeError("cannot score x")
+    return 1.0
+
+
+@declare("reward")
+def hangs_on_h(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
+    if "h" in response:
+        RELEASE.wait(60)  # "hangs" until the test releases it (bounded, so no thread outlives the run)
+    return 1.0
+
+
+@declare("reward")
+def not_a_number(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> Any:
+    return {"nan": float("nan")} if response == "nan" else "one"
+
+
+@batched_reward
+def batch_equal(
+    prompts: list[str], responses: list[str], truths: list[str], extras: list[dict[str, Any]]
+) -> list[float]:
+    return [float(r == t) for r, t in zip(responses, truths, strict=True)]
+
+
+@batched_reward
+def batch_wrong_length(prompts: list[str], responses: list[str], truths: list[str], extras: list[Any]) -> list[float]:
+    return [1.0]
+
+
+def undeclared(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
+    return 1.0
+
+
+@declare("tool")
+def a_tool() -> None:
+    return None
+
+
+def release_hung() -> None:
+    """Let the hanging reward return, and wait (with a deadline) for its abandoned threads to end."""
+    RELEASE.set()
+    for t in threading.enumerate():
+        if t.name.startswith("plexrl-reward-hangs_on_h"):
+            t.join(10)
+    assert stuck_threads() == 0
+
+
+def terms(*items: dict[str, Any]) -> list[RewardTerm]:
+    return [RewardTerm.model_validate(t) for t in items]
+
+
+# ---- built-ins ---------------------------------------------------------------------------------------------
+
+
+def test_math_and_numeric_on_gsm8k_and_boxed_answers() -> None:
+    responses = ["The total is \\boxed{18}.", "so we get #### 18", "18 or 19, then 20", "\\boxed{\\frac{3}{4}}", ""]
+    truths = ["18", "Janet sells 16 - 3 - 4 = 9 eggs.\n#### 18", "18", "0.75", "1"]
+    assert BUILTINS["math"][1](responses, truths, MathParams()) == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert BUILTINS["numeric"][1](responses, truths, NumericParams()) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert BUILTINS["math"][1](["1"], [None], MathParams()) == [None]
+
+
+def test_exact_regex_choice_format() -> None:
+    assert BUILTINS["exact"][1](["a ", "A"], ["a", "a"], ExactParams()) == [1.0, 0.0]
+    p = RegexParams(pattern=r"<answer>(.*?)</answer>")
+    assert BUILTINS["regex"][1](["<answer> 7 </answer>", "<answer>8</answer>", "7"], ["7", "7", "7"], p) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+    assert BUILTINS["regex"][1](["ANSWER: 7"], ["7"], RegexParams(pattern="answer: (7)", ignore_case=True)) == [1.0]
+    got = BUILTINS["choice"][1](["Answer: B", "(c)", "I think E", "\\boxed{F}"], ["B", "C", "E", "F"], ChoiceParams())
+    assert got == [1.0, 1.0, 0.0, 0.0]  # "I think E" names no choice; F is not a letter of A-E
+    assert BUILTINS["choice"][1](["\\boxed{F}"], ["F"], ChoiceParams(letters="ABCDEF")) == [1.0]
+    assert BUILTINS["format"][1](["x\n**Answer:** 3", "Answer:"], ["", ""], FormatParams()) == [1.0, 0.0]
+    fmt = FormatParams(require="regex", pattern=r"^<think>.*</think>")
+    assert BUILTINS["format"][1](["<think>a</think>4", "4"], ["", ""], fmt) == [1.0, 0.0]
+
+
+def test_builtin_params_are_checked_with_the_field_named() -> None:
+    with pytest.raises(ValidationError, match=r"params\.pattern.*not a valid regex"):
+        RewardTerm(name="regex", params={"pattern": "(unclosed"})
+    with pytest.raises(ValidationError, match=r"params\.patern.*its parameters: pattern, ignore_case"):
+        RewardTerm(name="regex", params={"patern": "x"})
+    with pytest.raises(ValidationError, match=r"params\.pattern exactly when"):
+        RewardTerm(name="format", params={"require": "regex"})
+    with pytest.raises(ValidationError, match="not both"):
+        RewardTerm(name="math", ref="test_rewards:length_bonus")
+    with pytest.raises(ValidationError, match="dotted path"):
+        RewardTerm(ref="os.system")
+    with pytest.raises(ValidationError, match="repeat"):
+        DataConfig(train="t.jsonl", rewards=terms({"name": "math"}, {"name": "math", "weight": 0.5}))
+    assert DataConfig(train="t.jsonl").rewards[0].name == "math"
+
+
+# ---- the weighted sum ----------------------------------------------------------------------------------------
+
+
+def test_weighted_sum_with_components_by_name() -> None:
+    reward = build_reward(
+        terms(
+            {"name": "math"},
+            {"name": "format", "weight": 0.1},
+            {"name": "regex", "label": "tagged", "weight": -1, "params": {"pattern": "<bad>"}},
+        )
+    )
+    out = reward(["", "", ""], ["work\nAnswer: 3", "Answer: 4 <bad>", "3"], ["3", "3", "3"])
+    assert out.components == {"math": [1.0, 0.0, 1.0], "format": [1.0, 1.0, 0.0], "tagged": [0.0, 1.0, 0.0]}
+    assert out.total == pytest.approx([1.1, -0.9, 1.0])
+    assert out.correct == [True, False, True]  # the first term
+    assert out.metrics() == pytest.approx(
+        {"reward/math": 2 / 3, "reward/format": 2 / 3, "reward/tagged": 1 / 3, "reward_errors": 0, "reward_timeouts": 0}
+    )
+    assert reward.labels == ["math", "format", "tagged"]
+    with pytest.raises(ValueError, match="one of each per row"):
+        reward([""], ["a", "b"], ["a", "b"])
+
+
+# ---- user rewards ---------------------------------------------------------------------------------------
+
+
+def test_user_reward_per_row_gets_prompt_extra_and_params() -> None:
+    CALLS.clear()
+    reward = build_reward(terms({"ref": "test_rewards:length_bonus", "params": {"per_char": 0.5}}))
+    out = reward(["p0", "p1"], ["ab", "abcd"], ["x", "y"], [{}, {"bonus": True}])
+    assert out.total == [1.0, 3.0] and out.components == {"length_bonus": [1.0, 3.0]}
+    assert CALLS == ["p0", "p1"]
+
+
+def test_user_reward_dict_components_and_batched() -> None:
+    reward = build_reward(terms({"ref": "test_rewards:parts", "weight": 2}, {"ref": "test_rewards:batch_equal"}))
+    out = reward(["", ""], ["7", "seven"], ["7", "7"])
+    assert out.components["parts"] == [1.0, -0.5]
+    assert out.components["parts/correct"] == [1.0, 0.0] and out.components["parts/short"] == [0.0, -0.5]
+    assert out.components["batch_equal"] == [1.0, 0.0]
+    assert out.total == [3.0, -1.0]
+    assert "reward/parts/correct" in out.metrics()
+
+
+def test_a_raising_reward_scores_zero_and_is_counted() -> None:
+    reward = build_reward(terms({"ref": "test_rewards:raises_on_x"}, {"ref": "test_rewards:batch_wrong_length"}))
+    out = reward(["", "", ""], ["a", "x", "b"], ["", "", ""])
+    assert out.components["raises_on_x"] == [1.0, 0.0, 1.0]
+    assert out.components["batch_wrong_length"] == [0.0, 0.0, 0.0]
+    assert out.errors == 1 + 3 and out.timeouts == 0
+    assert out.metrics()["reward_errors"] == 4.0
+    out = build_reward(terms({"ref": "test_rewards:not_a_number"}))(["", ""], ["nan", "1"], ["", ""])
+    assert out.total == [0.0, 0.0] and out.errors == 2
+
+
+def test_a_hanging_reward_times_out_scores_zero_and_is_counted() -> None:
+    RELEASE.clear()
+    try:
+        reward = build_reward(terms({"ref": "test_rewards:hangs_on_h", "timeout_s": 0.05}))
+        out = reward(["", "", ""], ["a", "h", "b"], ["", "", ""])
+        assert out.components["hangs_on_h"] == [1.0, 0.0, 1.0]
+        assert out.timeouts == 1 and out.errors == 0
+        assert out.metrics()["reward_timeouts"] == 1.0
+        assert stuck_threads() >= 1  # abandoned, still waiting
+    finally:
+        release_hung()
+
+
+def test_too_many_stuck_threads_refuse_new_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    RELEASE.clear()
+    try:
+        monkeypatch.setattr(rewards_mod, "MAX_STUCK", stuck_threads() + 1)
+        assert call_with_timeout(hangs_on_h, ("", "h", "", {}), {}, 0.05) == ("timeout", None)
+        called = threading.Event()
+        status, _ = call_with_timeout(called.set, (), {}, 5.0)
+        assert status == "timeout" and not called.is_set()  # refused without running
+    finally:
+        release_hung()
+    assert call_with_timeout(lambda: 3, (), {}, 5.0) == ("ok", 3)
+
+
+def test_undeclared_or_disallowed_refs_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data\.rewards\[0\]\.ref.*not a declared reward.*declare\(\"reward\"\)"):
+        build_reward(terms({"ref": "test_rewards:undeclared"}))
+    with pytest.raises(ConfigError, match="not a declared reward"):
+        build_reward(terms({"ref": "test_rewards:a_tool"}))  # declared, for another role
+    with pytest.raises(ConfigError, match=r"data\.rewards\[1\]\.ref.*cannot import"):
+        build_reward(terms({"name": "math"}, {"ref": "no_such_module_xyz:fn"}))
+    with allowed_modules(["mypkg"]), pytest.raises(ConfigError, match="outside the allowed modules"):
+        build_reward(terms({"ref": "test_rewards:length_bonus"}))
+    with allowed_modules(["test_rewards"]):
+        assert build_reward(terms({"ref": "test_rewards:length_bonus"})).labels == ["length_bonus"]
+
+
+def test_reward_pickles_as_its_terms() -> None:
+    reward = build_reward(terms({"name": "math"}, {"ref": "test_rewards:batch_equal", "weight": 0.5}))
+    back = pickle.loads(pickle.dumps(reward))
+    assert back.terms == reward.terms
+    assert back(["", ""], ["\\boxed{2}", "3"], ["2", "2"]).total == [1.0, 0.0]
