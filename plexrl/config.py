@@ -27,6 +27,28 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LoRAConfig(StrictModel):
+    """Train a low-rank adapter (peft LoRA) instead of every weight: the job's state is the adapter and its
+    optimizer; the base is loaded once per service and shared read-only by every LoRA job on it
+    (plexrl/engines/lora.py). Rollouts run on the torch engine."""
+
+    r: int = Field(16, ge=1, le=1024, description="Rank of the adapter's matrices.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input. It draws from the global RNG: above 0, a job's metrics under "
+        "multiplexing are no longer exactly those it has alone.",
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the linear layers that get an adapter (Llama-family names: q_proj, k_proj, v_proj, "
+        "o_proj, gate_proj, up_proj, down_proj).",
+    )
+
+
 class ModelConfig(StrictModel):
     """A small Llama-architecture model built locally (no hub): sizes, or `path` to an existing HF dir."""
 
@@ -45,6 +67,9 @@ class ModelConfig(StrictModel):
         None,
         description="A real pretrained model by short name, shipped in a package and converted once into a local "
         "cache (plexrl/pretrained.py): smollm2-135m-instruct. Instead of `path` and the size fields.",
+    )
+    lora: LoRAConfig | None = Field(
+        None, description="Train a LoRA adapter over a shared, frozen base instead of the whole model (None: full)."
     )
 
     @model_validator(mode="after")
@@ -188,7 +213,7 @@ class TrackingConfig(StrictModel):
     variable MLFLOW_TRACKING_URI, or `uri`, overrides it."""
 
     mlflow: bool = Field(True, description="Log params, metrics and artifacts to MLflow.")
-    experiment: str = Field("plexrl", description="MLflow experiment name.")
+    experiment: str = Field("plexrl", min_length=1, description="MLflow experiment name.")
     uri: str | None = Field(None, description="Tracking URI; default sqlite:///<run_dir>/mlflow.db.")
     log_model: bool = Field(True, description="Log the final model as an artifact.")
     progress: bool = Field(True, description="Show a progress bar on the terminal.")
@@ -416,6 +441,8 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
                 "point it at one, or remove model.path to build a model locally",
             )
         )
+    if config is not None and config.model.lora is not None:
+        problems += lora_problems(config, graph)
     if config is not None and config.engine == "vllm" and not any(p.where.startswith("model") for p in problems):
         why = vllm_problem(config.model)
         if why:
@@ -423,6 +450,21 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
     if problems or config is None or graph is None:
         raise ConfigError(problems, name)
     return LoadedJob(config, graph, raw, name)
+
+
+def lora_problems(config: JobConfig, graph: PipelineGraph | None) -> list[Problem]:
+    """What a LoRA job cannot do yet: generate on vLLM, or train a critic."""
+    problems = []
+    if config.engine == "vllm":
+        problems.append(
+            Problem("engine", "a LoRA job generates on the torch engine (vLLM adapters are not wired yet); set auto")
+        )
+    critic = [n.name for n in (graph.nodes if graph else []) if n.operator.name in ("value_estimate", "train_critic")]
+    if critic:
+        problems.append(
+            Problem("model.lora", f"a LoRA job has no critic; nodes {critic} need one: use a pipeline without it")
+        )
+    return problems
 
 
 def chunk_problems(chunks: dict[str, int], graph: PipelineGraph) -> list[Problem]:

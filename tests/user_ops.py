@@ -51,3 +51,11 @@ def flaky_length_penalty(
     if RUNS[key] <= fail_runs:
         raise ConnectionError(f"transient fault, run {RUNS[key]} of iteration {ctx.iteration}")
     return Rewards(values=rewards.values - per_token * rollouts.response_lengths.float(), correct=rewards.correct)
+
+
+@operator(placement="cpu")
+def first_token_parity(rollouts: Rollouts, rewards: Rewards) -> Rewards:
+    """1 where the response's first token id is even: a learnable signal for a random model with a large
+    vocabulary (which never samples eos, so lengths never vary)."""
+    first = rollouts.input_ids[:, rollouts.prompt_len]
+    return Rewards(values=(first % 2 == 0).float(), correct=rewards.correct)

@@ -30,8 +30,10 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def _cache_kw(model: Any) -> str:
-    """transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`. A peft wrapper (a
+    LoRA job's shared base) forwards its keywords to the model it wraps: that model's name counts."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def _copy_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -54,6 +56,8 @@ def _optimize(
     loss, stats = loss_fn(minibatch, *forward(minibatch)). Returns the mean stats (plus `loss` and the
     pre-clip `grad_norm`) and the number of steps."""
     model.train()
+    # clip over what this optimizer steps: a LoRA job's model also holds other jobs' adapters
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     bounds = torch.linspace(0, batch["input_ids"].shape[0], minibatches + 1).long().tolist()
     totals: dict[str, float] = {}
     steps = 0
@@ -65,11 +69,12 @@ def _optimize(
             loss, stats = loss_fn(mb, *forward(mb))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
             for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
+    optimizer.zero_grad(set_to_none=True)  # no gradient outlives the step: a swapped-out state leaves nothing
     model.eval()
     return {k: v / max(steps, 1) for k, v in totals.items()}, steps
 

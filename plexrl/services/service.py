@@ -113,6 +113,7 @@ class Service:
         self.jobs: dict[str, JobSpec] = {}
         self.engines: dict[str, Any] = {}
         self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
+        self.bases: dict[str, Any] = {}  # shared LoRA bases by base key (plexrl/engines/lora.py)
         self.states: dict[str, sw.Placement] = {}
         self.stats = SwapStats()
         self._lock = threading.Lock()  # stats
@@ -128,14 +129,18 @@ class Service:
         from plexrl.engines.torch_engine import TorchEngine
 
         tok = job.tokenizer
-        engine = TorchEngine(
-            job.model_path,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            device=str(self.device),
-            with_reference=uses_reference(job.graph),
-            attention=job.config.model.attention,
-        )
+        engine: Any
+        if job.config.model.lora is not None:
+            engine = self._lora_engine(job)
+        else:
+            engine = TorchEngine(
+                job.model_path,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+                device=str(self.device),
+                with_reference=uses_reference(job.graph),
+                attention=job.config.model.attention,
+            )
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
         if job.generation == "vllm":
@@ -146,6 +151,22 @@ class Service:
         if tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
+
+    def _lora_engine(self, job: JobSpec) -> Any:
+        """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
+        freed with the last LoRA job on it; plexrl/engines/lora.py)."""
+        from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
+
+        lora = job.config.model.lora
+        assert lora is not None
+        key = base_key(job.model_path)
+        if key not in self.bases:
+            self.bases[key] = SharedBase(job.model_path, self.device, job.config.model.attention)
+        tok = job.tokenizer
+        return LoRAEngine(
+            self.bases[key], job.job_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, r=lora.r,
+            alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.target_modules), seed=job.config.seed,
+        )  # fmt: skip
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
         """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use)."""
@@ -322,8 +343,13 @@ class Service:
         state = self.states.pop(job_id, None)
         if state is not None and state.disk is not None:
             state.disk.unlink(missing_ok=True)
-        self.engines.pop(job_id, None)
+        engine = self.engines.pop(job_id, None)
         self.jobs.pop(job_id, None)
+        if engine is not None and hasattr(engine, "shared"):  # a LoRA job: its adapter leaves the shared base
+            engine.release()
+            for key, base in list(self.bases.items()):
+                if base.unused:
+                    del self.bases[key]
         self._drop_generators()
 
     def close(self) -> None:
