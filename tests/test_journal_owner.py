@@ -1,7 +1,7 @@
 """The journal has one owner and means what it says: a second `Journal` (or `plexrl serve`) on a journal in use
 is refused, naming the owner; a file that is not a readable journal is a clear `JournalError` (and `plexrl
 serve` prints it without a traceback); a job is recorded `done` only with every iteration of its attempt in
-the journal (from its resume checkpoint on)."""
+the journal (from its resume checkpoint on). The last test runs two real `plexrl serve` processes."""
 
 from __future__ import annotations
 
@@ -176,3 +176,32 @@ def test_done_is_recorded_only_with_every_iteration_of_the_attempt(tmp_path: Pat
     a = j.get(again.job_id)
     assert a is not None and a.status == "failed" and "iteration(s) 2 of attempt 2" in a.reason
     j.close()
+
+
+def test_a_second_plexrl_serve_on_the_same_journal_exits_and_leaves_the_first_running(tmp_path: Path) -> None:
+    import signal
+
+    from plexrl.server.client import Client
+
+    args = [sys.executable, "-m", "plexrl.cli", "serve", "--port", "0", "--set", "driver=local"]
+    args += ["--set", "mlflow=false", "--set", "journal=runs/journal.db", "--set", "run_dir=runs"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert first.stdout is not None
+        line = first.stdout.readline()  # the server prints this line once it listens (or exits: "")
+        assert line.startswith("PlexRL server listening on http://127.0.0.1:"), line
+        second = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+        assert second.returncode == 2, (second.stdout, second.stderr)
+        assert f"is in use by another PlexRL server (pid {first.pid} on " in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr and "listening" not in second.stdout
+        assert Client(line.split()[4]).jobs() == []  # the first one still answers
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(120) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(60)
+        if first.stdout is not None:
+            first.stdout.close()
+    Journal(tmp_path / "runs" / "journal.db").close()  # released when the first one stopped
