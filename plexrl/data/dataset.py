@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.data.config import DataConfig
-from plexrl.data.files import DataError, Row, RowSource, data_problem, file_key, open_rows, save_npy
+from plexrl.data.files import open_rows
+from plexrl.data.rows import DataError, Row, RowSource, data_problem, file_key, save_npy
 
 log = logging.getLogger(__name__)
 

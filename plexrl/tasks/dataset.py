@@ -7,8 +7,9 @@ It fits what the operators expect of a task:
 - `task.train` / `task.held_out`: sized, indexable (ints and slices) sequences of `DatasetProblem`, each
   read from its file and rendered when it is indexed: `prompt` (the text after the chat template),
   `prompt_ids` (its token ids: no special tokens added after a template), `answer` (the ground truth);
-- `task.verify(completions, answers)`: the FIRST reward term's scores (1.0 or 0.0), so `verify` (its
-  correct / wrong rewards) and `evaluate` (held-out accuracy) work as for the generated tasks;
+- `task.verify(completions, answers)`: the FIRST reward term's verdict (1.0 where it scored 1, else 0.0; a
+  user reward there gets an empty prompt and `{}`), so `verify` (its correct / wrong rewards) and `evaluate`
+  (held-out accuracy) work as for the generated tasks;
 - `task.score(completions, answers, rows=..., split=...)`: the whole weighted reward with its components
   and failure counts (`RewardResult`); with `rows` (the prompts' positions in the split) a user reward also
   gets each row's rendered prompt and extra fields, without them an empty prompt and `{}`.
@@ -33,8 +34,8 @@ from typing import Any, ClassVar, Literal, overload
 
 from plexrl.data.config import DataConfig
 from plexrl.data.dataset import FileDataset, Split, open_dataset
-from plexrl.data.files import Row
 from plexrl.data.prompts import has_chat_template, prompt_ids, render_prompt
+from plexrl.data.rows import Row
 from plexrl.rewards import Reward, RewardResult, build_reward
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class DatasetTask:
     train: DatasetView
     held_out: DatasetView
     reward: Reward
+    accuracy: Reward  # the reward's first term alone: what `verify` computes
     dropped: dict[str, int] = field(default_factory=dict)
     max_answer_chars: int = 256  # what a check of held-out accuracy lets the model write (no warm start here)
 
@@ -157,7 +159,7 @@ class DatasetTask:
 
     def verify(self, completions: list[str], answers: list[str]) -> list[float | None]:
         """The first reward term's verdict per completion: 1.0 when it scored 1, else 0.0."""
-        result = self.score(completions, answers)
+        result = self.accuracy([""] * len(completions), list(completions), list(answers))
         return [1.0 if ok else 0.0 for ok in result.correct]
 
     def score(
@@ -207,7 +209,8 @@ def make_dataset_task(
     if len(data.held_out) == 0:
         log.warning("data: no held-out rows (set data.held_out or data.held_out_fraction to evaluate)")
     log.info("data: %d train rows, %d held-out rows from %s", len(data.train), len(data.held_out), cfg.train)
-    return DatasetTask(DatasetView(data.train, renderer), DatasetView(data.held_out, renderer), reward, data.dropped)
+    train, held_out = DatasetView(data.train, renderer), DatasetView(data.held_out, renderer)
+    return DatasetTask(train, held_out, reward, build_reward(cfg.rewards[:1]), data.dropped)
 
 
 __all__ = ["DatasetProblem", "DatasetTask", "DatasetView", "PromptRenderer", "load_tokenizer", "make_dataset_task"]
