@@ -367,3 +367,38 @@ def test_dataset_task_feeds_the_operators(tmp_path: Path, tok_dir: Path) -> None
     assert result.total == [1.0] and result.metrics()["reward/math"] == 1.0
     with pytest.raises(ValueError, match=r"warm_start\.enabled: false"):
         task.demonstration(p, False)
+
+
+def test_rollout_verify_and_evaluate_run_on_a_dataset_task(tmp_path: Path, tok_dir: Path) -> None:
+    """The existing operators, unchanged, on a tiny Llama with the chat-template tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from operators.data import sample_prompts
+    from operators.evaluate import evaluate
+    from operators.rollout import rollout
+    from operators.verify import verify
+    from plexrl.engines.torch_engine import TorchEngine
+    from plexrl.models import model_construction
+    from plexrl.operator import OpContext
+    from plexrl.tasks.dataset import load_tokenizer
+
+    tok = load_tokenizer(str(tok_dir))
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    config = LlamaConfig(vocab_size=len(tok), num_key_value_heads=2, max_position_embeddings=64, **sizes, **ids)
+    with model_construction(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(str(tmp_path / "model"))
+    special = special_ids(tmp_path / "model", tok)  # generation_config.json, written by save_pretrained
+    engine = TorchEngine(tmp_path / "model", eos_id=special.eos[0], pad_id=special.pad, attention="eager")
+    path = write_verl_parquet(tmp_path / "train.parquet", 8)
+    task = make_dataset_task(DataConfig(train=str(path), held_out_fraction=0.25), tok, cache_dir=tmp_path / "c")
+    ctx = OpContext(job_id="j", iteration=0, node="n", job_seed=0, task=task, tokenizer=tok, engine=engine)
+    prompts = sample_prompts.fn(ctx, batch_size=2)
+    rollouts = rollout.fn(prompts, ctx, n=2, max_new_tokens=3)
+    assert len(rollouts) == 4 and rollouts.answers == [a for a in prompts.answers for _ in range(2)]
+    rewards = verify.fn(rollouts, ctx)
+    assert rewards.values.shape == (4,)
+    stats = evaluate.fn(ctx, size=2, max_new_tokens=3)
+    assert stats.size == 2 and 0.0 <= stats.accuracy <= 1.0

@@ -242,3 +242,23 @@ def test_reward_pickles_as_its_terms() -> None:
     back = pickle.loads(pickle.dumps(reward))
     assert back.terms == reward.terms
     assert back(["", ""], ["\\boxed{2}", "3"], ["2", "2"]).total == [1.0, 0.0]
+
+
+@batched_reward
+def batch_hangs(prompts: list[str], responses: list[str], truths: list[str], extras: list[Any]) -> list[float]:
+    RELEASE.wait(60)
+    return [1.0] * len(responses)
+
+
+def test_a_hanging_batched_reward_times_out_on_every_row() -> None:
+    RELEASE.clear()
+    try:
+        reward = build_reward(terms({"name": "exact"}, {"ref": "test_rewards:batch_hangs", "timeout_s": 0.05}))
+        out = reward(["", ""], ["a", "b"], ["a", "a"])
+        assert out.components["batch_hangs"] == [0.0, 0.0] and out.total == [1.0, 0.0]
+        assert out.timeouts == 2 and out.errors == 0
+    finally:
+        RELEASE.set()
+        for t in threading.enumerate():
+            if t.name.startswith("plexrl-reward-batch_hangs"):
+                t.join(10)
