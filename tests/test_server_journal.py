@@ -72,6 +72,7 @@ def test_recover_requeues_unfinished_jobs_from_scratch(tmp_path: Path) -> None:
     j.placed(running.job_id, "service-0")
     j.iteration(running.job_id, 0, {"x": 1.0})
     j.placed(done.job_id, "service-0")
+    j.iteration(done.job_id, 0, {"x": 1.0})  # `done` needs every iteration in the journal
     j.finish(done.job_id, "done")
     j.placed(interrupted.job_id, "service-1")
     assert j.interrupt(interrupted.job_id, "server stopping")
