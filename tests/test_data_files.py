@@ -402,3 +402,17 @@ def test_rollout_verify_and_evaluate_run_on_a_dataset_task(tmp_path: Path, tok_d
     assert rewards.values.shape == (4,)
     stats = evaluate.fn(ctx, size=2, max_new_tokens=3)
     assert stats.size == 2 and 0.0 <= stats.accuracy <= 1.0
+
+
+def test_a_checked_jsonl_is_not_parsed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import plexrl.data.files as files
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)])
+    first = open_cfg(tmp_path, train=str(path))
+    monkeypatch.setattr(files, "to_row", None)  # the check would call it: it must not run
+    again = files.open_rows(str(path), tmp_path / "cache", ColumnMap())
+    assert len(again) == len(first.train) == 5
+    monkeypatch.undo()
+    assert again.row(4).ground_truth == "4"
+    with pytest.raises(DataError, match="no answer column 'gold'"):  # another mapping: checked again
+        open_cfg(tmp_path, train=str(path), columns={"answer": "gold"})

@@ -23,6 +23,7 @@ changed file gets a new cache key: size, mtime).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,18 @@ class JsonlRows:
 
     @classmethod
     def open(cls, path: Path, cache_dir: Path, mapping: ColumnMap) -> JsonlRows:
-        """Index and check every line of `path` (raises `DataError`), writing the offsets under `cache_dir`."""
+        """Index and check every line of `path` (raises `DataError`), writing the offsets under `cache_dir`; a
+        file already indexed and checked with this column mapping (same size and mtime) is not read again."""
         import numpy as np
 
+        mapped = hashlib.sha256(mapping.model_dump_json().encode()).hexdigest()[:8]
+        index = cache_dir / f"{path.stem}-{file_key(path)}-{mapped}.offsets.npy"
+        if index.is_file():
+            offsets_done = np.load(index, mmap_mode="r")
+            with path.open("rb") as fh:
+                fh.seek(int(offsets_done[0]))
+                first = json.loads(fh.readline().decode("utf-8"))
+            return cls(path, index, detect_layout(list(first), mapping, path))
         offsets: list[int] = []
         problems: list[Problem] = []
         layout: Layout | None = None
@@ -97,7 +107,6 @@ class JsonlRows:
         raise_problems(problems, path)
         assert layout is not None
         cache_dir.mkdir(parents=True, exist_ok=True)
-        index = cache_dir / f"{path.stem}-{file_key(path)}.offsets.npy"
         save_npy(index, np.asarray(offsets, dtype=np.int64))
         return cls(path, index, layout)
 
