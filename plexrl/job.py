@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -199,9 +200,11 @@ def count_parameters(model_dir: Path) -> int:
     return total
 
 
-def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobSpec:
-    """Generate the task and build (or load from cache) the warm-started model of a validated job."""
-    from plexrl.models import prepare_model
+def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None) -> JobSpec:
+    """Generate the task and build (or load from cache) the warm-started model of a validated job.
+    `cancel` (a server's: set when the job is cancelled or the server stops) is checked between the stages and
+    between warm-start steps; once set, `plexrl.models.PreparationCancelled` is raised."""
+    from plexrl.models import check_cancelled, prepare_model
     from plexrl.tasks import make_task
 
     cfg = loaded.config
@@ -209,8 +212,10 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None) -> JobSpec:
     if problems:  # `load_job` finds them first; a LoadedJob built otherwise is checked here
         raise ConfigError(problems, loaded.source)
     run_dir = Path(cfg.run_dir).resolve()
+    check_cancelled(cancel, "the preparation")
     task = make_task(cfg.task)
-    prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir)
+    check_cancelled(cancel, "the preparation (after the task's data)")
+    prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel)
     log.info(
         "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
         prepared.path,

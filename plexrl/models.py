@@ -1,6 +1,26 @@
 """A small Llama-architecture model and a character tokenizer, built locally (nothing is downloaded),
 saved in standard Hugging Face format (safetensors + tokenizer files) so any engine (torch, vLLM) loads it,
 plus a supervised warm start. Both are cached under `<run_dir>/cache/<key>/` keyed by their configs.
+
+Concurrency contract (a server prepares jobs on a pool of threads while its runner thread loads jobs onto
+in-process services):
+- `model_construction()` is THE process-wide lock around building or loading a torch model. transformers'
+  model init patches process-global state (the `torch.nn.init` functions, the init-empty-weights / meta-device
+  context, the default dtype) and restores it afterwards; two constructions overlapping in threads restore
+  each other's patches and leave the process building meta tensors for good ("Cannot copy out of meta
+  tensor"). Every construction in this process takes it: `build_model`, the warm start's engine, and the
+  in-process executor's loads and service nodes (`runtime/inline.py`). It is held for the construction only,
+  never for a warm start's training steps. This module's first imports of transformers take it too (two
+  threads resolving transformers' lazy attributes at once can fail with "cannot import name").
+- One preparation at a time per cache directory (`_cache_lock`): two jobs with the same model, task, warm
+  start and seed wait for each other, and the second finds the first's model in the cache.
+- A preparation can be cancelled: `prepare_model` and `warm_start` take `cancel` (an event, set by a user's
+  cancel or the server's stop) and raise `PreparationCancelled` at the next check (between two warm-start
+  steps; while waiting for another preparation of the same cache directory). A cancelled warm start leaves
+  no cache entry (its `plexrl_warm_start.json` is written last), so the next preparation builds it again.
+
+What it does NOT do: lock across processes (two servers sharing a `run_dir` may build the same cache entry at
+once), or interrupt a single warm-start step or evaluation.
 """
 
 from __future__ import annotations
@@ -10,8 +30,10 @@ import json
 import logging
 import math
 import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +46,44 @@ log = logging.getLogger(__name__)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
+_MODEL_LOCK = threading.RLock()  # see the module docstring; re-entrant: a construction may nest another
+_CACHE_LOCKS: dict[Path, threading.Lock] = {}  # cache directory -> its preparation lock
+_CACHE_LOCKS_GUARD = threading.Lock()
+_CANCEL_POLL_S = 0.1  # how often a preparation waiting for another one checks its cancel event
+
+
+class PreparationCancelled(Exception):
+    """A job's preparation (warm start, model build) stopped because its `cancel` event was set: the job was
+    cancelled, or the server is stopping. Not a failure: the server records the cancel (or keeps the job
+    queued for its next start)."""
+
+
+@contextmanager
+def model_construction() -> Iterator[None]:
+    """Hold THE process-wide model-construction lock (see the module docstring) while building or loading a
+    torch / transformers model. Re-entrant."""
+    with _MODEL_LOCK:
+        yield
+
+
+def check_cancelled(cancel: threading.Event | None, what: str) -> None:
+    """Raise `PreparationCancelled` (naming `what` was under way) if `cancel` is set."""
+    if cancel is not None and cancel.is_set():
+        raise PreparationCancelled(f"cancelled during {what}")
+
+
+@contextmanager
+def _cache_lock(root: Path, cancel: threading.Event | None) -> Iterator[None]:
+    """One preparation of the cache directory `root` at a time in this process; waiting checks `cancel`."""
+    with _CACHE_LOCKS_GUARD:
+        lock = _CACHE_LOCKS.setdefault(root, threading.Lock())
+    while not lock.acquire(timeout=_CANCEL_POLL_S):
+        check_cancelled(cancel, f"the wait for another preparation of {root}")
+    try:
+        yield
+    finally:
+        lock.release()
+
 
 def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET, extra_specials: tuple[str, ...] = ()) -> Any:
     """Train a character-level tokenizer on `alphabet` with the `tokenizers` library and save it.
@@ -31,8 +91,9 @@ def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET, extra_specials: tup
     `extra_specials` (e.g. the tool-call tags) become special tokens with ids right after pad, bos, eos:
     one token each, dropped by `decode(..., skip_special_tokens=True)`. Characters outside the alphabet are
     dropped when encoding."""
-    from tokenizers import Tokenizer, decoders, models, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    with model_construction():  # (see `prepare_model`)
+        from tokenizers import Tokenizer, decoders, models, processors, trainers
+        from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     trainer = trainers.BpeTrainer(
@@ -55,14 +116,17 @@ def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET, extra_specials: tup
 
 
 def build_model(cfg: ModelConfig, tokenizer: Any, out_dir: Path, seed: int) -> None:
-    """Build a randomly initialised `LlamaForCausalLM` of the configured size and save it."""
+    """Build a randomly initialised `LlamaForCausalLM` of the configured size and save it (under
+    `model_construction()`; the seed is applied to a forked global RNG, so neither another thread's use of
+    it nor this build changes what the other sees)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+
+    with model_construction():  # (see `prepare_model`)
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden,
@@ -78,7 +142,10 @@ def build_model(cfg: ModelConfig, tokenizer: Any, out_dir: Path, seed: int) -> N
         initializer_range=cfg.init_std,
         dtype="float32",
     )
-    LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    with model_construction(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out_dir))
 
 
 @dataclass(slots=True)
@@ -99,10 +166,18 @@ def cache_key(*parts: Any) -> str:
 
 
 def prepare_model(
-    model_cfg: ModelConfig, task_cfg: TaskConfig, warm: WarmStartConfig, task: Task, seed: int, run_dir: Path
+    model_cfg: ModelConfig,
+    task_cfg: TaskConfig,
+    warm: WarmStartConfig,
+    task: Task,
+    seed: int,
+    run_dir: Path,
+    cancel: threading.Event | None = None,
 ) -> PreparedModel:
-    """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train."""
-    from transformers import PreTrainedTokenizerFast
+    """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train.
+    `cancel`: see the module docstring (raises `PreparationCancelled`)."""
+    with model_construction():  # transformers' lazy first imports are not thread-safe either
+        from transformers import PreTrainedTokenizerFast
 
     if model_cfg.path is not None:
         path = Path(model_cfg.path)
@@ -112,22 +187,24 @@ def prepare_model(
     root = run_dir / "cache" / cache_key(model_cfg, task_cfg, warm, seed)
     final = root / ("warm" if warm.enabled else "base")
     info_file = final / "plexrl_warm_start.json"
-    if info_file.is_file():
-        info = json.loads(info_file.read_text())
-        tok = PreTrainedTokenizerFast.from_pretrained(str(final))
-        return PreparedModel(final, tok, info["accuracy"], info["steps"], info["seconds"], True)
-    start = time.perf_counter()
-    base = root / "base"
-    base.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(base, task.alphabet, task.special_tokens)
-    build_model(model_cfg, tok, base, seed)
-    acc, steps = None, 0
-    if warm.enabled:
-        final.mkdir(parents=True, exist_ok=True)
-        acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg)
-        tok.save_pretrained(str(final))
-    seconds = time.perf_counter() - start
-    info_file.write_text(json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds}))
+    with _cache_lock(root.resolve(), cancel):
+        if info_file.is_file():
+            info = json.loads(info_file.read_text())
+            tok = PreTrainedTokenizerFast.from_pretrained(str(final))
+            return PreparedModel(final, tok, info["accuracy"], info["steps"], info["seconds"], True)
+        check_cancelled(cancel, "the model build")
+        start = time.perf_counter()
+        base = root / "base"
+        base.mkdir(parents=True, exist_ok=True)
+        tok = build_tokenizer(base, task.alphabet, task.special_tokens)
+        build_model(model_cfg, tok, base, seed)
+        acc, steps = None, 0
+        if warm.enabled:
+            final.mkdir(parents=True, exist_ok=True)
+            acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg, cancel)
+            tok.save_pretrained(str(final))
+        seconds = time.perf_counter() - start
+        info_file.write_text(json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds}))
     return PreparedModel(final, tok, acc, steps, seconds, False)
 
 
@@ -217,18 +294,21 @@ def warm_start(
     cfg: WarmStartConfig,
     seed: int,
     model_cfg: ModelConfig,
+    cancel: threading.Event | None = None,
 ) -> tuple[float, int]:
     """Supervised fine-tuning on the train split until held-out greedy accuracy reaches
     `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`. The targets are the task's
     demonstrations (a `task.tool_demo_frac` share of them tool calls), cross-entropy on model-written tokens
-    only: tool output is context, never a label."""
+    only: tool output is context, never a label. `cancel` is checked before every step: once set, raises
+    `PreparationCancelled` and saves nothing."""
     import torch
 
     from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions
 
-    engine = TorchEngine(
-        base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention
-    )
+    with model_construction():
+        engine = TorchEngine(
+            base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention
+        )
     model = engine.policy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=0.0)
     rng = random.Random(seed)
@@ -237,6 +317,7 @@ def warm_start(
     acc, step = 0.0, 0
     decay_from: int | None = None  # the step whose check reached cfg.decay_from_accuracy
     for step in range(1, cfg.max_steps + 1):
+        check_cancelled(cancel, f"the warm start (step {step} of at most {cfg.max_steps})")
         for group in opt.param_groups:
             group["lr"] = warm_start_lr(cfg, step, decay_from)
         batch: list[Any] = rng.sample(task.train, cfg.batch_size)

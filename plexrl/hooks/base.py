@@ -2,9 +2,16 @@
 the timeline, the accounting and progress bars are hooks; operators, the planner and executors never call
 them. Every method is optional.
 
-`HookList` calls each hook in order. A hook that raises is logged and disabled (tracking must not fail a
-job), unless it is `required`: the accounting reads the timeline, so a required hook that raises fails the
-run loudly (`HookFailed`), and the runner closes the open jobs with what they logged.
+`HookList` calls each hook in order. A hook that raises is logged and skipped from then on (tracking must not
+fail a job), unless it is `required`: the accounting reads the timeline, so a required hook that raises fails
+the run loudly (`HookFailed`), and the runner closes the open jobs with what they logged. What is skipped
+depends on what failed:
+- a callback about one job (`on_job_start` ... `on_job_end`): the hook is off for THAT job only (its other
+  callbacks for it are skipped, except `on_job_end`, so that the hook can close what it opened); the error
+  is added to the job's `run.tracking["hook_errors"]`. The hook keeps serving every other job: one job's bad
+  tracking settings (an MLflow experiment that cannot be created) do not end tracking for a server's later
+  jobs;
+- a callback about the whole run (`on_start`, `on_end`, `close`): the hook is off for the rest of the run.
 """
 
 from __future__ import annotations
@@ -82,53 +89,83 @@ class Hook:
 
 
 class HookList(Hook):
+    """The hooks of a run, called in order (see the module docstring for what happens when one raises).
+    Called from the runner's thread only."""
+
     def __init__(self, hooks: list[Hook] | None = None) -> None:
         self.hooks = list(hooks or [])
+        self._off: dict[str, set[int]] = {}  # job id -> id() of the hooks that failed for it (until its end)
 
     def _call(self, name: str, *args: Any) -> None:
         for hook in list(self.hooks):
             try:
                 getattr(hook, name)(*args)
             except Exception as exc:
-                if hook.required:
-                    raise HookFailed(
-                        f"hook {type(hook).__name__}.{name} failed: {type(exc).__name__}: {exc}; the run stops "
-                        "because its accounting depends on this hook"
-                    ) from exc
+                self._required(hook, name, exc)
                 log.exception("hook %s.%s failed; disabling it", type(hook).__name__, name)
-                self.hooks.remove(hook)
+                if hook in self.hooks:
+                    self.hooks.remove(hook)
+
+    def _call_job(self, name: str, run: JobRun, *args: Any, end: bool = False) -> None:
+        """A per-job callback: a hook that raises is off for `run` only (`on_job_end` still reaches it)."""
+        off = self._off.get(run.job_id, set())
+        for hook in list(self.hooks):
+            if id(hook) in off and not end:
+                continue
+            try:
+                getattr(hook, name)(run, *args)
+            except Exception as exc:
+                self._required(hook, name, exc)
+                what = f"{type(hook).__name__}.{name}"
+                log.exception("hook %s failed for job %s; it is off for that job, on for the others", what, run.job_id)
+                run.tracking.setdefault("hook_errors", []).append(f"{what}: {type(exc).__name__}: {exc}")
+                if not end:
+                    off = self._off.setdefault(run.job_id, off)
+                    off.add(id(hook))
+
+    @staticmethod
+    def _required(hook: Hook, name: str, exc: Exception) -> None:
+        if hook.required:
+            raise HookFailed(
+                f"hook {type(hook).__name__}.{name} failed: {type(exc).__name__}: {exc}; the run stops "
+                "because its accounting depends on this hook"
+            ) from exc
 
     def on_start(self, time: float) -> None:
         self._call("on_start", time)
 
     def on_job_start(self, run: JobRun) -> None:
-        self._call("on_job_start", run)
+        self._off.pop(run.job_id, None)  # (a job submitted again under its name starts with every hook)
+        self._call_job("on_job_start", run)
 
     def before_node(self, run: JobRun, iteration: int, node: str, lane: str, start: float) -> None:
-        self._call("before_node", run, iteration, node, lane, start)
+        self._call_job("before_node", run, iteration, node, lane, start)
 
     def after_node(
         self, run: JobRun, iteration: int, node: str, lane: str, start: float, end: float, metrics: dict[str, float]
     ) -> None:
-        self._call("after_node", run, iteration, node, lane, start, end, metrics)
+        self._call_job("after_node", run, iteration, node, lane, start, end, metrics)
 
     def on_swap(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
-        self._call("on_swap", run, lane, start, end, nbytes)
+        self._call_job("on_swap", run, lane, start, end, nbytes)
 
     def on_load(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
-        self._call("on_load", run, lane, start, end, nbytes)
+        self._call_job("on_load", run, lane, start, end, nbytes)
 
     def on_weight_load(self, run: JobRun, lane: str, kind: str, start: float, end: float, nbytes: int) -> None:
-        self._call("on_weight_load", run, lane, kind, start, end, nbytes)
+        self._call_job("on_weight_load", run, lane, kind, start, end, nbytes)
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
-        self._call("on_iteration_end", run, iteration, metrics)
+        self._call_job("on_iteration_end", run, iteration, metrics)
 
     def on_checkpoint(self, run: JobRun, iteration: int, path: Path, error: str | None) -> None:
-        self._call("on_checkpoint", run, iteration, path, error)
+        self._call_job("on_checkpoint", run, iteration, path, error)
 
     def on_job_end(self, run: JobRun) -> None:
-        self._call("on_job_end", run)
+        try:
+            self._call_job("on_job_end", run, end=True)
+        finally:
+            self._off.pop(run.job_id, None)
 
     def on_end(self, summary: RunSummary) -> None:
         self._call("on_end", summary)

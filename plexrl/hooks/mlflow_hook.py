@@ -5,6 +5,10 @@ Per job, one MLflow run: the flattened config as params; per iteration, every me
 pipeline DAG, the timeline, and the final model. Uses `MlflowClient` with explicit run ids, so many jobs
 can be tracked at once. Default store: `sqlite:///<run_dir>/mlflow.db`; `tracking.uri` or the environment
 variable MLFLOW_TRACKING_URI overrides it.
+
+A job whose tracking fails (its experiment cannot be created, the store refuses a write) loses tracking for
+itself only: `HookList` turns this hook off for that job and keeps it on for the others. What the hook keeps
+per job is dropped at the job's end (a server runs jobs for weeks).
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ class MlflowHook(Hook):
         self._client(job).log_batch(run_id, metrics=rows)
 
     def on_job_end(self, job: JobRun) -> None:
-        run_id = self.runs.get(job.job_id)
+        run_id = self.runs.pop(job.job_id, None)
+        self.logged.pop(job.job_id, None)
         if run_id is None:
             return
         client = self._client(job)

@@ -2,6 +2,12 @@
 this process (service nodes) or here (cpu nodes); its output stays in a dict keyed by its handle until the
 runner forgets it. Results are deterministic; `plexrl run JOB.yaml` and the tests use it. It is also the
 fastest way to run one job alone: no scheduler, no round trips, no copies of a batch.
+
+Concurrency: the executor is driven by ONE thread (the runner's). A server also builds models on its
+preparation threads in the same process, so every load and every service node runs under
+`plexrl.models.model_construction()` (transformers' model init patches process-global state; a service node
+may build a model too: a critic, a vLLM engine). Errors are returned in reports, never raised: a job whose
+load failed gets an error report for each node sent to it, and nothing of it runs.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from plexrl.models import model_construction
 from plexrl.planner.state import Tier
-from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeTask
+from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
 
 
 class InlineExecutor:
@@ -33,6 +40,7 @@ class InlineExecutor:
         self.outputs: dict[Handle, Any] = {}
         self._done: list[Finished] = []
         self._ids = itertools.count()
+        self._load_failed: dict[tuple[str, str], str] = {}  # (job, service) -> why its load failed
 
     def start(self) -> list[str]:
         from plexrl.services.service import Service
@@ -48,15 +56,21 @@ class InlineExecutor:
 
     def unship(self, job_id: str) -> None:
         self.specs.pop(job_id, None)
+        for key in [k for k in self._load_failed if k[0] == job_id]:
+            del self._load_failed[key]
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         handle = next(self._ids)
         start = self.clock()
+        self._load_failed.pop((job_id, service_id), None)
         try:
-            nbytes = self.services[service_id].load_job(self.specs[job_id], tier)
+            with model_construction():
+                nbytes = self.services[service_id].load_job(self.specs[job_id], tier)
             report = LoadReport(job_id, service_id, nbytes, start, self.clock())
         except Exception as exc:
-            report = LoadReport(job_id, service_id, 0, start, self.clock(), f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            self._load_failed[job_id, service_id] = error
+            report = LoadReport(job_id, service_id, 0, start, self.clock(), error)
         self._done.append(Finished(handle, report))
         return handle
 
@@ -64,18 +78,47 @@ class InlineExecutor:
         from plexrl.services.service import run_cpu_node
 
         handle = next(self._ids)
-        inputs = {port: self.outputs[h] for port, h in task.inputs.items()}
-        if task.service_id is None:
-            res = run_cpu_node(self.specs[task.job_id], task.iteration, task.node, inputs, self.clock)
-        else:
-            svc = self.services[task.service_id]
-            parts = [self.outputs[h] for h in task.parts]
-            res = svc.run_node(task.job_id, task.iteration, task.node, inputs, task.swaps, task.prefetch,
-                               task.chunk, task.chunks, parts)  # fmt: skip
+        failed = self._load_failed.get((task.job_id, task.service_id)) if task.service_id is not None else None
+        if failed is not None:  # the planner sent it before the runner saw the failed load
+            self._not_run(handle, task, f"loading the job on {task.service_id} failed ({failed})")
+            return handle
+        try:
+            inputs = {port: self.outputs[h] for port, h in task.inputs.items()}
+            if task.service_id is None:
+                res = run_cpu_node(self.specs[task.job_id], task.iteration, task.node, inputs, self.clock)
+            else:
+                svc = self.services[task.service_id]
+                parts = [self.outputs[h] for h in task.parts]
+                with model_construction():
+                    res = svc.run_node(task.job_id, task.iteration, task.node, inputs, task.swaps, task.prefetch,
+                                       task.chunk, task.chunks, parts)  # fmt: skip
+        except Exception as exc:  # (the node's own errors come back in its report; this is anything else)
+            now = self.clock()
+            error = f"{type(exc).__name__}: {exc}"
+            self._done.append(Finished(handle, NodeReport(task.job_id, task.iteration, task.node, error, now, now)))
+            return handle
         if res.output is not None:
             self.outputs[handle] = res.output
         self._done.append(Finished(handle, res.report))
         return handle
+
+    def _not_run(self, handle: Handle, task: NodeTask, why: str) -> None:
+        """Report `task` failed without running it. The other jobs' moves that came with it still happen (the
+        planner counts on them: it put their states where those moves take them); the job's own do not."""
+        assert task.service_id is not None
+        svc = self.services[task.service_id]
+        start = self.clock()
+        error = f"not run: {why}"
+        try:
+            moved = svc.apply([m for m in task.swaps if m.job_id != task.job_id])
+            prefetch = [m for m in task.prefetch if m.job_id != task.job_id]
+            if prefetch:
+                svc.background.queue(prefetch)
+        except Exception as exc:
+            moved, error = 0, f"{error}; the other jobs' moves sent with it failed: {type(exc).__name__}: {exc}"
+        now = self.clock()
+        report = NodeReport(task.job_id, task.iteration, task.node, error, now, now, start, now, moved)
+        self._done.append(Finished(handle, report))
 
     def wait(self, timeout: float) -> list[Finished]:
         """Everything finished since the last call (work runs inside `submit`). With nothing finished, nothing
@@ -108,6 +151,7 @@ class InlineExecutor:
         return handle
 
     def release(self, job_id: str, service_id: str) -> None:
+        self._load_failed.pop((job_id, service_id), None)
         self.services[service_id].release(job_id)
 
     def forget(self, handles: Iterable[Handle]) -> None:

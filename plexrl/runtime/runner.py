@@ -11,6 +11,13 @@ durations; when the planner closes an iteration it assembles the metrics row, ca
 the executor to drop the outputs. Anything that goes wrong with one job (an operator raising, its engine
 failing to load, a swap failing, its metrics failing to compute) fails that job only (DESIGN.md invariant
 5): the runner reports it to the planner and the other jobs go on. No scheduling decision is made here.
+
+Threads: the loop runs on ONE thread, the only one that reads or writes the records (`runs`, the pending
+handles, the iterations). Other threads (a server's HTTP handlers and preparation pool, a signal handler)
+talk to it through its inbox only: `submit`, `cancel` and `stop` queue a request under `_cancel_lock` and
+wake the loop; `submit`'s duplicate-name check reads `_names`, a set the loop keeps under that lock. A job
+whose load fails is failed alone: its nodes already sent are dropped (their reports reach nobody) and no more
+are sent.
 """
 
 from __future__ import annotations
@@ -100,6 +107,9 @@ class Runner:
         self._wake = threading.Condition(self._cancel_lock)
         self._submits: deque[Any] = deque()
         self._late: list[JobRun] = []  # records of the jobs that came through `submit`
+        # names a `submit` may not reuse: jobs in `runs` that did not fail and were not cancelled (the loop
+        # writes it, `submit` reads it; `runs` itself is the loop's alone)
+        self._names: set[str] = set()
         self._stop_reason: str | None = None
         self.on_closed: Callable[[JobRun], None] | None = None
         # (due, order, task, attempt): cpu nodes that raised, waiting for their next run (`JobConfig.retry`)
@@ -125,10 +135,7 @@ class Runner:
         job failed or was cancelled (a lost service failed it, say): then it may come again under its name, its
         new record replaces the old one in `runs`, and nothing of the old attempt reaches it."""
         with self._wake:
-            old = self.runs.get(spec.job_id)
-            if (old is not None and old.status not in ("failed", "cancelled")) or any(
-                s.job_id == spec.job_id for s in self._submits
-            ):
+            if spec.job_id in self._names or any(s.job_id == spec.job_id for s in self._submits):
                 raise ValueError(f"a job named {spec.job_id!r} was already submitted; give each job a unique name")
             self._submits.append(spec)
             self._wake.notify_all()
@@ -157,6 +164,7 @@ class Runner:
                 raise ValueError(f"two jobs are named {spec.job_id!r}; give each job a unique name")
             self.runs[spec.job_id] = JobRun(spec)
             runs.append(self.runs[spec.job_id])
+            self._name(spec.job_id, True)
         unknown = sorted(set(arrivals or {}) - set(self.runs))
         if unknown:
             raise ValueError(f"arrivals name jobs that are not in the run: {unknown}")
@@ -284,6 +292,7 @@ class Runner:
             self._drop_attempt(spec.job_id)
             run = self.runs[spec.job_id] = JobRun(spec)
             self._late.append(run)
+            self._name(spec.job_id, True)
             run.submitted_at = self.clock()
             try:
                 self.executor.ship(spec)
@@ -334,12 +343,15 @@ class Runner:
             return []  # the job is being failed; do no more of its work
         run = self.runs[ins.job_id]
         if isinstance(ins, RunNode):
-            self._submit(run, ins)
+            return self._submit(run, ins)
         elif isinstance(ins, PlaceJob):
             run.status, run.service, run.started_at = "running", ins.service_id, self.clock()
             self._iter[run.job_id] = Iteration(self.clock())
             self.hooks.on_job_start(run)
-            handle = self.executor.load(run.job_id, ins.service_id, ins.tier)
+            try:
+                handle = self.executor.load(run.job_id, ins.service_id, ins.tier)
+            except Exception as exc:  # (executors report a failed load; one that raises fails the job alone)
+                return [self._fail(run, f"loading the job on {ins.service_id}", f"{type(exc).__name__}: {exc}")]
             self._pending[handle] = Pending("load", run.job_id, ins.service_id)
         elif isinstance(ins, IterationDone):
             self._end_iteration(run, ins.iteration)
@@ -351,7 +363,7 @@ class Runner:
             self._end_job(run, "cancelled" if ins.cancelled else "failed", ins.reason, ins.service_id)
         return []
 
-    def _submit(self, run: JobRun, ins: RunNode) -> None:
+    def _submit(self, run: JobRun, ins: RunNode) -> list[Event]:
         lane = ins.service_id or "cpu"
         self.hooks.before_node(run, ins.iteration, ins.node, lane, self.clock())
         it = self._iter[run.job_id]
@@ -363,8 +375,12 @@ class Runner:
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
             ins.chunk, ins.chunks, parts,
         )  # fmt: skip
-        handle = self.executor.submit(task)
+        try:
+            handle = self.executor.submit(task)
+        except Exception as exc:  # (executors report a node's errors; one that raises fails the job alone)
+            return [self._fail(run, f"sending node {ins.node!r} to {lane}", f"{type(exc).__name__}: {exc}")]
         self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
+        return []
 
     # -- results --------------------------------------------------------------------------------------
     def _collect(self, f: Finished) -> list[Event]:
@@ -376,6 +392,10 @@ class Runner:
         rep = f.report
         if isinstance(rep, LoadReport):
             if rep.error is not None:
+                sent = [h for h, q in self._pending.items() if q.job_id == run.job_id and q.kind == "node"]
+                for h in sent:  # its nodes sent with the load (none ran on a state that is not there)
+                    del self._pending[h]
+                self.executor.forget(sent)
                 return [self._fail(run, f"loading the job on {p.lane}", rep.error)]
             self.hooks.on_load(run, p.lane, rep.start, rep.end, rep.nbytes)
             return [StateMeasured(p.lane, run.job_id, rep.nbytes)]
@@ -477,8 +497,18 @@ class Runner:
             except Exception:
                 log.exception("could not release job %s on %s", run.job_id, service_id)
 
+    def _name(self, job_id: str, taken: bool) -> None:
+        """Mark `job_id` as a name `submit` may not reuse (`taken`), or may again."""
+        with self._wake:
+            if taken:
+                self._names.add(job_id)
+            else:
+                self._names.discard(job_id)
+
     def _close(self, run: JobRun, status: str, reason: str) -> None:
         run.status, run.error, run.finished_at = status, reason, self.clock()  # type: ignore[assignment]
+        if status in ("failed", "cancelled") and self.runs.get(run.job_id) is run:
+            self._name(run.job_id, False)
         if status == "failed":
             log.error("job %s failed: %s", run.job_id, reason)
         it = self._iter.pop(run.job_id, None)
@@ -496,6 +526,7 @@ class Runner:
         `on_closed` have seen it, so memory does not grow with the number of jobs ever run."""
         if self.runs.get(run.job_id) is run:
             del self.runs[run.job_id]
+            self._name(run.job_id, False)
         self._late = [r for r in self._late if r is not run]
         self._drop_attempt(run.job_id)  # its work still in flight reports to nobody
         self.planner.forget(run.job_id)  # (a no-op until the planner has ended it too)
@@ -513,7 +544,7 @@ class Runner:
             self._submits.clear()
 
     def _close_open_jobs(self, exc: BaseException) -> None:
-        for run in self.runs.values():
+        for run in list(self.runs.values()):  # (a closed job may be forgotten: `forget_ended`)
             if run.status == "running":
                 status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
                 self._close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))

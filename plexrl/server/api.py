@@ -170,15 +170,24 @@ def _event(e: Any) -> dict[str, Any]:
     return {"seq": e.seq, "time": e.time, "attempt": e.attempt, "kind": e.kind, "data": e.data}
 
 
-def prepare_entry(entry: JobEntry) -> Any:
+def prepare_entry(
+    entry: JobEntry, cancel: threading.Event | None = None, max_warm_start_steps: int | None = None
+) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
-    with a checkpoint, set to resume after it (same MLflow run)."""
+    with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
+    (`plexrl.models.PreparationCancelled` soon after it is set); `max_warm_start_steps`: the server's cap
+    (a ConfigError above it, before any work)."""
     import dataclasses
 
     from plexrl.config import load_job
     from plexrl.job import prepare_job
 
-    spec = dataclasses.replace(prepare_job(load_job(entry.config), job_id=entry.job_id), user=entry.user)
+    loaded = load_job(entry.config)
+    warm = loaded.config.warm_start
+    if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:
+        why = f"{warm.max_steps} steps; this server allows at most {max_warm_start_steps} (max_warm_start_steps)"
+        raise ConfigError([Problem("warm_start.max_steps", f"{why}: lower it")], entry.job_id)
+    spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel), user=entry.user)
     if entry.checkpoint is None or entry.checkpoint_iteration is None:
         return spec
     return dataclasses.replace(
@@ -211,6 +220,8 @@ class RunningServer:
 def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any = None) -> RunningServer:
     """Open the journal, start the controller (recovering unfinished jobs) and the HTTP server in threads;
     returns once the socket is listening. `runner`: a ready `Runner` (tests); default: the config's."""
+    import functools
+
     import uvicorn
 
     from plexrl.cluster import make_runner
@@ -228,10 +239,12 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     if cfg.fair_share and not isinstance(runner.planner.ordering, FairShare):
         runner.planner.ordering = FairShare(runner.planner.ordering)
     runner.planner.usage = Usage(cfg.share_half_life_s)
+    if prepare is prepare_entry:
+        prepare = functools.partial(prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps)
     controller = Controller(
         runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,
-        max_share_per_user=cfg.max_share_per_user,
+        max_share_per_user=cfg.max_share_per_user, prepare_workers=cfg.prepare_workers,
     )  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

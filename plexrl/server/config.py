@@ -123,6 +123,20 @@ class ServerConfig(StrictModel):
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go (default: a `checkpoints` folder next to the journal)."
     )
+    prepare_workers: int = Field(
+        2,
+        ge=1,
+        le=32,
+        description="Threads that prepare submitted jobs (task data, model build, warm start) at once; one user "
+        "holds at most prepare_workers - 1 of them (at least 1), so one user's long warm starts do not hold up "
+        "another's job. Each warm start trains on this machine's CPU (or its first GPU): keep it small.",
+    )
+    max_warm_start_steps: int = Field(
+        5000,
+        ge=0,
+        description="Largest `warm_start.max_steps` a submitted job may ask for (a warm start runs in the server "
+        "process); a job above it is refused, or fails its preparation with the reason.",
+    )
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> ServerConfig:

@@ -1,8 +1,9 @@
 """`Controller`: the server's core. It keeps ONE `Runner` looping in a thread (`run(until_stopped=True)`), turns
-accepted submissions into job specs on a preparation thread (the warm start may take a while; the runner never
-waits for it), and writes every transition to the `Journal` before anyone is told about it.
+accepted submissions into job specs on a small pool of preparation threads (`prepare_workers`; a warm start
+may take a while: the runner never waits for it, and one user's cannot hold up another's), and writes every
+transition to the `Journal` before anyone is told about it.
 
-    HTTP handler --submit--> Journal (queued, committed) --> ack;  prepare thread: spec --> Runner.submit
+    HTTP handler --submit--> Journal (queued, committed) --> ack;  prepare pool: spec --> Runner.submit
     Runner thread: placement, iteration ends (JournalHook) and closes (Runner.on_closed) --> Journal
 
 Contract:
@@ -17,6 +18,13 @@ Contract:
   get that run marked KILLED at the next start.
 - The runner thread dying (a bug, or the journal failing to write: `JournalHook` is `required`) makes the
   controller unhealthy (`failure`); it accepts no more submissions.
+- Preparation: queued jobs are prepared in arrival order by `prepare_workers` threads, and one user holds at
+  most `prepare_workers - 1` of them (at least one): another user's job always finds a free thread, whatever
+  the first user queued. Each preparation has a cancellation event, set by `cancel` (the journal says
+  `cancelled`; nothing else is recorded) and by `stop` (the job stays `queued`; the next server prepares it
+  again). A `prepare` that takes a `cancel` keyword gets the event and should raise soon after it is set
+  (`prepare_entry`: between warm-start steps, `plexrl.models.PreparationCancelled`); whatever a cancelled
+  preparation raises is not recorded as a failure. `stop` waits for every thread within ONE deadline.
 
 Per-user admission (`max_jobs_per_user`, `admission.py`): a user's jobs beyond the limit wait, prepared, with
 the reason in `status`, and go in as that user's jobs end.
@@ -29,11 +37,13 @@ docs/operations.md).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
-import queue
 import shutil
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,18 +75,26 @@ class JournalHook(Hook):
     required = True
 
     def __init__(
-        self, journal: Journal, runner: Runner, checkpoint_every: int | None = None, checkpoint_dir: Path | None = None
+        self,
+        journal: Journal,
+        runner: Runner,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: Path | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         self.journal, self.runner = journal, runner
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        # the controller's: a cancel (journal: cancelled) cannot come between the check and `placed`
+        self.lock = lock or threading.Lock()
 
     def on_job_start(self, run: JobRun) -> None:
-        entry = self.journal.get(run.job_id)
-        if entry is not None and entry.finished:  # cancelled while it was being handed over
-            self.runner.cancel(run.job_id, entry.reason or "cancelled")
-            return
         tracking: dict[str, Any] = {k: str(run.tracking[k]) for k in ("uri", "run_id") if k in run.tracking}
-        self.journal.placed(run.job_id, run.service, tracking)
+        with self.lock:
+            entry = self.journal.get(run.job_id)
+            if entry is None or not entry.finished:
+                self.journal.placed(run.job_id, run.service, tracking)
+                return
+        self.runner.cancel(run.job_id, entry.reason or "cancelled")  # cancelled while it was being handed over
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         self.journal.iteration(run.job_id, self._real(run, iteration), metrics)
@@ -112,14 +130,15 @@ class JournalHook(Hook):
 
 
 class Controller:
-    """See the module docstring. `prepare(entry)` builds the runner's spec of a journal entry (its `job_id`
-    must be `entry.job_id`); it runs on the preparation thread, one job at a time."""
+    """See the module docstring. `prepare(entry)` (or `prepare(entry, cancel=event)`) builds the runner's spec of
+    a journal entry (its `job_id` must be `entry.job_id`); it runs on the preparation pool, `prepare_workers`
+    jobs at a time."""
 
     def __init__(
         self,
         runner: Runner,
         journal: Journal,
-        prepare: Callable[[JobEntry], Any],
+        prepare: Callable[..., Any],
         *,
         checkpoint_every: int | None = None,
         checkpoint_dir: Path | None = None,
@@ -127,20 +146,27 @@ class Controller:
         max_attempts: int = 3,
         max_share_per_user: float | None = None,
         recheck_s: float = 2.0,
+        prepare_workers: int = 2,
     ) -> None:
+        if prepare_workers < 1:
+            raise ValueError(f"prepare_workers={prepare_workers}: give at least 1 preparation thread")
         self.runner, self.journal, self.prepare = runner, journal, prepare
         self.max_attempts, self.recheck_s = max_attempts, recheck_s
+        self.prepare_workers = prepare_workers
+        self._takes_cancel = _takes_cancel(prepare)
         self.checkpoint_dir = checkpoint_dir
         self.admission = Admission(max_jobs_per_user, max_share_per_user, self.share)  # guarded by _lock
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
-        hook = JournalHook(journal, runner, checkpoint_every, checkpoint_dir)
+        self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
+        hook = JournalHook(journal, runner, checkpoint_every, checkpoint_dir, self._lock)
         runner.hooks.hooks.append(hook)
         runner.checkpoint_at = hook.checkpoint_path
         runner.on_closed = self._closed
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._lock = threading.Lock()  # orders a cancel and a hand-over of the same job
+        self._wake = threading.Condition(self._lock)  # the preparation threads wait on it for work
+        self._todo: list[tuple[str, str]] = []  # (job id, user) to prepare, arrival order; guarded by _lock
+        self._preparing: dict[str, tuple[threading.Event, str]] = {}  # job id -> (cancel, user); by _lock
         self._stopping = False
         self.stopping = threading.Event()  # set once `stop` has asked the runner to stop
         self._threads: list[threading.Thread] = []
@@ -152,9 +178,10 @@ class Controller:
         self.recovered = self.journal.recover()
         for entry in self.recovered:
             close_stale_mlflow_run(entry)
-        self._threads = [
-            threading.Thread(target=self._run, name="plexrl-runner", daemon=True),
-            threading.Thread(target=self._prepare_loop, name="plexrl-prepare", daemon=True),
+        self._threads = [threading.Thread(target=self._run, name="plexrl-runner", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._prepare_loop, name=f"plexrl-prepare-{i}", daemon=True)
+            for i in range(self.prepare_workers)
         ]
         for t in self._threads:
             t.start()
@@ -162,18 +189,23 @@ class Controller:
             after = entry.checkpoint_iteration
             how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
             log.info("job %s resubmitted (attempt %d, %s)", entry.job_id, entry.attempt, how)
-            self._queue.put(entry.job_id)
+            self._enqueue(entry.job_id, entry.user)
         return self.recovered
 
     def stop(self, timeout: float = 120.0) -> bool:
-        """Graceful stop: no more hand-overs, the runner closes every open job (journal: back to `queued`) and
-        returns, its hooks close the MLflow runs. True if both threads ended within `timeout` seconds."""
-        self._stopping = True
-        self._queue.put(None)
+        """Graceful stop: no more hand-overs, every preparation is told to stop (its job stays `queued`), the
+        runner closes every open job (journal: back to `queued`) and returns, its hooks close the MLflow runs.
+        True if every thread ended within `timeout` seconds (one deadline for all of them)."""
+        deadline = time.monotonic() + timeout
+        with self._wake:
+            self._stopping = True
+            for cancel, _ in self._preparing.values():
+                cancel.set()
+            self._wake.notify_all()
         self.runner.stop(STOP_REASON)
         self.stopping.set()
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(deadline - time.monotonic(), 0.0))
         return not any(t.is_alive() for t in self._threads)
 
     @property
@@ -186,7 +218,7 @@ class Controller:
         if self._stopping or self.failure is not None:
             raise RuntimeError("the server is stopping or has failed; it accepts no new jobs")
         entry = self.journal.submit(name, config, iterations, user)
-        self._queue.put(entry.job_id)
+        self._enqueue(entry.job_id, user)
         return entry
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobEntry | None:
@@ -198,6 +230,9 @@ class Controller:
                 return None
             if not entry.finished:
                 self.journal.finish(job_id, "cancelled", reason)
+                preparing = self._preparing.get(job_id)
+                if preparing is not None:  # its preparation stops at its next check
+                    preparing[0].set()
                 self.runner.cancel(job_id, reason)
                 if self._ready.pop(job_id, None) is not None:  # it was waiting for admission
                     self._hand_over(self.admission.ended(job_id))
@@ -220,38 +255,80 @@ class Controller:
         except BaseException as exc:
             log.exception("the runner stopped with an error; the server accepts no more jobs")
             self.failure = exc
-            self._queue.put(None)
+            with self._wake:
+                for cancel, _ in self._preparing.values():
+                    cancel.set()
+                self._wake.notify_all()
 
-    def _prepare_loop(self) -> None:
-        while True:
-            try:
-                job_id = self._queue.get(timeout=self.recheck_s if self.admission.max_share is not None else None)
-            except queue.Empty:  # shares decay with time: jobs held by a quota may go in now
-                with self._lock:
-                    self._hand_over(self.admission.again())
+    def _enqueue(self, job_id: str, user: str) -> None:
+        """Queue a job for preparation (any thread)."""
+        with self._wake:
+            self._todo.append((job_id, user))
+            self._wake.notify()
+
+    def _next_job(self) -> tuple[JobEntry, threading.Event] | None:
+        """The next job to prepare (called with `_lock` held): the earliest queued job whose user holds fewer
+        than `prepare_workers - 1` preparation threads (at least 1); None if none may start now. Marks it
+        preparing, with its cancellation event."""
+        cap = max(1, self.prepare_workers - 1)
+        busy = Counter(user for _, user in self._preparing.values())
+        i = 0
+        while i < len(self._todo):
+            job_id, user = self._todo[i]
+            if busy[user] >= cap or job_id in self._preparing:
+                i += 1
                 continue
-            if job_id is None or self._stopping:
-                return
+            del self._todo[i]
             entry = self.journal.get(job_id)
             if entry is None or entry.finished:
-                continue
+                continue  # cancelled while it waited: dropped
+            cancel = threading.Event()
+            self._preparing[job_id] = (cancel, entry.user)
+            return entry, cancel
+        return None
+
+    def _prepare_loop(self) -> None:
+        """One thread of the preparation pool: take the next job (`_next_job`), prepare it, hand it over."""
+        while True:
+            with self._wake:
+                while True:
+                    if self._stopping or self.failure is not None:
+                        return
+                    job = self._next_job()
+                    if job is not None:
+                        break
+                    if not self._wake.wait(self.recheck_s) and self.admission.max_share is not None:
+                        self._hand_over(self.admission.again())  # shares decay with time: held jobs may go in
+            entry, cancel = job
             try:
-                spec = self.prepare(entry)
-                if entry.checkpoint is not None and "resume_costs" in getattr(spec, "__dataclass_fields__", {}):
-                    spec = dataclasses.replace(spec, resume_costs=self.journal.checkpoint_costs(job_id))
-            except Exception as exc:
-                log.exception("preparing job %s failed", job_id)
-                self.journal.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")
-                continue
-            with self._lock:
-                entry = self.journal.get(job_id)
-                if entry is None or entry.finished or self._stopping:
-                    continue
-                self._ready[job_id] = spec
-                self._hand_over(self.admission.offer(job_id, entry.user))
-                reason = self.admission.reason(job_id)
-                if reason is not None:
-                    self.journal.set_reason(job_id, reason)
+                self._prepare_one(entry, cancel)
+            finally:
+                with self._wake:
+                    self._preparing.pop(entry.job_id, None)
+                    self._wake.notify_all()  # its user may start another preparation now
+
+    def _prepare_one(self, entry: JobEntry, cancel: threading.Event) -> None:
+        job_id = entry.job_id
+        try:
+            spec = self.prepare(entry, cancel=cancel) if self._takes_cancel else self.prepare(entry)
+            if entry.checkpoint is not None and "resume_costs" in getattr(spec, "__dataclass_fields__", {}):
+                spec = dataclasses.replace(spec, resume_costs=self.journal.checkpoint_costs(job_id))
+        except Exception as exc:
+            if cancel.is_set():  # cancelled (the journal says so) or the server stops (the job stays queued)
+                log.info("job %s: preparation stopped: %s: %s", job_id, type(exc).__name__, exc)
+                return
+            log.exception("preparing job %s failed", job_id)
+            self.journal.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            now = self.journal.get(job_id)
+            if now is None or now.finished or self._stopping:
+                return
+            self._ready[job_id] = spec
+            self._hand_over(self.admission.offer(job_id, now.user))
+            reason = self.admission.reason(job_id)
+            if reason is not None:
+                self.journal.set_reason(job_id, reason)
 
     def _hand_over(self, job_ids: list[str]) -> None:
         """Give admitted jobs to the runner (called with `_lock` held; `Runner.submit` is thread-safe)."""
@@ -279,13 +356,21 @@ class Controller:
                     after = again.checkpoint_iteration
                     how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
                     log.warning("job %s: %s; placed again %s (attempt %d)", run.job_id, run.error, how, again.attempt)
-                    self._queue.put(run.job_id)
+                    self._enqueue(run.job_id, again.user)
                     return
             tried = entry.attempt if entry else "?"
             run.error += f" (attempt {tried} of at most {self.max_attempts}: not placed again)"
         self.journal.finish(run.job_id, run.status, run.error)  # type: ignore[arg-type]
         if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure, for a post-mortem
             shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)
+
+
+def _takes_cancel(prepare: Callable[..., Any]) -> bool:
+    """Whether `prepare` accepts a `cancel` keyword (then it gets the job's cancellation event)."""
+    try:
+        return "cancel" in inspect.signature(prepare).parameters
+    except (TypeError, ValueError):  # (a callable without a signature: called with the entry only)
+        return False
 
 
 def close_stale_mlflow_run(entry: JobEntry) -> None:
