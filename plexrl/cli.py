@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -315,11 +316,35 @@ def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-d
     return Client(server, token)
 
 
+# C0 and C1 control characters (ESC, BEL, CR, ...), DEL, and the Unicode line separators and bidirectional
+# marks and overrides: a server's strings (a user's name, a job's failure reason) must not move the cursor,
+# clear or retitle the terminal, or reorder what is printed
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def _safe(text: Any, newlines: bool = False) -> str:
+    """`text` with every control character written as an escape (`\\x1b`, `\\u202e`), so that it prints as
+    what it is; `newlines`: keep line breaks (a multi-line error message)."""
+
+    def escape(m: re.Match[str]) -> str:
+        c = m.group()
+        if newlines and c == "\n":
+            return c
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+    return _UNSAFE.sub(escape, str(text))
+
+
+def _fail_remote(exc: BaseException) -> None:
+    """`_fail` for a client command: the message carries the server's words, escaped."""
+    typer.secho(_safe(exc, newlines=True), fg="red", err=True)
+    raise typer.Exit(2)
+
+
 def _job_line(j: dict[str, Any]) -> str:
-    progress = f"{j['iterations_done']}/{j['iterations']}"
-    where = j.get("service") or "-"
-    user = j.get("user") or "-"
-    return f"{j['job_id']:<32} {j['status']:<10} {progress:>9}  {where:<12} {user:<10} {j['reason'][:60]}"
+    progress = _safe(f"{j['iterations_done']}/{j['iterations']}")
+    job_id, status, where, user = (_safe(j.get(k) or "-") for k in ("job_id", "status", "service", "user"))
+    return f"{job_id:<32} {status:<10} {progress:>9}  {where:<12} {user:<10} {_safe(j['reason'][:60])}"
 
 
 @app.command()
@@ -334,9 +359,9 @@ def submit(
     try:
         job = _client(server, token).submit(config, set_ or [], user)
     except (PlexRLError, OSError) as exc:
-        _fail(exc)
+        _fail_remote(exc)
         return
-    typer.echo(job["job_id"])
+    typer.echo(_safe(job["job_id"]))
 
 
 @app.command()
@@ -351,7 +376,7 @@ def status(
         client = _client(server, token)
         rows = [client.status(job)] if job else client.jobs("running") + client.jobs("queued")
     except PlexRLError as exc:
-        _fail(exc)
+        _fail_remote(exc)
         return
     if json_:
         typer.echo(json.dumps(rows[0] if job else rows, indent=1))
@@ -360,7 +385,7 @@ def status(
         typer.echo(_job_line(j))
         if job:
             t = j["tracking"]
-            typer.echo(f"  attempt {j['attempt']}; MLflow {t.get('uri', '-')} run {t.get('run_id', '-')}")
+            typer.echo(_safe(f"  attempt {j['attempt']}; MLflow {t.get('uri', '-')} run {t.get('run_id', '-')}"))
 
 
 @app.command("list")
@@ -374,7 +399,7 @@ def list_jobs(
     try:
         rows = _client(server, token).jobs(status_)
     except PlexRLError as exc:
-        _fail(exc)
+        _fail_remote(exc)
         return
     if json_:
         typer.echo(json.dumps(rows, indent=1))
@@ -391,7 +416,7 @@ def cancel(
     try:
         j = _client(server, token).cancel(job)
     except PlexRLError as exc:
-        _fail(exc)
+        _fail_remote(exc)
         return
     typer.echo(_job_line(j))
 
@@ -412,7 +437,7 @@ def logs(
         try:
             answer = client.events(job, after)
         except PlexRLError as exc:
-            _fail(exc)
+            _fail_remote(exc)
             return
         for e in answer["events"]:
             after = e["seq"]
@@ -421,9 +446,9 @@ def logs(
                 m = data["metrics"]
                 keys = [k for k in sorted(m) if not k.startswith("time/")][:8]
                 shown = " ".join(f"{k}={m[k]:.4g}" for k in keys)
-                typer.echo(f"[attempt {e['attempt']}] iteration {data['iteration']}: {shown}")
-            else:
-                typer.echo(f"[attempt {e['attempt']}] {e['kind']} {json.dumps(data)}")
+                typer.echo(_safe(f"[attempt {e['attempt']}] iteration {data['iteration']}: {shown}"))
+            else:  # (json.dumps writes control characters as \u escapes already)
+                typer.echo(_safe(f"[attempt {e['attempt']}] {e['kind']} {json.dumps(data)}"))
         if not follow or (answer["job"]["status"] in ("done", "failed", "cancelled") and not answer["events"]):
             return
         time.sleep(1.0)

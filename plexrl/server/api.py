@@ -2,7 +2,8 @@
 `start_server`, which wires journal, runner, controller and a uvicorn server together.
 
 Endpoints (JSON): POST /jobs (submit), GET /jobs (list), GET /jobs/{id} (status), POST /jobs/{id}/cancel,
-GET /jobs/{id}/events?after=SEQ (the journal's events: `plexrl logs`), GET /health.
+GET /jobs/{id}/events?after=SEQ (the journal's events: `plexrl logs`), GET /health; and the cluster page at /
+with its data at GET /cluster, and GET /metrics (Prometheus text): `plexrl/server/web.py`.
 
 Contract:
 - A submission is answered 201 only after the job is in the journal. A bad one gets 400 (413: body too large)
@@ -11,7 +12,11 @@ Contract:
   (compared with `hmac.compare_digest` against every secret); otherwise 401 and nothing is done. A user's
   token makes the request that user's: submissions are recorded as theirs (a different `user` is 403) and
   they may cancel only their own jobs (403); `token` is the administrator's. Without any, the config only
-  binds loopback.
+  binds loopback. The page's shell and assets (`web.PUBLIC_PATHS`) carry no data and need no token.
+- Private jobs (`private_jobs`, on by default with `users`): a user's token reads another user's job's config
+  (`?config=true`) and events as 404, word for word what a job that does not exist gets. Lists and the status
+  of another user's job stay readable, without its failure reason, MLflow run and checkpoint (`hidden: true`);
+  the administrator reads everything.
 - Request bodies are read up to `max_body_bytes` and refused beyond it, whatever Content-Length says.
 - 503 when the controller is unhealthy (its runner died) or stopping.
 """
@@ -39,6 +44,7 @@ from plexrl.planner.shares import Usage
 from plexrl.server.config import ServerConfig
 from plexrl.server.controller import Controller
 from plexrl.server.journal import JobEntry, Journal
+from plexrl.server.view import ClusterView
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +66,21 @@ def _problems(status: int, problems: list[Problem]) -> Any:
     return JSONResponse(body, status_code=status)
 
 
-def create_app(controller: Controller, cfg: ServerConfig) -> Any:
-    """The FastAPI application over `controller` (see the module docstring)."""
+def _public(entry: JobEntry) -> dict[str, Any]:
+    """Another user's job as a private server shows it: no failure reason (a waiting reason stays: the server
+    wrote it), MLflow run or checkpoint."""
+    out = entry.as_dict()
+    out.update(tracking={}, checkpoint=None, checkpoint_iteration=None, hidden=True)
+    out["reason"] = entry.reason if entry.status == "queued" else ""
+    return out
+
+
+def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView | None = None) -> Any:
+    """The FastAPI application over `controller` (see the module docstring). `view`: the runner's
+    `ClusterView` hook, added to its hooks before the runner started (None: one is added now, which is only
+    safe before `controller.start()`)."""
     from plexrl.server.submissions import check_submission
+    from plexrl.server.web import PUBLIC_PATHS, add_web_routes
 
     app = FastAPI(title="PlexRL server", version="1", description="Submit, watch and cancel RLVR jobs.")
     # (token, identity): identity None = the administrator (any user's jobs)
@@ -70,11 +88,15 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
     if cfg.token:
         secrets.append((cfg.token.encode(), None))
     roots, modules, run_dir = cfg.roots(), list(cfg.allowed_modules), Path(cfg.run_dir).resolve()
+    private = cfg.jobs_private()
+    if view is None:
+        view = ClusterView(controller.runner)
+        controller.runner.hooks.hooks.append(view)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
         request.state.user = None
-        if secrets:
+        if secrets and request.url.path not in PUBLIC_PATHS:
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
             given = value.encode()
             # every secret is compared (constant time each), so the time taken does not say which one matched
@@ -84,11 +106,18 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
             request.state.user = matches[0]
         return await call_next(request)
 
-    def entry_or_404(job_id: str) -> JobEntry | Any:
+    def entry_or_404(job_id: str, who: str | None = None) -> JobEntry | Any:
+        """The job, or 404; also 404 when `who` may not read its details (the same answer: ids do not leak)."""
         entry = controller.journal.get(job_id)
-        if entry is None:
+        if entry is None or not readable(entry, who):
             return _problems(404, [Problem("job", f"no job {job_id!r}; `plexrl list` shows the jobs")])
         return entry
+
+    def readable(entry: JobEntry, who: str | None) -> bool:
+        return who is None or not private or entry.user == who
+
+    def shown(entry: JobEntry, who: str | None, config: bool = False) -> dict[str, Any]:
+        return entry.as_dict(config) if readable(entry, who) else _public(entry)
 
     @app.get("/health")
     def health() -> Any:
@@ -134,17 +163,19 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
         return JSONResponse(entry.as_dict(), status_code=201)
 
     @app.get("/jobs")
-    def list_jobs(status: str | None = None, limit: int = 1000) -> Any:
-        return {"jobs": [e.as_dict() for e in controller.journal.jobs(status, max(1, min(limit, 10_000)))]}
+    def list_jobs(request: Request, status: str | None = None, limit: int = 1000) -> Any:
+        rows = controller.journal.jobs(status, max(1, min(limit, 10_000)))
+        return {"jobs": [shown(e, request.state.user) for e in rows]}
 
     @app.get("/jobs/{job_id}")
-    def status(job_id: str, config: bool = False) -> Any:
-        entry = entry_or_404(job_id)
-        return entry.as_dict(config) if isinstance(entry, JobEntry) else entry
+    def status(job_id: str, request: Request, config: bool = False) -> Any:
+        who: str | None = request.state.user
+        entry = entry_or_404(job_id, who if config else None)
+        return shown(entry, who, config) if isinstance(entry, JobEntry) else entry
 
     @app.get("/jobs/{job_id}/events")
-    def events(job_id: str, after: int = 0, limit: int = 1000) -> Any:
-        entry = entry_or_404(job_id)
+    def events(job_id: str, request: Request, after: int = 0, limit: int = 1000) -> Any:
+        entry = entry_or_404(job_id, request.state.user)
         if not isinstance(entry, JobEntry):
             return entry
         rows = controller.journal.events(job_id, after, max(1, min(limit, 10_000)))
@@ -163,6 +194,7 @@ def create_app(controller: Controller, cfg: ServerConfig) -> Any:
             return entry_or_404(job_id)
         return entry.as_dict()
 
+    add_web_routes(app, view, controller, private)
     return app
 
 
@@ -239,6 +271,8 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     if cfg.fair_share and not isinstance(runner.planner.ordering, FairShare):
         runner.planner.ordering = FairShare(runner.planner.ordering)
     runner.planner.usage = Usage(cfg.share_half_life_s)
+    view = ClusterView(runner)  # what the page and /metrics show; a hook from the start, on the runner's thread
+    runner.hooks.hooks.append(view)
     if prepare is prepare_entry:
         prepare = functools.partial(prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps)
     controller = Controller(
@@ -256,7 +290,7 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         raise
     sock.listen(128)
     controller.start()
-    app = create_app(controller, cfg)
+    app = create_app(controller, cfg, view)
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     thread = threading.Thread(target=lambda: asyncio.run(http.serve(sockets=[sock])), name="plexrl-http", daemon=True)
     thread.start()

@@ -42,6 +42,13 @@ class ServerConfig(StrictModel):
         "that user: its jobs are recorded as theirs (quotas, fair share) and it may cancel only those. `token` "
         "stays the administrator's (any user's jobs).",
     )
+    private_jobs: bool | None = Field(
+        None,
+        description="With `users`: a user reads only their own jobs' configs and events (another user's answer 404, "
+        "as a job that does not exist); other users' jobs still appear in lists and on the cluster page, without "
+        "their reason, MLflow run, checkpoint, node names or metrics. The administrator (`token`) reads everything. "
+        "None (default): on when `users` is set.",
+    )
     journal: str = Field("runs/server/journal.db", description="The sqlite journal (WAL); reuse it to recover.")
     run_dir: str = Field("runs", description="Default run_dir of submitted jobs; the server's timelines go here.")
     allowed_roots: list[str] | None = Field(
@@ -148,6 +155,11 @@ class ServerConfig(StrictModel):
         for user, secret in (self.users or {}).items():
             if not user or len(user) > 64 or len(secret) < 16:
                 raise ValueError(f"users: {user!r} needs a name of 1-64 characters and a token of 16+ characters")
+        if self.private_jobs and not self.users:
+            raise ValueError(
+                "private_jobs: true needs per-user tokens (`users`): without them every request is the "
+                "administrator's and sees every job; add `users`, or drop `private_jobs`"
+            )
         secrets = list((self.users or {}).values()) + ([self.token] if self.token else [])
         if len(set(secrets)) != len(secrets):
             raise ValueError("users: two identities share a token; give each user (and the administrator) its own")
@@ -163,6 +175,10 @@ class ServerConfig(StrictModel):
             if problem is not None:
                 raise ValueError(problem)
         return self
+
+    def jobs_private(self) -> bool:
+        """Whether a user's token reads only that user's jobs' details (`private_jobs`, resolved)."""
+        return bool(self.users) if self.private_jobs is None else self.private_jobs
 
     def checkpoints(self) -> Path:
         """The checkpoint directory, resolved."""
