@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field
 
 from plexrl.batch import Prompts
+from plexrl.data.prompts import prompt_token_ids
 from plexrl.operator import OpContext, operator
 
 
@@ -36,6 +37,6 @@ def sample_prompts(ctx: OpContext, *, batch_size: Annotated[int, Field(ge=1, le=
     tok = ctx.tokenizer
     return Prompts(
         texts=[p.prompt for p in out],
-        token_ids=[tok(p.prompt)["input_ids"] for p in out],
+        token_ids=[prompt_token_ids(p, tok) for p in out],
         answers=[p.answer for p in out],
     )

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field
 
 from plexrl.batch import Batch, Prompts, Rewards, Rollouts
+from plexrl.data.prompts import prompt_token_ids
 from plexrl.operator import OpContext, operator
 from plexrl.operators.advantage import all_equal
 
@@ -135,7 +136,7 @@ def refill_prompts(
     picked = [train[rng.randrange(len(train))] for _ in range(count)]
     return Prompts(
         texts=[p.prompt for p in picked],
-        token_ids=[ctx.tokenizer(p.prompt)["input_ids"] for p in picked],
+        token_ids=[prompt_token_ids(p, ctx.tokenizer) for p in picked],
         answers=[p.answer for p in picked],
     )
 

@@ -152,15 +152,19 @@ class Rollouts(Batch):
 
 @dataclass(slots=True)
 class Rewards(Batch):
-    """One scalar reward per rollout row: `values` [N] float. `correct` [N] bool where the task defines it."""
+    """One scalar reward per rollout row: `values` [N] float. `correct` [N] bool where the task defines it.
+    `components`: batch-level figures of a reward made of named terms (`reward/<label>` means, failure
+    counts; `plexrl.rewards.RewardResult.metrics`), logged with the node's metrics."""
 
     values: Tensor
     correct: Tensor | None = None
+    components: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         out = {"reward_mean": float(self.values.float().mean())}
         if self.correct is not None:
             out["accuracy"] = float(self.correct.float().mean())
+        out.update(self.components)
         return out
 
 

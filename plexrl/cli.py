@@ -196,10 +196,9 @@ def simulate(
 ) -> None:
     """Predict what multiplexing saves on a cluster: deployments (scenario) or placements (trace), on the real
     planner with cost models (docs/simulator.md)."""
-    import yaml
-
     from plexrl.sim.config import load_sim
     from plexrl.sim.report import simulate as run_sim
+    from plexrl.yamlio import load_yaml_text
 
     try:
         overrides = {}
@@ -207,7 +206,7 @@ def simulate(
             key, eq, value = item.partition("=")
             if not eq or not key:
                 raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set jobs=100")
-            overrides[key] = yaml.safe_load(value)
+            overrides[key] = load_yaml_text(value, f"--set {item}")  # plain values only, like every config
         cfg = load_sim(config, overrides)
         if progress is None:
             progress = sys.stderr.isatty()
@@ -299,7 +298,7 @@ def certs(
     """Make TLS files for the Dask cluster: a CA and one certificate it signed, which the scheduler, every
     worker and the PlexRL client present (set `dask_tls` in the server or cluster config). Copy ca.pem,
     cert.pem and key.pem to the cluster's machines; keep ca-key.pem elsewhere. Details: docs/operations.md."""
-    from plexrl.runtime.dask import write_certs
+    from plexrl.runtime.tls import write_certs
 
     try:
         files = write_certs(directory, host or [], days, force)
@@ -452,6 +451,20 @@ def logs(
         if not follow or (answer["job"]["status"] in ("done", "failed", "cancelled") and not answer["events"]):
             return
         time.sleep(1.0)
+
+
+@app.command()
+def pretrained(
+    name: Annotated[str, typer.Argument(help="A pretrained model's short name, e.g. smollm2-135m-instruct.")],
+) -> None:
+    """Convert a pretrained model shipped in a package (installed by `make setup`) into the local cache, once,
+    and print its directory (plexrl/pretrained.py). A job names it as `model: {pretrained: NAME}`."""
+    from plexrl.pretrained import pretrained_path
+
+    try:
+        typer.echo(str(pretrained_path(name)))
+    except LookupError as exc:
+        _fail(exc)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from pydantic import ByteSize, Field, ValidationError, model_validator
 from plexrl.config import JobConfig, LoadedJob, StrictModel, _problem, load_job
 from plexrl.errors import ConfigError, Problem
 from plexrl.job import estimate_state_bytes, state_parts
+from plexrl.runtime.tls import is_loopback
 
 if TYPE_CHECKING:
     from plexrl.hooks.base import Hook
@@ -60,20 +61,6 @@ class DaskTLS(StrictModel):
     key: str = Field(description="The private key (PEM) of `cert`; keep it readable by its owner only.")
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether `host` (an address or `localhost`; a bare name may resolve to anything) only accepts
-    connections from this machine."""
-    import ipaddress
-
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def scheduler_host(address: str) -> str:
     """The host part of a Dask address: `tls://10.0.0.5:8786` -> `10.0.0.5`, `[::1]:8786` -> `::1`."""
     rest = address.split("://", 1)[-1]
@@ -89,13 +76,13 @@ def dask_network_problem(host: str, scheduler: str | None, tls: bool, allow_plai
     `dask_tls` or Dask's own `distributed.comm.tls` configuration); `tls`: TLS files are given;
     `allow_plaintext`: plain tcp:// off loopback accepted."""
     if scheduler is None:
-        if is_loopback_host(host) or tls:
+        if is_loopback(host) or tls:
             return None
         return (
             f"dask_host {host!r} lets anyone who reaches it run code on the local Dask cluster: give `dask_tls` "
             "(ca_file, cert, key; make them with `plexrl certs DIR`), or keep dask_host: 127.0.0.1"
         )
-    if scheduler.startswith(("tls://", "inproc://")) or is_loopback_host(scheduler_host(scheduler)) or allow_plaintext:
+    if scheduler.startswith(("tls://", "inproc://")) or is_loopback(scheduler_host(scheduler)) or allow_plaintext:
         return None
     return (
         f"scheduler {scheduler!r} is reached over plain TCP off this machine: anyone who reaches it can run code "

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, validate_call
 
+from plexrl.data.config import DataConfig
 from plexrl.errors import ConfigError, Problem
 from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
 from plexrl.roles import resolve
@@ -297,6 +298,11 @@ class JobConfig(StrictModel):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
     task: TaskConfig = Field(default_factory=TaskConfig)  # type: ignore[arg-type]
+    data: DataConfig | None = Field(
+        None,
+        description="Prompts, ground truths and rewards from files (plexrl/data/, plexrl/rewards.py; "
+        "docs/data-and-rewards.md) instead of the generated `task`.",
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)  # type: ignore[arg-type]
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig(name="grpo", nodes=None))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
@@ -312,6 +318,17 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _warm_start_fits(self) -> JobConfig:
+        if self.data is not None:
+            if self.model.path is None and self.model.pretrained is None:
+                raise ValueError(
+                    "a job on data files trains an existing model: set model.pretrained (e.g. "
+                    "smollm2-135m-instruct) or model.path (a local HF directory)"
+                )
+            if self.warm_start.enabled:
+                raise ValueError(
+                    "a job on data files has no demonstrations to warm-start on: set warm_start.enabled: false"
+                )
+            return self
         if self.warm_start.enabled and self.warm_start.batch_size > self.task.train_size:
             raise ValueError(
                 f"warm_start.batch_size ({self.warm_start.batch_size}) exceeds task.train_size "

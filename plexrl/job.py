@@ -61,8 +61,13 @@ class JobSpec:
         return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine(), self.user, costs)
 
     def engine(self) -> tuple[str, int] | None:
-        """The shared generation engine this job needs on its service: (key, device bytes), or None (torch).
-        Jobs with the same key share one engine per service: one copy of the weights plus the KV cache."""
+        """The shared engine this job needs on its service: (key, device bytes), or None (a torch job of its
+        own). Jobs with the same key share one per service: a vLLM engine (one copy of the weights plus the KV
+        cache), or a LoRA base (its weights, read-only)."""
+        if self.config.model.lora is not None:  # a LoRA job shares its base: one copy per service
+            from plexrl.engines.lora import base_key
+
+            return base_key(self.model_path), model_bytes(self.model_path)
         if self.generation != "vllm":
             return None
         from plexrl.engines.vllm_engine import generator_key
@@ -71,7 +76,13 @@ class JobSpec:
         return generator_key(self.model_path), model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:
-        """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`)."""
+        """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`; a LoRA
+        job's: its adapter and two AdamW moments, `lora_state_bytes`)."""
+        lora = self.config.model.lora
+        if lora is not None:
+            from plexrl.engines.lora import lora_state_bytes
+
+            return lora_state_bytes(self.model_path, lora.r, list(lora.target_modules))
         return estimate_state_bytes(model_bytes(self.model_path), self.graph)
 
     def inputs(self, node: str) -> dict[str, str]:
@@ -213,9 +224,18 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
         raise ConfigError(problems, loaded.source)
     run_dir = Path(cfg.run_dir).resolve()
     check_cancelled(cancel, "the preparation")
-    task = make_task(cfg.task)
-    check_cancelled(cancel, "the preparation (after the task's data)")
-    prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel)
+    task: Any
+    if cfg.data is not None:  # data from files: the model (pretrained or a path) first, its tokenizer renders
+        from plexrl.tasks.dataset import make_dataset_task
+
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel)
+        check_cancelled(cancel, "the preparation (after the model)")
+        cache = Path(cfg.data.cache_dir).resolve() if cfg.data.cache_dir else run_dir / "cache" / "data"
+        task = make_dataset_task(cfg.data, prepared.tokenizer, tokenizer_dir=prepared.path, cache_dir=cache)
+    else:
+        task = make_task(cfg.task)
+        check_cancelled(cancel, "the preparation (after the task's data)")
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel)
     log.info(
         "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
         prepared.path,
@@ -252,6 +272,8 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     vLLM when it is installed and can serve the model, else torch."""
     if cfg.engine == "torch":
         return "torch", "engine: torch"
+    if cfg.model.lora is not None:  # load_job refuses engine: vllm with LoRA
+        return "torch", "engine: auto, and a LoRA job generates with its adapter on the torch engine"
     from plexrl.config import auto_engine_rule
     from plexrl.engines.vllm_engine import model_problem
 

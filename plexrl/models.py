@@ -169,21 +169,30 @@ def prepare_model(
     model_cfg: ModelConfig,
     task_cfg: TaskConfig,
     warm: WarmStartConfig,
-    task: Task,
+    task: Task | None,
     seed: int,
     run_dir: Path,
     cancel: threading.Event | None = None,
 ) -> PreparedModel:
     """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train.
+    An existing model (`model.path`, or `model.pretrained`: converted into the cache on first use,
+    plexrl/pretrained.py) is used as it is, with its own tokenizer; `task` may then be None.
     `cancel`: see the module docstring (raises `PreparationCancelled`)."""
     with model_construction():  # transformers' lazy first imports are not thread-safe either
         from transformers import PreTrainedTokenizerFast
 
+    if model_cfg.pretrained is not None:
+        from plexrl.pretrained import pretrained_path
+
+        path = pretrained_path(model_cfg.pretrained)
+        return PreparedModel(path, PreTrainedTokenizerFast.from_pretrained(str(path)), None, 0, 0.0, True)
     if model_cfg.path is not None:
         path = Path(model_cfg.path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path} has no config.json; point it at a saved HF model directory")
         return PreparedModel(path, PreTrainedTokenizerFast.from_pretrained(str(path)), None, 0, 0.0, True)
+    if task is None:
+        raise ValueError("building a model needs its task's alphabet; give model.path or model.pretrained")
     root = run_dir / "cache" / cache_key(model_cfg, task_cfg, warm, seed)
     final = root / ("warm" if warm.enabled else "base")
     info_file = final / "plexrl_warm_start.json"
@@ -217,7 +226,9 @@ def greedy_accuracy(
 ) -> tuple[float, float]:
     """Held-out greedy accuracy and mean response length of `engine`'s policy on `problems`, scored by
     `verify` (the task's verifier; exact match by default)."""
-    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    from plexrl.data.prompts import prompt_token_ids
+
+    prompts = [prompt_token_ids(p, tokenizer) for p in problems]
     out = engine.generate(prompts, n=1, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, greedy=True)
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     scores = verify(texts, [p.answer for p in problems])

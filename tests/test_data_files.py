@@ -153,8 +153,9 @@ def test_save_to_disk_directory_read_with_pyarrow_alone(tmp_path: Path) -> None:
     assert [r.ground_truth for r in data.train] == ["a00", "a01", "a02", "a10", "a11", "a12"]
 
 
-def test_real_save_to_disk_when_datasets_is_installed(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+def test_a_real_save_to_disk_directory(tmp_path: Path) -> None:
+    import datasets  # a dev dependency (pyproject.toml): the user's own `save_to_disk` output, read back
+
     datasets.Dataset.from_dict({"prompt": ["p0", "p1"], "solution": ["s0", "s1"]}).save_to_disk(str(tmp_path / "d"))
     data = open_cfg(tmp_path, train=str(tmp_path / "d"))
     assert data.train[1].ground_truth == "s1"

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from plexrl.cli import app
 from plexrl.cluster import ClusterConfig, make_executor
 from plexrl.errors import ConfigError
-from plexrl.runtime.dask import DaskExecutor, TLSFiles, write_certs
+from plexrl.runtime.dask import DaskExecutor
+from plexrl.runtime.tls import TLSFiles, write_certs
 from plexrl.server.config import ServerConfig, load_server_config
 
 JOBS = [{"job": {"name": "j"}}]

@@ -99,12 +99,20 @@ def special_ids(model_dir: Path | str | None, tokenizer: Any) -> SpecialIds:
     return SpecialIds(eos, eos[0] if pad is None else int(pad))
 
 
+def prompt_token_ids(problem: Any, tokenizer: Any) -> list[int]:
+    """A task problem's prompt as token ids: those its task rendered (`prompt_ids`: a chat template already
+    wrote the special tokens), else the tokenizer's ids of its text (bos included: the generated tasks)."""
+    ids = getattr(problem, "prompt_ids", None)
+    return list(ids) if ids is not None else tokenizer(problem.prompt)["input_ids"]
+
+
 __all__ = [
     "Messages",
     "SpecialIds",
     "build_messages",
     "has_chat_template",
     "prompt_ids",
+    "prompt_token_ids",
     "render_prompt",
     "special_ids",
 ]

@@ -150,8 +150,9 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView | No
 
         def accept() -> JobEntry:
             ok = check_submission(
-                req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules, checkpoint_every=cfg.checkpoint_every
-            )
+                req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules,
+                checkpoint_every=cfg.checkpoint_every, max_warm_start_steps=cfg.max_warm_start_steps,
+            )  # fmt: skip
             return controller.submit(ok.name, ok.config, ok.iterations, user)
 
         try:
@@ -203,23 +204,30 @@ def _event(e: Any) -> dict[str, Any]:
 
 
 def prepare_entry(
-    entry: JobEntry, cancel: threading.Event | None = None, max_warm_start_steps: int | None = None
+    entry: JobEntry,
+    cancel: threading.Event | None = None,
+    max_warm_start_steps: int | None = None,
+    modules: list[str] | None = None,
 ) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
     with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
     (`plexrl.models.PreparationCancelled` soon after it is set); `max_warm_start_steps`: the server's cap
-    (a ConfigError above it, before any work)."""
+    (a ConfigError above it, before any work); `modules`: the server's allow-list, in force while the job is
+    compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since)."""
+    import contextlib
     import dataclasses
 
     from plexrl.config import load_job
     from plexrl.job import prepare_job
+    from plexrl.roles import allowed_modules
 
-    loaded = load_job(entry.config)
-    warm = loaded.config.warm_start
-    if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:
-        why = f"{warm.max_steps} steps; this server allows at most {max_warm_start_steps} (max_warm_start_steps)"
-        raise ConfigError([Problem("warm_start.max_steps", f"{why}: lower it")], entry.job_id)
-    spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel), user=entry.user)
+    with allowed_modules(modules) if modules is not None else contextlib.nullcontext():
+        loaded = load_job(entry.config)
+        warm = loaded.config.warm_start
+        if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:
+            why = f"{warm.max_steps} steps; this server allows at most {max_warm_start_steps} (max_warm_start_steps)"
+            raise ConfigError([Problem("warm_start.max_steps", f"{why}: lower it")], entry.job_id)
+        spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel), user=entry.user)
     if entry.checkpoint is None or entry.checkpoint_iteration is None:
         return spec
     return dataclasses.replace(
@@ -274,7 +282,9 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     view = ClusterView(runner)  # what the page and /metrics show; a hook from the start, on the runner's thread
     runner.hooks.hooks.append(view)
     if prepare is prepare_entry:
-        prepare = functools.partial(prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps)
+        prepare = functools.partial(
+            prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules)
+        )
     controller = Controller(
         runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,

@@ -3,7 +3,6 @@ name, and the services and policies its one runner uses (the same fields as a cl
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,18 +11,7 @@ from pydantic import Field, ValidationError, model_validator
 from plexrl.cluster import ClusterConfig, DaskTLS, ServicesConfig, dask_network_problem
 from plexrl.config import StrictModel, _problem, apply_overrides
 from plexrl.errors import ConfigError, Problem
-
-LOOPBACK_NAMES = ("localhost",)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
+from plexrl.runtime.tls import is_loopback
 
 
 class ServerConfig(StrictModel):

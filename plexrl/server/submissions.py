@@ -10,7 +10,8 @@ BEFORE anything is compiled (compiling imports the modules that dotted paths nam
   dotted path names only code declared for its role (no project helper can be called as a "builder");
 - `name` is a plain identifier, matched whole (it becomes part of the job id, of MLflow run names and of file
   paths);
-- `run_dir` and `model.path` resolve under one of the allowed roots (a missing `run_dir` becomes the server's);
+- `run_dir`, `model.path` and the data paths (`data.train`, `data.held_out`, `data.cache_dir`) resolve under one
+  of the allowed roots (a missing `run_dir` becomes the server's);
   a path outside them gets the same answer whether or not it exists (nothing about it is looked up);
 - `tracking.uri` is the server owner's, not the job's: a job may not set it;
 - with `max_warm_start_steps`, an enabled warm start runs at most that many steps.
@@ -127,6 +128,11 @@ def _policy_problems(
     model = cfg.get("model")
     if isinstance(model, dict) and model.get("path") is not None:
         problems += _path_problem(model["path"], "model.path", roots)
+    data = cfg.get("data")
+    if isinstance(data, dict):  # the job's data files and their cache are read (and written) by the server
+        for key in ("train", "held_out", "cache_dir"):
+            if data.get(key) is not None:
+                problems += _path_problem(data[key], f"data.{key}", roots)
     tracking = cfg.get("tracking")
     if isinstance(tracking, dict) and tracking.get("uri") is not None:
         problems.append(Problem("tracking.uri", "set by the server's owner; remove it from the job"))
