@@ -130,6 +130,12 @@ class ClusterConfig(StrictModel):
         "run code on its workers and in this process: only on a network you trust entirely; prefer dask_tls.",
     )
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
+    pin_cores: bool = Field(
+        True,
+        description="A local Dask cluster: each service worker on a core of its own and the CPU pool on the rest "
+        "(os.sched_setaffinity; plexrl/runtime/affinity.py), as accelerators and host CPUs are apart on a real node. "
+        "Skipped (with a warning) when the machine has too few cores; false: no pinning.",
+    )
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
@@ -294,6 +300,7 @@ def make_executor(cfg: ClusterConfig) -> Executor:
         services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
         device=s.device, validate=cfg.validate_state, ranks=s.ranks, group_timeout=s.group_timeout,
         host=cfg.dask_host, tls=TLSFiles(t.ca_file, t.cert, t.key) if t is not None else None,
+        pin_cores=cfg.pin_cores,
     )  # fmt: skip
 
 

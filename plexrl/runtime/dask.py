@@ -98,8 +98,11 @@ class DaskExecutor:
         group_timeout: float = 60.0,
         host: str = LOOPBACK,
         tls: TLSFiles | None = None,
+        pin_cores: bool = False,
     ) -> None:
         self.clock = time.time
+        self.pin_cores = pin_cores  # a local cluster: services on cores of their own (runtime/affinity.py)
+        self.pinned: dict[str, list[int]] = {}  # worker address -> its cores, when pinned
         self.host, self.tls = host, tls  # the local cluster's interface; mutual TLS (see the module docstring)
         self.n_services, self.cpu_threads, self.service_threads = services, cpu_threads, service_threads
         self.scheduler, self.device, self.validate, self.poll = scheduler, device, validate, poll
@@ -190,6 +193,8 @@ class DaskExecutor:
         self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
         if not self.cpu_workers:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
+        if self.pin_cores and self.scheduler is None:
+            self._pin([a for _, a in gpu])
         if self.ranks > 1:
             return self._start_groups(gpu)
         for i, (_, addr) in enumerate(gpu):
@@ -206,6 +211,23 @@ class DaskExecutor:
         self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
         self._next_check = time.time() + self.poll
         return list(self.worker_of)
+
+    def _pin(self, service_workers: list[str]) -> None:
+        """Each service worker on a core of its own, the CPU pool on the rest (`affinity.core_plan`); nothing
+        pinned, with a warning, when the machine has too few cores to leave the pool one."""
+        from plexrl.runtime.affinity import available_cores, core_plan, pin_process
+
+        cores = available_cores()
+        plan = core_plan(cores, len(service_workers), max(1, self.service_threads or 1))
+        if plan is None:
+            log.warning("pin_cores: %d cores cannot give %d services their own and the CPU pool one; not pinned",
+                        len(cores), len(service_workers))  # fmt: skip
+            return
+        per_service, pool = plan
+        targets = {**dict(zip(service_workers, per_service, strict=True)), **{a: pool for a in self.cpu_workers}}
+        for addr, mine in targets.items():
+            self.pinned[addr] = self.client.run(pin_process, mine, workers=[addr])[addr]
+        log.info("pinned: %s", {a: c for a, c in self.pinned.items()})
 
     def _start_groups(self, gpu: list[tuple[str, str]]) -> list[str]:
         """Services of `ranks` workers each (consecutive by name), each forming one process group."""

@@ -71,6 +71,12 @@ class ServerConfig(StrictModel):
         "run code on its workers and in this server: only on a network you trust entirely; prefer dask_tls.",
     )
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
+    pin_cores: bool = Field(
+        True,
+        description="A local Dask cluster: each service worker on a core of its own and the CPU pool on the rest "
+        "(os.sched_setaffinity; plexrl/runtime/affinity.py), as accelerators and host CPUs are apart on a real node. "
+        "Skipped (with a warning) when the machine has too few cores; false: no pinning.",
+    )
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
@@ -179,7 +185,7 @@ class ServerConfig(StrictModel):
     def cluster(self) -> ClusterConfig:
         """The equivalent cluster config (no jobs), for `plexrl.cluster.make_runner`."""
         fields: tuple[str, ...] = ("driver", "scheduler", "cpu_threads", "services", "placement", "max_load")
-        fields += ("ordering", "lookahead", "dask_host", "dask_tls", "allow_plaintext_scheduler")
+        fields += ("ordering", "lookahead", "dask_host", "dask_tls", "allow_plaintext_scheduler", "pin_cores")
         values: dict[str, Any] = {f: getattr(self, f) for f in fields}
         return ClusterConfig.model_construct(
             name="server", run_dir=self.run_dir, validate_state=self.validate_state, mlflow=False, jobs=[], **values
