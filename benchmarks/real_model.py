@@ -257,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     picture = out / "curve.png"
     plot(results, args.target, picture)
     print(f"curve: {picture}")
+    for r in results:  # the picture in each seed's MLflow run too
+        tracking = r["run"].tracking
+        if tracking.get("uri") and tracking.get("run_id"):
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri=str(tracking["uri"])).log_artifact(str(tracking["run_id"]), str(picture))
     reached = sum(any(a >= args.target for _, _, a in r["curve"]) for r in results)
     print(f"seeds at >= {args.target:.0%} within {args.minutes:g} minutes: {reached} of {len(results)}")
     if tmp is not None:
