@@ -30,6 +30,7 @@ EXPECTED = {
     "engine_choice": "vLLM / torch time",
     "multiplex": "multiplexed / lean",
     "pipeline_overhead": "ratio plexrl / hand",
+    "real_model": "seeds at >= 85% within 20 minutes",
     "rollout": "wrapper/raw",
     "serve": "status p99",
     "swap": "memory bandwidth (one reused buffer, copy_)",
