@@ -107,13 +107,10 @@ class ClusterJob(StrictModel):
         return self
 
 
-class ClusterConfig(StrictModel):
-    """Services, policies and the jobs that share them."""
+class DaskNetwork(StrictModel):
+    """How a Dask cluster is reached and laid out on this machine: the fields a cluster config and a server
+    config share (Dask's protocol is pickle: see `dask_network_problem`)."""
 
-    name: str = Field("cluster", description="Name of the cluster-level MLflow run.")
-    run_dir: str = Field("runs", description="Directory for the cluster's timeline, report and MLflow store.")
-    driver: Literal["dask", "local"] = Field("dask", description="dask: a Dask cluster; local: in-process.")
-    scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (default: start one).")
     dask_host: str = Field(
         "127.0.0.1",
         description="Interface the local Dask cluster's scheduler, workers and nannies bind (its dashboard stays "
@@ -129,13 +126,22 @@ class ClusterConfig(StrictModel):
         description="Accept a `scheduler` off this machine over plain tcp://. Whoever reaches that scheduler can "
         "run code on its workers and in this process: only on a network you trust entirely; prefer dask_tls.",
     )
-    cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
     pin_cores: bool = Field(
         True,
         description="A local Dask cluster: each service worker on a core of its own and the CPU pool on the rest "
         "(os.sched_setaffinity; plexrl/runtime/affinity.py), as accelerators and host CPUs are apart on a real node. "
         "Skipped (with a warning) when the machine has too few cores; false: no pinning.",
     )
+
+
+class ClusterConfig(DaskNetwork):
+    """Services, policies and the jobs that share them."""
+
+    name: str = Field("cluster", description="Name of the cluster-level MLflow run.")
+    run_dir: str = Field("runs", description="Directory for the cluster's timeline, report and MLflow store.")
+    driver: Literal["dask", "local"] = Field("dask", description="dask: a Dask cluster; local: in-process.")
+    scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (default: start one).")
+    cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."

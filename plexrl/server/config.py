@@ -8,13 +8,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from plexrl.cluster import ClusterConfig, DaskTLS, ServicesConfig, dask_network_problem
-from plexrl.config import StrictModel, _problem, apply_overrides
+from plexrl.cluster import ClusterConfig, DaskNetwork, ServicesConfig, dask_network_problem
+from plexrl.config import _problem, apply_overrides
 from plexrl.errors import ConfigError, Problem
 from plexrl.runtime.tls import is_loopback
 
 
-class ServerConfig(StrictModel):
+class ServerConfig(DaskNetwork):
     """`plexrl serve`: listening address, journal, submission policy, services and policies."""
 
     host: str = Field("127.0.0.1", description="Address to bind. Anything but loopback requires `token`.")
@@ -55,28 +55,7 @@ class ServerConfig(StrictModel):
         "(no worker to lose; for tests and a single small machine).",
     )
     scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (driver: dask).")
-    dask_host: str = Field(
-        "127.0.0.1",
-        description="Interface the local Dask cluster's scheduler, workers and nannies bind (its dashboard stays "
-        "on 127.0.0.1). Anything but loopback needs `dask_tls`.",
-    )
-    dask_tls: DaskTLS | None = Field(
-        None,
-        description="Mutual TLS for the Dask cluster (`plexrl certs DIR` makes the files): needed for a dask_host "
-        "off loopback and for a tls:// scheduler.",
-    )
-    allow_plaintext_scheduler: bool = Field(
-        False,
-        description="Accept a `scheduler` off this machine over plain tcp://. Whoever reaches that scheduler can "
-        "run code on its workers and in this server: only on a network you trust entirely; prefer dask_tls.",
-    )
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
-    pin_cores: bool = Field(
-        True,
-        description="A local Dask cluster: each service worker on a core of its own and the CPU pool on the rest "
-        "(os.sched_setaffinity; plexrl/runtime/affinity.py), as accelerators and host CPUs are apart on a real node. "
-        "Skipped (with a warning) when the machine has too few cores; false: no pinning.",
-    )
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
