@@ -111,6 +111,12 @@ class DaskNetwork(StrictModel):
     """How a Dask cluster is reached and laid out on this machine: the fields a cluster config and a server
     config share (Dask's protocol is pickle: see `dask_network_problem`)."""
 
+    driver: Literal["dask", "local"] = Field(
+        "dask",
+        description="dask: nodes run on a Dask cluster (a local one, or `scheduler`); local: in this process "
+        "(no worker to lose; for tests and a single small machine).",
+    )
+    scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (default: start one).")
     dask_host: str = Field(
         "127.0.0.1",
         description="Interface the local Dask cluster's scheduler, workers and nannies bind (its dashboard stays "
@@ -133,14 +139,21 @@ class DaskNetwork(StrictModel):
         "Skipped (with a warning) when the machine has too few cores; false: no pinning.",
     )
 
+    @model_validator(mode="after")
+    def _dask_network(self) -> DaskNetwork:
+        if self.driver == "dask":
+            tls, plain = self.dask_tls is not None, self.allow_plaintext_scheduler
+            problem = dask_network_problem(self.dask_host, self.scheduler, tls, plain)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
 
 class ClusterConfig(DaskNetwork):
     """Services, policies and the jobs that share them."""
 
     name: str = Field("cluster", description="Name of the cluster-level MLflow run.")
     run_dir: str = Field("runs", description="Directory for the cluster's timeline, report and MLflow store.")
-    driver: Literal["dask", "local"] = Field("dask", description="dask: a Dask cluster; local: in-process.")
-    scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (default: start one).")
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
@@ -168,15 +181,6 @@ class ClusterConfig(DaskNetwork):
     def _groups_on_dask(self) -> ClusterConfig:
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
-        return self
-
-    @model_validator(mode="after")
-    def _dask_network(self) -> ClusterConfig:
-        if self.driver == "dask":
-            tls, plain = self.dask_tls is not None, self.allow_plaintext_scheduler
-            problem = dask_network_problem(self.dask_host, self.scheduler, tls, plain)
-            if problem is not None:
-                raise ValueError(problem)
         return self
 
 

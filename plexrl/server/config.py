@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from plexrl.cluster import ClusterConfig, DaskNetwork, ServicesConfig, dask_network_problem
+from plexrl.cluster import ClusterConfig, DaskNetwork, ServicesConfig
 from plexrl.config import _problem, apply_overrides
 from plexrl.errors import ConfigError, Problem
 from plexrl.runtime.tls import is_loopback
@@ -49,12 +49,6 @@ class ServerConfig(DaskNetwork):
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest request body accepted.")
     mlflow: bool = Field(True, description="Track every job in MLflow (a run per job, per attempt).")
-    driver: Literal["dask", "local"] = Field(
-        "dask",
-        description="dask: nodes run on a Dask cluster (a local one, or `scheduler`); local: in the server process "
-        "(no worker to lose; for tests and a single small machine).",
-    )
-    scheduler: str | None = Field(None, description="Address of an existing Dask scheduler (driver: dask).")
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
@@ -138,15 +132,6 @@ class ServerConfig(DaskNetwork):
             raise ValueError("users: two identities share a token; give each user (and the administrator) its own")
         if self.scheduler is not None and self.driver != "dask":
             raise ValueError("`scheduler` needs `driver: dask`")
-        return self
-
-    @model_validator(mode="after")
-    def _dask_network(self) -> ServerConfig:
-        if self.driver == "dask":
-            tls, plain = self.dask_tls is not None, self.allow_plaintext_scheduler
-            problem = dask_network_problem(self.dask_host, self.scheduler, tls, plain)
-            if problem is not None:
-                raise ValueError(problem)
         return self
 
     def jobs_private(self) -> bool:
