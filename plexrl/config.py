@@ -17,8 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, validate_call
 
+from plexrl.config_checks import chunk_problems, lora_problems, vllm_problem
 from plexrl.data.config import DataConfig
-from plexrl.errors import ConfigError, Problem
+from plexrl.errors import ConfigError, Problem, _problem
 from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
 from plexrl.roles import resolve
 from plexrl.yamlio import load_yaml_file, load_yaml_text
@@ -467,100 +468,6 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
     if problems or config is None or graph is None:
         raise ConfigError(problems, name)
     return LoadedJob(config, graph, raw, name)
-
-
-def lora_problems(config: JobConfig, graph: PipelineGraph | None) -> list[Problem]:
-    """What a LoRA job cannot do yet: generate on vLLM, or train a critic."""
-    problems = []
-    if config.engine == "vllm":
-        problems.append(
-            Problem("engine", "a LoRA job generates on the torch engine (vLLM adapters are not wired yet); set auto")
-        )
-    critic = [n.name for n in (graph.nodes if graph else []) if n.operator.name in ("value_estimate", "train_critic")]
-    if critic:
-        problems.append(
-            Problem("model.lora", f"a LoRA job has no critic; nodes {critic} need one: use a pipeline without it")
-        )
-    return problems
-
-
-def chunk_problems(chunks: dict[str, int], graph: PipelineGraph) -> list[Problem]:
-    """What is wrong with `chunks` for this pipeline: every named node must exist, run on a service and have a
-    chunkable operator (one that declares `chunk_input`: a row-sliceable input and a concatenable output)."""
-    problems = []
-    names = [n.name for n in graph.nodes]
-    for name, count in chunks.items():
-        where = f"chunks.{name}"
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            problems.append(Problem(where, f"no pipeline node {name!r}; {hint}nodes: {', '.join(names)}"))
-            continue
-        op = graph.node(name).operator
-        if count == 1:
-            continue
-        if op.placement != "service":
-            why = f"node {name!r} ({op.name}) runs on the CPU pool; only service nodes run in chunks: remove it"
-            problems.append(Problem(where, why))
-        elif not op.chunkable:
-            chunkable = sorted(n.name for n in graph.nodes if n.operator.chunkable) or ["none in this pipeline"]
-            why = (
-                f"operator {op.name!r} of node {name!r} cannot run in chunks (it declares no chunk_input); remove "
-                f"it. Chunkable nodes here: {', '.join(chunkable)}"
-            )
-            problems.append(Problem(where, why))
-    return problems
-
-
-def vllm_problem(model: ModelConfig) -> str | None:
-    """Why vLLM cannot generate for this model (not installed, unsupported architecture or head size)."""
-    from plexrl.engines.vllm_engine import VLLM_EXTRA_HINT, config_problem, model_problem, vllm_installed
-
-    if not vllm_installed():
-        return f"vLLM is not installed; {VLLM_EXTRA_HINT}"
-    if model.path is not None:
-        return model_problem(model.path)
-    built = {"architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden, "num_attention_heads": model.heads}
-    return config_problem(built)
-
-
-def _problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Problem:
-    loc = [str(x) for x in err["loc"]]
-    where = ".".join(([prefix] if prefix else []) + loc)
-    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        known = _known_keys(model, loc[:-1]) if model else []
-        close = difflib.get_close_matches(loc[-1], known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        msg = f"unknown key; {hint}known keys here: {', '.join(known)}" if known else "unknown key; remove it"
-    elif err["type"] == "missing":
-        msg = "required; add this field"
-    else:
-        msg = f"{err['msg']} (got {err.get('input')!r})"
-    return Problem(where, msg)
-
-
-def _known_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
-    current: Any = model
-    for part in loc:
-        current = _unwrap(current)
-        if part.isdigit():
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
-            return []
-        current = current.model_fields[part].annotation
-    current = _unwrap(current)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return []
-
-
-def _unwrap(annotation: Any) -> Any:
-    """`list[X] | None` -> X: the model type a nested location refers to."""
-    while True:
-        args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
-        if not args or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return annotation
-        annotation = args[0]
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,7 +6,11 @@ what to do about it. The CLI prints them without a traceback.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +46,44 @@ class OperatorError(PlexRLError):
         super().__init__(
             f"job {job_id!r}, iteration {iteration}, node {node!r} failed: {type(cause).__name__}: {cause}"
         )
+
+
+def _problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Problem:
+    """A pydantic error as a Problem: its dotted location under `prefix`, and for an unknown key the known
+    keys of that place in `model` (with the closest one)."""
+    loc = [str(x) for x in err["loc"]]
+    where = ".".join(([prefix] if prefix else []) + loc)
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        known = _known_keys(model, loc[:-1]) if model else []
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        msg = f"unknown key; {hint}known keys here: {', '.join(known)}" if known else "unknown key; remove it"
+    elif err["type"] == "missing":
+        msg = "required; add this field"
+    else:
+        msg = f"{err['msg']} (got {err.get('input')!r})"
+    return Problem(where, msg)
+
+
+def _known_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        current = _unwrap(current)
+        if part.isdigit():
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return []
+        current = current.model_fields[part].annotation
+    current = _unwrap(current)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _unwrap(annotation: Any) -> Any:
+    """`list[X] | None` -> X: the model type a nested location refers to."""
+    while True:
+        args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+        if not args or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return annotation
+        annotation = args[0]
