@@ -9,7 +9,10 @@ tokenize=True)` returns a dict, which is never handed on), with the tokenizer's 
 plain text. Engines take the ids (vLLM: `{"prompt_token_ids": ids}`), never the text.
 
 `special_ids(model_dir, tokenizer)` reads eos (one id or several) and pad from the model's
-`generation_config.json` when present, else from the tokenizer.
+`generation_config.json` when present, else from the tokenizer. `engine_special_ids(model_dir, eos_id,
+pad_id)` is what the engines stop at and pad with: the eos id they were given first, then every other eos id
+of the generation config (Llama 3 and Qwen name several: `<|eot_id|>` and `<|end_of_text|>`, `<|im_end|>`
+and `<|endoftext|>`).
 """
 
 from __future__ import annotations
@@ -99,6 +102,30 @@ def special_ids(model_dir: Path | str | None, tokenizer: Any) -> SpecialIds:
     return SpecialIds(eos, eos[0] if pad is None else int(pad))
 
 
+def engine_special_ids(model_dir: Path | str | None, eos_id: int | None, pad_id: int | None) -> SpecialIds:
+    """What an engine of the model in `model_dir` stops at and pads with. eos: `eos_id` (the tokenizer's)
+    first, then the other eos ids of its `generation_config.json` (none there: `eos_id` alone); pad: `pad_id`,
+    else the generation config's, else the first eos (Llama 3's tokenizer has no pad token). Raises ValueError
+    when neither names an eos.
+
+    >>> engine_special_ids(None, 2, 0)
+    SpecialIds(eos=(2,), pad=0)
+    """
+    gen: dict[str, Any] = {}
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        gen = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
+    value = gen.get("eos_token_id")
+    listed = [int(v) for v in value] if isinstance(value, list) else [] if value is None else [int(value)]
+    eos = tuple(dict.fromkeys(([] if eos_id is None else [int(eos_id)]) + listed))
+    if not eos:
+        raise ValueError(
+            f"no eos token id in {model_dir}/generation_config.json nor the tokenizer; set eos_token_id in one of them"
+        )
+    if pad_id is None:
+        pad_id = gen.get("pad_token_id")
+    return SpecialIds(eos, eos[0] if pad_id is None else int(pad_id))
+
+
 def prompt_token_ids(problem: Any, tokenizer: Any) -> list[int]:
     """A task problem's prompt as token ids: those its task rendered (`prompt_ids`: a chat template already
     wrote the special tokens), else the tokenizer's ids of its text (bos included: the generated tasks)."""
@@ -110,6 +137,7 @@ __all__ = [
     "Messages",
     "SpecialIds",
     "build_messages",
+    "engine_special_ids",
     "has_chat_template",
     "prompt_ids",
     "prompt_token_ids",

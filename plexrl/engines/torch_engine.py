@@ -107,14 +107,19 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> tup
 
 
 class TorchEngine:
-    """Holds one job's policy (and optionally a frozen reference) and its AdamW optimizer."""
+    """Holds one job's policy (and optionally a frozen reference) and its AdamW optimizer.
+
+    A response ends at `eos_id` (the tokenizer's) or any other eos id of the model's `generation_config.json`
+    (`extra_eos`; Llama 3 and Qwen list several); a `pad_id` of None is the generation config's, else eos."""
+
+    extra_eos: tuple[int, ...] = ()  # (a subclass that skips __init__, e.g. LoRAEngine, stops at eos_id only)
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
-        eos_id: int,
-        pad_id: int,
+        eos_id: int | None,
+        pad_id: int | None,
         device: str = "cpu",
         with_reference: bool = False,
         attention: str = "sdpa",
@@ -122,10 +127,13 @@ class TorchEngine:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from plexrl.data.prompts import engine_special_ids
+
         hf_logging.disable_progress_bar()  # no "Loading weights" bars in job output
 
         self.device = torch.device(device)
-        self.eos_id, self.pad_id = eos_id, pad_id
+        special = engine_special_ids(model_dir, eos_id, pad_id)  # every eos of generation_config.json too
+        self.eos_id, self.pad_id, self.extra_eos = special.eos[0], special.pad, special.eos[1:]
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attention)
         self.policy = model.to(self.device)  # type: ignore[arg-type]
         self.policy.eval()
@@ -174,7 +182,7 @@ class TorchEngine:
         past, logits = getattr(out, kw), out.logits[:, -1]
         next_pos = pos[:, -1:] + 1
         done = torch.zeros(N, dtype=torch.bool, device=self.device)
-        stops = torch.tensor([self.eos_id, *stop_token_ids], device=self.device)
+        stops = torch.tensor([self.eos_id, *self.extra_eos, *stop_token_ids], device=self.device)
         toks, lps, alive = [], [], []
         for step in range(max_new_tokens):
             logp = F.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)

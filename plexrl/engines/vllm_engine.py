@@ -175,16 +175,19 @@ class SharedLLM:
         self,
         model_dir: str | Path,
         *,
-        eos_id: int,
-        pad_id: int,
+        eos_id: int | None,
+        pad_id: int | None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        from plexrl.data.prompts import engine_special_ids
+
         vllm = _import_vllm()
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.model_dir = Path(model_dir)
-        self.eos_id, self.pad_id = eos_id, pad_id
+        special = engine_special_ids(model_dir, eos_id, pad_id)  # every eos of generation_config.json too
+        self.eos_id, self.pad_id, self.eos_ids = special.eos[0], special.pad, special.eos
         self.max_model_len = int(max_model_len or config.get("max_position_embeddings", 2048))
         self.kv_cache_bytes = kv_cache_bytes
         self.clock = clock
@@ -259,7 +262,7 @@ class SharedLLM:
                 max_tokens=max_new_tokens,
                 logprobs=0,
                 seed=row_seed(seed, i * per),
-                stop_token_ids=[self.eos_id, *stop_token_ids],
+                stop_token_ids=[*self.eos_ids, *stop_token_ids],
                 stop=list(stop) or None,
                 include_stop_str_in_output=True,
                 detokenize=bool(stop),

@@ -1,0 +1,91 @@
+"""A real model's options on the torch engine: several eos ids from generation_config.json, pad fallback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from plexrl.config import ModelConfig
+from plexrl.data.prompts import engine_special_ids
+from plexrl.engines.torch_engine import TorchEngine
+from plexrl.models import build_model, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    d = tmp_path_factory.mktemp("options-model")
+    tok = build_tokenizer(d)
+    build_model(ModelConfig(layers=1, hidden=32, heads=2, intermediate=64), tok, d, seed=0)
+    return d, tok
+
+
+def prompts(tok: Any) -> list[list[int]]:
+    return [tok(t)["input_ids"] for t in ["12+34=", "5+6=", "123+4=", "7+70="]]
+
+
+def responses(gen: Any) -> list[list[int]]:
+    return [gen.response_ids[i, : int(gen.lengths[i])].tolist() for i in range(len(gen.lengths))]
+
+
+def with_generation_eos(src: Path, dst: Path, eos: list[int]) -> Path:
+    """A copy of the model in `src` whose generation_config.json lists the eos ids `eos`."""
+    shutil.copytree(src, dst)
+    gen = json.loads((dst / "generation_config.json").read_text())
+    gen["eos_token_id"] = eos
+    (dst / "generation_config.json").write_text(json.dumps(gen))
+    return dst
+
+
+def test_a_built_model_stops_at_its_tokenizer_eos_only(model_dir: tuple[Path, Any]) -> None:
+    d, tok = model_dir
+    engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    assert (engine.eos_id, engine.extra_eos, engine.pad_id) == (tok.eos_token_id, (), tok.pad_token_id)
+
+
+def test_every_eos_of_the_generation_config_ends_a_row(model_dir: tuple[Path, Any], tmp_path: Path) -> None:
+    d, tok = model_dir
+    kw: dict[str, Any] = {"n": 4, "temperature": 1.0, "max_new_tokens": 12, "seed": 3}
+    plain = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).generate(prompts(tok), **kw)
+    # a second eos: the token the model samples most often (not the tokenizer's eos), so rows meet it
+    counts = Counter(t for row in responses(plain) for t in row if t != tok.eos_token_id)
+    second = counts.most_common(1)[0][0]
+    multi = with_generation_eos(d, tmp_path / "multi", [tok.eos_token_id, second])
+    engine = TorchEngine(multi, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    assert engine.extra_eos == (second,)
+    out = engine.generate(prompts(tok), **kw)
+    hit = 0
+    for before, after, reason in zip(responses(plain), responses(out), out.finish_reasons, strict=True):
+        stops = [j for j, t in enumerate(before) if t in (tok.eos_token_id, second)]
+        if stops:  # same seed, same weights: the row is the unpaused one cut at its first eos of either kind
+            assert after == before[: stops[0] + 1] and reason == "stop"
+            hit += before[stops[0]] == second
+        else:
+            assert after == before and reason == "length"
+    assert hit >= 1  # some row really ended at the second eos
+
+
+def test_pad_falls_back_to_the_generation_config_then_to_eos(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "pad_token_id": 5}))
+    assert engine_special_ids(tmp_path, 9, None).eos == (9, 7)
+    assert engine_special_ids(tmp_path, 9, None).pad == 5
+    assert engine_special_ids(tmp_path, None, 3).pad == 3
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    assert engine_special_ids(tmp_path, None, None).pad == 4
+    (tmp_path / "generation_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no eos token id"):
+        engine_special_ids(tmp_path, None, None)
+
+
+def test_a_tokenizer_without_pad_generates(model_dir: tuple[Path, Any]) -> None:
+    d, tok = model_dir
+    engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=None)
+    gen_pad = json.loads((d / "generation_config.json").read_text()).get("pad_token_id", tok.eos_token_id)
+    assert engine.pad_id == gen_pad
+    out = engine.generate(prompts(tok), n=1, temperature=1.0, max_new_tokens=4, seed=0, greedy=True)
+    assert torch.equal(out.prompt_mask.sum(1), torch.tensor([len(p) for p in prompts(tok)]))
