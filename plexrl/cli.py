@@ -136,34 +136,19 @@ def _run_cluster(config: Path, overrides: list[str], progress: bool | None) -> N
 
 @app.command()
 def validate(config: ConfigArg = None, set_: SetOpt = None) -> None:
-    """Check a job or cluster config and its pipelines; report every problem at once."""
-    from plexrl.cluster import is_cluster_file
+    """Check any config (job, cluster, server, simulator scenario or trace, profiles): detect its kind (its
+    `kind:` or its keys), validate it with that kind's model, report every problem at once."""
+    from plexrl.config_kinds import check_config
 
-    if is_cluster_file(config):
-        from plexrl.cluster import load_cluster
-
-        assert config is not None
-        try:
-            cluster = load_cluster(config, set_ or [])
-        except PlexRLError as exc:
-            _fail(exc)
-            return
-        c = cluster.config
-        typer.echo(
-            f"{config}: OK — {len(cluster.jobs)} jobs on {c.services.count} service(s), "
-            f"placement {c.placement}, ordering {c.ordering}, driver {c.driver}"
-        )
-        for job in cluster.jobs:
-            typer.echo(f"  {job.config.name:<24} pipeline {job.graph.name!r} ({len(job.graph.order)} nodes)")
-        return
     try:
-        loaded = _load(config, set_)
+        checked = check_config(config, set_ or [])
     except PlexRLError as exc:
         _fail(exc)
         return
-    typer.echo(f"{loaded.source}: OK — pipeline {loaded.graph.name!r} with {len(loaded.graph.order)} nodes")
-    for node in loaded.graph.describe():
-        typer.echo(f"  {node['name']:<12} {node['placement']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")
+    first, *rest = checked.lines
+    typer.echo(f"{config or 'defaults'}: OK, a {checked.kind} config ({checked.why}) — {first}")
+    for line in rest:
+        typer.echo(line)
 
 
 @app.command()
