@@ -31,6 +31,9 @@ class Accelerator(StrictModel):
                              "accelerators copying at once, GB/s.")  # fmt: skip
     disk_gbps: float = Field(gt=0, description="Local NVMe bandwidth per accelerator, GB/s.")
     net_gbps: float = Field(gt=0, description="Inter-node network bandwidth per accelerator, GB/s.")
+    host_gb: float = Field(256, gt=0, description="Host DRAM per accelerator (a node's DRAM / its accelerators), "
+                           "GB: what offloaded and swapped-out states must fit in.")  # fmt: skip
+    per_node: int = Field(8, ge=1, description="Accelerators per node (they share one host's DRAM and CPUs).")
 
 
 class Model(StrictModel):
@@ -88,6 +91,8 @@ class Efficiency(StrictModel):
     decode_mfu: float = Field(0.5, gt=0, le=1, description="Cap on decode compute (large batches).")
     decode_step_ms: float = Field(ge=0, description="Fixed cost of one decode step (scheduling, sampling, "
                                   "kernel launches, TP all-reduce latency), ms.")  # fmt: skip
+    internode_step_ms: float = Field(10, ge=0, description="Extra cost of one decode step when a rollout replica's "
+                                     "TP spans nodes (its all-reduces cross the network), ms.")  # fmt: skip
     max_num_seqs: int = Field(256, ge=1, description="Concurrent sequences per rollout replica (vLLM max_num_seqs).")
     memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of HBM the rollout engine may use.")
     sync_fixed_s: float = Field(ge=0, description="Fixed cost of pushing new weights to the rollout engines, s.")
@@ -95,6 +100,8 @@ class Efficiency(StrictModel):
                                   "the training and the rollout engine (each way), s.")  # fmt: skip
     train_reserve_gb: float = Field(ge=0, description="Device memory a training step needs beyond the job's state "
                                     "(activations, buffers), GB per accelerator.")  # fmt: skip
+    cpu_adam_gparams_s: float = Field(4.0, gt=0, description="ZeRO-Offload: billions of parameters one node's "
+                                      "CPUs update per second with CPU-Adam.")  # fmt: skip
 
 
 class LengthDist(StrictModel):
@@ -154,6 +161,16 @@ class Deployment(StrictModel):
     overlap: Literal["none", "one-step"] = Field("none", description="plexrl: one-step off-policy overlap.")
     placement: str = Field("spread", description="Placement policy (plexrl kinds).")
     ordering: str = Field("hrrs", description="Ordering policy (plexrl kinds).")
+    resident: bool = Field(False, description="Rollout on the pool (colocated, plexrl-shared): the training state "
+                           "stays on device during rollout (no offload; it takes KV-cache room) instead of "
+                           "being offloaded to host each step.")  # fmt: skip
+    tune: bool = Field(False, description="`plexrl simulate` searches this deployment's layout over the "
+                       "scenario's `tune:` grid (rollout accelerators and TP; resident vs offloaded state) and "
+                       "keeps the cheapest (GPU-hours per step).")  # fmt: skip
+
+    @property
+    def off_policy(self) -> bool:
+        return self.kind == "split-async" or self.overlap == "one-step"
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:
@@ -161,7 +178,20 @@ class Deployment(StrictModel):
             raise ValueError(f"kind {self.kind!r} gives each job its own accelerators: jobs_per_pool must be 1")
         if self.overlap == "one-step" and self.kind != "plexrl":
             raise ValueError("overlap: one-step is for kind plexrl (split-async is one-step already)")
+        if self.resident and self.kind not in ("colocated", "plexrl-shared"):
+            raise ValueError("resident is for kinds colocated and plexrl-shared (rollout on the pool)")
         return self
+
+
+class Tune(StrictModel):
+    """The grid `plexrl simulate` searches for each deployment with `tune: true` (the baselines)."""
+
+    rollout_accelerators: list[int] = Field(default_factory=list, description="Rollout accelerators per job to "
+                                            "try (split kinds; empty: the scenario's).")  # fmt: skip
+    rollout_tp: list[int] = Field(default_factory=list, description="Rollout TP sizes to try (empty: the scenario's).")
+    resident: list[bool] = Field([False, True], description="Colocated: offloaded and/or resident training state.")
+    jobs: int = Field(2, ge=1, description="Jobs simulated per candidate (the baselines' jobs do not interact, so "
+                      "a few stand for all; the winner is rerun with every job).")  # fmt: skip
 
 
 class Scenario(StrictModel):
@@ -186,6 +216,9 @@ class Scenario(StrictModel):
     seed: int = Field(0, description="Seed of every random draw.")
     sweep_accelerators: list[str] = Field(default_factory=list, description="Other accelerator profiles to "
                                           "rerun the comparison on (how the saving moves with the GPU).")  # fmt: skip
+    tune: Tune = Field(default_factory=Tune, description="Layout grid of the deployments with `tune: true`.")  # type: ignore[arg-type]
+    matched_step: float = Field(1.1, ge=1, description="Headline: the best saving among layouts whose step time is "
+                                "at most this multiple of the strongest baseline's.")  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> Scenario:

@@ -4,20 +4,25 @@ the configs in `plexrl.sim.config` and a seeded RNG; no torch, no I/O. Every con
 
 Rollout, per replica of `tp` accelerators (`docs/simulator.md` derives it):
 - the batch's responses are shuffled and dealt round-robin to the replicas; a replica runs up to `slots`
-  sequences at once (vLLM `max_num_seqs`, or fewer if the KV cache cannot hold them at the mean context),
+  sequences at once (vLLM `max_num_seqs`, or fewer if the KV cache cannot hold them at the running context:
+  prompt + E[L^2] / 2E[L], since under continuous batching a sequence runs for a time proportional to its
+  length, so the running set is biased toward long sequences; colocated with a resident training state,
+  that state's bytes are taken from the KV room),
   admitting the next queued sequence the moment one ends (continuous batching);
 - one decode step with `n` running sequences reads the weights it touches (MoE: the experts the `n` tokens
   route to) plus the KV cache of the `n` sequences, at `decode_bw` of HBM bandwidth, or is compute bound at
   `decode_mfu` of peak, whichever is slower, plus a fixed `decode_step_ms`;
 - as sequences finish and the queue is empty, the batch shrinks and each step makes fewer tokens: the long
   tail. The step's rollout ends with its slowest replica.
-Decoding efficiency = tokens made / (replicas * rollout time * the replica's full-batch token rate): the
-share of the rollout accelerators' decode capacity the step used (the paper's "decoding efficiency").
+Decoding efficiency = tokens made / (rollout accelerators * rollout time * one reference rate per
+accelerator): the best full-batch rate per accelerator any rollout TP reaches on this model (one scale for
+every layout of a scenario, so a layout whose replicas are small or KV-starved shows as less efficient).
 
 Training: (6 + 2 * forward_passes) * active parameters * tokens FLOPs (forward + backward, plus the extra
 forward passes for old-policy and reference log-probs) at `train_mfu` of the pool's peak, stretched by the
 pipeline bubble (pp - 1) / microbatches; with optimizer offload, 4 bytes per parameter of the rank's shard
-cross the host link each step (gradients down, weights up). Attention FLOPs are not counted (they add a few
+cross the host link each step (gradients down, weights up) and each node's CPUs run Adam over its
+accelerators' shards (`cpu_adam_gparams_s`). Attention FLOPs are not counted (they add a few
 percent at these lengths; `train_mfu` absorbs them).
 """
 
@@ -58,15 +63,20 @@ def draw_lengths(dist: LengthDist, n: int, rng: random.Random) -> list[int]:
 class Decoder:
     """One rollout replica of `tp` accelerators: its concurrency and its decode step time."""
 
-    def __init__(self, acc: Accelerator, model: Model, eff: Efficiency, tp: int, context: float) -> None:
+    def __init__(
+        self, acc: Accelerator, model: Model, eff: Efficiency, tp: int, context: float, reserved: float = 0.0
+    ) -> None:
         self.acc, self.model, self.eff, self.tp = acc, model, eff, tp
         weights = model.params_b * 1e9 * 2 / tp  # bf16 weights on each accelerator
-        kv_room = tp * (acc.hbm_gb * GB * eff.memory_utilization - weights)
+        kv_room = tp * (acc.hbm_gb * GB * eff.memory_utilization - weights - reserved)
         if kv_room <= 0:
+            held = f" plus {reserved / GB:.0f} GB of resident training state" if reserved else ""
             raise DoesNotFit(
-                f"{model.name} needs {weights / GB:.0f} GB of weights per accelerator at rollout TP{tp}, more than "
-                f"{eff.memory_utilization:.0%} of {acc.name}'s {acc.hbm_gb:g} GB: raise rollout_tp"
+                f"{model.name} needs {weights / GB:.0f} GB of weights per accelerator at rollout TP{tp}{held}, more "
+                f"than {eff.memory_utilization:.0%} of {acc.name}'s {acc.hbm_gb:g} GB: raise rollout_tp"
+                + (" or offload the training state (resident: false)" if reserved else "")
             )
+        self.kv_room = kv_room
         self.slots = max(1, min(eff.max_num_seqs, int(kv_room / (model.kv_bytes_per_token() * context))))
         self.context = context
         expert = model.expert_params_b() * 1e9
@@ -85,7 +95,8 @@ class Decoder:
             read = (self._shared + self._expert * touched) * 2 / self.tp
             read += n * self.context * m.kv_bytes_per_token() / self.tp
             compute = 2 * m.active_b * 1e9 * n / self.tp / self._flops
-            t = self._cache[n] = max(read / self._bw, compute) + self.eff.decode_step_ms / 1000
+            fixed = self.eff.decode_step_ms + (self.eff.internode_step_ms if self.tp > self.acc.per_node else 0.0)
+            t = self._cache[n] = max(read / self._bw, compute) + fixed / 1000
         return t
 
     def full_rate(self) -> float:
@@ -114,19 +125,39 @@ class Decoder:
 
 
 def mean_context(work: Workload, rng: random.Random) -> float:
-    """Mean tokens in a running sequence's KV cache: the prompt plus half a mean response."""
+    """Mean tokens in a running sequence's KV cache under continuous batching: the prompt plus
+    E[L^2] / (2 E[L]). A sequence of length L is in the running set for a time proportional to L and holds
+    L/2 tokens of response on average meanwhile, so the set is length-biased (the inspection paradox)."""
     sample = draw_lengths(work.response, 4096, rng)
-    return work.prompt_tokens + sum(sample) / len(sample) / 2
+    return work.prompt_tokens + sum(x * x for x in sample) / (2 * sum(sample))
+
+
+def reference_rate(acc: Accelerator, model: Model, eff: Efficiency, work: Workload) -> float:
+    """Tokens per second per accelerator at full batch, the best over rollout TP 1, 2, 4, 8 that fit: the one
+    scale decoding efficiency is measured on for every layout of a scenario."""
+    context = mean_context(work, random.Random(f"context/{model.name}"))
+    best = 0.0
+    for tp in (1, 2, 4, 8):
+        try:
+            best = max(best, Decoder(acc, model, eff, tp, context).full_rate() / tp)
+        except DoesNotFit:
+            continue
+    if not best:
+        raise DoesNotFit(f"{model.name} fits no rollout TP up to 8 on {acc.name}")
+    return best
 
 
 def rollout_samples(
-    acc: Accelerator, model: Model, eff: Efficiency, work: Workload, accelerators: int, tp: int, k: int, seed: int
-) -> tuple[list[RolloutSample], Decoder]:
-    """`k` seeded rollouts of one step's batch on `accelerators` accelerators in replicas of `tp`."""
+    acc: Accelerator, model: Model, eff: Efficiency, work: Workload, accelerators: int, tp: int, k: int, seed: int,
+    reserved: float = 0.0,
+) -> tuple[list[RolloutSample], Decoder]:  # fmt: skip
+    """`k` seeded rollouts of one step's batch on `accelerators` accelerators in replicas of `tp` (`reserved`:
+    device bytes per accelerator a resident training state holds)."""
     if accelerators < tp:
         raise DoesNotFit(f"{accelerators} rollout accelerators cannot hold one replica of TP{tp}")
     rng = random.Random(f"rollout/{seed}/{model.name}/{accelerators}/{tp}")
-    dec = Decoder(acc, model, eff, tp, mean_context(work, rng))
+    dec = Decoder(acc, model, eff, tp, mean_context(work, rng), reserved)
+    ref = reference_rate(acc, model, eff, work)
     replicas = accelerators // tp
     n = work.prompts * work.samples
     out = []
@@ -135,9 +166,7 @@ def rollout_samples(
         rng.shuffle(lengths)
         seconds = max(dec.run(lengths[r::replicas], work.prompt_tokens) for r in range(min(replicas, n)))
         tokens = sum(lengths)
-        out.append(
-            RolloutSample(seconds, tokens, work.prompt_tokens * n, tokens / (replicas * seconds * dec.full_rate()))
-        )
+        out.append(RolloutSample(seconds, tokens, work.prompt_tokens * n, tokens / (replicas * tp * seconds * ref)))
     return out, dec
 
 
@@ -166,20 +195,51 @@ def train_seconds(
     t = flops / (layout.accelerators * acc.peak_tflops * 1e12 * eff.train_mfu)
     t *= 1 + (layout.pp - 1) / layout.microbatches
     if layout.offload:
-        t += 4 * rank_params(model, layout) / (acc.host_gbps * GB)
+        p = rank_params(model, layout)
+        t += 4 * p / (acc.host_gbps * GB)  # bf16 gradients down, bf16 weights up
+        shard = p / (layout.dp if layout.zero >= 1 else 1)  # the optimizer shard this rank updates
+        t += shard * acc.per_node / (eff.cpu_adam_gparams_s * 1e9)  # one node's CPUs, all its ranks
     return t
 
 
-def sync_seconds(acc: Accelerator, model: Model, eff: Efficiency, senders: int) -> float:
-    """Push new bf16 weights from the training pool to the rollout engines over the network."""
-    return model.params_b * 1e9 * 2 / (acc.net_gbps * GB * senders) + eff.sync_fixed_s
+def sync_seconds(
+    acc: Accelerator, model: Model, eff: Efficiency, senders: int, replicas: int = 1, tp: int = 1
+) -> float:
+    """Push new bf16 weights from the training pool to `replicas` rollout engines of `tp` accelerators over the
+    network: every replica receives the whole model (its accelerators in parallel), and the senders' links
+    carry one copy per replica."""
+    size = model.params_b * 1e9 * 2
+    wire = max(size * replicas / (acc.net_gbps * GB * senders), size / tp / (acc.net_gbps * GB))
+    return wire + eff.sync_fixed_s
 
 
-def switch_seconds(acc: Accelerator, model: Model, eff: Efficiency, layout: TrainLayout, rollout_tp: int) -> float:
-    """Colocated: one step's two switches: the training state out to host and the rollout weights in, then
-    back (vLLM sleep level 1 style: the KV cache is dropped, not moved)."""
-    moved = train_state_bytes(model, layout) + model.params_b * 1e9 * 2 / rollout_tp
+def switch_seconds(
+    acc: Accelerator, model: Model, eff: Efficiency, layout: TrainLayout, rollout_tp: int, resident: bool = False
+) -> float:
+    """Colocated: one step's two switches (vLLM sleep level 1 style: the KV cache is dropped, not moved). The
+    rollout weights go to host and back; offloaded (`resident=False`), so does the training state."""
+    moved = model.params_b * 1e9 * 2 / rollout_tp + (0 if resident else train_state_bytes(model, layout))
     return 2 * (moved / (acc.host_gbps * GB) + eff.switch_fixed_s)
+
+
+def host_bytes(model: Model, layout: TrainLayout, rollout_tp: int, jobs: int, on_pool: bool, resident: bool) -> float:
+    """Host DRAM per accelerator a pool of `jobs` jobs needs: each job's offloaded optimizer shard, the training
+    states swapped out (all but one job's; with the rollout on the pool and offloaded, every job's), and
+    where the rollout is on the pool each job's slept rollout weights (pinned buffers stay allocated)."""
+    p = rank_params(model, layout)
+    optim = 12 * p / (layout.dp if layout.zero >= 1 else 1) if layout.offload else 0.0
+    state = train_state_bytes(model, layout)
+    swapped = jobs if on_pool and not resident else jobs - 1
+    weights = jobs * model.params_b * 1e9 * 2 / rollout_tp if on_pool else 0.0
+    return jobs * optim + swapped * state + weights
+
+
+def check_host(acc: Accelerator, need: float, what: str) -> None:
+    if need > acc.host_gb * GB:
+        raise DoesNotFit(
+            f"{what} needs {need / GB:.0f} GB of host DRAM per accelerator, more than {acc.name}'s {acc.host_gb:g} "
+            "GB (host_gb): fewer jobs per pool, more rollout TP, or a resident state"
+        )
 
 
 def lognormal_draws(median: float, sigma: float, k: int, rng: random.Random) -> tuple[float, ...]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from plexrl.planner import ORDERINGS, NodePlan, placement_policy
 from plexrl.planner.events import Placement
@@ -33,8 +34,11 @@ from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.config import GB, Accelerator, Deployment, Efficiency, Model, Scenario, TrainLayout, Workload
 from plexrl.sim.costs import (
     Decoder,
+    DoesNotFit,
     RolloutSample,
     SampledCosts,
+    check_host,
+    host_bytes,
     lognormal_draws,
     rollout_samples,
     switch_seconds,
@@ -44,6 +48,7 @@ from plexrl.sim.costs import (
 )
 
 SHARED_ROLLOUT = ("colocated", "plexrl-shared")  # rollout runs on the planner's service
+BASELINES = ("colocated", "split-sync", "split-async")
 OVERLAPPED = "split-async"
 
 
@@ -62,9 +67,9 @@ class StepTable:
 
 def step_table(
     acc: Accelerator, model: Model, eff: Efficiency, work: Workload, layout: TrainLayout,
-    rollout_acc: int, rollout_tp: int, k: int, seed: int,
+    rollout_acc: int, rollout_tp: int, k: int, seed: int, reserved: float = 0.0,
 ) -> StepTable:  # fmt: skip
-    samples, dec = rollout_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed)
+    samples, dec = rollout_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed, reserved)
     rng = random.Random(f"step/{seed}/{model.name}")
     train = tuple(train_seconds(acc, model, eff, work, layout, s.tokens + s.prompt_tokens) for s in samples)
     stall = work.tool_stall
@@ -130,6 +135,9 @@ class DeploymentResult:
     jct: dict[str, float] = field(default_factory=dict)  # job -> completion time, s
     step_seconds: float = 0.0  # mean per-step time of a job
     utilisation: list[tuple[float, float]] = field(default_factory=list)  # (time, busy share) samples
+    layout: str = ""  # the rollout layout it ran: "R16 TP1" / "TP2 resident"
+    off_policy: bool = False
+    candidates: list[tuple[str, float, float]] = field(default_factory=list)  # tuned: (layout, GPU-h/step, step s)
 
     @property
     def accelerators(self) -> int:
@@ -152,13 +160,14 @@ class DeploymentResult:
         return 1 - useful / self.allocated if self.allocated else 0.0
 
 
-def job_state(kind: str, model: Model, layout: TrainLayout, rollout_tp: int) -> int:
+def job_state(kind: str, model: Model, layout: TrainLayout, rollout_tp: int, resident: bool = False) -> int:
     """Per-accelerator bytes of a job's state the planner moves: the training state or, where rollout shares
     the service, the larger of it and the rollout engine's weights (the job's own `switch` swaps the two, so
-    only one is on device when another job's turn comes)."""
+    only one is on device when another job's turn comes), or both with a resident training state."""
     state = train_state_bytes(model, layout)
     if kind in SHARED_ROLLOUT:
-        state = max(state, int(model.params_b * 1e9 * 2 / rollout_tp))
+        weights = int(model.params_b * 1e9 * 2 / rollout_tp)
+        state = state + weights if resident else max(state, weights)
     return state
 
 
@@ -189,7 +198,7 @@ def run_deployment(
     sc: Scenario,
     dep: Deployment,
     acc: Accelerator | None = None,
-    tables: dict[tuple[int, int], StepTable] | None = None,
+    tables: dict[Any, StepTable] | None = None,
 ) -> DeploymentResult:
     """Simulate the scenario's jobs under one deployment (on `acc` if given) with the real runner and planner."""
     acc = acc or sc.accelerator
@@ -197,20 +206,24 @@ def run_deployment(
     on_service = dep.kind in SHARED_ROLLOUT
     r_acc = layout.accelerators if on_service else own_accelerators(sc, dep)
     r_tp = dep.rollout_tp or sc.rollout_tp
+    resident = on_service and dep.resident
+    reserved = float(train_state_bytes(model, layout)) if resident else 0.0
     tables = {} if tables is None else tables
-    if (r_acc, r_tp) not in tables:
-        tables[r_acc, r_tp] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed)
-    tab = tables[r_acc, r_tp]
+    key = (r_acc, r_tp, resident)
+    if key not in tables:
+        tables[key] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed, reserved)
+    tab = tables[key]
     n = scenario_jobs(sc)
+    check_host(acc, host_bytes(model, layout, r_tp, dep.jobs_per_pool, on_service, resident), dep.name)
     agentic = work.tool_stall is not None
     nodes, baseline, dedicated = job_graph(dep.kind, dep.overlap, agentic)
     half = tuple(x / 2 for x in tab.rollout) if agentic else tab.rollout
     samples = {"rollout": half, "rollout2": half, "train": tab.train, "verify": tab.verify, "tool": tab.tool}
     means = {
-        "switch": switch_seconds(acc, model, eff, layout, r_tp),
-        "sync": sync_seconds(acc, model, eff, min(layout.accelerators, r_acc)),
+        "switch": switch_seconds(acc, model, eff, layout, r_tp, resident),
+        "sync": sync_seconds(acc, model, eff, min(layout.accelerators, r_acc), r_acc // r_tp, r_tp),
     }
-    state = job_state(dep.kind, model, layout, r_tp)
+    state = job_state(dep.kind, model, layout, r_tp, resident)
     order = tuple(nodes)
     jobs = [
         SimJob(f"job{i:03d}", nodes, work.steps, means, order, baseline, state, dedicated=dedicated,
@@ -252,8 +265,55 @@ def run_deployment(
     return DeploymentResult(
         dep.name, dep.kind, services, size, own, n, steps, ex.clock(), allocated, busy, swap, tab.efficiency,
         rollout * (size if on_service else own), jct,
-        step_seconds=sum(jct.values()) / steps,
+        step_seconds=sum(jct.values()) / steps, layout=layout_label(dep, sc), off_policy=dep.off_policy,
     )  # fmt: skip
+
+
+def layout_label(dep: Deployment, sc: Scenario) -> str:
+    tp = dep.rollout_tp or sc.rollout_tp
+    if dep.kind in SHARED_ROLLOUT:
+        return f"TP{tp} {'resident' if dep.resident else 'offloaded'}"
+    return f"R{dep.rollout_accelerators or sc.rollout_accelerators} TP{tp}"
+
+
+def tune_candidates(sc: Scenario, dep: Deployment) -> list[Deployment]:
+    """The layouts `tune: true` searches for `dep` (the scenario's `tune:` grid)."""
+    tps = sc.tune.rollout_tp or [dep.rollout_tp or sc.rollout_tp]
+    if dep.kind in SHARED_ROLLOUT:
+        grid = [{"rollout_tp": t, "resident": r} for t in tps for r in sc.tune.resident]
+    else:
+        pools = sc.tune.rollout_accelerators or [dep.rollout_accelerators or sc.rollout_accelerators]
+        grid = [{"rollout_tp": t, "rollout_accelerators": r} for r in pools for t in tps if r % t == 0]
+    return [dep.model_copy(update=g) for g in grid]
+
+
+def tune_deployment(
+    sc: Scenario, dep: Deployment, acc: Accelerator | None = None, tables: dict[Any, StepTable] | None = None
+) -> DeploymentResult:
+    """Search `dep`'s layout over the scenario's grid on `sc.tune.jobs` jobs, keep the cheapest (GPU-hours
+    per step; ties: the faster step), and rerun it with every job. Layouts that do not fit are skipped."""
+    tables = {} if tables is None else tables
+    few = sc.model_copy(update={"jobs": min(sc.tune.jobs, scenario_jobs(sc))})
+    tried: list[tuple[float, float, Deployment, str]] = []
+    for cand in tune_candidates(sc, dep):
+        try:
+            r = run_deployment(few, cand, acc, tables)
+        except DoesNotFit:
+            continue
+        tried.append((r.gpu_hours_per_step, r.step_seconds, cand, r.layout))
+    if not tried:
+        raise DoesNotFit(f"deployment {dep.name}: no layout of the tune grid fits; widen tune.rollout_tp")
+    _, _, best, _ = min(tried, key=lambda t: (t[0], t[1]))
+    out = run_deployment(sc, best, acc, tables)
+    out.candidates = [(label, gph, step) for gph, step, _, label in tried]
+    return out
+
+
+def run_one(
+    sc: Scenario, dep: Deployment, acc: Accelerator | None = None, tables: dict[Any, StepTable] | None = None
+) -> DeploymentResult:
+    """A deployment as `plexrl simulate` runs it: tuned if it says `tune: true`."""
+    return tune_deployment(sc, dep, acc, tables) if dep.tune else run_deployment(sc, dep, acc, tables)
 
 
 @dataclass(slots=True)
@@ -264,6 +324,23 @@ class ScenarioResult:
 
     def baseline(self, results: list[DeploymentResult] | None = None) -> DeploymentResult:
         return next(r for r in results or self.results if r.name == self.scenario.baseline)
+
+    def strongest(self, results: list[DeploymentResult] | None = None) -> DeploymentResult:
+        """The cheapest baseline (colocated, split-sync, split-async; GPU-hours per step): what PlexRL must beat."""
+        return min((r for r in results or self.results if r.kind in BASELINES), key=lambda r: r.gpu_hours_per_step)
+
+    def headline(
+        self, results: list[DeploymentResult] | None = None, off_policy: bool = False
+    ) -> DeploymentResult | None:
+        """The cheapest PlexRL layout (on- or off-policy) whose step is at most `matched_step` x the strongest
+        baseline's, or None."""
+        base = self.strongest(results)
+        ok = [
+            r for r in results or self.results
+            if r.kind.startswith("plexrl") and r.off_policy == off_policy
+            and r.step_seconds <= self.scenario.matched_step * base.step_seconds
+        ]  # fmt: skip
+        return min(ok, key=lambda r: r.gpu_hours_per_step, default=None)
 
     def saving(self, r: DeploymentResult, against: DeploymentResult) -> float:
         return 1 - r.gpu_hours_per_step / against.gpu_hours_per_step
@@ -276,10 +353,10 @@ class ScenarioResult:
 def run_scenario(sc: Scenario, accelerators: dict[str, Accelerator] | None = None) -> ScenarioResult:
     """Every deployment of the scenario, then (for `sweep_accelerators`, resolved in `accelerators`) again on
     each other accelerator."""
-    tables: dict[tuple[int, int], StepTable] = {}
-    out = ScenarioResult(sc, [run_deployment(sc, d, tables=tables) for d in sc.deployments])
+    tables: dict[Any, StepTable] = {}
+    out = ScenarioResult(sc, [run_one(sc, d, tables=tables) for d in sc.deployments])
     for name in sc.sweep_accelerators:
         acc = (accelerators or {})[name]
         tables = {}
-        out.sweep[name] = [run_deployment(sc, d, acc, tables) for d in sc.deployments]
+        out.sweep[name] = [run_one(sc, d, acc, tables) for d in sc.deployments]
     return out

@@ -113,7 +113,15 @@ def trace_jobs(tr: Trace, tables: list[StepTable] | None = None) -> tuple[list[S
         samples = {name: coarsen(v, k, rng) for name, v in raw.items() if name in nodes}
         means = {
             "switch": k * switch_seconds(acc, model, eff, layout, c.rollout_tp),
-            "sync": k * sync_seconds(acc, model, eff, min(layout.accelerators, rollout_accelerators(tr, c))),
+            "sync": k
+            * sync_seconds(
+                acc,
+                model,
+                eff,
+                min(layout.accelerators, ra := rollout_accelerators(tr, c)),
+                ra // c.rollout_tp,
+                c.rollout_tp,
+            ),
         }
         state = job_state(tr.deployment, model, layout, c.rollout_tp)
         per_class.append((nodes, baseline, dedicated, samples, means, state))
