@@ -40,7 +40,12 @@ def scenario(name: str = "qwen3_30b_a3b", steps: int = 3, prompts: int = 64, **c
 
 def test_running_context_is_length_biased_under_continuous_batching() -> None:
     sc = scenario()
-    work = sc.workload.model_copy(update={"prompt_tokens": 100, "response": LengthDist(median=2000, sigma=0.0, max_tokens=20480, empirical=[1000, 3000])})
+    work = sc.workload.model_copy(
+        update={
+            "prompt_tokens": 100,
+            "response": LengthDist(median=2000, sigma=0.0, max_tokens=20480, empirical=[1000, 3000]),
+        }
+    )
     # E[L^2] / 2E[L] = (1e6 + 9e6) / 2 / (2 * 2000) = 1,250 tokens, not the mean / 2 = 1,000
     assert mean_context(work, random.Random(0)) == pytest.approx(100 + 1250, rel=0.02)
     shipped = scenario().workload
@@ -116,3 +121,35 @@ def test_the_strongest_baseline_and_the_matched_step_headline() -> None:
         assert not on.off_policy and on.step_seconds <= 1.1 * base.step_seconds
     off = [r for r in res.results if r.off_policy and r.kind == "plexrl"]
     assert off and all("offpolicy" in r.name for r in off)  # off-policy PlexRL layouts are named so
+
+
+def test_the_report_headline_ignores_cheaper_rows_at_a_slower_step(tmp_path: Path) -> None:
+    from plexrl.sim.report import format_scenario, headline, plot_scenario
+
+    sc = scenario()
+
+    def row(name: str, kind: str, gph: float, step: float, policy: str = "on-policy") -> dict[str, Any]:
+        return {
+            "deployment": name, "kind": kind, "layout": "R8 TP1", "policy": policy, "jobs": 2, "accelerators": 8,
+            "gpu_hours_per_step": gph, "step_seconds": step, "step_vs_strongest": step / 100,
+            "saving_vs_strongest": 1 - gph / 10, "bubble": 0.1, "effective_bubble": 0.2, "decode_efficiency": 0.5,
+            "slowdown_mean": 1.0, "slowdown_max": 1.0, "candidates": [("R4 TP1", 12.0, 150.0)],
+        }  # fmt: skip
+
+    rows = [
+        row("colocated", "colocated", 10, 100),
+        row("split-async", "split-async", 14, 60, "off-policy"),
+        row("fast", "plexrl", 8, 109),
+        row("cheap-but-slow", "plexrl", 5, 120),
+        row("fast-offpolicy", "plexrl", 6, 105, "off-policy"),
+    ]
+    best = headline(sc, rows)
+    assert best is not None and best["deployment"] == "fast"  # 20% at 1.09x, not 50% at 1.2x
+    off = headline(sc, rows, "off-policy")
+    assert off is not None and off["deployment"] == "fast-offpolicy"
+    text = format_scenario(sc, rows, {})
+    assert "strongest baseline (cheapest tuned): colocated" in text
+    assert "headline (on-policy): fast saves +20.0%" in text and "NOT met" in text
+    png = tmp_path / "frontier.png"
+    plot_scenario(sc, rows, png)
+    assert 1000 < png.stat().st_size < 200_000

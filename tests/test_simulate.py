@@ -148,7 +148,7 @@ def test_scenario_comparison_runs_every_deployment_and_the_sweep() -> None:
     accs = {k: Accelerator.model_validate(v) for k, v in load_profiles()["accelerators"].items()}
     res = run_scenario(sc, accs)
     assert [r.name for r in res.results] == [d.name for d in sc.deployments]
-    base = res.baseline()
+    base = res.strongest()  # slowdowns and savings are measured against the cheapest baseline
     assert res.saving(base, base) == 0.0 and all(s == 1.0 for s in res.slowdowns(base))
     slower = {r.name: r.step_seconds for r in res.sweep["a100"]}
     assert all(slower[r.name] > r.step_seconds for r in res.results)  # an A100 is slower than an H800
@@ -274,7 +274,8 @@ def test_plexrl_simulate_prints_the_comparison_and_logs_an_mlflow_run(tmp_path: 
     assert out.returncode == 0, out.stderr
     assert "split-async" in out.stdout and "GPU-h/step" in out.stdout and "MLflow run:" in out.stdout
     report = tmp_path / "runs" / "simulate" / raw["name"]
-    assert (report / "report.json").is_file() and (report / "deployments.png").stat().st_size > 1000
+    assert (report / "report.json").is_file() and (report / "frontier.png").stat().st_size > 1000
+    assert "strongest baseline (cheapest tuned)" in out.stdout and "headline (on-policy)" in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "plexrl.cli", "simulate", str(cfg), "--set", "accelerator=b200", "--no-mlflow"],
         capture_output=True, text=True, cwd=ROOT, timeout=60,
@@ -303,4 +304,5 @@ def test_layout_search_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: py
     module = load_benchmark("sim_layouts", monkeypatch)
     module.main([str(SIM / "qwen25_7b.yaml"), "--rollout", "8,16", "--pools", "1,2", "--smoke"])
     out = capsys.readouterr().out
-    assert "8 PlexRL layouts vs split-async" in out and "R16-k2-one-step" in out
+    assert "8 PlexRL layouts vs the strongest baseline" in out and "off-policy, step <= 1.1x" in out
+    assert "cheapest at any step time: R" in out

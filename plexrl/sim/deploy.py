@@ -346,7 +346,8 @@ class ScenarioResult:
         return 1 - r.gpu_hours_per_step / against.gpu_hours_per_step
 
     def slowdowns(self, r: DeploymentResult, results: list[DeploymentResult] | None = None) -> list[float]:
-        base = self.baseline(results)
+        """Each job's completion time / the same job's under the strongest baseline."""
+        base = self.strongest(results)
         return [r.jct[j] / base.jct[j] for j in sorted(r.jct)]
 
 
