@@ -47,8 +47,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for k in args.pools:
             for overlap in ("none", "one-step"):
                 name = f"R{r}-k{k}" + ("-offpolicy" if overlap == "one-step" else "")
-                d = Deployment(name=name, kind="plexrl", jobs_per_pool=k, rollout_accelerators=r,
-                               overlap=overlap)  # fmt: skip
+                d = Deployment.model_validate(
+                    {"name": name, "kind": "plexrl", "jobs_per_pool": k, "rollout_accelerators": r, "overlap": overlap}
+                )
                 try:
                     res = run_deployment(sc, d, tables=tables)
                 except DoesNotFit:

@@ -79,15 +79,15 @@ def test_a_longer_tail_lowers_decoding_efficiency_and_fewer_replicas_raise_it() 
         samples, _ = rollout_samples(acc, model, eff, w, accelerators, 2, 4, seed=0)
         return sum(s.efficiency for s in samples) / len(samples)
 
-    short = work.model_copy(update={"response": LengthDist(median=2000, sigma=0.1, max_tokens=20480)})
-    long = work.model_copy(update={"response": LengthDist(median=2000, sigma=1.2, max_tokens=20480)})
+    short = work.model_copy(update={"response": LengthDist(median=2000, sigma=0.1, max_tokens=20480, empirical=None)})
+    long = work.model_copy(update={"response": LengthDist(median=2000, sigma=1.2, max_tokens=20480, empirical=None)})
     assert efficiency(long, 16) < efficiency(short, 16)
     assert efficiency(long, 4) > efficiency(long, 32)  # more sequences per replica: the tail is shared
 
 
 def test_lengths_respect_the_cap_and_training_scales_with_tokens() -> None:
     sc = small_scenario()
-    lengths = draw_lengths(LengthDist(median=1000, sigma=2.0, max_tokens=3000), 2000, random.Random(0))
+    lengths = draw_lengths(LengthDist(median=1000, sigma=2.0, max_tokens=3000, empirical=None), 2000, random.Random(0))
     assert max(lengths) == 3000 and min(lengths) >= 1
     t1 = train_seconds(sc.accelerator, sc.model, sc.efficiency, sc.workload, sc.train, 1_000_000)
     t2 = train_seconds(sc.accelerator, sc.model, sc.efficiency, sc.workload, sc.train, 2_000_000)
@@ -186,6 +186,7 @@ def test_trace_replay_isolated_queues_and_sharing_does_not(tmp_path: Path) -> No
     costs = SampledCosts(tr.seed, tr.accelerator.host_gbps * GB, tr.accelerator.disk_gbps * GB)
     for job in jobs[:3]:
         (run,) = Runner(SimExecutor(1, costs), budgets=Budgets(device=80 * GB)).run([job])
+        assert run.finished_at is not None and run.started_at is not None
         assert run.finished_at - run.started_at == pytest.approx(alone_seconds(job, costs), rel=1e-12)
     assert all(0.0 <= u <= 1.0 + 1e-9 for _, u in shared.utilisation)
 
