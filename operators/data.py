@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import Field
 
 from plexrl.batch import Prompts
-from plexrl.data.prompts import prompt_token_ids
+from plexrl.data.prompts import prompts_of
 from plexrl.operator import OpContext, operator
 
 
@@ -34,9 +34,4 @@ def sample_prompts(ctx: OpContext, *, batch_size: Annotated[int, Field(ge=1, le=
     for k in range(ctx.iteration * batch_size, (ctx.iteration + 1) * batch_size):
         epoch, idx = divmod(k, len(train))
         out.append(train[epoch_order(ctx.job_seed, epoch, len(train))[idx]])
-    tok = ctx.tokenizer
-    return Prompts(
-        texts=[p.prompt for p in out],
-        token_ids=[prompt_token_ids(p, tok) for p in out],
-        answers=[p.answer for p in out],
-    )
+    return prompts_of(out, ctx.tokenizer)

@@ -61,6 +61,7 @@ def rollout(
         group_size=n,
         temperature=temperature,
         weight_version=version,
+        positions=[r for r in prompts.positions for _ in range(n)],
     )
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field
 
 from plexrl.batch import Batch, Prompts, Rewards, Rollouts
-from plexrl.data.prompts import prompt_token_ids
+from plexrl.data.prompts import prompts_of
 from plexrl.operator import OpContext, operator
 from plexrl.operators.advantage import all_equal
 
@@ -72,6 +72,7 @@ def select_rows(ro: Rollouts, rows: Tensor) -> Rollouts:
         response_lengths=ro.response_lengths[rows], finish_reasons=[ro.finish_reasons[i] for i in idx],
         completions=[ro.completions[i] for i in idx], answers=[ro.answers[i] for i in idx],
         group_size=ro.group_size, temperature=ro.temperature, weight_version=ro.weight_version,
+        positions=[ro.positions[i] for i in idx] if ro.positions else [],
     )  # fmt: skip
 
 
@@ -134,11 +135,7 @@ def refill_prompts(
     train = ctx.task.train
     rng = random.Random(ctx.seed("refill"))
     picked = [train[rng.randrange(len(train))] for _ in range(count)]
-    return Prompts(
-        texts=[p.prompt for p in picked],
-        token_ids=[prompt_token_ids(p, ctx.tokenizer) for p in picked],
-        answers=[p.answer for p in picked],
-    )
+    return prompts_of(picked, ctx.tokenizer)
 
 
 @operator(placement="cpu")

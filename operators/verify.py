@@ -14,11 +14,13 @@ def verify(rollouts: Rollouts, ctx: OpContext, *, correct_reward: float = 1.0, w
 
     A task with a reward of its own (a job on data files: `data.rewards`, plexrl/rewards.py) is scored by it
     instead: the weighted sum of its terms, times `correct_reward` (`wrong_reward` is added where its first
-    term did not score 1), with each term's mean and the failed calls in the metrics."""
+    term did not score 1), with each term's mean and the failed calls in the metrics. A user reward gets each
+    row's rendered prompt and extra fields (found by the rollout's `positions` in the train split)."""
     import torch
 
     if hasattr(ctx.task, "score"):
-        result = ctx.task.score(rollouts.completions, rollouts.answers)
+        rows = rollouts.positions if len(rollouts.positions) == len(rollouts) else None
+        result = ctx.task.score(rollouts.completions, rollouts.answers, rows=rows)
         correct = torch.tensor(result.correct, dtype=torch.bool)
         total = torch.tensor(result.total, dtype=torch.float32) * correct_reward
         values = torch.where(correct, total, total + wrong_reward).float()

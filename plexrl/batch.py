@@ -45,19 +45,24 @@ class Prompts(Batch):
     """P prompts of a verifiable task.
 
     `token_ids[i]` is the tokenized prompt (bos included, no padding); `answers[i]` is the ground truth the
-    verifier checks against; `texts[i]` the prompt text.
+    verifier checks against; `texts[i]` the prompt text; `positions[i]` the prompt's row in the task's train
+    split (a task on data files: a user reward gets that row's prompt and extra fields), or empty where the
+    task has no rows to point at (the generated tasks).
     """
 
     texts: list[str]
     token_ids: list[list[int]]
     answers: list[str]
+    positions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.texts)
 
     def rows(self, start: int, stop: int) -> Prompts:
         """Prompts [start, stop) (a chunk of a chunked rollout: `chunk_rows`); may be empty."""
-        return Prompts(self.texts[start:stop], self.token_ids[start:stop], self.answers[start:stop])
+        return Prompts(
+            self.texts[start:stop], self.token_ids[start:stop], self.answers[start:stop], self.positions[start:stop]
+        )
 
 
 @dataclass(slots=True)
@@ -88,6 +93,7 @@ class Rollouts(Batch):
     group_size: int
     temperature: float
     weight_version: int = 0
+    positions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -121,6 +127,7 @@ class Rollouts(Batch):
         full = [x for x in parts if len(x)]
         if len(full) <= 1:
             return full[0] if full else first
+        known = all(len(x.positions) == len(x) for x in full)  # one part without positions: none known
         lp = max(x.prompt_len for x in full)
         width = max(x.input_ids.shape[1] - x.prompt_len for x in full)
 
@@ -139,6 +146,7 @@ class Rollouts(Batch):
             finish_reasons=[r for x in full for r in x.finish_reasons],
             completions=[c for x in full for c in x.completions], answers=[a for x in full for a in x.answers],
             group_size=first.group_size, temperature=first.temperature, weight_version=first.weight_version,
+            positions=[r for x in full for r in x.positions] if known else [],
         )  # fmt: skip
 
     def metrics(self) -> dict[str, float]:

@@ -18,9 +18,13 @@ and `<|endoftext|>`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plexrl.batch import Prompts
 
 Messages = list[dict[str, str]]
 
@@ -133,6 +137,20 @@ def prompt_token_ids(problem: Any, tokenizer: Any) -> list[int]:
     return list(ids) if ids is not None else tokenizer(problem.prompt)["input_ids"]
 
 
+def prompts_of(problems: Sequence[Any], tokenizer: Any) -> Prompts:
+    """The `Prompts` of task problems: texts, token ids (`prompt_token_ids`), answers, and their train-split
+    positions where every problem knows its `row` (a task on data files), else none."""
+    from plexrl.batch import Prompts
+
+    rows = [getattr(p, "row", None) for p in problems]
+    return Prompts(
+        texts=[p.prompt for p in problems],
+        token_ids=[prompt_token_ids(p, tokenizer) for p in problems],
+        answers=[p.answer for p in problems],
+        positions=[int(r) for r in rows if r is not None] if all(r is not None for r in rows) else [],
+    )
+
+
 __all__ = [
     "Messages",
     "SpecialIds",
@@ -141,6 +159,7 @@ __all__ = [
     "has_chat_template",
     "prompt_ids",
     "prompt_token_ids",
+    "prompts_of",
     "render_prompt",
     "special_ids",
 ]

@@ -12,7 +12,8 @@ It fits what the operators expect of a task:
   (held-out accuracy) work as for the generated tasks;
 - `task.score(completions, answers, rows=..., split=...)`: the whole weighted reward with its components
   and failure counts (`RewardResult`); with `rows` (the prompts' positions in the split) a user reward also
-  gets each row's rendered prompt and extra fields, without them an empty prompt and `{}`.
+  gets each row's rendered prompt and extra fields (the `verify` operator passes the rollout's `positions`),
+  without them an empty prompt and `{}`.
 
 Pickles small: the splits as file paths and index files, the tokenizer as its directory (loaded again, once
 per process, where the task is unpickled), the reward as its terms.
@@ -175,9 +176,11 @@ class DatasetTask:
         if rows is None:
             prompts, extras = [""] * len(completions), [{} for _ in completions]
         else:
+            if len(rows) != len(completions):
+                raise ValueError(f"{len(rows)} row positions for {len(completions)} completions: pass one per row")
             view = self.train if split == "train" else self.held_out
-            problems = [view[r] for r in rows]
-            prompts, extras = [p.prompt for p in problems], [p.extra for p in problems]
+            seen = {r: view[r] for r in dict.fromkeys(rows)}  # a group's G rows share one prompt: read it once
+            prompts, extras = [seen[r].prompt for r in rows], [seen[r].extra for r in rows]
         return self.reward(prompts, list(completions), list(answers), extras)
 
     def demonstration(self, problem: DatasetProblem, use_tool: bool) -> list[tuple[str, bool]]:
