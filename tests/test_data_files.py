@@ -345,8 +345,8 @@ def test_special_ids_prefer_generation_config(tmp_path: Path, tok_dir: Path) -> 
 
 
 def test_dataset_task_feeds_the_operators(tmp_path: Path, tok_dir: Path) -> None:
-    from plexrl.operators.data import sample_prompts
     from plexrl.operator import OpContext
+    from plexrl.operators.data import sample_prompts
     from plexrl.tasks.dataset import load_tokenizer
 
     path = write_verl_parquet(tmp_path / "train.parquet", 10)
@@ -375,13 +375,13 @@ def test_rollout_verify_and_evaluate_run_on_a_dataset_task(tmp_path: Path, tok_d
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from plexrl.engines.torch_engine import TorchEngine
+    from plexrl.models import model_construction
+    from plexrl.operator import OpContext
     from plexrl.operators.data import sample_prompts
     from plexrl.operators.evaluate import evaluate
     from plexrl.operators.rollout import rollout
     from plexrl.operators.verify import verify
-    from plexrl.engines.torch_engine import TorchEngine
-    from plexrl.models import model_construction
-    from plexrl.operator import OpContext
     from plexrl.tasks.dataset import load_tokenizer
 
     tok = load_tokenizer(str(tok_dir))
