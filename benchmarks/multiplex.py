@@ -26,7 +26,7 @@ before the lean runs (as a long-running trainer would have it); a Dask worker im
 which the isolated and multiplexed runs pay (see the `startup` column of the accounting).
 
     .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--iterations 40] [--reps 3]
-        [--engine auto|vllm|torch] [--driver dask|local] [--orderings hrrs,slowdown] [--smoke]
+        [--engine auto|vllm|torch] [--driver dask|local] [--device cpu|cuda] [--orderings hrrs,slowdown] [--smoke]
 
 `--smoke`: a tiny two-job mix (benchmarks/_tiny.py), 2 iterations, 1 repetition, everything on the local
 driver (no Dask), in a temporary directory (the test suite runs it; its figures mean nothing).
@@ -251,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the three arms (default 3)")
     ap.add_argument("--engine", choices=["auto", "vllm", "torch"], help="override the jobs' rollout engine")
     ap.add_argument("--driver", choices=["dask", "local"], help="isolated and multiplexed arms (default: config's)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="the services' device (default: the config's)")
     ap.add_argument("--orderings", help="comma-separated orderings of the multiplexed arm, each run side by side "
                     "in every repetition (default: the config's)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, 2 iterations, 1 rep, local (tests)")
@@ -267,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cluster = with_iterations(load_cluster(args.config), args.iterations, args.engine)
     if args.driver is not None:
         cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"driver": args.driver}))
+    if args.device is not None:
+        services = cluster.config.services.model_copy(update={"device": args.device})
+        cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"services": services}))
     driver = cluster.config.driver
     from plexrl.job import prepare_job
 
