@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, validate_call
 
-from plexrl.config_checks import chunk_problems, lora_problems, vllm_problem
+from plexrl.config_checks import budget_problems, chunk_problems, lora_problems, vllm_problem
 from plexrl.data.config import DataConfig
 from plexrl.errors import ConfigError, Problem, _problem
 from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
@@ -450,7 +450,7 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
         except ValidationError:
             pass
     if config is not None and graph is not None:
-        problems += chunk_problems(config.chunks, graph)
+        problems += chunk_problems(config.chunks, graph) + budget_problems(config, graph)
     if config is not None and config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         problems.append(
             Problem(

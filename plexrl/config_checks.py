@@ -1,11 +1,14 @@
 """Checks of a validated job against its compiled pipeline and the machine, run by `plexrl.config.load_job`
-(and `prepare_job` for a LoadedJob built otherwise): chunked nodes, what a LoRA job cannot do yet, and
-whether vLLM can serve the model. Each returns problems (or a reason); none raises or imports user code.
+(and `prepare_job` for a LoadedJob built otherwise): chunked nodes, what a LoRA job cannot do yet, whether
+vLLM can serve the model, and whether the prompt + response budget fits the model's context length. Each
+returns problems (or a reason); none raises or imports user code.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plexrl.errors import Problem
@@ -70,4 +73,86 @@ def vllm_problem(model: ModelConfig) -> str | None:
     return config_problem(built)
 
 
-__all__ = ["chunk_problems", "lora_problems", "vllm_problem"]
+def context_length(model: ModelConfig) -> tuple[int, str] | None:
+    """The model's context length (positions) and where it comes from; None when it cannot be read yet (a
+    pretrained model not converted, an unreadable config: other checks report those)."""
+    path: Path | None = None
+    if model.path is not None:
+        path = Path(model.path)
+    elif model.pretrained is not None:
+        from plexrl.pretrained import pretrained_path
+
+        try:
+            path = pretrained_path(model.pretrained, convert=False)
+        except LookupError:
+            return None
+    if path is None:
+        return model.max_position, "model.max_position"
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key], f"{key} in {path}/config.json"
+    return None
+
+
+def response_budget(graph: PipelineGraph | None) -> tuple[int, str] | None:
+    """The most tokens any node generates after a prompt (`max_new_tokens`, or an episode's `token_budget`)
+    and the node's name; None for a pipeline that generates nothing."""
+    best: tuple[int, str] | None = None
+    for node in graph.nodes if graph else []:
+        for field in ("max_new_tokens", "token_budget"):
+            value = getattr(node.params, field, None)
+            if isinstance(value, int) and (best is None or value > best[0]):
+                best = (value, f"{node.name}.{field}")
+    return best
+
+
+def generation_budget(config: JobConfig, graph: PipelineGraph | None) -> int | None:
+    """Prompt + response tokens a sequence of this job can reach: `data.max_prompt_tokens` plus the largest
+    response budget of its pipeline; None when the prompt length is not bounded (no `max_prompt_tokens`) or
+    nothing is generated. What a generation engine needs as its `max_model_len`."""
+    prompt = config.data.max_prompt_tokens if config.data is not None else None
+    response = response_budget(graph)
+    return None if prompt is None or response is None else prompt + response[0]
+
+
+def budget_problems(config: JobConfig, graph: PipelineGraph | None) -> list[Problem]:
+    """The prompt + response budget against the model's context length: `data.max_prompt_tokens` + the
+    largest `max_new_tokens` (or `token_budget`) of the pipeline must fit in the model's positions."""
+    context, response = context_length(config.model), response_budget(graph)
+    if context is None or response is None:
+        return []
+    (limit, source), (new, node) = context, response
+    prompt = config.data.max_prompt_tokens if config.data is not None else None
+    if prompt is not None and prompt + new > limit:
+        return [
+            Problem(
+                "data.max_prompt_tokens",
+                f"max_prompt_tokens ({prompt}) + {node} ({new}) = {prompt + new} tokens exceeds the model's context "
+                f"length {limit} ({source}); lower data.max_prompt_tokens or the node's max_new_tokens so they sum "
+                f"to at most {limit}",
+            )
+        ]
+    if new >= limit:
+        return [
+            Problem(
+                f"pipeline.{node}",
+                f"{node} ({new}) leaves no room for a prompt in the model's context length {limit} ({source}); "
+                f"lower it below {limit}",
+            )
+        ]
+    return []
+
+
+__all__ = [
+    "budget_problems",
+    "chunk_problems",
+    "context_length",
+    "generation_budget",
+    "lora_problems",
+    "response_budget",
+    "vllm_problem",
+]

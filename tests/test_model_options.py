@@ -89,3 +89,34 @@ def test_a_tokenizer_without_pad_generates(model_dir: tuple[Path, Any]) -> None:
     assert engine.pad_id == gen_pad
     out = engine.generate(prompts(tok), n=1, temperature=1.0, max_new_tokens=4, seed=0, greedy=True)
     assert torch.equal(out.prompt_mask.sum(1), torch.tensor([len(p) for p in prompts(tok)]))
+
+
+# ---- the prompt + response budget against the model's context length ------------------------------------
+
+
+def budget_job(model: dict[str, Any], max_new_tokens: int, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"model": model, "warm_start": {"enabled": False}}
+    cfg["pipeline"] = {"name": "grpo", "params": {"max_new_tokens": max_new_tokens}}
+    if data is not None:
+        cfg["data"] = data
+    return cfg
+
+
+def test_prompt_and_response_budget_is_checked_against_the_context_length(smol_tiny: Path, tmp_path: Path) -> None:
+    from test_data_files import write_verl_parquet
+
+    from plexrl.config import load_job
+    from plexrl.config_checks import generation_budget
+    from plexrl.errors import ConfigError
+
+    data = {"train": str(write_verl_parquet(tmp_path / "t.parquet", 4)), "max_prompt_tokens": 500}
+    with pytest.raises(ConfigError) as err:  # smol_tiny has 512 positions
+        load_job(budget_job({"path": str(smol_tiny)}, 24, data))
+    text = str(err.value)
+    assert "data.max_prompt_tokens" in text and "max_prompt_tokens (500)" in text and "(24) = 524" in text
+    assert "context length 512 (max_position_embeddings in" in text and "lower data.max_prompt_tokens" in text
+    ok = load_job(budget_job({"path": str(smol_tiny)}, 12, data))  # 512 exactly: fits
+    assert generation_budget(ok.config, ok.graph) == 512
+    with pytest.raises(ConfigError, match=r"max_new_tokens \(64\) leaves no room for a prompt.*model\.max_position"):
+        load_job(budget_job({"max_position": 64}, 64))  # a built model, no data: the response alone
+    assert generation_budget(load_job(budget_job({"max_position": 64}, 8)).config, None) is None
