@@ -6,7 +6,7 @@ replayed under every placement policy with the real runner, planner, policies an
 Goal: the whole replay (4 placements) in under 2 minutes on this machine. Run it alone (2 cores).
 
     .venv/bin/python benchmarks/simulate.py [--config configs/sim/trace_3months.yaml] [--fine] [--smoke]
-        [--jobs N] [--placements isolated spread+backfill]
+        [--jobs N] [--placements isolated spread+backfill] [--loads 0.5,1,2]
 
 `--fine`: also replay at steps_per_node=1 (slow: about 10x the events). `--smoke`: 12 jobs over 3 days
 (the test suite runs it).
@@ -19,14 +19,16 @@ import time
 from collections.abc import Sequence
 
 from plexrl.sim.config import Trace, load_sim
-from plexrl.sim.trace import DAY, class_tables, replay, trace_jobs
+from plexrl.sim.trace import DAY, class_tables, load_sweep, run_policy, trace_jobs
 
 GOAL_S = 120.0
 
 
 def run(tr: Trace, label: str) -> tuple[float, dict[str, float]]:
     t0 = time.perf_counter()
-    jobs, when = trace_jobs(tr, class_tables(tr))
+    shared = trace_jobs(tr, class_tables(tr))
+    iso_jobs = trace_jobs(tr, class_tables(tr, isolated=True), isolated=True)
+    jobs = shared[0]
     steps = sum(j.iterations for j in jobs) * tr.steps_per_node
     setup = time.perf_counter() - t0
     print(f"{label}: {len(jobs)} jobs, {steps:,} steps, {tr.services} pools x {tr.service_accelerators} "
@@ -34,7 +36,7 @@ def run(tr: Trace, label: str) -> tuple[float, dict[str, float]]:
     print(f"{'placement':<18}{'events':>9}{'wall s':>8}{'events/s':>10}{'makespan d':>12}{'vs isolated':>13}")
     makespans: dict[str, float] = {}
     for p in tr.placements:
-        r = replay(tr, p, jobs, when)
+        r = run_policy(tr, p, shared, iso_jobs)
         makespans[p] = r.makespan / DAY
         iso = makespans.get("isolated")
         ratio = f"{makespans[p] / iso:.1%}" if iso else ""
@@ -51,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="12 jobs over 3 days, short jobs")
     ap.add_argument("--jobs", type=int, help="override the trace's job count (e.g. a smaller --fine check)")
     ap.add_argument("--placements", nargs="*", help="override the trace's placements")
+    ap.add_argument("--loads", help="load factors (jobs x f over the same days), e.g. 0.5,1,1.5: spread+backfill's "
+                    "makespan / isolated's at each")  # fmt: skip
     args = ap.parse_args(argv)
     overrides: dict[str, object] = {}
     if args.jobs:
@@ -69,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     total, coarse = run(tr, "trace")
     verdict = "meets" if total <= GOAL_S else "BELOW"
     print(f"total wall {total:.1f} s for {len(tr.placements)} placements ({verdict} the {GOAL_S:.0f} s goal)")
+    if args.loads:
+        print("load factor  spread+backfill / isolated makespan")
+        for f, ratio in load_sweep(tr, [float(x) for x in args.loads.split(",")]):
+            print(f"{f:>11g}  {ratio:.1%}", flush=True)
     if args.fine:
         fine_total, fine = run(tr.model_copy(update={"steps_per_node": 1}), "trace, one step per node")
         print(f"one step per node: total wall {fine_total:.1f} s ({fine_total / total:.1f}x)")

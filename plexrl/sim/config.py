@@ -240,6 +240,8 @@ class JobClass(StrictModel):
     train_tp: int = Field(1, ge=1, description="Tensor parallel size of training within a service.")
     rollout_tp: int = Field(1, ge=1, description="Tensor parallel size of one rollout replica.")
     rollout_accelerators: int = Field(32, ge=1, description="deployment plexrl: the job's own rollout accelerators.")
+    train_accelerators: int = Field(16, ge=1, description="`isolated`: the training accelerators a user books for "
+                                    "one job of this class (its allocation is these plus its rollout's).")  # fmt: skip
     steps_median: float = Field(gt=0, description="Median steps per job (lognormal).")
     steps_sigma: float = Field(0.5, ge=0, description="Lognormal shape of steps per job.")
 
@@ -254,6 +256,9 @@ class Trace(StrictModel):
     efficiency: Efficiency = Field(description="Achieved efficiencies and fixed overheads.")
     cluster_accelerators: int = Field(2048, ge=1, description="Accelerators in the cluster.")
     service_accelerators: int = Field(ge=1, description="Accelerators per service (one pool a job is placed on).")
+    rollout_fleet: int = Field(0, ge=0, description="deployment plexrl: accelerators of the cluster set aside for the "
+                               "jobs' own rollouts (a job is placed only when its rollout accelerators are free "
+                               "there); the pools take the rest.")  # fmt: skip
     deployment: Literal["plexrl", "plexrl-shared"] = Field(
         "plexrl",
         description="plexrl: pools train, each job's rollout runs on accelerators of its own outside "
@@ -274,7 +279,23 @@ class Trace(StrictModel):
 
     @property
     def services(self) -> int:
-        return self.cluster_accelerators // self.service_accelerators
+        return (self.cluster_accelerators - self.rollout_fleet) // self.service_accelerators
+
+    @model_validator(mode="after")
+    def _fleet(self) -> Trace:
+        if self.services < 1:
+            raise ValueError(
+                f"rollout_fleet {self.rollout_fleet} leaves no pool of {self.service_accelerators} in "
+                f"{self.cluster_accelerators} accelerators: shrink the fleet or the pools"
+            )
+        if self.deployment == "plexrl":
+            need = max(c.rollout_accelerators for c in self.classes)
+            if need > self.rollout_fleet:
+                raise ValueError(
+                    f"rollout_fleet {self.rollout_fleet} cannot hold one job's rollout ({need} accelerators): the "
+                    "fleet is counted inside cluster_accelerators; raise it"
+                )
+        return self
 
 
 # -- loading ---------------------------------------------------------------------------------------------

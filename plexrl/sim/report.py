@@ -19,7 +19,7 @@ from typing import Any
 
 from plexrl.sim.config import Scenario, Trace, load_profiles
 from plexrl.sim.deploy import DeploymentResult, ScenarioResult, run_one
-from plexrl.sim.trace import DAY, PolicyResult, class_tables, replay, trace_jobs
+from plexrl.sim.trace import DAY, PolicyResult, class_tables, run_policy, trace_jobs
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,8 @@ def trace_rows(results: list[PolicyResult]) -> list[dict[str, Any]]:
             "makespan_vs_isolated": r.makespan / iso.makespan if iso else None,
             "queue_mean_hours": statistics.fmean(q) / 3600, "queue_p95_hours": q[int(0.95 * (len(q) - 1))] / 3600,
             "slowdown_mean": statistics.fmean(s), "slowdown_p95": s[int(0.95 * (len(s) - 1))],
-            "slowdown_max": s[-1], "pool_utilisation": r.busy / r.allocated, "events": r.events, "wall_s": r.wall_s,
+            "slowdown_max": s[-1], "utilisation": r.busy / r.allocated, "fleet_peak": r.fleet_peak,
+            "events": r.events, "wall_s": r.wall_s,
         })  # fmt: skip
     return rows
 
@@ -213,9 +214,11 @@ def trace_rows(results: list[PolicyResult]) -> list[dict[str, Any]]:
 def format_trace(tr: Trace, rows: list[dict[str, Any]], jobs: int, steps: int) -> str:
     lines = [
         f"trace {tr.name}: {jobs} jobs ({steps:,} steps) over {tr.days:g} days on {tr.services} pools of "
-        f"{tr.service_accelerators} {tr.accelerator.name} ({tr.deployment}; {tr.steps_per_node} step(s) per node)",
+        f"{tr.service_accelerators} {tr.accelerator.name} + a rollout fleet of {tr.rollout_fleet} = "
+        f"{tr.cluster_accelerators} ({tr.deployment}; {tr.steps_per_node} step(s) per node; isolated: user-sized "
+        "allocations on the whole cluster)",
         f"{'placement':<18}{'makespan d':>11}{'vs isolated':>12}{'paper':>7}{'queue h mean/p95':>18}"
-        f"{'slowdown mean/p95/max':>23}{'pool util':>10}{'events':>9}{'wall s':>8}",
+        f"{'slowdown mean/p95/max':>23}{'util':>7}{'fleet peak':>11}{'events':>9}{'wall s':>8}",
     ]
     lines.append("-" * len(lines[-1]))
     for r in rows:
@@ -225,14 +228,14 @@ def format_trace(tr: Trace, rows: list[dict[str, Any]], jobs: int, steps: int) -
             f"{r['placement']:<18}{r['makespan_days']:>11.1f}{ratio:>12}{'' if paper is None else f'{paper:.0%}':>7}"
             f"{r['queue_mean_hours']:>9.1f}/{r['queue_p95_hours']:<8.1f}"
             f"{r['slowdown_mean']:>9.2f}/{r['slowdown_p95']:.2f}/{r['slowdown_max']:<6.2f}"
-            f"{r['pool_utilisation']:>10.1%}{r['events']:>9}{r['wall_s']:>8.1f}"
+            f"{r['utilisation']:>7.1%}{r['fleet_peak']:>11}{r['events']:>9}{r['wall_s']:>8.1f}"
         )
     sb = next((r for r in rows if r["placement"] == "spread+backfill"), None)
     if sb is not None and sb["makespan_vs_isolated"] is not None:
         ok = "met" if sb["makespan_vs_isolated"] <= 0.5 else "NOT met"
         lines.append(f"spread+backfill makespan {sb['makespan_vs_isolated']:.1%} of isolated (goal <= 50%: {ok})")
-    lines.append("slowdown = (completion - arrival) / the job's time alone on an empty pool; queue = arrival to "
-                 "placement; pool util = busy pool accelerator-time / (pool accelerators x makespan)")  # fmt: skip
+    lines.append("slowdown = (completion - arrival) / the job's time alone on its allocation; queue = arrival to "
+                 "placement; util = busy accelerator-time (training and rollout) / (cluster x makespan)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -259,12 +262,14 @@ def plot_trace(tr: Trace, results: list[PolicyResult], path: Path) -> None:
 
 def run_trace_report(tr: Trace, out_dir: Path, progress: Progress) -> SimReport:
     progress(f"{tr.name}: rollout tables")
-    jobs, when = trace_jobs(tr, class_tables(tr))
+    shared = trace_jobs(tr, class_tables(tr))
+    iso = trace_jobs(tr, class_tables(tr, isolated=True), isolated=True) if "isolated" in tr.placements else None
     results = []
     for p in tr.placements:
         progress(f"{tr.name}: {p}")
-        results.append(replay(tr, p, jobs, when))
+        results.append(run_policy(tr, p, shared, iso))
     rows = trace_rows(results)
+    jobs = shared[0]
     steps = sum(j.iterations for j in jobs) * tr.steps_per_node
     text = format_trace(tr, rows, len(jobs), steps)
     out_dir.mkdir(parents=True, exist_ok=True)
