@@ -153,3 +153,17 @@ def test_the_report_headline_ignores_cheaper_rows_at_a_slower_step(tmp_path: Pat
     png = tmp_path / "frontier.png"
     plot_scenario(sc, rows, png)
     assert 1000 < png.stat().st_size < 200_000
+
+
+def test_sensitivity_bands_rerun_the_headline_with_one_knob_moved() -> None:
+    from plexrl.sim.sensitivity import KNOBS, format_bands, sensitivity
+
+    sc = scenario(jobs=2, tune={"rollout_accelerators": [64], "rollout_tp": [2], "jobs": 1})
+    assert KNOBS["sigma +0.2"](sc).workload.response.sigma == pytest.approx(sc.workload.response.sigma + 0.2)
+    bands = sensitivity(sc, ["train_mfu x0.75"])
+    assert [b.knob for b in bands] == ["shipped", "train_mfu x0.75"]
+    assert bands[0].strongest.split()[0] in ("colocated", "split-sync", "split-async")
+    assert bands[0].saving_any != bands[1].saving_any  # a slower trainer moves the comparison
+    assert "train_mfu x0.75" in format_bands(sc, bands)
+    with pytest.raises(ValueError, match="unknown sensitivity knobs"):
+        sensitivity(sc, ["nope"])

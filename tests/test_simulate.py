@@ -308,3 +308,10 @@ def test_layout_search_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: py
     out = capsys.readouterr().out
     assert "8 PlexRL layouts vs the strongest baseline" in out and "off-policy, step <= 1.1x" in out
     assert "cheapest at any step time: R" in out
+
+
+def test_sensitivity_benchmark_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_benchmark("sim_sensitivity", monkeypatch)
+    module.main([str(SIM / "qwen3_30b_a3b.yaml"), "--smoke", "--jobs", "2"])
+    out = capsys.readouterr().out
+    assert "shipped" in out and "sigma +0.2" in out and "strongest baseline" in out
