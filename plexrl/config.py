@@ -73,6 +73,14 @@ class ModelConfig(StrictModel):
     lora: LoRAConfig | None = Field(
         None, description="Train a LoRA adapter over a shared, frozen base instead of the whole model (None: full)."
     )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Weights and compute of the policy and reference. bfloat16 halves them; training then steps "
+        "fp32 master copies (the optimizer never sees bf16 weights). The critic stays fp32.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, more train compute."
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

@@ -52,6 +52,14 @@ _CACHE_LOCKS_GUARD = threading.Lock()
 _CANCEL_POLL_S = 0.1  # how often a preparation waiting for another one checks its cancel event
 
 
+RUNTIME_FIELDS = ("dtype", "gradient_checkpointing")  # how an engine runs the model, not what is built
+
+
+def engine_options(cfg: ModelConfig) -> dict[str, Any]:
+    """The `TorchEngine` keyword arguments a job's model config sets (`dtype`, `gradient_checkpointing`)."""
+    return {name: getattr(cfg, name) for name in RUNTIME_FIELDS}
+
+
 class PreparationCancelled(Exception):
     """A job's preparation (warm start, model build) stopped because its `cancel` event was set: the job was
     cancelled, or the server is stopping. Not a failure: the server records the cancel (or keeps the job
@@ -193,7 +201,8 @@ def prepare_model(
         return PreparedModel(path, PreTrainedTokenizerFast.from_pretrained(str(path)), None, 0, 0.0, True)
     if task is None:
         raise ValueError("building a model needs its task's alphabet; give model.path or model.pretrained")
-    root = run_dir / "cache" / cache_key(model_cfg, task_cfg, warm, seed)
+    built = model_cfg.model_dump(exclude=set(RUNTIME_FIELDS))  # what the built weights depend on
+    root = run_dir / "cache" / cache_key(built, task_cfg, warm, seed)
     final = root / ("warm" if warm.enabled else "base")
     info_file = final / "plexrl_warm_start.json"
     with _cache_lock(root.resolve(), cancel):

@@ -120,3 +120,81 @@ def test_prompt_and_response_budget_is_checked_against_the_context_length(smol_t
     with pytest.raises(ConfigError, match=r"max_new_tokens \(64\) leaves no room for a prompt.*model\.max_position"):
         load_job(budget_job({"max_position": 64}, 64))  # a built model, no data: the response alone
     assert generation_budget(load_job(budget_job({"max_position": 64}, 8)).config, None) is None
+
+
+# ---- dtype: bf16 with fp32 masters; gradient checkpointing ------------------------------------------------
+
+
+def nll(mb: dict[str, torch.Tensor], logp: torch.Tensor, ent: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    mask = mb["attention_mask"][:, 1:].float()
+    return -(logp[:, 1:] * mask).sum() / mask.sum(), {}
+
+
+def a_batch(tok: Any) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([tok("12+34=46")["input_ids"], tok("5+60=65")["input_ids"][:1] * 2 + tok("5+6=11")["input_ids"]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def step(engine: TorchEngine, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    return engine.train_step(batch, nll, temperature=1.0, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, minibatches=1)
+
+
+def test_a_bf16_engine_trains_fp32_masters_and_counts_their_bytes(model_dir: tuple[Path, Any]) -> None:
+    from plexrl.models import engine_options
+
+    d, tok = model_dir
+    opts = engine_options(ModelConfig(dtype="bfloat16"))
+    assert opts == {"dtype": "bfloat16", "gradient_checkpointing": False}
+    engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **opts)
+    assert all(p.dtype == torch.bfloat16 for p in engine.policy.parameters())
+    before = {k: v.clone() for k, v in engine.policy.state_dict().items()}
+    batch = a_batch(tok)
+    losses = [step(engine, batch)["loss"] for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    after = engine.policy.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert engine.master is not None and all(m.dtype == torch.float32 for m in engine.master.values())
+    params = dict(engine.policy.named_parameters())
+    for name, m in engine.master.items():  # the policy is its master rounded to bf16
+        assert torch.equal(params[name], m.to(torch.bfloat16))
+        assert params[name].grad is None and m.grad is None  # no gradient outlives the step
+    opt_params = [p for g in engine.optimizer.param_groups for p in g["params"]]  # type: ignore[union-attr]
+    assert {id(p) for p in opt_params} == {id(m) for m in engine.master.values()}
+    # the state's real bytes: bf16 policy (2 a parameter) + fp32 masters (4) + two fp32 AdamW moments (8)
+    n = sum(p.numel() for p in engine.policy.parameters())
+    tensors = engine.state_tensors()
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == 14 * n
+    # the state round-trips with its masters: a fresh engine continues exactly
+    twin = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **opts)
+    twin.load_state(engine.export_state())
+    assert step(twin, batch)["loss"] == step(engine, batch)["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(twin.master.values(), engine.master.values(), strict=True))  # type: ignore[union-attr]
+    out = engine.generate(prompts(tok), n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    assert torch.isfinite(out.logprobs).all()
+
+
+def gradients(engine: TorchEngine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from plexrl.engines.torch_engine import positions, token_logprobs
+
+    engine.policy.train()
+    mask = batch["attention_mask"]
+    logits = engine.policy(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions(mask)).logits
+    loss, _ = nll(batch, *token_logprobs(logits, batch["input_ids"], 1.0))
+    loss.backward()
+    engine.policy.eval()
+    return {k: p.grad.clone() for k, p in engine.policy.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(model_dir: tuple[Path, Any]) -> None:
+    d, tok = model_dir
+    plain = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    ckpt = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, gradient_checkpointing=True)
+    assert ckpt.policy.is_gradient_checkpointing and not plain.policy.is_gradient_checkpointing
+    batch = a_batch(tok)
+    a, b = gradients(plain, batch), gradients(ckpt, batch)
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+    assert step(plain, batch)["grad_norm"] == pytest.approx(step(ckpt, batch)["grad_norm"], rel=1e-5)
+    with pytest.raises(ValueError, match="model dtype 'float16' is not one of float32, bfloat16"):
+        TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype="float16")

@@ -5,6 +5,13 @@ seeded by a `torch.Generator` per call so results depend only on the seed, never
 Training runs a caller-supplied loss (`LossFn`) over minibatches with AdamW and gradient clipping; the
 algorithm (GRPO, PPO, ...) lives in the operator, not here.
 
+`dtype="bfloat16"`: the policy (and reference) hold and compute in bf16, and training keeps fp32 MASTER
+copies of the policy's parameters: each step's bf16 gradients are copied onto the masters, clipped there,
+AdamW steps the masters (its moments are fp32), and the policy gets the masters rounded to bf16. A job's
+state is then policy (2 bytes a parameter) + masters (4) + moments (8); `state_tensors` lists all of them.
+The critic stays fp32. `gradient_checkpointing=True` recomputes each layer's activations in the backward
+pass (transformers' non-reentrant checkpointing): the same gradients, less memory, more compute.
+
 Not done here: scheduling, swapping between jobs (the StateManager's job), tracking.
 """
 
@@ -27,6 +34,7 @@ from plexrl.engines.base import GenerationOutput, LossFn
 log = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _cache_kw(model: Any) -> str:
@@ -51,10 +59,13 @@ def _optimize(
     minibatches: int,
     epochs: int,
     max_grad_norm: float,
+    master: Sequence[tuple[Tensor, Tensor]] = (),
 ) -> tuple[dict[str, float], int]:
     """`epochs` passes of `minibatches` AdamW steps over `batch` (rows split in order):
     loss, stats = loss_fn(minibatch, *forward(minibatch)). Returns the mean stats (plus `loss` and the
-    pre-clip `grad_norm`) and the number of steps."""
+    pre-clip `grad_norm`) and the number of steps. `master`: (model parameter, fp32 master) pairs when the
+    optimizer steps masters (bf16 training): gradients move onto the masters before clipping, the model
+    parameters get the masters back after each step."""
     model.train()
     # clip over what this optimizer steps: a LoRA job's model also holds other jobs' adapters
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -69,8 +80,13 @@ def _optimize(
             loss, stats = loss_fn(mb, *forward(mb))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            for p, m in master:
+                m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
+            with torch.no_grad():
+                for p, m in master:
+                    p.copy_(m)
             for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
@@ -113,6 +129,7 @@ class TorchEngine:
     (`extra_eos`; Llama 3 and Qwen list several); a `pad_id` of None is the generation config's, else eos."""
 
     extra_eos: tuple[int, ...] = ()  # (a subclass that skips __init__, e.g. LoRAEngine, stops at eos_id only)
+    master: dict[str, Tensor] | None = None  # fp32 copies of the policy's parameters (bf16 training only)
 
     def __init__(
         self,
@@ -123,6 +140,8 @@ class TorchEngine:
         device: str = "cpu",
         with_reference: bool = False,
         attention: str = "sdpa",
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -134,12 +153,22 @@ class TorchEngine:
         self.device = torch.device(device)
         special = engine_special_ids(model_dir, eos_id, pad_id)  # every eos of generation_config.json too
         self.eos_id, self.pad_id, self.extra_eos = special.eos[0], special.pad, special.eos[1:]
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attention)
+        if dtype not in DTYPES:
+            raise ValueError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[dtype]
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation=attention)
         self.policy = model.to(self.device)  # type: ignore[arg-type]
+        if gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.eval()
         self.reference = None
         if with_reference:
             self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        if self.dtype != torch.float32:
+            self.master = {
+                name: torch.nn.Parameter(p.detach().float().clone())
+                for name, p in self.policy.named_parameters(remove_duplicate=True)
+            }
         self.optimizer: torch.optim.Optimizer | None = None
         self.model_dir = Path(model_dir)
         self.critic: Any = None  # created on first use (PPO): the policy's backbone with a scalar head
@@ -148,8 +177,18 @@ class TorchEngine:
         self._tokenizer: Any = None  # loaded on first use of stop strings
         opt_file = Path(model_dir) / OPTIMIZER_FILE
         if opt_file.is_file():  # e.g. the warm start's AdamW moments: training continues where it stopped
-            self.optimizer = torch.optim.AdamW(self.policy.parameters())
+            self.optimizer = torch.optim.AdamW(self._trained())
             self.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
+
+    def _trained(self) -> list[Tensor]:
+        """What the optimizer steps: the fp32 masters (bf16 training), else the policy's parameters."""
+        return list(self.master.values()) if self.master is not None else list(self.policy.parameters())
+
+    def _master_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        if self.master is None:
+            return []
+        params = dict(self.policy.named_parameters(remove_duplicate=True))
+        return [(params[name], m) for name, m in self.master.items()]
 
     # -- generation ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -256,18 +295,20 @@ class TorchEngine:
         Returns the mean of the loss stats over steps, plus `grad_norm` (pre-clip) and `steps`.
         """
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=weight_decay)
+            self.optimizer = torch.optim.AdamW(self._trained(), lr=lr, weight_decay=weight_decay)
         for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"], group["betas"] = lr, weight_decay, betas
 
         def forward(mb: dict[str, Tensor]) -> tuple[Tensor, ...]:
             mask = mb["attention_mask"]
-            logits = self.policy(input_ids=mb["input_ids"], attention_mask=mask, position_ids=positions(mask)).logits
+            logits = self.policy(
+                input_ids=mb["input_ids"], attention_mask=mask, position_ids=positions(mask), use_cache=False
+            ).logits
             return token_logprobs(logits, mb["input_ids"], temperature)
 
         stats, steps = _optimize(
             self.policy, self.optimizer, batch, forward, loss_fn, self.device,
-            minibatches=minibatches, epochs=epochs, max_grad_norm=max_grad_norm,
+            minibatches=minibatches, epochs=epochs, max_grad_norm=max_grad_norm, master=self._master_pairs(),
         )  # fmt: skip
         self.weight_version += 1
         return {**stats, "steps": float(steps)}
@@ -334,8 +375,9 @@ class TorchEngine:
 
     # -- state --------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, Tensor]:
-        """The live tensors (not copies) that make this job's state, by a stable name: policy parameters,
-        optimizer moments, reference and critic weights. Shared tensors (tied embeddings) appear once.
+        """The live tensors (not copies) that make this job's state, by a stable name: policy parameters, their
+        fp32 masters (bf16 training), optimizer moments, reference and critic weights. Shared tensors (tied
+        embeddings) appear once; each counts its real bytes (bf16: 2 a parameter).
         The StateManager's swaps move exactly these; buffers derived from the config (rotary tables) stay."""
         out: dict[str, Tensor] = {}
         seen: set[int] = set()
@@ -347,6 +389,8 @@ class TorchEngine:
                     out[f"{prefix}.{name}"] = t
 
         add("policy", self.policy.named_parameters(remove_duplicate=True))
+        if self.master is not None:
+            add("master", self.master.items())
         if self.reference is not None:
             add("reference", self.reference.named_parameters(remove_duplicate=True))
         if self.critic is not None:
@@ -368,6 +412,8 @@ class TorchEngine:
             "policy": _copy_tensors(self.policy.state_dict()),
             "weight_version": self.weight_version,
         }
+        if self.master is not None:
+            state["master"] = _copy_tensors(self.master)
         if self.optimizer is not None:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         if self.reference is not None:
@@ -380,11 +426,16 @@ class TorchEngine:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
+        if self.master is not None:  # the saved masters (a bf16 state), else the loaded weights in fp32
+            params = dict(self.policy.named_parameters(remove_duplicate=True))
+            with torch.no_grad():
+                for name, m in self.master.items():
+                    m.copy_(state["master"][name] if "master" in state else params[name].float())
         if "reference" in state and self.reference is not None:
             self.reference.load_state_dict(state["reference"])
         if "optimizer" in state:
             if self.optimizer is None:
-                self.optimizer = torch.optim.AdamW(self.policy.parameters())
+                self.optimizer = torch.optim.AdamW(self._trained())
             self.optimizer.load_state_dict(state["optimizer"])
         if "critic" in state:
             self._ensure_critic().load_state_dict(state["critic"])
