@@ -163,10 +163,11 @@ class ClusterConfig(DaskNetwork):
         1.0, gt=0, le=64,
         description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this.",
     )  # fmt: skip
-    ordering: Literal["fifo", "hrrs", "slowdown"] = Field(
+    ordering: Literal["fifo", "hrrs", "slowdown", "deadline"] = Field(
         "hrrs",
-        description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware) or "
-        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns).",
+        description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware), "
+        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns) or "
+        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end).",
     )
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."

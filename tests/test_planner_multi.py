@@ -30,7 +30,7 @@ from plexrl.planner import (
     Spread,
     SpreadBackfill,
 )
-from plexrl.planner.policies import OrderingView, QueuedNode
+from plexrl.planner.policies import Deadline, OrderingView, QueuedNode
 
 GRPO = JobPlan(
     nodes={
@@ -193,7 +193,7 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
     rng = random.Random(seed)
     clock = Clock()
     placement = rng.choice([Isolated(), Pack(), Pack(math.inf), Spread(), SpreadBackfill(rng.choice([0.5, 1.0, 2.0]))])
-    ordering = rng.choice([Hrrs(), None, FairShare(Hrrs())])
+    ordering = rng.choice([Hrrs(), None, FairShare(Hrrs()), Deadline(), FairShare(Deadline())])
     lookahead = rng.random() < 0.5
     p = Planner(clock=clock, placement=placement, ordering=ordering, validate=True, lookahead=lookahead)
     n_services = rng.randint(1, 4)

@@ -57,6 +57,7 @@ from plexrl.planner.policies import (
     QueuedNode,
     ServiceView,
     Spread,
+    job_pace,
 )
 from plexrl.planner.records import (
     JOB_TRANSITIONS,
@@ -412,6 +413,7 @@ class Planner:
             lambda q: self.gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
             lambda u: self.usage.value(u, now), lambda j: projected_slowdown(jobs[j], self.costs.predict, now),
             lambda: due(svc, jobs, self.costs.predict, self.gap_after, now),
+            lambda j: job_pace(jobs[j], self.costs.predict, now),
         )  # fmt: skip
 
     def gap_after(self, job_id: str, node: str) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,49 @@ class QueuedNode:
     node: str
     ready_at: float
     seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """Where a job stands against its solo pace (`job_pace`): seconds since its placement, seconds its finished
+    nodes took (its solo time so far), and the predicted seconds of the rest of its work at its solo pace."""
+
+    elapsed: float
+    done: float
+    rest: float
+    rest_service: float = 0.0  # of `rest`: the predicted seconds of its service nodes
+
+    def solo(self) -> float:
+        """The job's predicted solo time: what its finished nodes took + the rest at its solo pace."""
+        return self.done + self.rest
+
+    def laxity(self, target: float) -> float:
+        """Seconds the job can still lose and end by its deadline, placement + `target` x its solo time (done +
+        rest), if it runs at its solo pace from now on; negative: it will miss it by that much."""
+        return target * (self.done + self.rest) - self.elapsed - self.rest
+
+
+class _JobProgress(Protocol):  # what `job_pace` reads of a planner job record (records.JobRecord)
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def placed_at(self) -> float | None: ...
+    @property
+    def iteration(self) -> int: ...
+    @property
+    def work_done(self) -> float: ...
+    @property
+    def plan(self) -> Any: ...
+
+
+def job_pace(job: _JobProgress, predict: Callable[[str, str], float], now: float) -> Pace:
+    """`Pace` of a job record: the rest is the iterations left times the predicted seconds per iteration
+    (every node, in series; nodes that run every k iterations count 1/k), as `gaps.projected_slowdown` counts it."""
+    placed = job.placed_at if job.placed_at is not None else now
+    left = max(job.plan.iterations - max(job.iteration, 0), 0)
+    per = {n: predict(job.job_id, n) * p.chunks / (p.every or 1) for n, p in job.plan.nodes.items()}
+    service = sum(sec for n, sec in per.items() if job.plan.nodes[n].placement == "service")
+    return Pace(now - placed, job.work_done, left * sum(per.values()), left * service)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +108,8 @@ class OrderingView:
     # service node is ready (the running node's job: the gap its end opens; negative: a CPU node overdue);
     # computed on demand (`gaps.due`), only `Slowdown` asks
     due: Callable[[], Mapping[str, float]] = lambda: {}
+    # a job's `Pace` (`job_pace`): only `Deadline` asks
+    pace: Callable[[str], Pace] = lambda job_id: Pace(0.0, 0.0, 0.0)
 
 
 class OrderingPolicy(Protocol):
@@ -241,6 +286,69 @@ class Slowdown:
         return mine[self.inner.pick([queue[i] for i in mine], now, view)]
 
 
+class Deadline:
+    """Jobs that finish together: every job gets a deadline, its placement + `target` x its solo time (the
+    planner's cost estimates: the seconds its finished nodes took + the predicted rest at its solo pace), and
+    the service serves the job with the least laxity first: the seconds it can still lose and meet that
+    deadline if it runs at its solo pace from now on (`Pace.laxity`). That is earliest-deadline-first on each
+    job's latest on-pace start, i.e. least laxity first: a job's laxity counts the off-service gaps of its rest
+    (verifiers, tools), so a job with long gaps gets the service early and often enough to keep its cadence,
+    and its gaps are filled by the other jobs' nodes, instead of ending alone with nothing to fill them
+    (which is what leaves the service idle at the end of a run under HRRS, and what the slowdown ratio of
+    `Slowdown` does not see: a ratio ignores how much wall time the rest needs). Jobs whose laxity is within
+    `band` x (the least-laxity job's solo time) of the least are candidates, and `inner` (HRRS by default:
+    resident jobs, short nodes, gap-opening nodes first) picks among their nodes, so near ties do not thrash
+    the service between states.
+
+    `hold_s`: when the least-laxity job overall has no node queued but one predicted ready within `hold_s`
+    (`OrderingView.due`; an overdue CPU node is never waited for) and it cannot afford to wait behind the node
+    that would start now (its laxity is below that node's predicted time), the service waits for it (-1).
+
+    Every waiting job's laxity shrinks while it waits, so none starves. With one job queued it is `inner`."""
+
+    def __init__(
+        self,
+        target: float = 1.6,
+        inner: OrderingPolicy | None = None,
+        band: float = 0.05,
+        hold_s: float = 0.1,
+        together: bool = True,
+    ) -> None:
+        self.together = together
+        if target < 1.0:
+            raise ValueError(f"Deadline target is a slowdown (>= 1.0), not {target}")
+        self.inner: OrderingPolicy = inner if inner is not None else Hrrs()
+        self.target, self.band, self.hold_s = target, band, hold_s
+        self.name = "deadline" if isinstance(self.inner, Hrrs) else f"deadline-{self.inner.name}"
+
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
+        paces = {j: view.pace(j) for j in {q.job_id for q in queue}}
+        due = view.due() if self.hold_s > 0 or self.together else {}
+        others = {j: view.pace(j) for j in due if j not in paces}
+        end = math.inf
+        if self.together:  # the earliest the service can end the mix: all the rest of its service work
+            end = sum(p.rest_service for p in (*paces.values(), *others.values()))
+        lax = {j: self._laxity(p, end) for j, p in paces.items()}
+        first = min(lax, key=lambda j: (lax[j], j))
+        if len(lax) < 2:
+            pick = self.inner.pick(queue, now, view)
+        else:
+            solo = paces[first].done + paces[first].rest
+            cut = lax[first] + self.band * solo
+            mine = [i for i, q in enumerate(queue) if lax[q.job_id] <= cut]
+            pick = mine[self.inner.pick([queue[i] for i in mine], now, view)]
+        if self.hold_s > 0 and pick >= 0:
+            late = [j for j, rest in due.items() if j in others and 0.0 <= rest <= self.hold_s]
+            if late:
+                waiting = min(self._laxity(others[j], end) for j in late)
+                if waiting < lax[first] and waiting < view.service_time(queue[pick]):
+                    return -1
+        return pick
+
+    def _laxity(self, pace: Pace, end: float) -> float:
+        return min(pace.laxity(self.target), end - pace.rest)
+
+
 PLACEMENTS: dict[str, Callable[[], PlacementPolicy]] = {
     "isolated": Isolated,
     "pack": Pack,
@@ -263,4 +371,5 @@ ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {
     "hrrs": Hrrs,
     "hrrs-classic": lambda: Hrrs(gap=False),
     "slowdown": Slowdown,
+    "deadline": Deadline,
 }
