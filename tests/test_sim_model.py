@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from plexrl.errors import ConfigError
 from plexrl.sim.config import LengthDist, Scenario, parse_sim
 from plexrl.sim.costs import (
     Decoder,
@@ -167,3 +168,24 @@ def test_sensitivity_bands_rerun_the_headline_with_one_knob_moved() -> None:
     assert "train_mfu x0.75" in format_bands(sc, bands)
     with pytest.raises(ValueError, match="unknown sensitivity knobs"):
         sensitivity(sc, ["nope"])
+
+
+def test_partial_rollouts_move_the_tail_off_the_pool() -> None:
+    from plexrl.sim.deploy import run_deployment as run
+    from plexrl.sim.tail import tail_samples
+
+    sc = scenario(prompts=128)
+    acc, model, eff, work = sc.accelerator, sc.model, sc.efficiency, sc.workload
+    full, _ = rollout_samples(acc, model, eff, work, 128, 8, 2, 0)
+    cut = tail_samples(acc, model, eff, work, 128, 8, 2, 0, 0.0, 0.1, 16)
+    for f, c in zip(full, cut, strict=True):
+        assert c.tokens == f.tokens  # the same draws
+        assert c.bulk < 0.8 * f.seconds and c.tail > 0  # the last 10% of sequences hold the pool > 20% of the time
+        assert c.efficiency > f.efficiency  # the pool's part runs at fuller batches
+    with pytest.raises(ConfigError, match="tail is for kinds colocated and plexrl-shared"):
+        parse_sim({**yaml.safe_load((SIM / "qwen3_30b_a3b.yaml").read_text()),
+                   "deployments": [{"name": "x", "kind": "plexrl", "tail": 0.1}], "baseline": "x"})  # fmt: skip
+    dep = next(d for d in sc.deployments if d.kind == "plexrl-shared")
+    moved = run(sc, dep.model_copy(update={"tail": 0.1, "tail_accelerators": 16, "rollout_tp": 8}))
+    assert moved.own_accelerators == 16 and moved.accelerators == moved.services * 128 + 2 * 16
+    assert "tail 10%->16" in moved.layout

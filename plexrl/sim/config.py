@@ -164,6 +164,10 @@ class Deployment(StrictModel):
     resident: bool = Field(False, description="Rollout on the pool (colocated, plexrl-shared): the training state "
                            "stays on device during rollout (no offload; it takes KV-cache room) instead of "
                            "being offloaded to host each step.")  # fmt: skip
+    tail: float = Field(0.0, ge=0, lt=1, description="Rollout on the pool: once all but this share of the step's "
+                        "sequences have ended, the rest move to `tail_accelerators` of the job's own and the pool "
+                        "is free for other jobs (partial rollouts; 0: off).")  # fmt: skip
+    tail_accelerators: int = Field(8, ge=1, description="With `tail`: the job's own accelerators for the tail.")
     tune: bool = Field(False, description="`plexrl simulate` searches this deployment's layout over the "
                        "scenario's `tune:` grid (rollout accelerators and TP; resident vs offloaded state) and "
                        "keeps the cheapest (GPU-hours per step).")  # fmt: skip
@@ -178,6 +182,8 @@ class Deployment(StrictModel):
             raise ValueError(f"kind {self.kind!r} gives each job its own accelerators: jobs_per_pool must be 1")
         if self.overlap == "one-step" and self.kind != "plexrl":
             raise ValueError("overlap: one-step is for kind plexrl (split-async is one-step already)")
+        if self.tail and self.kind not in ("colocated", "plexrl-shared"):
+            raise ValueError("tail is for kinds colocated and plexrl-shared (it moves the tail off the pool)")
         if self.resident and self.kind not in ("colocated", "plexrl-shared"):
             raise ValueError("resident is for kinds colocated and plexrl-shared (rollout on the pool)")
         return self

@@ -22,6 +22,7 @@ allocated; slowdown = a job's completion time / the same job's under the baselin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -63,12 +64,24 @@ class StepTable:
     efficiency: float  # mean decoding efficiency of the rollouts
     tokens: float  # mean generated tokens per step
     decoder: Decoder
+    tail: tuple[float, ...] = ()  # partial rollouts: the tail's seconds on the job's own accelerators
 
 
 def step_table(
     acc: Accelerator, model: Model, eff: Efficiency, work: Workload, layout: TrainLayout,
-    rollout_acc: int, rollout_tp: int, k: int, seed: int, reserved: float = 0.0,
+    rollout_acc: int, rollout_tp: int, k: int, seed: int, reserved: float = 0.0, tail: float = 0.0,
+    tail_acc: int = 0,
 ) -> StepTable:  # fmt: skip
+    if tail:
+        from plexrl.sim.tail import tail_samples
+
+        cut = tail_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed, reserved, tail, tail_acc)
+        samples = [RolloutSample(c.bulk, c.tokens, c.prompt_tokens, c.efficiency) for c in cut]
+        tab = step_table(acc, model, eff, work, layout, rollout_acc, rollout_tp, k, seed, reserved)
+        return dataclasses.replace(
+            tab, rollout=tuple(c.bulk for c in cut), tail=tuple(c.tail for c in cut),
+            efficiency=_mean_efficiency(samples),
+        )  # fmt: skip
     samples, dec = rollout_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed, reserved)
     rng = random.Random(f"step/{seed}/{model.name}")
     train = tuple(train_seconds(acc, model, eff, work, layout, s.tokens + s.prompt_tokens) for s in samples)
@@ -89,12 +102,22 @@ def _mean_efficiency(samples: list[RolloutSample]) -> float:
     return sum(s.efficiency * s.seconds for s in samples) / sum(s.seconds for s in samples)
 
 
-def job_graph(kind: str, overlap: str, agentic: bool) -> tuple[dict[str, NodePlan], tuple[str, ...], frozenset[str]]:
+def job_graph(
+    kind: str, overlap: str, agentic: bool, tail: bool = False
+) -> tuple[dict[str, NodePlan], tuple[str, ...], frozenset[str]]:
     """(nodes, baseline, dedicated) of one step under a deployment kind (see the module docstring)."""
     on_service = kind in SHARED_ROLLOUT
     roll: Placement = "service" if on_service else "cpu"
     nodes: dict[str, NodePlan] = {"rollout": NodePlan(roll, (), inline=False)}
     last = "rollout"
+    if tail:
+        if agentic or not on_service:
+            raise ValueError("tail: only for a rollout on the pool and a workload without tool stalls")
+        nodes["tail"] = NodePlan("cpu", ("rollout",), inline=False)  # on the job's own tail accelerators
+        nodes["verify"] = NodePlan("cpu", ("tail",), inline=False)
+        nodes["switch"] = NodePlan("service", ("verify",))
+        nodes["train"] = NodePlan("service", ("switch",))
+        return nodes, (), frozenset({"tail"})
     if agentic:
         nodes["tool"] = NodePlan("cpu", ("rollout",), inline=False)
         nodes["rollout2"] = NodePlan(roll, ("tool",), inline=False)
@@ -180,7 +203,9 @@ def device_budget(acc: Accelerator, eff: Efficiency, kind: str) -> int:
 
 
 def own_accelerators(sc: Scenario, dep: Deployment) -> int:
-    return 0 if dep.kind in SHARED_ROLLOUT else (dep.rollout_accelerators or sc.rollout_accelerators)
+    if dep.kind in SHARED_ROLLOUT:
+        return dep.tail_accelerators if dep.tail else 0
+    return dep.rollout_accelerators or sc.rollout_accelerators
 
 
 def accelerators_per_job(sc: Scenario, dep: Deployment) -> float:
@@ -205,20 +230,23 @@ def run_deployment(
     model, eff, work, layout = sc.model, sc.efficiency, sc.workload, sc.train
     on_service = dep.kind in SHARED_ROLLOUT
     r_acc = layout.accelerators if on_service else own_accelerators(sc, dep)
+    own = own_accelerators(sc, dep)
     r_tp = dep.rollout_tp or sc.rollout_tp
     resident = on_service and dep.resident
     reserved = float(train_state_bytes(model, layout)) if resident else 0.0
     tables = {} if tables is None else tables
-    key = (r_acc, r_tp, resident)
+    key = (r_acc, r_tp, resident, dep.tail, own if dep.tail else 0)
     if key not in tables:
-        tables[key] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed, reserved)
+        tables[key] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed, reserved,
+                                 dep.tail, own)  # fmt: skip
     tab = tables[key]
     n = scenario_jobs(sc)
     check_host(acc, host_bytes(model, layout, r_tp, dep.jobs_per_pool, on_service, resident), dep.name)
     agentic = work.tool_stall is not None
-    nodes, baseline, dedicated = job_graph(dep.kind, dep.overlap, agentic)
+    nodes, baseline, dedicated = job_graph(dep.kind, dep.overlap, agentic, bool(dep.tail))
     half = tuple(x / 2 for x in tab.rollout) if agentic else tab.rollout
-    samples = {"rollout": half, "rollout2": half, "train": tab.train, "verify": tab.verify, "tool": tab.tool}
+    samples = {"rollout": half, "rollout2": half, "train": tab.train, "verify": tab.verify, "tool": tab.tool,
+               "tail": tab.tail}  # fmt: skip
     means = {
         "switch": switch_seconds(acc, model, eff, layout, r_tp, resident),
         "sync": sync_seconds(acc, model, eff, min(layout.accelerators, r_acc), r_acc // r_tp, r_tp),
@@ -247,7 +275,6 @@ def run_deployment(
     if bad:
         raise RuntimeError(f"deployment {dep.name}: {len(bad)} jobs did not finish, e.g. {bad[:2]}")
     size = layout.accelerators
-    own = 0 if on_service else r_acc
     last_end: dict[str, float] = {}
     allocated = busy = swap = 0.0
     for r in runs:
@@ -260,11 +287,12 @@ def run_deployment(
         swap += rep["blocking_swap_seconds"]
     busy += own * sum(ex.dedicated_busy.values())
     rollout = sum(row.get("time/rollout", 0.0) + row.get("time/rollout2", 0.0) for r in runs for row in r.history)
+    tail_time = sum(row.get("time/tail", 0.0) for r in runs for row in r.history)
     jct = {r.job_id: r.finished_at - (r.submitted_at or 0.0) for r in runs}  # type: ignore[operator]
     steps = sum(r.iterations_done for r in runs)
     return DeploymentResult(
         dep.name, dep.kind, services, size, own, n, steps, ex.clock(), allocated, busy, swap, tab.efficiency,
-        rollout * (size if on_service else own), jct,
+        rollout * (size if on_service else own) + tail_time * own, jct,
         step_seconds=sum(jct.values()) / steps, layout=layout_label(dep, sc), off_policy=dep.off_policy,
     )  # fmt: skip
 
@@ -272,7 +300,8 @@ def run_deployment(
 def layout_label(dep: Deployment, sc: Scenario) -> str:
     tp = dep.rollout_tp or sc.rollout_tp
     if dep.kind in SHARED_ROLLOUT:
-        return f"TP{tp} {'resident' if dep.resident else 'offloaded'}"
+        tail = f" tail {dep.tail:.0%}->{dep.tail_accelerators}" if dep.tail else ""
+        return f"TP{tp} {'resident' if dep.resident else 'offloaded'}{tail}"
     return f"R{dep.rollout_accelerators or sc.rollout_accelerators} TP{tp}"
 
 
