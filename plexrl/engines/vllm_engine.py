@@ -169,7 +169,12 @@ class WeightLoad:
 
 class SharedLLM:
     """One in-process `vllm.LLM`, serving the jobs of one architecture on a service, one job's weights at a
-    time. Calls are serialised by a lock (a service runs one node at a time anyway)."""
+    time. Calls are serialised by a lock (a service runs one node at a time anyway).
+
+    `max_model_len`: the longest prompt + response it serves (default: the model's positions). A job's
+    prompt + response budget (`plexrl.config_checks.generation_budget`: `data.max_prompt_tokens` + the largest
+    `max_new_tokens`) is enough, and the smaller it is, the more sequences a small KV cache admits at once.
+    A response ends at any eos id of the model's generation config (`eos_ids`). Prefix caching is on."""
 
     def __init__(
         self,
@@ -179,6 +184,7 @@ class SharedLLM:
         pad_id: int | None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         from plexrl.data.prompts import engine_special_ids
@@ -209,6 +215,9 @@ class SharedLLM:
                 # generator, which CPU generators cannot do ("CPU Generator does not use offset")
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(self.max_model_len, 4096),
+                # the n samples of a prompt, and prompts sharing a system prompt or worked examples, reuse
+                # its KV blocks (reset on every weight load: a cached block belongs to one set of weights)
+                enable_prefix_caching=enable_prefix_caching,
                 seed=0,
             )
         self.build_seconds = time.perf_counter() - t0
