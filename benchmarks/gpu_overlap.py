@@ -14,7 +14,7 @@ and a device synchronize:
 hidden = (compute alone + swap alone - both together) / swap alone, clipped to [0, 1]: 1.0 when the swap costs
 the computing job nothing, 0.0 when the two run one after the other. The state's checksum is compared after the moves.
 
-    .venv/bin/python benchmarks/gpu_overlap.py [--device cuda] [--mb 1024] [--repeats 3]
+    .venv/bin/python benchmarks/gpu_overlap.py [--device cuda] [--mb 1024] [--repeats 3] [--smoke]
 
 On CPU (`--device cpu`, the fallback `benchmarks/gpu_check.sh --cpu` uses) there is no copy stream: the
 mover's thread and the compute share the cores, and the figures only show that the path runs.
@@ -52,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda", help="cuda[:N] (or cpu: only checks that the path runs)")
     ap.add_argument("--mb", type=float, default=1024.0, help="the swapped state's size in MiB")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (after one warm-up); best is reported")
+    ap.add_argument("--smoke", action="store_true", help="cpu, a 4 MiB state, one repeat (for the tests)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.mb, args.repeats = "cpu", 4.0, 1
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
