@@ -151,6 +151,7 @@ def test_the_report_headline_ignores_cheaper_rows_at_a_slower_step(tmp_path: Pat
     text = format_scenario(sc, rows, {})
     assert "strongest baseline (cheapest tuned): colocated" in text
     assert "headline (on-policy): fast saves +20.0%" in text and "NOT met" in text
+    assert "cheapest PlexRL row at any step time: cheap-but-slow (on-policy) +50.0% at 1.20x" in text
     png = tmp_path / "frontier.png"
     plot_scenario(sc, rows, png)
     assert 1000 < png.stat().st_size < 200_000
