@@ -198,3 +198,39 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_dir: tuple[Path, 
     assert step(plain, batch)["grad_norm"] == pytest.approx(step(ckpt, batch)["grad_norm"], rel=1e-5)
     with pytest.raises(ValueError, match="model dtype 'float16' is not one of float32, bfloat16"):
         TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype="float16")
+
+
+# ---- decode-step preemption: pause between decode steps, resume, same tokens --------------------------------
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_paused_generation_samples_exactly_what_an_unpaused_one_does(
+    model_dir: tuple[Path, Any], top_p: float
+) -> None:
+    d, tok = model_dir
+    engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    ps = prompts(tok)
+    probe = engine.generate(ps, n=4, temperature=1.0, max_new_tokens=16, seed=7)
+    common = Counter(t for row in responses(probe) for t in row).most_common(1)[0][0]  # rows stop early at it
+    kw: dict[str, Any] = {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 7, "top_p": top_p}
+    kw["stop_token_ids"] = [common]
+    unpaused = engine.generate(ps, **kw)
+    dec = engine.begin_generation(ps, **kw)
+    with pytest.raises(RuntimeError, match="paused after 0 steps"):
+        dec.output()
+    batch_sizes = []
+    for k in range(100):
+        engine.resume(dec, max_steps=1 + k % 3)
+        if dec.finished:
+            break
+        batch_sizes.append(len(dec.rows))
+        engine.generate([tok("9+9=")["input_ids"]], n=3, temperature=1.0, max_new_tokens=5, seed=k)  # meanwhile
+    paused = dec.output()
+    assert dec.finished and dec.past is None  # its KV cache freed with the last step
+    assert min(batch_sizes) < len(ps) * 4, "some finished rows should have left the batch (else untested)"
+    assert torch.equal(paused.response_ids, unpaused.response_ids)
+    assert torch.equal(paused.logprobs, unpaused.logprobs)
+    assert torch.equal(paused.response_mask, unpaused.response_mask)
+    assert paused.finish_reasons == unpaused.finish_reasons and "stop" in paused.finish_reasons
+    for row, reason in zip(responses(paused), paused.finish_reasons, strict=True):  # rows end at a stop token
+        assert (row[-1] == common) == (reason == "stop") or row[-1] == tok.eos_token_id

@@ -1,7 +1,9 @@
 """`TorchEngine`: generation, log-probs and training of a transformers causal LM in plain torch.
 
 Generation is a hand-written sampling loop with a KV cache (left-padded prompts, explicit position ids),
-seeded by a `torch.Generator` per call so results depend only on the seed, never on what ran before.
+seeded by a `torch.Generator` per call so results depend only on the seed, never on what ran before. It can
+stop between two decode steps and resume later (`begin_generation` / `resume`; plexrl/engines/decoding.py),
+with finished rows dropped from the batch, sampling the same tokens as without the pause.
 Training runs a caller-supplied loss (`LossFn`) over minibatches with AdamW and gradient clipping; the
 algorithm (GRPO, PPO, ...) lives in the operator, not here.
 
@@ -29,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from plexrl.engines import decoding
 from plexrl.engines.base import GenerationOutput, LossFn
+from plexrl.engines.decoding import Decoding
 
 log = logging.getLogger(__name__)
 
@@ -205,51 +209,23 @@ class TorchEngine:
         stop: Sequence[str] = (),
         top_p: float = 1.0,
     ) -> GenerationOutput:
-        rows = [p for p in prompts for _ in range(n)]
-        N, Lp = len(rows), max(len(p) for p in prompts)
-        ids = torch.full((N, Lp), self.pad_id, dtype=torch.long)
-        pmask = torch.zeros((N, Lp), dtype=torch.long)
-        for i, p in enumerate(rows):
-            ids[i, Lp - len(p) :] = torch.tensor(p)
-            pmask[i, Lp - len(p) :] = 1
-        ids, pmask = ids.to(self.device), pmask.to(self.device)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        mask = pmask
-        pos = positions(pmask)
-        out = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        kw = _cache_kw(self.policy)
-        past, logits = getattr(out, kw), out.logits[:, -1]
-        next_pos = pos[:, -1:] + 1
-        done = torch.zeros(N, dtype=torch.bool, device=self.device)
-        stops = torch.tensor([self.eos_id, *self.extra_eos, *stop_token_ids], device=self.device)
-        toks, lps, alive = [], [], []
-        for step in range(max_new_tokens):
-            logp = F.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
-            if top_p < 1.0 and not greedy:
-                logp = nucleus(logp, top_p)
-            tok = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-            lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            live = ~done
-            tok = torch.where(live, tok, torch.full_like(tok, self.pad_id))
-            toks.append(tok)
-            lps.append(torch.where(live, lp, torch.zeros_like(lp)))
-            alive.append(live)
-            done = done | torch.isin(tok, stops)
-            if stop:
-                done = done | self._stopped(torch.stack(toks, 1), done, stop)
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones_like(tok[:, None])], 1)
-            out = self.policy(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{kw: past}
-            )
-            past, logits = getattr(out, kw), out.logits[:, -1]
-            next_pos = next_pos + 1
-        resp = torch.stack(toks, 1)
-        rmask = torch.stack(alive, 1).long()
-        lengths = rmask.sum(1)
-        finish = ["stop" if bool(d) else "length" for d in done.tolist()]
-        return GenerationOutput(ids, pmask, resp, rmask, torch.stack(lps, 1), lengths, finish)
+        """`Engine.generate`: `begin_generation` + `resume` to the end (plexrl/engines/decoding.py)."""
+        d = self.begin_generation(
+            prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
+            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p,
+        )  # fmt: skip
+        return self.resume(d).output()
+
+    def begin_generation(self, prompts: list[list[int]], **kwargs: Any) -> Decoding:
+        """A generation (arguments as `generate`) after its prefill, before its first decode step: advance it
+        with `resume`; between two calls the engine may run anything else (another job's generation, a train
+        step of another job), and the result equals an unpaused `generate`'s."""
+        return decoding.begin(self, prompts, **kwargs)
+
+    def resume(self, d: Decoding, max_steps: int | None = None) -> Decoding:
+        """Run at most `max_steps` more decode steps of `d` (None: to the end); `d.finished` says when its
+        `output()` is ready. Rows finished are dropped from the batch, the others keep their KV cache."""
+        return decoding.advance(self, d, max_steps)
 
     def _stopped(self, resp: Tensor, done: Tensor, stop: Sequence[str]) -> Tensor:
         """Rows (not done yet) whose decoded response contains a stop string."""
