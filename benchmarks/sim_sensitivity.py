@@ -3,7 +3,7 @@ time (max response tokens, length sigma, switch cost, training MFU, host link), 
 the on-policy saving at matched step time vs the shipped figure (`plexrl/sim/sensitivity.py`).
 
     .venv/bin/python benchmarks/sim_sensitivity.py configs/sim/qwen25_7b.yaml [--knobs "sigma +0.2"] [--jobs 4]
-        [--smoke]
+        [--samples 8] [--smoke]
 
 `--jobs`: jobs simulated (default 4: the baselines' jobs do not interact and PlexRL pools hold 2, so a few
 stand for the scenario's); deterministic.
@@ -24,10 +24,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--knobs", nargs="*", help=f"a subset of: {', '.join(KNOBS)}")
     ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--samples", type=int, help="rollout_samples per layout (fewer: faster, coarser)")
     ap.add_argument("--smoke", action="store_true", help="a small batch, 3 steps, one knob")
     args = ap.parse_args(argv)
     for path in args.configs:
-        sc = load_sim(path, {"sweep_accelerators": [], "jobs": args.jobs})
+        over: dict[str, object] = {"sweep_accelerators": [], "jobs": args.jobs}
+        if args.samples:
+            over["rollout_samples"] = args.samples
+        sc = load_sim(path, over)
         if not isinstance(sc, Scenario):
             ap.error(f"{path} is a trace; give a scenario")
         knobs = args.knobs
