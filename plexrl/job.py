@@ -83,7 +83,7 @@ class JobSpec:
             from plexrl.engines.lora import lora_state_bytes
 
             return lora_state_bytes(self.model_path, lora.r, list(lora.target_modules))
-        return estimate_state_bytes(model_bytes(self.model_path), self.graph)
+        return estimate_state_bytes(model_bytes(self.model_path), self.graph, self.config.model.dtype)
 
     def inputs(self, node: str) -> dict[str, str]:
         """Input port -> the node whose output feeds it."""
@@ -172,11 +172,16 @@ def state_parts(graph: PipelineGraph) -> list[str]:
     return parts
 
 
-def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph) -> int:
+def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph, dtype: str = "float32") -> int:
     """THE estimate of a job's state size, before it has run: fp32 weight bytes times the copies its
     pipeline keeps. An upper bound (tied weights count twice, headers count); the planner replaces it with
-    the size a service measures at the first swap-out (`StateMeasured`)."""
-    return weight_bytes * state_copies(graph)
+    the size a service measures at the first swap-out (`StateMeasured`). `dtype` bfloat16 (`model.dtype`):
+    the policy and reference at half size plus the policy's fp32 masters: half a copy more, half a copy
+    less for a reference."""
+    copies = state_copies(graph)
+    if dtype == "bfloat16":
+        return weight_bytes * (2 * copies + 1 - uses_reference(graph)) // 2
+    return weight_bytes * copies
 
 
 def state_copies(graph: PipelineGraph) -> int:

@@ -234,3 +234,16 @@ def test_a_paused_generation_samples_exactly_what_an_unpaused_one_does(
     assert paused.finish_reasons == unpaused.finish_reasons and "stop" in paused.finish_reasons
     for row, reason in zip(responses(paused), paused.finish_reasons, strict=True):  # rows end at a stop token
         assert (row[-1] == common) == (reason == "stop") or row[-1] == tok.eos_token_id
+
+
+def test_the_state_estimate_bounds_a_bf16_engines_measured_state(model_dir: tuple[Path, Any]) -> None:
+    from plexrl.config import load_job
+    from plexrl.job import estimate_state_bytes, model_bytes
+
+    d, tok = model_dir
+    engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype="bfloat16")
+    step(engine, a_batch(tok))  # the AdamW moments exist after a step
+    measured = sum(t.numel() * t.element_size() for t in engine.state_tensors().values())
+    graph = load_job({"pipeline": {"name": "grpo", "params": {"kl_coef": 0.0}}}).graph  # no reference
+    assert estimate_state_bytes(model_bytes(d), graph, "float32") < measured  # fp32 copies undercount bf16
+    assert estimate_state_bytes(model_bytes(d), graph, "bfloat16") >= measured
