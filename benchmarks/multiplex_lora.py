@@ -18,7 +18,8 @@ Printed: every job's slowdown (multiplexed completion / alone) next to the slowd
 SkyRL's 2.81x experiment throughput on one node), next to its bound (`plexrl.accounting.cost_bound`: the jobs'
 busy service seconds alone, so steps per accelerator-second can be at most steps / those seconds).
 
-Rollouts are not batched across jobs: each job's rollout is its own engine call (see docs/benchmarks.md).
+One iteration of the first job alone runs untimed first (the process's one-time costs). Rollouts are not
+batched across jobs: each job's rollout is its own engine call (see docs/benchmarks.md).
 
     .venv/bin/python benchmarks/multiplex_lora.py [--jobs 4] [--layers 4] [--iterations 20] [--reps 1]
         [--latency 1.0] [--batch 8] [--n 8] [--rank 16] [--driver dask|local] [--orderings hrrs,deadline]
@@ -31,6 +32,7 @@ its figures mean nothing). Run it alone on the machine: other processes on the 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import sys
@@ -153,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     for job in cluster.jobs:
         prepare_job(job)
+    # untimed: one iteration of the first job alone pays the process's one-time costs (the parquet files, the
+    # tokenizer, torch's first kernels), which would otherwise land on the first job's alone time
+    configure_torch(cluster.config.services.threads)
+    run_alone(with_iterations(dataclasses.replace(cluster, jobs=cluster.jobs[:1]), 1), "local", "warm-up")
     orderings = args.orderings.split(",")
     lean: list[dict[str, Alone]] = []
     mux: dict[str, list[Mux]] = {o: [] for o in orderings}
