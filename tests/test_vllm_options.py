@@ -68,3 +68,11 @@ def test_generations_equal_the_torch_engines_and_stop_at_every_eos(setup: Any) -
     sampled: dict[str, Any] = {"n": 4, "temperature": 1.0, "max_new_tokens": 8, "seed": 5}
     first = engine.generate(prompts(tok), **sampled)
     assert responses(engine.generate(prompts(tok), **sampled)) == responses(first)
+
+
+def test_the_generator_key_separates_engines_of_other_lengths(setup: Any) -> None:
+    from plexrl.engines.vllm_engine import generator_key
+
+    d = setup[0]
+    assert generator_key(d, BUDGET) == generator_key(d, BUDGET) != generator_key(d, 2 * BUDGET)
+    assert generator_key(d, None) == generator_key(d) and generator_key(d, BUDGET).startswith(generator_key(d))

@@ -118,8 +118,9 @@ def config_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
-def generator_key(model_dir: str | Path) -> str:
-    """Jobs whose models share this key (architecture config and tokenizer) can share one SharedLLM."""
+def generator_key(model_dir: str | Path, max_model_len: int | None = None) -> str:
+    """Jobs whose models share this key (architecture config and tokenizer, and the `max_model_len` the
+    engine is built with, None: the model's positions) can share one SharedLLM."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     for volatile in ("transformers_version", "_name_or_path"):
         config.pop(volatile, None)
@@ -127,7 +128,7 @@ def generator_key(model_dir: str | Path) -> str:
     tok = Path(model_dir) / "tokenizer.json"
     if tok.is_file():
         h.update(tok.read_bytes())
-    return f"vllm-{h.hexdigest()[:12]}"
+    return f"vllm-{h.hexdigest()[:12]}" + ("" if max_model_len is None else f"-len{max_model_len}")
 
 
 def row_seed(seed: int, row: int) -> int:
