@@ -78,11 +78,11 @@ def format_bands(sc: Scenario, bands: list[Band]) -> str:
     lines = [
         f"{sc.name}: on-policy saving at <= {sc.matched_step:g}x the strongest baseline's step, one knob at a time",
         f"{'knob':<22}{'strongest baseline':<28}{'headline row':<18}{'saving':>8}{'moves':>8}"
-        f"{'cheapest PlexRL (any step)':>34}",
+        f"  {'cheapest PlexRL (any step)'}",
     ]
     for b in bands:
         got = "" if b.saving is None else f"{b.saving:+.1%}"
         moved = "" if b.saving is None or ref is None else f"{(b.saving - ref) * 100:+.1f}pp"
         any_ = f"{b.best_any} {b.saving_any:+.1%} at {b.step_any:.2f}x"
-        lines.append(f"{b.knob:<22}{b.strongest:<28}{b.best or '(none)':<18}{got:>8}{moved:>8}{any_:>34}")
+        lines.append(f"{b.knob:<22}{b.strongest:<28}{b.best or '(none)':<18}{got:>8}{moved:>8}  {any_}")
     return "\n".join(lines)
