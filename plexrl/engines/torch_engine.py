@@ -126,6 +126,26 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> tup
     return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
 
 
+def scored_logprobs(
+    model: Any, ids: Tensor, mask: Tensor, temperature: float, scored: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` of a forward on `ids`, with the output head run only where a loss reads it: from the
+    column before the first one `scored` (a response mask [N, L]) marks. Rows are laid out as a left-padded
+    prompt then the response, so every scored token sits at or after that column: the prompt's logits
+    ([N, P, vocab], most of the memory of a step over a short answer) are never made. The columns before are
+    0, like column 0. Without `scored` (or with nothing scored) every column is computed."""
+    n, length = ids.shape
+    start = 1
+    if scored is not None and bool(scored.any()):
+        start = max(int(scored.any(0).float().argmax()), 1)
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions(mask), logits_to_keep=length - start + 1, **kw
+    ).logits
+    lp, ent = token_logprobs(logits, ids[:, start - 1 :], temperature)
+    pad = lp.new_zeros(n, start - 1)
+    return torch.cat([pad, lp], 1), torch.cat([pad, ent], 1)
+
+
 class TorchEngine:
     """Holds one job's policy (and optionally a frozen reference) and its AdamW optimizer.
 
@@ -276,11 +296,10 @@ class TorchEngine:
             group["lr"], group["weight_decay"], group["betas"] = lr, weight_decay, betas
 
         def forward(mb: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            mask = mb["attention_mask"]
-            logits = self.policy(
-                input_ids=mb["input_ids"], attention_mask=mask, position_ids=positions(mask), use_cache=False
-            ).logits
-            return token_logprobs(logits, mb["input_ids"], temperature)
+            # the head only over the responses ("mask": the response mask policy losses read)
+            return scored_logprobs(
+                self.policy, mb["input_ids"], mb["attention_mask"], temperature, mb.get("mask"), use_cache=False
+            )
 
         stats, steps = _optimize(
             self.policy, self.optimizer, batch, forward, loss_fn, self.device,
