@@ -130,3 +130,32 @@ def test_lora_refuses_what_it_cannot_do(smol_tiny: Path, tmp_path: Path) -> None
     cfg["pipeline"] = {"name": "ppo"}
     with pytest.raises(ConfigError, match="a LoRA job has no critic"):
         load_job(cfg)
+
+
+def test_a_cluster_budget_counts_a_lora_job_as_its_adapter_state_beside_one_base(
+    smol_tiny: Path, tmp_path: Path
+) -> None:
+    """services.device_memory of base + one adapter state admits two LoRA jobs (they share the base; every
+    switch swaps adapters); below the base + one state, the error names the base."""
+    import yaml
+
+    from plexrl.cluster import load_cluster
+    from plexrl.engines.lora import lora_state_bytes
+    from plexrl.job import model_bytes
+
+    jobs = [{"job": lora_job(smol_tiny, tmp_path / "runs", n, s)} for n, s in (("la", 0), ("lb", 1))]
+    state = lora_state_bytes(smol_tiny, 4, ["q_proj", "v_proj"])
+    base = model_bytes(smol_tiny)
+    assert state * 20 < base  # full-model accounting (weights + 2 moments) would need 60x the adapter
+
+    def cluster(budget: int) -> Path:
+        path = tmp_path / f"c{budget}.yaml"
+        services = {"count": 1, "device_memory": budget}
+        doc = {"name": "c", "driver": "local", "services": services, "mlflow": False, "jobs": jobs}
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    loaded = load_cluster(cluster(base + state))
+    assert [j.config.name for j in loaded.jobs] == ["la", "lb"]
+    with pytest.raises(ConfigError, match=r"adapter, 2 AdamW moments.*for its base"):
+        load_cluster(cluster(base + state // 2))
