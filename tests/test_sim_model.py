@@ -190,3 +190,15 @@ def test_partial_rollouts_move_the_tail_off_the_pool() -> None:
     moved = run(sc, dep.model_copy(update={"tail": 0.1, "tail_accelerators": 16, "rollout_tp": 8}))
     assert moved.own_accelerators == 16 and moved.accelerators == moved.services * 128 + 2 * 16
     assert "tail 10%->16" in moved.layout
+
+
+def test_elastic_pools_scale_the_training_pool_of_a_plexrl_layout() -> None:
+    sc = scenario(jobs=3)
+    dep = next(d for d in sc.deployments if d.name == "plexrl")
+    one = run_deployment(sc, dep.model_copy(update={"jobs_per_pool": 3}))
+    two = run_deployment(sc, dep.model_copy(update={"jobs_per_pool": 3, "pool_scale": 2}))
+    assert two.service_accelerators == 2 * one.service_accelerators == 2 * sc.train.accelerators
+    assert two.step_seconds < one.step_seconds  # training on twice the accelerators
+    with pytest.raises(ConfigError, match="pool_scale is for the plexrl kinds"):
+        parse_sim({**yaml.safe_load((SIM / "qwen3_30b_a3b.yaml").read_text()),
+                   "deployments": [{"name": "x", "kind": "colocated", "pool_scale": 2}], "baseline": "x"})  # fmt: skip

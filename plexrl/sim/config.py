@@ -158,6 +158,8 @@ class Deployment(StrictModel):
     rollout_tp: int | None = Field(None, ge=1, description="Tensor parallel size of one rollout replica "
                                    "(default: the scenario's).")  # fmt: skip
     jobs_per_pool: int = Field(1, ge=1, description="plexrl kinds: jobs sharing one pool.")
+    pool_scale: int = Field(1, ge=1, description="plexrl kinds: the pool is the training layout with dp x this "
+                            "(a larger pool shared by more jobs: 3 jobs on 2x the accelerators).")  # fmt: skip
     overlap: Literal["none", "one-step"] = Field("none", description="plexrl: one-step off-policy overlap.")
     placement: str = Field("spread", description="Placement policy (plexrl kinds).")
     ordering: str = Field("hrrs", description="Ordering policy (plexrl kinds).")
@@ -178,6 +180,8 @@ class Deployment(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:
+        if self.pool_scale != 1 and not self.kind.startswith("plexrl"):
+            raise ValueError(f"kind {self.kind!r}: pool_scale is for the plexrl kinds")
         if self.kind in ("colocated", "split-sync", "split-async") and self.jobs_per_pool != 1:
             raise ValueError(f"kind {self.kind!r} gives each job its own accelerators: jobs_per_pool must be 1")
         if self.overlap == "one-step" and self.kind != "plexrl":

@@ -209,7 +209,12 @@ def own_accelerators(sc: Scenario, dep: Deployment) -> int:
 
 
 def accelerators_per_job(sc: Scenario, dep: Deployment) -> float:
-    return own_accelerators(sc, dep) + sc.train.accelerators / dep.jobs_per_pool
+    return own_accelerators(sc, dep) + pool_layout(sc, dep).accelerators / dep.jobs_per_pool
+
+
+def pool_layout(sc: Scenario, dep: Deployment) -> TrainLayout:
+    """The deployment's pool: the scenario's training layout with dp x `pool_scale` (elastic pools)."""
+    return sc.train if dep.pool_scale == 1 else sc.train.model_copy(update={"dp": sc.train.dp * dep.pool_scale})
 
 
 def scenario_jobs(sc: Scenario) -> int:
@@ -227,7 +232,7 @@ def run_deployment(
 ) -> DeploymentResult:
     """Simulate the scenario's jobs under one deployment (on `acc` if given) with the real runner and planner."""
     acc = acc or sc.accelerator
-    model, eff, work, layout = sc.model, sc.efficiency, sc.workload, sc.train
+    model, eff, work, layout = sc.model, sc.efficiency, sc.workload, pool_layout(sc, dep)
     on_service = dep.kind in SHARED_ROLLOUT
     r_acc = layout.accelerators if on_service else own_accelerators(sc, dep)
     own = own_accelerators(sc, dep)
@@ -235,7 +240,7 @@ def run_deployment(
     resident = on_service and dep.resident
     reserved = float(train_state_bytes(model, layout)) if resident else 0.0
     tables = {} if tables is None else tables
-    key = (r_acc, r_tp, resident, dep.tail, own if dep.tail else 0)
+    key = (r_acc, r_tp, resident, dep.tail, own if dep.tail else 0, layout.accelerators)
     if key not in tables:
         tables[key] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed, reserved,
                                  dep.tail, own)  # fmt: skip
