@@ -247,3 +247,21 @@ def test_the_state_estimate_bounds_a_bf16_engines_measured_state(model_dir: tupl
     graph = load_job({"pipeline": {"name": "grpo", "params": {"kl_coef": 0.0}}}).graph  # no reference
     assert estimate_state_bytes(model_bytes(d), graph, "float32") < measured  # fp32 copies undercount bf16
     assert estimate_state_bytes(model_bytes(d), graph, "bfloat16") >= measured
+
+
+def test_the_budget_of_a_pretrained_model_reads_its_converted_config(tmp_path: Path) -> None:
+    from test_data_files import write_verl_parquet
+
+    from plexrl.config import load_job
+    from plexrl.errors import ConfigError
+    from plexrl.pretrained import pretrained_path
+
+    try:
+        path = pretrained_path("smollm2-135m-instruct", convert=False)
+    except LookupError:
+        pytest.skip("SmolLM2 is not converted here (make setup-pretrained)")
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    data = {"train": str(write_verl_parquet(tmp_path / "t.parquet", 4)), "max_prompt_tokens": positions - 8}
+    with pytest.raises(ConfigError, match=rf"= {positions + 16} tokens exceeds the model's context length {positions}"):
+        load_job(budget_job({"pretrained": "smollm2-135m-instruct"}, 24, data))
+    load_job(budget_job({"pretrained": "smollm2-135m-instruct"}, 8, data))
