@@ -28,7 +28,7 @@ from torch import Tensor
 
 from plexrl.engines.base import GenerationOutput, LossFn
 from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions, token_logprobs
-from plexrl.runtime.group import RankState, guarded
+from plexrl.services.ranks import RankState, guarded
 
 
 def _local(t: Tensor) -> Tensor:

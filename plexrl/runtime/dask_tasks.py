@@ -1,12 +1,11 @@
 """What the `DaskExecutor` runs inside the Dask workers: a service's start, the job loads, the node tasks,
-saves, checkpoints, releases and the stop. A worker's `Service` lives in `_SERVICES` (one per executor token
-and service id), so a job's state stays resident in that worker process between tasks. A node task
-publishes its small `NodeReport` as a Dask event before it returns (`_publish`); its return value stays on
-the worker as the node's output."""
+saves, checkpoints, releases and the stop. A worker's `Service` lives in the worker's registry
+(`plexrl.services.registry.SERVICES`, one per executor token and service id), so a job's state stays
+resident in that worker process between tasks. A node task publishes its small `NodeReport` as a Dask event
+before it returns (`registry.publish`); its return value stays on the worker as the node's output."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -14,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.planner.state import Move, Tier
-from plexrl.runtime.executor import CheckpointReport, LoadReport, NodeReport
+from plexrl.reports import CheckpointReport, LoadReport
+from plexrl.services.registry import SERVICES as _SERVICES
+from plexrl.services.registry import publish as _publish
 from plexrl.services.service import NodeResult, Service, run_cpu_node
-
-_SERVICES: dict[str, Service] = {}
 
 
 def _start_service(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
@@ -35,15 +34,14 @@ def _start_service(key: str, device: str, validate: bool, spill_dir: str | None,
 
 def _warm_up() -> None:
     """Import what every node needs once per worker, at cluster start, not inside a job's first node."""
-    import importlib
-
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     import plexrl.engines.torch_engine  # noqa: F401
+    from plexrl.operator import BUILTIN_OPERATORS, resolve_operator
 
-    for name in ("data", "rollout", "verify", "advantage", "train", "evaluate", "critic", "shaping", "external"):
-        importlib.import_module(f"plexrl.operators.{name}")
+    for name in BUILTIN_OPERATORS:  # the declared built-ins, resolved as a job names them (by role)
+        resolve_operator(name)
 
 
 def _start_and_warm(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
@@ -68,13 +66,6 @@ def _load_job(key: str, spec: Any, tier: Tier) -> LoadReport:
     except Exception as exc:
         return LoadReport(spec.job_id, service_id, 0, start, time.time(), f"{type(exc).__name__}: {exc}")
     return LoadReport(spec.job_id, service_id, nbytes, start, time.time())
-
-
-def _publish(topic: str, handle: int, report: NodeReport) -> None:
-    """Send the node's small report to the client as a Dask event (one message, no extra task)."""
-    from distributed import get_worker
-
-    get_worker().log_event(topic, {"handle": handle, "report": dataclasses.asdict(report)})
 
 
 def _outputs(inputs: dict[str, NodeResult]) -> dict[str, Any]:

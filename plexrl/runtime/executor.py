@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from plexrl.planner.state import Move, Tier
-
-Handle = int
-"""Names one submitted unit of work (a job load or a node) and, for a node, its output."""
+from plexrl.reports import CheckpointReport, Handle, LoadReport, NodeReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,54 +52,6 @@ class NodeTask:
     @property
     def lane(self) -> str:
         return self.service_id or "cpu"
-
-
-@dataclass(slots=True)
-class NodeReport:
-    """What the runner learns of one node: timings (seconds on the service's clock), swap figures, weight
-    loads and the output's metrics. Small by construction; the output itself stays where it was made."""
-
-    job_id: str
-    iteration: int
-    node: str
-    error: str | None
-    start: float
-    end: float
-    swap_start: float = 0.0
-    swap_end: float = 0.0
-    swap_bytes: int = 0
-    # weight loads into a vLLM engine during the node: (kind "sync" | "swap", start, end, bytes)
-    weight_loads: list[tuple[str, float, float, int]] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)  # output.metrics(), per-iteration scalars
-    measured: dict[str, int] = field(default_factory=dict)  # state bytes of jobs moved off device before it
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-@dataclass(slots=True)
-class LoadReport:
-    """A job's engine and state were created on a service (or that failed: `error`)."""
-
-    job_id: str
-    service_id: str
-    nbytes: int
-    start: float
-    end: float
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class CheckpointReport:
-    """A job's state was saved to `path` (or that failed: `error`; an earlier checkpoint stays intact)."""
-
-    job_id: str
-    service_id: str
-    path: str
-    start: float
-    end: float
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -171,3 +121,6 @@ class Executor(Protocol):
     def close(self) -> dict[str, dict[str, Any]]:
         """Stop what `start` started; return each service's report (swap statistics)."""
         ...
+
+
+__all__ = ["CheckpointReport", "Executor", "Finished", "Handle", "LoadReport", "NodeReport", "NodeTask"]

@@ -1,180 +1,41 @@
-"""Worker groups: one service spread over N Dask workers (one per accelerator) that form ONE
+"""Worker groups, client side: one service spread over N Dask workers (one per accelerator) that form ONE
 `torch.distributed` process group. The planner sees one service; this module only carries its work out.
 
-Two halves:
+`WorkerGroups` (used by `DaskExecutor` when `ranks > 1`) knows which workers make each service's group,
+submits one task per rank (rank r's task reads rank r's outputs of earlier service nodes, so each rank
+keeps its own data), keeps the order of each rank's tasks, and recovers: a rank that reports a broken group
+(a Dask event) or whose task died makes the next submission to that service re-form the group first, on a
+fresh port, with the workers found again by name (a killed worker comes back under its nanny with a new
+address). Re-forming drops every job engine of the group (their shards are bound to the dead process
+group): those jobs' next nodes fail with a clear error, new jobs run.
 
-- **rank side** (runs inside each worker): `join` forms the process group (gloo on CPU, nccl on CUDA: the
-  same code) with an explicit rendezvous and collective timeout (gloo's default is 30 minutes: always pass
-  one); `leave` destroys it and resets torch.distributed's module state, so that the next `join` in the
-  same process starts clean (a failed init leaves an internal group counter set and the next init would
-  hang for its whole timeout). A rank whose node failed, or whose collective timed out or lost its peer,
-  marks its group `broken`: every later group task on it fails at once until the group is re-formed.
-- **client side** (`WorkerGroups`, used by `DaskExecutor` when `ranks > 1`): which workers make each
-  service's group, the submission of one task per rank (rank r's task reads rank r's outputs of earlier
-  service nodes, so each rank keeps its own data), the order of each rank's tasks, and recovery: a rank
-  that reports a broken group (a Dask event) or whose task died makes the next submission to that service
-  re-form the group first, on a fresh port, with the workers found again by name (a killed worker comes
-  back under its nanny with a new address). Re-forming drops every job engine of the group (their shards
-  are bound to the dead process group): those jobs' next nodes fail with a clear error, new jobs run.
-
-The watchdog is the collective timeout itself: gloo raises on a collective that does not complete within
-`timeout_s`, and at once when a peer's socket closes (a killed rank); `join` raises when a rank never
-joins. Either becomes a failed node with the rank and the cause in its error. On nccl the same timeout
-is enforced by torch's NCCL watchdog, which aborts the process (untested here: no GPU).
-
-Nothing here decides what runs where or when: that is the planner's.
+The rank side (what runs in each worker: `join`, `leave`, `agree`, `guarded`) is `plexrl.services.ranks`,
+re-exported here. Nothing here decides what runs where or when: that is the planner's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from plexrl.services.ranks import (
+    GroupBroken,
+    GroupSpec,
+    RankState,
+    agree,
+    free_port,
+    guarded,
+    join,
+    leave,
+    member,
+    publish_broken,
+    reset_distributed,
+)
+
 log = logging.getLogger(__name__)
-
-
-class GroupBroken(RuntimeError):
-    """A worker group's process group failed (a rank never joined, a collective timed out or lost a peer);
-    it must be re-formed before it runs anything again."""
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """How the ranks of one service meet: rank 0's host and a free port there (the TCP rendezvous),
-    `world` ranks, the backend, and the timeout (seconds) of the rendezvous and of every collective.
-    `epoch` counts re-formations: a task sent for an older epoch fails instead of joining a new group."""
-
-    key: str
-    world: int
-    host: str
-    port: int
-    backend: str = "gloo"
-    timeout_s: float = 60.0
-    epoch: int = 0
-
-
-@dataclass(slots=True)
-class RankState:
-    """This process's membership: its spec and rank, the 1-D device mesh over the group, and why it broke."""
-
-    spec: GroupSpec
-    rank: int
-    mesh: Any = None
-    broken: str | None = None
-
-
-_RANK: dict[str, RankState] = {}  # group key -> this process's membership (one group per worker in practice)
-
-
-# -- rank side ------------------------------------------------------------------------------------------
-def free_port() -> tuple[str, int]:
-    """A free TCP port on this host, with the host address the other ranks reach it by."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    from distributed import get_worker
-
-    host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
-    return host, int(port)
-
-
-def reset_distributed() -> None:
-    """Leave torch.distributed as a fresh process has it: destroy the default group if there is one, else
-    clear the group counter a failed `init_process_group` leaves behind (the next init would hang)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    c10d._world.group_count = 0
-
-
-def join(spec: GroupSpec, rank: int, device: str) -> RankState:
-    """Form (this rank's side of) the group: blocks until all `spec.world` ranks joined, or raises
-    `GroupBroken` after `spec.timeout_s`. Any earlier membership of this process is left first."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    for key in list(_RANK):
-        leave(key)
-    reset_distributed()
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    start = time.monotonic()
-    try:
-        dist.init_process_group(
-            spec.backend, init_method=f"tcp://{spec.host}:{spec.port}", rank=rank, world_size=spec.world,
-            timeout=timeout,
-        )  # fmt: skip
-        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (spec.world,))
-    except Exception as exc:
-        reset_distributed()
-        raise GroupBroken(
-            f"group {spec.key} (epoch {spec.epoch}): rank {rank} could not form the process group within "
-            f"{spec.timeout_s:g} s ({time.monotonic() - start:.1f} s): {type(exc).__name__}: {exc}"
-        ) from exc
-    state = RankState(spec, rank, mesh)
-    _RANK[spec.key] = state
-    return state
-
-
-def leave(key: str) -> None:
-    """Destroy this process's group `key` (if any) and reset torch.distributed."""
-    if _RANK.pop(key, None) is not None:
-        reset_distributed()
-
-
-def member(key: str, epoch: int) -> RankState:
-    """This process's healthy membership of group `key` at `epoch`, else `GroupBroken` saying why."""
-    state = _RANK.get(key)
-    if state is None:
-        raise GroupBroken(f"group {key}: this worker is not a member (restarted?); the group must be re-formed")
-    if state.spec.epoch != epoch:
-        raise GroupBroken(f"group {key}: task for epoch {epoch} but the group is at epoch {state.spec.epoch}")
-    if state.broken is not None:
-        raise GroupBroken(f"group {key} is broken ({state.broken}); it is being re-formed")
-    return state
-
-
-def agree(state: RankState, error: str | None) -> str | None:
-    """End of a group task: every rank learns every rank's error (one small all-gather within the timeout).
-    Call it only when every rank got here in step: without an error, or with an error of the operator itself,
-    which SPMD ranks raise alike (same code, same inputs; the engines' collectives are `guarded` and break the
-    group instead). Returns the first error, prefixed by its rank, or None; a rank whose peers are gone or
-    late gets a `GroupBroken` error and its group is marked broken."""
-    import torch.distributed as dist
-
-    errors: list[str | None] = [None] * state.spec.world
-    start = time.monotonic()
-    try:
-        dist.all_gather_object(errors, error)
-    except Exception as exc:
-        state.broken = f"rank {state.rank}: {type(exc).__name__}: {exc}"
-        return (
-            f"GroupBroken: rank {state.rank} of group {state.spec.key}: a peer failed or did not answer within "
-            f"{state.spec.timeout_s:g} s ({time.monotonic() - start:.1f} s): {type(exc).__name__}: {exc}"
-        )
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
-
-
-def guarded(state: RankState, what: str, fn: Callable[[], Any]) -> Any:
-    """Run `fn` (a collective step of `what`); a failure breaks the group and is re-raised as `GroupBroken`
-    with the rank, the cause and the time it took (bounded by the collective timeout)."""
-    start = time.monotonic()
-    try:
-        return fn()
-    except Exception as exc:
-        state.broken = f"{what}: {type(exc).__name__}: {exc}"
-        raise GroupBroken(
-            f"{what} failed on rank {state.rank} of group {state.spec.key} after {time.monotonic() - start:.1f} s "
-            f"(timeout {state.spec.timeout_s:g} s): {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 # -- client side ----------------------------------------------------------------------------------------
@@ -280,8 +141,7 @@ class WorkerGroups:
         return futs
 
 
-def publish_broken(topic: str, key: str, epoch: int) -> None:
-    """Tell the client (a Dask event) that this rank's group `key` broke at `epoch`."""
-    from distributed import get_worker
-
-    get_worker().log_event(topic, {"key": key, "epoch": epoch})
+__all__ = [
+    "Group", "GroupBroken", "GroupSpec", "RankState", "WorkerGroups", "agree", "free_port", "guarded", "join",
+    "leave", "member", "publish_broken", "reset_distributed",
+]  # fmt: skip

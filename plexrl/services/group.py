@@ -32,9 +32,10 @@ from torch import Tensor
 
 from plexrl.job import uses_reference
 from plexrl.planner.state import Move
-from plexrl.runtime.executor import LoadReport, NodeReport
-from plexrl.runtime.group import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
+from plexrl.reports import LoadReport, NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
+from plexrl.services.registry import SERVICES, publish
 from plexrl.services.service import NodeResult, Service
 
 if TYPE_CHECKING:
@@ -178,9 +179,7 @@ class RankService(Service):
 
 # -- what each rank's worker runs ------------------------------------------------------------------------
 def _registry() -> dict[str, Service]:
-    from plexrl.runtime.dask_tasks import _SERVICES
-
-    return _SERVICES
+    return SERVICES
 
 
 def _rank_service(key: str) -> RankService:
@@ -258,8 +257,6 @@ def rank_node(
     """Run a service node (or chunk `chunk` of `chunks` of one, `parts`: this rank's earlier chunks) on this
     rank (every rank runs it); rank 0 publishes the report. `inputs`: this rank's outputs of earlier service
     nodes, or the cpu nodes' (one copy each)."""
-    from plexrl.runtime.dask_tasks import _publish
-
     try:
         svc, state = _checked(key, epoch, topic)
         gone = [j for j in {job_id} | {m.job_id for m in (*swaps, *prefetch)} if j not in svc.jobs]
@@ -277,7 +274,7 @@ def rank_node(
         now = time.time()
         result = NodeResult(NodeReport(job_id, iteration, node, f"{type(exc).__name__}: {exc}", now, now))
     if rank == 0:
-        _publish(topic, handle, result.report)
+        publish(topic, handle, result.report)
     return result
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from plexrl.job import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
-from plexrl.runtime.executor import NodeReport
+from plexrl.reports import NodeReport
 from plexrl.services import swap as sw
 from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 
