@@ -7,7 +7,8 @@ copy of SmolLM2-135M-Instruct: its embedding, first `--layers` decoder layers an
 (`benchmarks/_smol_short.py`, written once into `build/smollm2-short-<k>/`, ignored by git). The copy is for
 speed on CPU; its rewards mean nothing, its costs are the real model's per layer. On one service the base is
 loaded once and shared read-only; a switch between jobs moves only adapters and their AdamW moments
-(`plexrl/engines/lora.py`); here every adapter state stays on the device beside the base (no budget).
+(`plexrl/engines/lora.py`); the device budget holds the base + `--resident` adapter states (default 1: every
+switch swaps the adapters and their AdamW moments, megabytes, never the base; 0: no budget).
 
 Two arms in every repetition, seeds identical (benchmarks/multiplex.py's lean and multiplexed arms):
 (a) alone: each job by itself in this process on the local driver (the dedicated baseline: its own service,
@@ -22,7 +23,7 @@ One iteration of the first job alone runs untimed first (the process's one-time 
 batched across jobs: each job's rollout is its own engine call (see docs/benchmarks.md).
 
     .venv/bin/python benchmarks/multiplex_lora.py [--jobs 4] [--layers 4] [--iterations 20] [--reps 1]
-        [--latency 1.0] [--batch 8] [--n 8] [--rank 16] [--driver dask|local] [--orderings hrrs,deadline]
+        [--latency 1.0] [--batch 8] [--n 8] [--rank 16] [--resident 1] [--driver dask|local] [--orderings hrrs,deadline]
         [--smoke]
 
 `--smoke`: 2 jobs on a 1-layer copy, 1 iteration of 2 prompts x 2 samples, local driver (the tests run it;
@@ -74,9 +75,6 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         "run_dir": str(run_dir),
         "driver": args.driver,
         "cpu_threads": 2,
-        # no device budget: every adapter state stays resident beside the one base, as it would on any
-        # accelerator (megabytes each). A budget of base + a few adapters is refused today: the cluster's
-        # memory check counts a LoRA job's state as the full model's weights and moments.
         "services": {"count": 1, "device": "cpu", "threads": 1},
         "placement": "pack",
         "max_load": 64.0,
@@ -84,6 +82,12 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         "progress": False,
         "jobs": jobs,
     }
+    if args.resident > 0:  # the base once + `resident` adapter states (+ a quarter of one: estimates move)
+        from plexrl.engines.lora import lora_state_bytes
+        from plexrl.job import model_bytes
+
+        state = lora_state_bytes(model, args.rank, lora["target_modules"])  # type: ignore[arg-type]
+        cluster["services"]["device_memory"] = model_bytes(model) + args.resident * state + state // 4  # type: ignore[index]
     path = run_dir / "multiplex-lora.yaml"
     path.write_text("# written by benchmarks/multiplex_lora.py\n" + yaml.safe_dump(cluster, sort_keys=False))
     return path
@@ -129,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (q/k/v/o of every layer)")
+    ap.add_argument("--resident", type=int, default=1, help="adapter states the device holds beside the base "
+                    "(default 1: every switch swaps adapters and moments; 0: no budget)")  # fmt: skip
     ap.add_argument("--driver", choices=["dask", "local"], default="dask")
     ap.add_argument("--orderings", default="hrrs", help="comma-separated orderings of the multiplexed arm")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "multiplex-lora")

@@ -37,4 +37,6 @@ def test_lora_mix_smoke_prints_slowdowns_and_throughput_next_to_their_bounds(
     assert ratio is not None, out
     assert float(ratio.group(1)) > 0 and float(ratio.group(2)) > 0
     assert re.search(r"largest slowdown [\d.]+ \(goal <= 1.5\), bound [\d.]+", out), out
-    assert "swaps: 0 MiB moved" in out  # every adapter stays resident beside the one base
+    # the device holds the base and ONE adapter state: the jobs' switches move adapters (megabytes), not the base
+    moved = re.search(r"swaps: (\d+) MiB moved", out)
+    assert moved is not None and 0 < int(moved.group(1)) < 20, out
