@@ -70,10 +70,12 @@ class JobSpec:
             return base_key(self.model_path), model_bytes(self.model_path)
         if self.generation != "vllm":
             return None
+        from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import generator_key
 
         kv = self.config.vllm.kv_cache_mb * 2**20
-        return generator_key(self.model_path), model_bytes(self.model_path) + kv
+        key = generator_key(self.model_path, generation_budget(self.config, self.graph))
+        return key, model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:
         """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`; a LoRA

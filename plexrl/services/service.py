@@ -127,6 +127,7 @@ class Service:
         """Create the job's engine from its starting model and put its state in `tier` (strict affinity: it
         stays on this service). Returns the state's size in bytes."""
         from plexrl.engines.torch_engine import TorchEngine
+        from plexrl.models import engine_options
 
         tok = job.tokenizer
         engine: Any
@@ -140,6 +141,7 @@ class Service:
                 device=str(self.device),
                 with_reference=uses_reference(job.graph),
                 attention=job.config.model.attention,
+                **engine_options(job.config.model),  # dtype, gradient_checkpointing
             )
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
@@ -170,15 +172,18 @@ class Service:
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
         """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use)."""
+        from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
 
-        key = generator_key(job.model_path)
+        budget = generation_budget(job.config, job.graph)  # None: the model's positions
+        key = generator_key(job.model_path, budget)  # jobs share an engine only at one max_model_len
         if key not in self.generators:
             self.generators[key] = SharedLLM(
                 job.model_path,
                 eos_id=job.tokenizer.eos_token_id,
                 pad_id=job.tokenizer.pad_token_id,
                 kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20,
+                max_model_len=budget,
                 clock=self.clock,
             )
         return VLLMEngine(trainer, self.generators[key], job.job_id)
