@@ -202,3 +202,20 @@ def test_elastic_pools_scale_the_training_pool_of_a_plexrl_layout() -> None:
     with pytest.raises(ConfigError, match="pool_scale is for the plexrl kinds"):
         parse_sim({**yaml.safe_load((SIM / "qwen3_30b_a3b.yaml").read_text()),
                    "deployments": [{"name": "x", "kind": "colocated", "pool_scale": 2}], "baseline": "x"})  # fmt: skip
+
+
+def test_a_pool_of_jobs_can_share_one_set_of_tail_accelerators() -> None:
+    from plexrl.sim.deploy import run_deployment as run
+
+    sc = scenario(prompts=128, jobs=4)
+    dep = next(d for d in sc.deployments if d.kind == "plexrl-shared")
+    tail = dep.model_copy(update={"tail": 0.1, "tail_accelerators": 16, "rollout_tp": 8})
+    own, pooled = run(sc, tail), run(sc, tail.model_copy(update={"tail_shared": True}))
+    assert own.accelerators == 2 * 128 + 4 * 16 and pooled.accelerators == 2 * (128 + 16)
+    assert pooled.step_seconds == own.step_seconds  # the same schedule: sharing is accounting, checked by overlap
+    assert pooled.gpu_hours_per_step < own.gpu_hours_per_step
+    assert 0.0 <= pooled.tail_overlap <= 1.0 and own.tail_overlap == 0.0
+    assert pooled.layout.endswith("/pool")
+    with pytest.raises(ConfigError, match="tail_shared needs tail"):
+        bad = [{"name": "x", "kind": "plexrl-shared", "tail_shared": True}]
+        parse_sim({**yaml.safe_load((SIM / "qwen3_30b_a3b.yaml").read_text()), "deployments": bad, "baseline": "x"})

@@ -170,6 +170,9 @@ class Deployment(StrictModel):
                         "sequences have ended, the rest move to `tail_accelerators` of the job's own and the pool "
                         "is free for other jobs (partial rollouts; 0: off).")  # fmt: skip
     tail_accelerators: int = Field(8, ge=1, description="With `tail`: the job's own accelerators for the tail.")
+    tail_shared: bool = Field(False, description="With `tail`: one set of `tail_accelerators` per pool, shared by "
+                              "its jobs' tails (which the pool's alternation puts in antiphase); the report gives "
+                              "the share of tail time two overlapped, which this does not slow down.")  # fmt: skip
     tune: bool = Field(False, description="`plexrl simulate` searches this deployment's layout over the "
                        "scenario's `tune:` grid (rollout accelerators and TP; resident vs offloaded state) and "
                        "keeps the cheapest (GPU-hours per step).")  # fmt: skip
@@ -186,6 +189,8 @@ class Deployment(StrictModel):
             raise ValueError(f"kind {self.kind!r} gives each job its own accelerators: jobs_per_pool must be 1")
         if self.overlap == "one-step" and self.kind != "plexrl":
             raise ValueError("overlap: one-step is for kind plexrl (split-async is one-step already)")
+        if self.tail_shared and (not self.tail or self.kind != "plexrl-shared"):
+            raise ValueError("tail_shared needs tail > 0 and kind plexrl-shared (a pool of several jobs)")
         if self.tail and self.kind not in ("colocated", "plexrl-shared"):
             raise ValueError("tail is for kinds colocated and plexrl-shared (it moves the tail off the pool)")
         if self.resident and self.kind not in ("colocated", "plexrl-shared"):

@@ -28,6 +28,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from plexrl.hooks.base import Hook
 from plexrl.planner import ORDERINGS, NodePlan, placement_policy
 from plexrl.planner.events import Placement
 from plexrl.runtime.runner import Budgets, Runner
@@ -161,6 +162,7 @@ class DeploymentResult:
     layout: str = ""  # the rollout layout it ran: "R16 TP1" / "TP2 resident"
     off_policy: bool = False
     candidates: list[tuple[str, float, float]] = field(default_factory=list)  # tuned: (layout, GPU-h/step, step s)
+    tail_overlap: float = 0.0  # tail_shared: share of tail time two jobs of a pool were in their tails at once
 
     @property
     def accelerators(self) -> int:
@@ -181,6 +183,38 @@ class DeploymentResult:
         rollout's long tail leaves unused (rollout time x (1 - decoding efficiency))."""
         useful = self.busy - self.rollout * (1 - self.decode_efficiency)
         return 1 - useful / self.allocated if self.allocated else 0.0
+
+
+class _TailSpans(Hook):
+    """Collects each job's tail spans, to measure how often a pool's tails overlapped."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+
+    def after_node(
+        self, run: Any, iteration: int, node: str, lane: str, start: float, end: float, metrics: Any
+    ) -> None:
+        if node == "tail":
+            self.spans.setdefault(run.job_id, []).append((start, end))
+
+    def overlap(self, service: dict[str, str]) -> float:
+        """Seconds two or more jobs of one pool were in their tails at once / all tail seconds."""
+        total = sum(e - s for v in self.spans.values() for s, e in v)
+        if not total:
+            return 0.0
+        by: dict[str, list[tuple[float, int]]] = {}
+        for job, v in self.spans.items():
+            for s, e in v:
+                by.setdefault(service[job], []).extend(((s, 1), (e, -1)))
+        both = 0.0
+        for events in by.values():
+            events.sort()
+            running, prev = 0, 0.0
+            for t, d in events:
+                if running >= 2:
+                    both += (t - prev) * running
+                running, prev = running + d, t
+        return both / total
 
 
 def job_state(kind: str, model: Model, layout: TrainLayout, rollout_tp: int, resident: bool = False) -> int:
@@ -272,9 +306,11 @@ def run_deployment(
     # no lookahead: it exists to hide a real driver's round trip (which the simulator does not model) and it
     # commits a service's next node before the running one ends, so a node that becomes ready meanwhile
     # (a 5 s weight sync that would free its job for a 500 s rollout) cannot overtake it
+    spans = _TailSpans()
     runner = Runner(
-        ex, placement=placement, ordering=ordering, budgets=Budgets(device=device_budget(acc, eff, dep.kind))
-    )
+        ex, hooks=[spans], placement=placement, ordering=ordering,
+        budgets=Budgets(device=device_budget(acc, eff, dep.kind)),
+    )  # fmt: skip
     runs = runner.run(jobs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
     if bad:
@@ -285,8 +321,8 @@ def run_deployment(
     for r in runs:
         assert r.service is not None and r.finished_at is not None and r.started_at is not None
         last_end[r.service] = max(last_end.get(r.service, 0.0), r.finished_at)
-        allocated += own * (r.finished_at - r.started_at)
-    allocated += size * sum(last_end.values())
+        allocated += (0 if dep.tail_shared else own) * (r.finished_at - r.started_at)
+    allocated += (size + (own if dep.tail_shared else 0)) * sum(last_end.values())
     for rep in runner.service_reports.values():
         busy += size * rep["busy_seconds"]
         swap += rep["blocking_swap_seconds"]
@@ -295,9 +331,11 @@ def run_deployment(
     tail_time = sum(row.get("time/tail", 0.0) for r in runs for row in r.history)
     jct = {r.job_id: r.finished_at - (r.submitted_at or 0.0) for r in runs}  # type: ignore[operator]
     steps = sum(r.iterations_done for r in runs)
+    overlap = spans.overlap({r.job_id: r.service or "" for r in runs}) if dep.tail_shared else 0.0
     return DeploymentResult(
-        dep.name, dep.kind, services, size, own, n, steps, ex.clock(), allocated, busy, swap, tab.efficiency,
-        rollout * (size if on_service else own) + tail_time * own, jct,
+        dep.name, dep.kind, services, size + (own if dep.tail_shared else 0), 0 if dep.tail_shared else own, n,
+        steps, ex.clock(), allocated, busy, swap, tab.efficiency, rollout * (size if on_service else own)
+        + tail_time * own, jct, tail_overlap=overlap,
         step_seconds=sum(jct.values()) / steps, layout=layout_label(dep, sc), off_policy=dep.off_policy,
     )  # fmt: skip
 
@@ -306,6 +344,7 @@ def layout_label(dep: Deployment, sc: Scenario) -> str:
     tp = dep.rollout_tp or sc.rollout_tp
     if dep.kind in SHARED_ROLLOUT:
         tail = f" tail {dep.tail:.0%}->{dep.tail_accelerators}" if dep.tail else ""
+        tail += "/pool" if dep.tail_shared else ""
         return f"TP{tp} {'resident' if dep.resident else 'offloaded'}{tail}"
     return f"R{dep.rollout_accelerators or sc.rollout_accelerators} TP{tp}"
 

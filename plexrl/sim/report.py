@@ -59,7 +59,7 @@ def scenario_rows(res: ScenarioResult, results: list[DeploymentResult]) -> list[
             "step_vs_strongest": r.step_seconds / base.step_seconds, "saving_vs_strongest": res.saving(r, base),
             "bubble": r.bubble, "effective_bubble": r.effective_bubble, "decode_efficiency": r.decode_efficiency,
             "slowdown_mean": statistics.fmean(slow), "slowdown_max": max(slow), "swap_seconds": r.swap_seconds,
-            "makespan_s": r.makespan, "candidates": r.candidates,
+            "makespan_s": r.makespan, "candidates": r.candidates, "tail_overlap": r.tail_overlap,
         })  # fmt: skip
     return rows
 
