@@ -134,7 +134,7 @@ def test_the_report_headline_ignores_cheaper_rows_at_a_slower_step(tmp_path: Pat
             "deployment": name, "kind": kind, "layout": "R8 TP1", "policy": policy, "jobs": 2, "accelerators": 8,
             "gpu_hours_per_step": gph, "step_seconds": step, "step_vs_strongest": step / 100,
             "saving_vs_strongest": 1 - gph / 10, "bubble": 0.1, "effective_bubble": 0.2, "decode_efficiency": 0.5,
-            "slowdown_mean": 1.0, "slowdown_max": 1.0, "candidates": [("R4 TP1", 12.0, 150.0)],
+            "slowdown_mean": 1.0, "slowdown_max": 1.0, "candidates": [("R4 TP1", 12.0, 150.0)], "tail_overlap": 0.0,
         }  # fmt: skip
 
     rows = [

@@ -113,6 +113,10 @@ def format_scenario(sc: Scenario, rows: list[dict[str, Any]], sweep: dict[str, l
             f"cheapest PlexRL row at any step time: {cheap['deployment']} ({cheap['policy']}) "
             f"{cheap['saving_vs_strongest']:+.1%} at {cheap['step_vs_strongest']:.2f}x the step time"
         )
+    for r in rows:
+        if r["layout"].endswith("/pool"):
+            lines.append(f"{r['deployment']}: its pool's tails overlapped {r['tail_overlap']:.0%} of the tail time "
+                         "(shared tail accelerators; the overlap is not slowed down in this model)")  # fmt: skip
     for acc, srows in sweep.items():
         b, best = strongest_row(srows), headline(sc, srows)
         got = (
