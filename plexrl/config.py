@@ -282,6 +282,15 @@ class VLLMConfig(StrictModel):
     kv_cache_mb: int = Field(
         64, ge=1, le=1 << 20, description="KV cache size (MiB); counted in the service's device budget."
     )
+    block_size: int | None = Field(
+        None,
+        ge=16,
+        le=256,
+        multiple_of=16,
+        description="KV-cache block size in tokens (None: vLLM's default, 128 on CPU). Prefix caching reuses whole "
+        "blocks only: a shared prefix shorter than a block (a system prompt, worked examples, the n samples of "
+        "one prompt) is recomputed; 32 (the CPU attention's smallest; 16 on CUDA) lets it be reused.",
+    )
     auto_min_params: int = Field(
         AUTO_MIN_PARAMS,
         ge=0,

@@ -74,7 +74,7 @@ class JobSpec:
         from plexrl.engines.vllm_engine import generator_key
 
         kv = self.config.vllm.kv_cache_mb * 2**20
-        key = generator_key(self.model_path, generation_budget(self.config, self.graph))
+        key = generator_key(self.model_path, generation_budget(self.config, self.graph), self.config.vllm.block_size)
         return key, model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:

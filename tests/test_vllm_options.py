@@ -76,3 +76,26 @@ def test_the_generator_key_separates_engines_of_other_lengths(setup: Any) -> Non
     d = setup[0]
     assert generator_key(d, BUDGET) == generator_key(d, BUDGET) != generator_key(d, 2 * BUDGET)
     assert generator_key(d, None) == generator_key(d) and generator_key(d, BUDGET).startswith(generator_key(d))
+
+
+def test_a_small_block_size_reuses_a_shared_prefix_and_changes_no_answer(setup: Any) -> None:
+    """At vLLM's CPU default (128-token blocks) a 44-token shared prefix is never reused; at 32 (the CPU
+    attention's smallest) its first block is, and the answers stay the torch engine's. Engines of other block
+    sizes are not shared."""
+    from plexrl.engines.vllm_engine import generator_key
+
+    d, tok, _, _, _ = setup
+    shared = tok("1+1=2;2+2=4;3+3=6;4+4=8;5+5=10;6+6=12;7+7=14;")["input_ids"]
+    asks = [shared + tok(f"{i}+{i}=")["input_ids"] for i in range(4)]
+    llm = SharedLLM(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, kv_cache_bytes=8 * 2**20, max_model_len=96,
+                    block_size=32)  # fmt: skip
+    try:
+        assert len(shared) > 32 and llm.llm.llm_engine.vllm_config.cache_config.block_size == 32
+        trainer = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        engine = VLLMEngine(trainer, llm, "blocks")
+        greedy: dict[str, Any] = {"n": 1, "temperature": 1.0, "max_new_tokens": 8, "seed": 0, "greedy": True}
+        assert responses(engine.generate(asks, **greedy)) == responses(trainer.generate(asks, **greedy))
+        assert responses(engine.generate(asks, **greedy)) == responses(trainer.generate(asks, **greedy))  # cached
+    finally:
+        llm.shutdown()
+    assert generator_key(d, 96, 32) != generator_key(d, 96) != generator_key(d, 96, 64)

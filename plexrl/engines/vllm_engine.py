@@ -118,9 +118,10 @@ def config_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
-def generator_key(model_dir: str | Path, max_model_len: int | None = None) -> str:
-    """Jobs whose models share this key (architecture config and tokenizer, and the `max_model_len` the
-    engine is built with, None: the model's positions) can share one SharedLLM."""
+def generator_key(model_dir: str | Path, max_model_len: int | None = None, block_size: int | None = None) -> str:
+    """Jobs whose models share this key (architecture config and tokenizer, and the `max_model_len` and KV
+    `block_size` the engine is built with, None: the model's positions, vLLM's default) can share one
+    SharedLLM."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     for volatile in ("transformers_version", "_name_or_path"):
         config.pop(volatile, None)
@@ -128,7 +129,11 @@ def generator_key(model_dir: str | Path, max_model_len: int | None = None) -> st
     tok = Path(model_dir) / "tokenizer.json"
     if tok.is_file():
         h.update(tok.read_bytes())
-    return f"vllm-{h.hexdigest()[:12]}" + ("" if max_model_len is None else f"-len{max_model_len}")
+    return (
+        f"vllm-{h.hexdigest()[:12]}"
+        + ("" if max_model_len is None else f"-len{max_model_len}")
+        + ("" if block_size is None else f"-block{block_size}")
+    )
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -186,6 +191,7 @@ class SharedLLM:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        block_size: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         from plexrl.data.prompts import engine_special_ids
@@ -219,6 +225,9 @@ class SharedLLM:
                 # the n samples of a prompt, and prompts sharing a system prompt or worked examples, reuse
                 # its KV blocks (reset on every weight load: a cached block belongs to one set of weights)
                 enable_prefix_caching=enable_prefix_caching,
+                # only whole blocks are cached: at the CPU default of 128 tokens a shorter shared prefix (a
+                # system prompt and a worked example) is computed again for every prompt and sample
+                **({} if block_size is None else {"block_size": block_size}),
                 seed=0,
             )
         self.build_seconds = time.perf_counter() - t0

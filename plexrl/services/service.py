@@ -176,7 +176,8 @@ class Service:
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
 
         budget = generation_budget(job.config, job.graph)  # None: the model's positions
-        key = generator_key(job.model_path, budget)  # jobs share an engine only at one max_model_len
+        # jobs share an engine only at one max_model_len and block size
+        key = generator_key(job.model_path, budget, job.config.vllm.block_size)
         if key not in self.generators:
             self.generators[key] = SharedLLM(
                 job.model_path,
@@ -184,6 +185,7 @@ class Service:
                 pad_id=job.tokenizer.pad_token_id,
                 kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20,
                 max_model_len=budget,
+                block_size=job.config.vllm.block_size,
                 clock=self.clock,
             )
         return VLLMEngine(trainer, self.generators[key], job.job_id)
