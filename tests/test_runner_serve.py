@@ -125,8 +125,7 @@ def test_a_long_running_loop_forgets_ended_jobs() -> None:
     jobs = _jobs(30, seed=5)
     sim = SimExecutor(2, SeededCosts(seed=1), failures={"service-1": 3.0})
     rec = Record()
-    runner = Runner(sim, hooks=[rec], validate=True)
-    runner.forget_ended = True
+    runner = Runner(sim, hooks=[rec], validate=True, forget_ended=True)
     pending = list(jobs[2:])
 
     class Next(Hook):

@@ -22,6 +22,7 @@ from conftest import TINY, wait_for
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
 from plexrl.job import JobRun
+from plexrl.planner.policies import FairShare, Fifo
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
 from plexrl.server.api import RunningServer, start_server
@@ -39,7 +40,15 @@ def sim_prepare(entry: JobEntry) -> SimJob:
 
 
 def sim_runner(*hooks: Hook) -> Runner:
-    return Runner(SimExecutor(2, SeededCosts(seed=0)), hooks=list(hooks), validate=True)
+    """A server's runner over two simulated services: built whole, as `server_runner` builds the server's own
+    (it forgets ended jobs, fair share over the ordering); `start_server` uses it as it is."""
+    return Runner(
+        SimExecutor(2, SeededCosts(seed=0)),
+        hooks=list(hooks),
+        validate=True,
+        ordering=FairShare(Fifo()),
+        forget_ended=True,
+    )
 
 
 @contextmanager
@@ -333,7 +342,7 @@ class CheckpointingSim(SimExecutor):
 
 
 def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_path: Path, job_yaml: Path) -> None:
-    runner = Runner(CheckpointingSim(fail={2}), validate=True)
+    runner = Runner(CheckpointingSim(fail={2}), validate=True, ordering=FairShare(Fifo()), forget_ended=True)
     with serving(tmp_path, runner=runner, checkpoint_every=1) as srv:
         c = Client(srv.url)
         job_id = c.submit(job_yaml, ["iterations=4", "pipeline.params.eval_every=1"])["job_id"]
@@ -370,7 +379,7 @@ def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Pa
     """service-0 is lost (virtual t=30) while job A runs on it: A is placed again on service-1 and resumes after
     its latest checkpoint; job B on service-1 is untouched; nothing before the checkpoint is run again."""
     sim = SimExecutor(2, SeededCosts(seed=0), failures={"service-0": 30.0})
-    runner = Runner(sim, validate=True)
+    runner = Runner(sim, validate=True, ordering=FairShare(Fifo()), forget_ended=True)
     with serving(tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, placement="spread") as srv:
         c = Client(srv.url)
         a = c.submit(job_yaml, ["iterations=200"])["job_id"]

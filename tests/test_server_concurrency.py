@@ -122,9 +122,13 @@ def test_an_interrupted_server_runner_closes_its_jobs_while_forgetting_them() ->
     """A required hook fails with jobs open in a runner that forgets ended jobs (the server's): every open job
     is closed, and the error is the hook's, not 'dictionary changed size during iteration'."""
     closed: list[str] = []
-    runner = Runner(SimExecutor(2, SeededCosts(seed=0)), hooks=[RaiseOnIteration()], validate=True)
-    runner.forget_ended = True
-    runner.on_closed = lambda run: closed.append(run.job_id)
+    runner = Runner(
+        SimExecutor(2, SeededCosts(seed=0)),
+        hooks=[RaiseOnIteration()],
+        validate=True,
+        forget_ended=True,
+        on_closed=lambda run: closed.append(run.job_id),
+    )
     jobs = grpo_like_jobs(3, (3, 5), seed=0)
     with pytest.raises(HookFailed, match="the journal's disk is full"):
         runner.run(jobs)
@@ -141,8 +145,7 @@ def test_concurrent_submits_cancels_and_status_reads_leave_the_runner_healthy(tm
     cancels every other job as soon as it is submitted, one reads statuses and the controller's health. The
     runner thread stays alive, every job ends (done or cancelled), and nothing of them stays in the runner."""
     journal = Journal(tmp_path / "journal.db")
-    runner = Runner(SimExecutor(2, SeededCosts(seed=0)), validate=True)
-    runner.forget_ended = True
+    runner = Runner(SimExecutor(2, SeededCosts(seed=0)), validate=True, forget_ended=True)
     controller = Controller(runner, journal, sim_prepare, prepare_workers=3)
     controller.start()
     n = 60

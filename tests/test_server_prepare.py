@@ -20,6 +20,7 @@ from plexrl.config import ModelConfig, TaskConfig, TrackingConfig, WarmStartConf
 from plexrl.hooks.base import Hook, HookList
 from plexrl.job import JobRun, prepare_job
 from plexrl.models import PreparationCancelled, prepare_model
+from plexrl.planner.policies import FairShare, Fifo
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
 from plexrl.server.api import start_server
@@ -189,7 +190,7 @@ def test_a_real_server_stops_within_10_s_during_a_warm_start_and_caps_warm_start
         port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False,
         max_warm_start_steps=50_000,
     )  # fmt: skip
-    srv = start_server(cfg, runner=local_runner())
+    srv = start_server(cfg, runner=local_runner(ordering=FairShare(Fifo()), forget_ended=True))
     stopped = False
     try:
         c = srv.controller

@@ -34,12 +34,12 @@ class TimelineRecorder(Hook):
     """`required`: the accounting reads these spans, so a recorder that fails stops the run (set it when an
     accounting hook uses this recorder)."""
 
-    def __init__(self, out_dir: Path, draw: bool = True, required: bool = False) -> None:
+    def __init__(self, out_dir: Path, draw: bool = True, required: bool = False, keep_ended: bool = True) -> None:
         self.required = required
         self.out_dir = Path(out_dir)
         self.draw = draw
         self.spans: list[Span] = []
-        self.keep_ended = True  # False: an ended job's spans are dropped once written (a long-running server)
+        self.keep_ended = keep_ended  # False: an ended job's spans are dropped once written (a long-running server)
         self.t0: float | None = None
 
     def on_start(self, time: float) -> None:

@@ -13,10 +13,13 @@ from plexrl.planner.events import (
     NodeFinished,
     NodePlan,
     PlaceJob,
+    RetryNode,
+    RetryPlan,
     RunNode,
     ServiceJoined,
     ServiceLost,
     StateMeasured,
+    Tick,
 )
 from plexrl.planner.policies import (
     ORDERINGS,
@@ -58,6 +61,8 @@ __all__ = [
     "Pack",
     "PlaceJob",
     "Planner",
+    "RetryNode",
+    "RetryPlan",
     "RunNode",
     "ServiceJoined",
     "ServiceLost",
@@ -66,6 +71,7 @@ __all__ = [
     "SpreadBackfill",
     "StateManager",
     "StateMeasured",
+    "Tick",
     "Tier",
     "placement_policy",
 ]

@@ -1,7 +1,8 @@
 """The planner's invariants, checked after every event in tests and with `validate=True` (see `core`): a
 service runs at most one node (plus one sent ahead), of a job placed on it, whose state is on device; what a
 service queues belongs to its jobs; every tier within budget; states recorded = jobs placed; a job's count
-of nodes left matches its node states. Pure: reads the planner's records, changes nothing."""
+of nodes left matches its node states; its nodes in backoff are cpu nodes with a backoff end. Pure: reads the
+planner's records, changes nothing."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def first_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, Servic
                 return f"{job.job_id}: {job.remaining} nodes counted as left"
             if job.service is None or job.job_id not in services[job.service].jobs:
                 return f"{job.job_id} placed but not on its service"
+            waiting = {n for n, s in job.nodes.items() if s == "backoff"}
+            if waiting != set(job.backoff) or any(job.plan.nodes[n].placement != "cpu" for n in waiting):
+                return f"{job.job_id}: nodes in backoff {sorted(waiting)} != backoff times {sorted(job.backoff)}"
             running = [n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].placement == "service"]
             if len(running) > 1:
                 return f"{job.job_id} runs {running} at once on one service"

@@ -1,10 +1,11 @@
 """The global planner: ONE pure state machine for all jobs and services.
 
 `Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted, node
-finished, a state measured, job cancelled or failed) and returns the instructions a runner must carry out
-(place job, run node with the swaps that make its job resident and a prefetch of the next job's state,
-iteration done, job done, fail job). Time comes from an injected clock; nothing here sleeps, awaits, or
-imports Dask, torch or mlflow.
+finished, a state measured, job cancelled or failed, a tick) and returns the instructions a runner must carry
+out (place job, run node with the swaps that make its job resident and a prefetch of the next job's state,
+retry node, iteration done, job done, fail job). `wake_at` says when it next needs a `Tick` (a node's
+backoff ends), so the driver never decides when anything runs. Time comes from an injected clock; nothing
+here sleeps, awaits, or imports Dask, torch or mlflow.
 
 Each service has a pure `StateManager` (tiers device/host/disk with byte budgets); the planner asks it for
 the moves before every service node. A `CostModel` fitted online to node durations and swap bandwidth
@@ -14,7 +15,8 @@ predicted next use for choosing which state to evict or prefetch.
 States (each change goes through one table; an illegal move raises `InvalidTransition` with recent history):
 - job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
 - node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
-  go waiting -> done directly.
+  go waiting -> done directly; a failed cpu node with runs left (`JobPlan.retry`) goes running -> backoff
+  -> running: while it waits, its job counts as away for the predicted backoff left plus the node's time.
 
 Invariants (`validate()`; the runner and the tests run it after every event): a service runs at most
 one node, of a job placed on it, whose state is on device (DESIGN.md invariant 3); what a service runs or
@@ -42,10 +44,12 @@ from plexrl.planner.events import (
     JobSubmitted,
     NodeFinished,
     PlaceJob,
+    RetryNode,
     RunNode,
     ServiceJoined,
     ServiceLost,
     StateMeasured,
+    Tick,
     Transition,
 )
 from plexrl.planner.gaps import busy_fraction, due, gap_after, next_use, projected_slowdown
@@ -86,6 +90,7 @@ class Planner:
         costs: CostModel | None = None,
         lookahead: bool = False,
         inline_below: float | None = None,
+        usage: Usage | None = None,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
@@ -115,7 +120,8 @@ class Planner:
         # offered a dispatch (a service nothing happened to would make the same choice as before)
         self._dirty: set[str] = set()
         self._gaps: dict[str, dict[str, float]] = {}  # job -> node -> gap_after (see there)
-        self.usage = Usage()  # service seconds per user (fair-share ordering)
+        self._backing: set[str] = set()  # jobs with a cpu node in backoff (`wake_at`)
+        self.usage = usage or Usage()  # service seconds per user (fair-share ordering)
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -136,12 +142,14 @@ class Planner:
             self._end_job(event.job_id, "cancelled", event.reason, out)  # type: ignore[union-attr]
         elif kind is JobFailed:
             self._end_job(event.job_id, "failed", event.reason, out)  # type: ignore[union-attr]
+        elif kind is Tick:
+            self._tick(out)
         else:
             raise TypeError(f"unknown event {event!r}")
         # the service this event concerns is offered a dispatch
         if kind is ServiceJoined:
             self._dirty.add(event.service_id)  # type: ignore[union-attr]
-        elif kind is not ServiceLost and kind is not JobSubmitted:
+        elif kind is not ServiceLost and kind is not JobSubmitted and kind is not Tick:
             job = self.jobs.get(event.job_id)  # type: ignore[union-attr]
             if job is not None and job.service is not None:
                 self._dirty.add(job.service)
@@ -209,6 +217,7 @@ class Planner:
             raise InvalidTransition(self._history(f"unexpected finish of {ev.job_id}/{ev.iteration}/{ev.node}"))
         plan = job.plan.nodes[ev.node]
         job.cpu_started.pop(ev.node, None)
+        runs = job.runs.pop(ev.node, 1)
         if ev.ok:
             job.work_done += ev.duration
             self.costs.observe(ev.job_id, ev.node, ev.duration)
@@ -221,7 +230,12 @@ class Planner:
             svc.running, svc.next = svc.next, None
             self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
-            self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}", out)
+            retry = job.plan.retry
+            if plan.placement == "cpu" and retry is not None and runs < retry.attempts:
+                self._back_off(job, ev, runs, out)
+                return
+            after = f" (after {runs} runs)" if runs > 1 else ""
+            self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}{after}", out)
             return
         if plan.chunks > 1 and job.chunk.get(ev.node, 0) + 1 < plan.chunks:  # more chunks: queue the next
             job.chunk[ev.node] = job.chunk.get(ev.node, 0) + 1
@@ -231,6 +245,38 @@ class Planner:
         job.chunk.pop(ev.node, None)
         self._set_node(job, ev.node, "done")
         self._advance(job, out)
+
+    # -- retries ---------------------------------------------------------------------------------------
+    def _back_off(self, job: JobRecord, ev: NodeFinished, runs: int, out: list[Instruction]) -> None:
+        """A cpu node failed with runs left: it waits in `backoff` until its delay has passed (`_tick`)."""
+        assert job.plan.retry is not None
+        delay = job.plan.retry.delay(runs)
+        self._set_node(job, ev.node, "backoff")
+        job.runs[ev.node] = runs
+        job.backoff[ev.node] = self.clock() + delay
+        self._backing.add(job.job_id)
+        out.append(RetryNode(job.job_id, ev.iteration, ev.node, runs, job.plan.retry.attempts, delay, ev.error or ""))
+
+    @property
+    def wake_at(self) -> float | None:
+        """When the planner next needs a `Tick` (the earliest end of a backoff); None: no event is due."""
+        ends = [t for j in self._backing for t in self.jobs[j].backoff.values()]
+        return min(ends) if ends else None
+
+    def _tick(self, out: list[Instruction]) -> None:
+        """Send again the cpu nodes whose backoff has ended, in job and node order."""
+        now = self.clock()
+        for job_id in sorted(self._backing):
+            job = self.jobs[job_id]
+            for node in [n for n, t in sorted(job.backoff.items()) if t <= now]:
+                del job.backoff[node]
+                self._set_node(job, node, "running")
+                job.cpu_started[node] = now
+                job.runs[node] = runs = job.runs.get(node, 1) + 1
+                inline = self._tiny(job, node)
+                out.append(RunNode(job_id, job.iteration, node, "cpu", None, inline=inline, attempt=runs))
+            if not job.backoff:
+                self._backing.discard(job_id)
 
     # -- job progress --------------------------------------------------------------------------------
     def _admit(self, out: list[Instruction]) -> None:
@@ -302,6 +348,7 @@ class Planner:
             return
         job.nodes = {name: "waiting" for name in job.plan.nodes}
         job.remaining = len(job.nodes)
+        job.runs.clear()
         for name, node in job.plan.nodes.items():
             if not node.active(job.iteration, job.plan.iterations):
                 self._set_node(job, name, "done")
@@ -450,6 +497,8 @@ class Planner:
         self._set_job(job, status)
         self._admission_due = True
         self._gaps.pop(job_id, None)
+        self._backing.discard(job_id)
+        job.backoff.clear()  # (a job cancelled during a backoff: its node never runs again)
         job.reason, job.finished_at = reason, self.clock()
         if job_id in self.pending and not keep_pending:
             self.pending.remove(job_id)

@@ -32,6 +32,21 @@ class NodePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class RetryPlan:
+    """How often a job's failing cpu node runs (`attempts`, the first run included) and how long the planner
+    waits after its k-th failed run before the next one (`delays[k - 1]`). Service nodes are not retried."""
+
+    attempts: int = 1
+    delays: tuple[float, ...] = ()
+
+    def delay(self, failures: int) -> float:
+        """Seconds after the `failures`-th failed run (1-based); the last delay repeats past the tuple's end."""
+        if not self.delays:
+            return 0.0
+        return self.delays[min(failures, len(self.delays)) - 1]
+
+
+@dataclass(frozen=True, slots=True)
 class JobPlan:
     """A job as the planner sees it: nodes of one iteration (in a deterministic topological order), and
     `baseline` nodes that also run once, alone, before the first iteration (as iteration -1)."""
@@ -47,6 +62,7 @@ class JobPlan:
     # node -> predicted seconds learned by an earlier attempt (a job resumed from a checkpoint): the cost
     # model starts from them instead of the priors
     costs: tuple[tuple[str, float], ...] = ()
+    retry: RetryPlan | None = None  # failing cpu nodes run again after a backoff (None: a failure ends the job)
 
 
 # -- events -------------------------------------------------------------------------------------------
@@ -109,7 +125,12 @@ class JobFailed:
     reason: str
 
 
-Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | StateMeasured | JobCancelled | JobFailed
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed: the driver sends it once the clock reaches `Planner.wake_at` (a node's backoff ended)."""
+
+
+Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | StateMeasured | JobCancelled | JobFailed | Tick
 
 
 # -- instructions -------------------------------------------------------------------------------------
@@ -134,6 +155,21 @@ class RunNode:
     inline: bool = False  # cpu node predicted tiny: an executor may run it next to its inputs, off the pool
     chunk: int = 0  # which chunk of a chunked service node this is (of `chunks`)
     chunks: int = 1
+    attempt: int = 1  # which run of the node this is (> 1: after failed runs and their backoff, `RetryPlan`)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryNode:
+    """A cpu node failed with runs left (`JobPlan.retry`): it waits `delay` seconds in `backoff`, then the
+    planner sends it again (`RunNode(attempt=attempt + 1)`) at the first event at or after that time."""
+
+    job_id: str
+    iteration: int
+    node: str
+    attempt: int  # the run that failed
+    attempts: int
+    delay: float
+    error: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +193,7 @@ class FailJob:
     service_lost: bool = False  # failed because its service was lost (its state there is gone)
 
 
-Instruction = PlaceJob | RunNode | IterationDone | JobDone | FailJob
+Instruction = PlaceJob | RunNode | RetryNode | IterationDone | JobDone | FailJob
 
 
 @dataclass(slots=True)

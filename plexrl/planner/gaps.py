@@ -40,7 +40,8 @@ def next_use(
     svc: ServiceRecord, jobs: dict[str, JobRecord], predict: Callable[[str, str], float], now: float
 ) -> dict[str, float]:
     """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
-    there, the predicted rest of its running CPU nodes otherwise, inf with nothing in flight."""
+    there, the predicted rest of its CPU nodes in flight otherwise (`cpu_rests`: a retry's backoff counts), inf
+    with nothing in flight."""
     soon = {q.job_id for q in svc.queue}
     for key in (svc.running, svc.next):
         if key is not None:
@@ -50,10 +51,18 @@ def next_use(
         if job_id in soon:
             out[job_id] = 0.0
             continue
-        started = jobs[job_id].cpu_started.items()
-        rests = [max(predict(job_id, n) - (now - t0), 0.0) for n, t0 in started]
+        rests = [max(r, 0.0) for r in cpu_rests(jobs[job_id], predict, now)]
         out[job_id] = min(rests) if rests else math.inf
     return out
+
+
+def cpu_rests(job: JobRecord, predict: Callable[[str, str], float], now: float) -> list[float]:
+    """Predicted seconds until each of the job's cpu nodes in flight ends (negative when overdue): a running
+    one from its start; one in `backoff` (a retry) from the end of its backoff, which is still to come."""
+    job_id = job.job_id
+    rests = [predict(job_id, n) - (now - t0) for n, t0 in job.cpu_started.items()]
+    rests += [predict(job_id, n) + (t - now) for n, t in job.backoff.items()]
+    return rests
 
 
 def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
@@ -79,17 +88,17 @@ def due(
 ) -> dict[str, float]:
     """`OrderingView.due`: for the jobs on `svc` with no node queued there, the predicted seconds until their
     next service node is ready: the running (or sent-ahead) node's job -> `gap(job, node)`, the gap that
-    node's end opens; a job with CPU nodes in flight -> the least predicted rest of them (negative when
-    overdue). Jobs with nothing in flight are left out."""
+    node's end opens; a job with CPU nodes in flight -> the least predicted rest of them (`cpu_rests`,
+    negative when overdue). Jobs with nothing in flight are left out."""
     queued = {q.job_id for q in svc.queue}
     out: dict[str, float] = {}
     for key in (svc.running, svc.next):
         if key is not None and key[0] not in queued:
             out[key[0]] = gap(key[0], key[2])
     for job_id in svc.jobs - queued - out.keys():
-        started = jobs[job_id].cpu_started.items()
-        if started:
-            out[job_id] = min(predict(job_id, n) - (now - t0) for n, t0 in started)
+        rests = cpu_rests(jobs[job_id], predict, now)
+        if rests:
+            out[job_id] = min(rests)
     return out
 
 

@@ -11,7 +11,7 @@ from plexrl.planner.policies import QueuedNode
 from plexrl.planner.state import StateManager
 
 JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
-NodeStatus = Literal["waiting", "ready", "running", "done"]
+NodeStatus = Literal["waiting", "ready", "running", "backoff", "done"]
 
 JOB_TRANSITIONS: set[tuple[JobStatus, JobStatus]] = {
     ("queued", "placed"),
@@ -27,6 +27,8 @@ NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
     ("ready", "running"),
     ("running", "done"),
     ("running", "ready"),  # a chunk of a chunked service node ended; the next one waits for the service
+    ("running", "backoff"),  # a cpu node failed with runs left (`JobPlan.retry`): it waits, then runs again
+    ("backoff", "running"),
 }
 TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
 
@@ -54,6 +56,8 @@ class JobRecord:
     sources: tuple[str, ...] = ()
     chunk: dict[str, int] = field(default_factory=dict)  # chunked service node -> its chunks done this iteration
     work_done: float = 0.0  # seconds its finished nodes took (the `Slowdown` ordering's solo pace)
+    runs: dict[str, int] = field(default_factory=dict)  # cpu node -> its runs this iteration (retries: > 1)
+    backoff: dict[str, float] = field(default_factory=dict)  # cpu node in `backoff` -> when it runs again
 
 
 @dataclass(slots=True)

@@ -20,11 +20,14 @@ def configure_torch(threads: int | None) -> None:
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
-def standard_hooks(run_dir: Path, *, progress: bool, mlflow: bool, required_timeline: bool = False) -> list[Hook]:
-    """The timeline (first: the accounting reads it), a progress bar, per-job MLflow runs."""
+def standard_hooks(
+    run_dir: Path, *, progress: bool, mlflow: bool, required_timeline: bool = False, keep_ended: bool = True
+) -> list[Hook]:
+    """The timeline (first: the accounting reads it; `keep_ended` False: it drops an ended job's spans once
+    written, as a long-running server must), a progress bar, per-job MLflow runs."""
     from plexrl.hooks.timeline import TimelineRecorder
 
-    hooks: list[Hook] = [TimelineRecorder(run_dir / "timelines", required=required_timeline)]
+    hooks: list[Hook] = [TimelineRecorder(run_dir / "timelines", required=required_timeline, keep_ended=keep_ended)]
     if progress:
         from plexrl.hooks.progress import ProgressBar
 

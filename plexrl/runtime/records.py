@@ -1,11 +1,9 @@
 """The runner's small records: what it needs of a job's spec (`RunnableSpec`), the services' byte budgets
-(`Budgets`), and its bookkeeping of work in flight (`Pending`), of each job's current iteration
-(`Iteration`) and of the cpu nodes waiting to run again (`RetryQueue`)."""
+(`Budgets`), and its bookkeeping of work in flight (`Pending`) and of each job's current iteration
+(`Iteration`). A failed cpu node's retry is the planner's (`JobPlan.retry`, the `backoff` node state)."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +50,7 @@ class Pending:
     lane: str
     iteration: int = 0
     node: str = ""
-    task: NodeTask | None = None  # a node's task (run again on a retry)
+    task: NodeTask | None = None  # a node's task
     attempt: int = 1  # which run of the node this is
 
 
@@ -86,38 +84,3 @@ class Iteration:
         if end is not None:
             metrics["time/iteration"] = end - self.start
         return metrics
-
-
-class RetryQueue:
-    """Cpu nodes that failed, each waiting for its next run at a due time (`JobConfig.retry`), earliest first
-    (ties: in the order they were pushed)."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, NodeTask, int]] = []  # (due, order, task, attempt)
-        self._order = itertools.count()
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def push(self, due: float, task: NodeTask, attempt: int) -> None:
-        heapq.heappush(self._heap, (due, next(self._order), task, attempt))
-
-    def next_due(self) -> float:
-        return self._heap[0][0]
-
-    def due(self, now: float) -> list[tuple[NodeTask, int]]:
-        """Take the (task, attempt) pairs due by `now`."""
-        out = []
-        while self._heap and self._heap[0][0] <= now:
-            _, _, task, attempt = heapq.heappop(self._heap)
-            out.append((task, attempt))
-        return out
-
-    def drop(self, job_id: str) -> None:
-        """Forget a job's waiting retries."""
-        if any(t.job_id == job_id for _, _, t, _ in self._heap):
-            self._heap = [r for r in self._heap if r[2].job_id != job_id]
-            heapq.heapify(self._heap)
-
-    def clear(self) -> None:
-        self._heap.clear()

@@ -22,6 +22,7 @@ are sent.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -44,15 +45,19 @@ from plexrl.planner import (
     NodeFinished,
     PlaceJob,
     Planner,
+    RetryNode,
+    RetryPlan,
     RunNode,
     ServiceLost,
     StateMeasured,
+    Tick,
 )
 from plexrl.planner.costs import CostModel
-from plexrl.planner.events import Event, Instruction
+from plexrl.planner.events import Event, Instruction, JobPlan
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
+from plexrl.planner.shares import Usage
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, Handle, LoadReport, NodeTask
-from plexrl.runtime.records import Budgets, Iteration, Pending, RetryQueue, RunnableSpec
+from plexrl.runtime.records import Budgets, Iteration, Pending, RunnableSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,11 @@ def running_runners() -> list[Runner]:
 class Runner:
     """See the module docstring. `poll`: how long one `executor.wait` may block (the cancel and lost-service
     checks run at least this often); default: the executor's `poll` attribute if it has one (the simulator's
-    is infinite: its clock only moves to the next event), else 0.5 s."""
+    is infinite: its clock only moves to the next event), else 0.5 s. Everything is given here and nothing is
+    set afterwards: `usage` (the planner's fair-share account), `forget_ended` (drop ended jobs' records,
+    planner entries and specs: the server's weeks of jobs; their runs are then missing from `runs` and from
+    the summary hooks see at the end), `on_closed` (called for every ended job, placed or not: the server's
+    journal) and `checkpoint_at` (where to checkpoint a job after an iteration; None: not then)."""
 
     def __init__(
         self,
@@ -82,6 +91,10 @@ class Runner:
         inline_below: float | None = None,
         validate: bool = False,
         poll: float | None = None,
+        usage: Usage | None = None,
+        forget_ended: bool = False,
+        on_closed: Callable[[JobRun], None] | None = None,
+        checkpoint_at: Callable[[JobRun, int], Path | None] | None = None,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -89,7 +102,7 @@ class Runner:
         self.budgets = budgets or Budgets()
         self.planner = Planner(
             clock=self.clock, placement=placement, ordering=ordering, validate=validate, costs=costs,
-            lookahead=lookahead, inline_below=inline_below,
+            lookahead=lookahead, inline_below=inline_below, usage=usage,
         )  # fmt: skip
         self.poll: float = poll if poll is not None else getattr(executor, "poll", 0.5)
         self.runs: dict[str, JobRun] = {}
@@ -111,14 +124,9 @@ class Runner:
         # writes it, `submit` reads it; `runs` itself is the loop's alone)
         self._names: set[str] = set()
         self._stop_reason: str | None = None
-        self.on_closed: Callable[[JobRun], None] | None = None
-        # (due, order, task, attempt): cpu nodes that raised, waiting for their next run (`JobConfig.retry`)
-        self._retries = RetryQueue()
-        # where to checkpoint a job after an iteration (None: not then); set by the server
-        self.checkpoint_at: Callable[[JobRun, int], Path | None] | None = None
-        # drop ended jobs' records, planner entries and specs (the server: weeks of jobs); their runs are then
-        # missing from `runs` and from the summary hooks see at the end
-        self.forget_ended = False
+        self.on_closed = on_closed
+        self.checkpoint_at = checkpoint_at
+        self.forget_ended = forget_ended
 
     # -- public --------------------------------------------------------------------------------------
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -210,7 +218,8 @@ class Runner:
             events.extend(self._take_submits())  # before the cancels: a job can be cancelled right after it came
             events.extend(self._take_cancels())
             events.extend(self._take_arrivals())
-            self._take_retries()
+            if self._tick_due():
+                events.append(Tick())  # a retry's backoff ended: the planner sends the node again
             while events:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
@@ -218,7 +227,7 @@ class Runner:
             if self._stop_reason is not None:
                 self._stop_open_jobs(self._stop_reason)
                 return
-            if not self._pending and not self._arrivals and not self._retries:
+            if not self._pending and not self._arrivals and self.planner.wake_at is None:
                 if self.planner.finished and until_stopped:
                     with self._wake:  # idle: wait for a submission, a cancel or a stop
                         while not (self._submits or self._cancels or self._stop_reason is not None):
@@ -236,8 +245,9 @@ class Runner:
             timeout = self.poll
             if self._arrivals:  # wake up for the next arrival
                 timeout = min(timeout, max(self._arrivals[0][0] - self.clock(), 0.0))
-            if self._retries:  # and for the next retry
-                timeout = min(timeout, max(self._retries.next_due() - self.clock(), 0.0))
+            wake = self.planner.wake_at
+            if wake is not None:  # and when the planner asks to be woken (the end of a retry's backoff)
+                timeout = min(timeout, max(wake - self.clock(), 0.0))
             finished = self.executor.wait(timeout)
             events.extend(self._services_changed())
             for f in finished:
@@ -279,7 +289,7 @@ class Runner:
             run = self.runs[job_id]
             run.submitted_at = now
             self.executor.ship(run.spec)
-            out.append(JobSubmitted(job_id, run.spec.plan()))
+            out.append(JobSubmitted(job_id, plan_of(run.spec)))
         return out
 
     def _take_submits(self) -> list[JobSubmitted]:
@@ -299,7 +309,7 @@ class Runner:
             except Exception as exc:
                 self._close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
                 continue
-            out.append(JobSubmitted(spec.job_id, spec.plan()))
+            out.append(JobSubmitted(spec.job_id, plan_of(spec)))
         return out
 
     def _drop_attempt(self, job_id: str) -> None:
@@ -308,20 +318,12 @@ class Runner:
         for h in mine:
             del self._pending[h]
         self.executor.forget(mine)
-        self._retries.drop(job_id)
         self._failing.discard(job_id)
         self._iter.pop(job_id, None)
 
-    def _take_retries(self) -> None:
-        """Run again the cpu nodes whose backoff has passed (their job still running)."""
-        now = self.clock()
-        for task, attempt in self._retries.due(now):
-            run = self.runs.get(task.job_id)
-            if run is None or run.status != "running" or task.job_id in self._failing:
-                continue
-            self.hooks.before_node(run, task.iteration, task.node, task.lane, self.clock())
-            handle = self.executor.submit(task)
-            self._pending[handle] = Pending("node", task.job_id, task.lane, task.iteration, task.node, task, attempt)
+    def _tick_due(self) -> bool:
+        wake = self.planner.wake_at
+        return wake is not None and wake <= self.clock()
 
     def _take_cancels(self) -> list[JobCancelled]:
         with self._cancel_lock:
@@ -344,6 +346,8 @@ class Runner:
         run = self.runs[ins.job_id]
         if isinstance(ins, RunNode):
             return self._submit(run, ins)
+        elif isinstance(ins, RetryNode):
+            self._retrying(run, ins)
         elif isinstance(ins, PlaceJob):
             run.status, run.service, run.started_at = "running", ins.service_id, self.clock()
             self._iter[run.job_id] = Iteration(self.clock())
@@ -379,8 +383,19 @@ class Runner:
             handle = self.executor.submit(task)
         except Exception as exc:  # (executors report a node's errors; one that raises fails the job alone)
             return [self._fail(run, f"sending node {ins.node!r} to {lane}", f"{type(exc).__name__}: {exc}")]
-        self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task)
+        self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task, ins.attempt)
         return []
+
+    def _retrying(self, run: JobRun, ins: RetryNode) -> None:
+        """The planner put a failed cpu node in backoff: log it and count the wait in the iteration's metrics."""
+        log.warning(
+            "job %s: node %s (iteration %d) failed (run %d of %d), again in %.2fs: %s",
+            run.job_id, ins.node, ins.iteration, ins.attempt, ins.attempts, ins.delay, ins.error,
+        )  # fmt: skip
+        it = self._iter.get(run.job_id)
+        if it is not None:
+            it.seconds[f"retry_wait_{ins.node}"] = it.seconds.get(f"retry_wait_{ins.node}", 0.0) + ins.delay
+            it.metrics.setdefault("retries", {})[ins.node] = float(ins.attempt)
 
     # -- results --------------------------------------------------------------------------------------
     def _collect(self, f: Finished) -> list[Event]:
@@ -416,10 +431,6 @@ class Runner:
         duration = rep.end - rep.start
         if rep.error is not None:
             self.executor.forget([f.handle, *(it.parts.pop(rep.node, []) if it is not None else [])])
-            if self._retry(run, p, rep.error):
-                return events
-            if p.attempt > 1:
-                rep.error = f"{rep.error} (after {p.attempt} runs)"
             events.append(
                 NodeFinished(run.job_id, rep.iteration, rep.node, ok=False, error=rep.error, duration=duration)
             )
@@ -440,25 +451,6 @@ class Runner:
             NodeFinished(run.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)
         )
         return events
-
-    def _retry(self, run: JobRun, p: Pending, error: str) -> bool:
-        """Schedule the next run of a cpu node that failed, if its job's `retry` allows one (then True)."""
-        policy = getattr(getattr(run.spec, "config", None), "retry", None)
-        if policy is None or p.task is None or p.task.service_id is not None or p.attempt >= policy.attempts:
-            return False
-        if run.status != "running" or run.job_id in self._failing:
-            return False
-        delay = policy.delay(p.attempt)
-        log.warning(
-            "job %s: node %s (iteration %d) failed (run %d of %d), again in %.2fs: %s",
-            run.job_id, p.node, p.iteration, p.attempt, policy.attempts, delay, error,
-        )  # fmt: skip
-        it = self._iter.get(run.job_id)
-        if it is not None:
-            it.seconds[f"retry_wait_{p.node}"] = it.seconds.get(f"retry_wait_{p.node}", 0.0) + delay
-            it.metrics.setdefault("retries", {})[p.node] = float(p.attempt)
-        self._retries.push(self.clock() + delay, p.task, p.attempt + 1)
-        return True
 
     def _fail(self, run: JobRun, what: str, error: str) -> JobFailed:
         log.error("job %s: %s failed: %s", run.job_id, what, error)
@@ -539,7 +531,6 @@ class Runner:
                 self._close(run, "cancelled", reason)
         self.executor.forget(list(self._pending))
         self._pending.clear()
-        self._retries.clear()
         with self._wake:
             self._submits.clear()
 
@@ -550,4 +541,15 @@ class Runner:
                 self._close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
-__all__ = ["Budgets", "RunnableSpec", "Runner", "running_runners"]
+def plan_of(spec: Any) -> JobPlan:
+    """The job's plan as the planner gets it: `spec.plan()` with the retry policy of its config (`retry`), as
+    the delays after each failed run; a spec without a config (the simulator's) has none."""
+    plan: JobPlan = spec.plan()
+    policy = getattr(getattr(spec, "config", None), "retry", None)
+    if policy is None or plan.retry is not None:
+        return plan
+    delays = tuple(policy.delay(k) for k in range(1, policy.attempts))
+    return dataclasses.replace(plan, retry=RetryPlan(policy.attempts, delays))
+
+
+__all__ = ["Budgets", "RunnableSpec", "Runner", "plan_of", "running_runners"]

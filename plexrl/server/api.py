@@ -38,9 +38,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plexrl.errors import ConfigError, Problem
-from plexrl.hooks.timeline import TimelineRecorder
-from plexrl.planner.policies import FairShare
-from plexrl.planner.shares import Usage
 from plexrl.server.config import ServerConfig
 from plexrl.server.controller import Controller
 from plexrl.server.journal import JobEntry, Journal
@@ -257,28 +254,34 @@ class RunningServer:
         return ok and not self.thread.is_alive()
 
 
+def server_runner(cfg: ServerConfig, executor: Any = None, hooks: list[Any] | None = None) -> Any:
+    """The server's `Runner`, built whole from its config (over `executor`, default the config's): it forgets
+    ended jobs (weeks of them live on in the journal and MLflow, not in memory), its timeline drops each job's
+    spans once written, and it orders by user first (`fair_share`) with service seconds decayed over
+    `share_half_life_s`. `hooks`: more hooks after the standard ones (tests)."""
+    from plexrl.cluster import make_runner
+    from plexrl.runtime.jobs import standard_hooks
+
+    run_dir = Path(cfg.run_dir).resolve()
+    standard = standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow, keep_ended=False)
+    return make_runner(
+        cfg.cluster(), [*standard, *(hooks or [])], executor, fair_share=cfg.fair_share,
+        share_half_life_s=cfg.share_half_life_s, forget_ended=True,
+    )  # fmt: skip
+
+
 def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any = None) -> RunningServer:
     """Open the journal, start the controller (recovering unfinished jobs) and the HTTP server in threads;
-    returns once the socket is listening. `runner`: a ready `Runner` (tests); default: the config's."""
+    returns once the socket is listening. `runner`: a ready `Runner`, used as it is (tests; `server_runner`
+    builds one as the server's own); default: `server_runner(cfg)`."""
     import functools
 
     import uvicorn
 
-    from plexrl.cluster import make_runner
-    from plexrl.runtime.jobs import standard_hooks
-
     if runner is None:
-        run_dir = Path(cfg.run_dir).resolve()
-        runner = make_runner(cfg.cluster(), standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow))
+        runner = server_runner(cfg)
     journal = Journal(cfg.journal)
     every, where = cfg.checkpoint_every, cfg.checkpoints()
-    runner.forget_ended = True  # weeks of jobs: ended ones live on in the journal and MLflow, not in memory
-    for hook in runner.hooks.hooks:
-        if isinstance(hook, TimelineRecorder):
-            hook.keep_ended = False  # each job's timeline is written when it ends
-    if cfg.fair_share and not isinstance(runner.planner.ordering, FairShare):
-        runner.planner.ordering = FairShare(runner.planner.ordering)
-    runner.planner.usage = Usage(cfg.share_half_life_s)
     view = ClusterView(runner)  # what the page and /metrics show; a hook from the start, on the runner's thread
     runner.hooks.hooks.append(view)
     if prepare is prepare_entry:
