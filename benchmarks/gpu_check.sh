@@ -16,14 +16,14 @@
 # there, then runs each part under its own timeout, logging to $OUT/<part>.log and one line per part to
 # $OUT/summary.txt:
 #   env      the GPU, torch, and that the project's modules import             (20 s)
-#   tests    pytest -m gpu tests/test_gpu.py                                     (90 s)
+#   tests    pytest -m gpu tests/test_gpu.py                                     (80 s)
 #   swaps    benchmarks/swap.py --device cuda: pinned swaps vs raw copies        (60 s)
 #   overlap  benchmarks/gpu_overlap.py: the copy stream, GB/s vs a plain .cpu(), share of a swap hidden (40 s)
-#   mux      benchmarks/multiplex.py --device cuda --engine torch: the default mix, 10 iterations (150 s)
-#   smollm2  configs/gpu_smollm2.yaml: 3 GRPO iterations of the real SmolLM2 job on the torch engine (120 s)
-# 480 s at most in all. `run --cpu`: the same commands on this machine's CPU with tiny settings (the swaps and
-# the mix in their smoke forms, the SmolLM2 job on a 2-layer copy of the model from build/) to check the
-# script without a GPU. `run --parts env,tests`: only those parts. A part that fails or times out is reported
+#   mux      benchmarks/multiplex.py --device cuda --engine torch: the default mix, 10 iterations (140 s)
+#   smollm2  configs/gpu_smollm2.yaml: 3 GRPO iterations of the real SmolLM2 job on the torch engine (110 s)
+# 450 s at most in all, plus the install (seconds). `run --cpu`: the same commands on this machine's CPU with
+# tiny settings (the swaps and the mix in their smoke forms, the SmolLM2 job on a 2-layer copy of the model
+# from build/) to check the script without a GPU. `run --parts env,tests`: only those parts. A part that fails or times out is reported
 # and the next one runs; the exit status is the number of parts that did not pass.
 set -uo pipefail
 
@@ -174,18 +174,18 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch
 print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')
 print('dask', dask.__version__, 'pydantic', pydantic.__version__)
 assert torch.cuda.is_available() or '$dev' == 'cpu', 'no CUDA device (run with --cpu on a CPU machine)'"
-    part tests 90 $PY -m pytest -q -m gpu tests/test_gpu.py
+    part tests 80 $PY -m pytest -q -m gpu tests/test_gpu.py
     if [ "$CPU" = 1 ]; then
         part swaps 60 $PY benchmarks/swap.py --smoke
         part overlap 40 $PY benchmarks/gpu_overlap.py --device cpu --mb 16 --repeats 1
-        part mux 150 $PY benchmarks/multiplex.py --smoke --engine torch
+        part mux 140 $PY benchmarks/multiplex.py --smoke --engine torch
     else
         part swaps 60 $PY benchmarks/swap.py --device cuda --mb 1024 --repeats 3 --disk-repeats 1
         part overlap 40 $PY benchmarks/gpu_overlap.py --device cuda --mb 1024 --repeats 3
-        TAIL=12 part mux 150 $PY benchmarks/multiplex.py --device cuda --engine torch --iterations 10 --reps 1 \
+        TAIL=12 part mux 140 $PY benchmarks/multiplex.py --device cuda --engine torch --iterations 10 --reps 1 \
             --orderings hrrs
     fi
-    part smollm2 120 bash "$ROOT/benchmarks/gpu_check.sh" _smollm2 "$CPU"
+    part smollm2 110 bash "$ROOT/benchmarks/gpu_check.sh" _smollm2 "$CPU"
     echo "gpu_check: $FAILED part(s) not ok, $((SECONDS - t0))s in all; logs in $OUT" | tee -a "$OUT/summary.txt"
     return "$FAILED"
 }
