@@ -14,8 +14,8 @@ failing to load, a swap failing, its metrics failing to compute) fails that job 
 
 Threads: the loop runs on ONE thread, the only one that reads or writes the records (`runs`, the pending
 handles, the iterations). Other threads (a server's HTTP handlers and preparation pool, a signal handler)
-talk to it through its inbox only: `submit`, `cancel` and `stop` queue a request under `_cancel_lock` and
-wake the loop; `submit`'s duplicate-name check reads `_names`, a set the loop keeps under that lock. A job
+talk to it through its inbox only (`runtime/inbox.py`, the only lock): `submit`, `cancel` and `stop` queue a
+request and wake the loop; `submit`'s duplicate-name check reads the names the loop keeps there. A job
 whose load fails is failed alone: its nodes already sent are dropped (their reports reach nobody) and no more
 are sent.
 """
@@ -23,10 +23,8 @@ are sent.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import math
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -57,6 +55,7 @@ from plexrl.planner.events import Event, Instruction, JobPlan
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.planner.shares import Usage
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, Handle, LoadReport, NodeTask
+from plexrl.runtime.inbox import Arrivals, Inbox
 from plexrl.runtime.records import Budgets, Iteration, Pending, RunnableSpec
 
 log = logging.getLogger(__name__)
@@ -112,18 +111,9 @@ class Runner:
         self._pending: dict[Handle, Pending] = {}
         self._iter: dict[str, Iteration] = {}
         self._failing: set[str] = set()  # reported to the planner, FailJob not yet received
-        self._cancels: deque[JobCancelled] = deque()
-        self._arrivals: list[tuple[float, int, str]] = []  # (time, order, job id): jobs not yet submitted
-        self._cancel_lock = threading.Lock()
-        # jobs submitted while the loop runs (`submit`), a stop request (`stop`), and the condition an idle
-        # `run(until_stopped=True)` waits on; all guarded by `_cancel_lock`
-        self._wake = threading.Condition(self._cancel_lock)
-        self._submits: deque[Any] = deque()
+        self._arrivals = Arrivals()  # jobs not yet submitted (the loop's alone)
+        self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
         self._late: list[JobRun] = []  # records of the jobs that came through `submit`
-        # names a `submit` may not reuse: jobs in `runs` that did not fail and were not cancelled (the loop
-        # writes it, `submit` reads it; `runs` itself is the loop's alone)
-        self._names: set[str] = set()
-        self._stop_reason: str | None = None
         self.on_closed = on_closed
         self.checkpoint_at = checkpoint_at
         self.forget_ended = forget_ended
@@ -132,9 +122,7 @@ class Runner:
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
         """Cancel one job (thread-safe, callable from a hook; takes effect at the next event). Its finished
         iterations stay recorded; the other jobs go on."""
-        with self._cancel_lock:
-            self._cancels.append(JobCancelled(job_id, reason))
-            self._wake.notify_all()
+        self._inbox.cancel(job_id, reason)
 
     def submit(self, spec: Any) -> None:
         """Add a job while the loop runs (thread-safe, callable from a hook or another thread). It is taken at
@@ -142,21 +130,14 @@ class Runner:
         appears in `runs` then. Raises ValueError if this runner already has a job of that name, unless that
         job failed or was cancelled (a lost service failed it, say): then it may come again under its name, its
         new record replaces the old one in `runs`, and nothing of the old attempt reaches it."""
-        with self._wake:
-            if spec.job_id in self._names or any(s.job_id == spec.job_id for s in self._submits):
-                raise ValueError(f"a job named {spec.job_id!r} was already submitted; give each job a unique name")
-            self._submits.append(spec)
-            self._wake.notify_all()
+        self._inbox.submit(spec)
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop the loop at the top of its next turn (thread-safe; a node already running is not interrupted,
         its result is dropped). Every unfinished job is closed as `cancelled` with `reason` (hooks see
         `on_job_end`, so MLflow runs end KILLED); `run` then returns as usual. Jobs submitted but not yet taken
         are dropped. This is how `run(until_stopped=True)` ends."""
-        with self._wake:
-            if self._stop_reason is None:
-                self._stop_reason = reason
-            self._wake.notify_all()
+        self._inbox.stop(reason)
 
     def run(
         self, specs: list[Any], arrivals: Mapping[str, float] | None = None, *, until_stopped: bool = False
@@ -172,7 +153,7 @@ class Runner:
                 raise ValueError(f"two jobs are named {spec.job_id!r}; give each job a unique name")
             self.runs[spec.job_id] = JobRun(spec)
             runs.append(self.runs[spec.job_id])
-            self._name(spec.job_id, True)
+            self._inbox.name(spec.job_id, True)
         unknown = sorted(set(arrivals or {}) - set(self.runs))
         if unknown:
             raise ValueError(f"arrivals name jobs that are not in the run: {unknown}")
@@ -187,8 +168,7 @@ class Runner:
             self.services = list(self.executor.start())
             events.extend(self.budgets.joined(s) for s in self.services)
             start = self.clock()
-            self._arrivals = [(start + (arrivals or {}).get(r.job_id, 0.0), i, r.job_id) for i, r in enumerate(runs)]
-            heapq.heapify(self._arrivals)
+            self._arrivals.start((start + (arrivals or {}).get(r.job_id, 0.0), r.job_id) for r in runs)
             events.extend(self._take_arrivals())
             self.hooks.on_start(start)
             self._loop(events, until_stopped)
@@ -224,27 +204,25 @@ class Runner:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
                     events.extend(self._carry_out(ins))
-            if self._stop_reason is not None:
-                self._stop_open_jobs(self._stop_reason)
+            stopping = self._inbox.stopping
+            if stopping is not None:
+                self._stop_open_jobs(stopping)
                 return
             if not self._pending and not self._arrivals and self.planner.wake_at is None:
                 if self.planner.finished and until_stopped:
-                    with self._wake:  # idle: wait for a submission, a cancel or a stop
-                        while not (self._submits or self._cancels or self._stop_reason is not None):
-                            self._wake.wait()
+                    self._inbox.wait()  # idle: wait for a submission, a cancel or a stop
                     continue
                 if self.planner.finished:
                     return
-                with self._cancel_lock:
-                    if self._cancels:
-                        continue
+                if self._inbox.has_cancels():
+                    continue
                 if self.planner.pending and not any(s.alive for s in self.planner.services.values()):
                     events.extend(self._without_services(until_stopped))
                     continue
                 raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
             timeout = self.poll
             if self._arrivals:  # wake up for the next arrival
-                timeout = min(timeout, max(self._arrivals[0][0] - self.clock(), 0.0))
+                timeout = min(timeout, max(self._arrivals.next_time() - self.clock(), 0.0))
             wake = self.planner.wake_at
             if wake is not None:  # and when the planner asks to be woken (the end of a retry's backoff)
                 timeout = min(timeout, max(wake - self.clock(), 0.0))
@@ -273,9 +251,7 @@ class Runner:
         """Jobs wait for a service and every service is lost: a server waits for one to join (`poll`); a run
         fails them."""
         if until_stopped and math.isfinite(self.poll):
-            with self._wake:
-                if not (self._submits or self._cancels or self._stop_reason is not None):
-                    self._wake.wait(self.poll)
+            self._inbox.wait(self.poll)
             return self._services_changed()
         why = "every service is lost and none joined to replace them; start a service worker and submit it again"
         return [JobFailed(job_id, why) for job_id in self.planner.pending]
@@ -284,8 +260,7 @@ class Runner:
         """Submit (and ship) the jobs whose arrival time has come."""
         out = []
         now = self.clock()
-        while self._arrivals and self._arrivals[0][0] <= now:
-            _, _, job_id = heapq.heappop(self._arrivals)
+        for job_id in self._arrivals.due(now):
             run = self.runs[job_id]
             run.submitted_at = now
             self.executor.ship(run.spec)
@@ -294,15 +269,12 @@ class Runner:
 
     def _take_submits(self) -> list[JobSubmitted]:
         """Ship and submit the jobs that came through `submit`; a job that cannot be shipped fails alone."""
-        with self._wake:
-            specs = list(self._submits)
-            self._submits.clear()
         out = []
-        for spec in specs:
+        for spec in self._inbox.take_submits():
             self._drop_attempt(spec.job_id)
             run = self.runs[spec.job_id] = JobRun(spec)
             self._late.append(run)
-            self._name(spec.job_id, True)
+            self._inbox.name(spec.job_id, True)
             run.submitted_at = self.clock()
             try:
                 self.executor.ship(spec)
@@ -326,14 +298,11 @@ class Runner:
         return wake is not None and wake <= self.clock()
 
     def _take_cancels(self) -> list[JobCancelled]:
-        with self._cancel_lock:
-            out = list(self._cancels)
-            self._cancels.clear()
-        waiting = {job_id for _, _, job_id in self._arrivals} if out and self._arrivals else set()
+        out = self._inbox.take_cancels()
+        waiting = self._arrivals.waiting() if out and self._arrivals else set()
         if waiting & {c.job_id for c in out}:  # cancelled before it arrived: never submitted
             gone = {c.job_id: c.reason for c in out if c.job_id in waiting}
-            self._arrivals = [a for a in self._arrivals if a[2] not in gone]
-            heapq.heapify(self._arrivals)
+            self._arrivals.drop(set(gone))
             for job_id, reason in gone.items():
                 self._close(self.runs[job_id], "cancelled", reason)
             out = [c for c in out if c.job_id not in gone]
@@ -489,18 +458,10 @@ class Runner:
             except Exception:
                 log.exception("could not release job %s on %s", run.job_id, service_id)
 
-    def _name(self, job_id: str, taken: bool) -> None:
-        """Mark `job_id` as a name `submit` may not reuse (`taken`), or may again."""
-        with self._wake:
-            if taken:
-                self._names.add(job_id)
-            else:
-                self._names.discard(job_id)
-
     def _close(self, run: JobRun, status: str, reason: str) -> None:
         run.status, run.error, run.finished_at = status, reason, self.clock()  # type: ignore[assignment]
         if status in ("failed", "cancelled") and self.runs.get(run.job_id) is run:
-            self._name(run.job_id, False)
+            self._inbox.name(run.job_id, False)
         if status == "failed":
             log.error("job %s failed: %s", run.job_id, reason)
         it = self._iter.pop(run.job_id, None)
@@ -518,7 +479,7 @@ class Runner:
         `on_closed` have seen it, so memory does not grow with the number of jobs ever run."""
         if self.runs.get(run.job_id) is run:
             del self.runs[run.job_id]
-            self._name(run.job_id, False)
+            self._inbox.name(run.job_id, False)
         self._late = [r for r in self._late if r is not run]
         self._drop_attempt(run.job_id)  # its work still in flight reports to nobody
         self.planner.forget(run.job_id)  # (a no-op until the planner has ended it too)
@@ -531,8 +492,7 @@ class Runner:
                 self._close(run, "cancelled", reason)
         self.executor.forget(list(self._pending))
         self._pending.clear()
-        with self._wake:
-            self._submits.clear()
+        self._inbox.drop_submits()
 
     def _close_open_jobs(self, exc: BaseException) -> None:
         for run in list(self.runs.values()):  # (a closed job may be forgotten: `forget_ended`)
