@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -131,28 +132,30 @@ def test_deadline_ordering_on_the_default_mix_beats_hrrs_on_the_worst_slowdown_a
     assert (worst["fair"], makespan["fair"]) == (worst["deadline"], makespan["deadline"])  # one user: inner exactly
 
 
-def test_a_server_config_selects_deadline_and_fair_share_over_it_keeps_a_single_job_from_starving() -> None:
-    """`ordering: deadline` in a server config reaches the planner, and the server's fair-share wrapper
-    (`start_server` wraps the config's ordering) still gives a user with one job an equal share: 8 jobs of bob
-    and ann's 1 on ONE simulated service (seen: her slowdown 2.6 with it, 6.0 without)."""
-    from plexrl.cluster import make_runner
+def test_a_server_config_selects_deadline_and_fair_share_over_it_keeps_a_single_job_from_starving(
+    tmp_path: Path,
+) -> None:
+    """`ordering: deadline` in a server config reaches the server's planner (`server_runner`), and fair share
+    over it (`fair_share`, the default with users) still gives a user with one job an equal share: 8 jobs of
+    bob and ann's 1 on ONE simulated service (seen: her slowdown 2.6 with it, 6.0 without)."""
     from plexrl.runtime.sim import SeededCosts, SimExecutor, SimJob, grpo_like_jobs
+    from plexrl.server.api import server_runner
     from plexrl.server.config import ServerConfig
 
-    cfg = ServerConfig.model_validate({"ordering": "deadline", "driver": "local", "placement": "pack", "max_load": 64})
-
-    def ann_slowdown(fair: bool, jobs: list[SimJob]) -> float:
-        runner = make_runner(cfg.cluster(), [], executor=SimExecutor(1, SeededCosts(seed=0)))
-        assert isinstance(runner.planner.ordering, Deadline)
-        if fair:  # what start_server does with fair_share on (the default with users)
-            runner.planner.ordering = FairShare(runner.planner.ordering)
+    def ann_time(fair: bool, jobs: list[SimJob]) -> float:
+        raw = {"ordering": "deadline", "driver": "local", "placement": "pack", "max_load": 64, "mlflow": False}
+        cfg = ServerConfig.model_validate({**raw, "fair_share": fair, "run_dir": str(tmp_path / f"runs-{fair}")})
+        runner = server_runner(cfg, SimExecutor(1, SeededCosts(seed=0)))
+        ordering = runner.planner.ordering
+        assert isinstance(ordering.inner if fair else ordering, Deadline), ordering
+        assert isinstance(ordering, FairShare) is fair
         runs = {r.job_id: r for r in runner.run(jobs)}
         assert all(r.status == "done" for r in runs.values())
-        return runs["ann"].finished_at - runs["ann"].submitted_at  # type: ignore[operator]
+        return runs["ann"].finished_at - runs["ann"].submitted_at
 
     jobs = grpo_like_jobs(9, (20, 30), seed=3)
     ann = replace(jobs[0], user="ann", job_id="ann")
     bob = [replace(j, user="bob") for j in jobs[1:]]
-    alone = ann_slowdown(False, [ann])
-    fair, unfair = ann_slowdown(True, [ann, *bob]) / alone, ann_slowdown(False, [ann, *bob]) / alone
+    alone = ann_time(False, [ann])
+    fair, unfair = ann_time(True, [ann, *bob]) / alone, ann_time(False, [ann, *bob]) / alone
     assert fair < 3.0 and fair < 0.6 * unfair, (fair, unfair)
