@@ -5,12 +5,14 @@
       +------- NodeFinished / StateMeasured / JobFailed / ServiceLost <-- Finished reports, lost services
 
 The runner owns each job's record (`JobRun`: status, history, artifacts) and calls the hooks; the spec
-(`JobSpec`) is frozen and shipped to the executor once. It keeps, per job, the handles of the current
-iteration's node outputs (the data stays where the executor made it), the nodes' small metrics and their
-durations; when the planner closes an iteration it assembles the metrics row, calls the hooks, and tells
-the executor to drop the outputs. Anything that goes wrong with one job (an operator raising, its engine
-failing to load, a swap failing, its metrics failing to compute) fails that job only (DESIGN.md invariant
-5): the runner reports it to the planner and the other jobs go on. No scheduling decision is made here.
+(`JobSpec`) is frozen and shipped to the executor once. Its handle ledger (`runtime/ledger.py`, pure) keeps
+what is in flight under each handle and, per job, the handles of the current iteration's node outputs (the
+data stays where the executor made it), the nodes' small metrics and their durations; when the planner
+closes an iteration the runner assembles the metrics row, calls the hooks, and tells the executor to drop
+the outputs. Retries, their backoff and when to wake up are the planner's (`RetryNode`, `wake_at`, `Tick`).
+Anything that goes wrong with one job (an operator raising, its engine failing to load, a swap failing, its
+metrics failing to compute) fails that job only (DESIGN.md invariant 5): the runner reports it to the
+planner and the other jobs go on. No scheduling decision is made here.
 
 Threads: the loop runs on ONE thread, the only one that reads or writes the records (`runs`, the pending
 handles, the iterations). Other threads (a server's HTTP handlers and preparation pool, a signal handler)
@@ -40,7 +42,6 @@ from plexrl.planner import (
     JobDone,
     JobFailed,
     JobSubmitted,
-    NodeFinished,
     PlaceJob,
     Planner,
     RetryNode,
@@ -54,8 +55,9 @@ from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Event, Instruction, JobPlan
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.planner.shares import Usage
-from plexrl.runtime.executor import CheckpointReport, Executor, Finished, Handle, LoadReport, NodeTask
+from plexrl.runtime.executor import CheckpointReport, Executor, Finished, LoadReport, NodeTask
 from plexrl.runtime.inbox import Arrivals, Inbox
+from plexrl.runtime.ledger import Ledger
 from plexrl.runtime.records import Budgets, Iteration, Pending, RunnableSpec
 
 log = logging.getLogger(__name__)
@@ -108,8 +110,8 @@ class Runner:
         self.services: list[str] = []
         self.service_reports: dict[str, dict[str, Any]] = {}
         self.events_handled = 0
-        self._pending: dict[Handle, Pending] = {}
-        self._iter: dict[str, Iteration] = {}
+        self._ledger = Ledger()  # what is in flight under each handle, and each job's current iteration
+        self._iter = self._ledger.iters
         self._failing: set[str] = set()  # reported to the planner, FailJob not yet received
         self._arrivals = Arrivals()  # jobs not yet submitted (the loop's alone)
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
@@ -208,7 +210,7 @@ class Runner:
             if stopping is not None:
                 self._stop_open_jobs(stopping)
                 return
-            if not self._pending and not self._arrivals and self.planner.wake_at is None:
+            if not self._ledger and not self._arrivals and self.planner.wake_at is None:
                 if self.planner.finished and until_stopped:
                     self._inbox.wait()  # idle: wait for a submission, a cancel or a stop
                     continue
@@ -237,9 +239,7 @@ class Runner:
         events: list[Event] = []
         for service_id, reason in self.executor.lost():
             log.error("service %s lost: %s", service_id, reason)
-            for handle, p in list(self._pending.items()):
-                if p.lane == service_id:
-                    del self._pending[handle]
+            self._ledger.lost(service_id)
             events.append(ServiceLost(service_id, reason))
         for service_id in self.executor.joined():
             log.warning("service %s joined", service_id)
@@ -286,12 +286,8 @@ class Runner:
 
     def _drop_attempt(self, job_id: str) -> None:
         """A job submitted again: forget what its previous attempt still has in flight or waiting."""
-        mine = [h for h, p in self._pending.items() if p.job_id == job_id]
-        for h in mine:
-            del self._pending[h]
-        self.executor.forget(mine)
+        self.executor.forget(self._ledger.drop_job(job_id))
         self._failing.discard(job_id)
-        self._iter.pop(job_id, None)
 
     def _tick_due(self) -> bool:
         wake = self.planner.wake_at
@@ -325,7 +321,7 @@ class Runner:
                 handle = self.executor.load(run.job_id, ins.service_id, ins.tier)
             except Exception as exc:  # (executors report a failed load; one that raises fails the job alone)
                 return [self._fail(run, f"loading the job on {ins.service_id}", f"{type(exc).__name__}: {exc}")]
-            self._pending[handle] = Pending("load", run.job_id, ins.service_id)
+            self._ledger.sent(handle, Pending("load", run.job_id, ins.service_id))
         elif isinstance(ins, IterationDone):
             self._end_iteration(run, ins.iteration)
         elif isinstance(ins, JobDone):
@@ -352,7 +348,7 @@ class Runner:
             handle = self.executor.submit(task)
         except Exception as exc:  # (executors report a node's errors; one that raises fails the job alone)
             return [self._fail(run, f"sending node {ins.node!r} to {lane}", f"{type(exc).__name__}: {exc}")]
-        self._pending[handle] = Pending("node", run.job_id, lane, ins.iteration, ins.node, task, ins.attempt)
+        self._ledger.sent(handle, Pending("node", run.job_id, lane, ins.iteration, ins.node, task, ins.attempt))
         return []
 
     def _retrying(self, run: JobRun, ins: RetryNode) -> None:
@@ -368,7 +364,7 @@ class Runner:
 
     # -- results --------------------------------------------------------------------------------------
     def _collect(self, f: Finished) -> list[Event]:
-        p = self._pending.pop(f.handle, None)
+        p = self._ledger.take(f.handle)
         if p is None:
             self.executor.forget([f.handle])
             return []  # a lost service's late report
@@ -376,10 +372,8 @@ class Runner:
         rep = f.report
         if isinstance(rep, LoadReport):
             if rep.error is not None:
-                sent = [h for h, q in self._pending.items() if q.job_id == run.job_id and q.kind == "node"]
-                for h in sent:  # its nodes sent with the load (none ran on a state that is not there)
-                    del self._pending[h]
-                self.executor.forget(sent)
+                # its nodes sent with the load (none ran on a state that is not there)
+                self.executor.forget(self._ledger.drop_nodes(run.job_id))
                 return [self._fail(run, f"loading the job on {p.lane}", rep.error)]
             self.hooks.on_load(run, p.lane, rep.start, rep.end, rep.nbytes)
             return [StateMeasured(p.lane, run.job_id, rep.nbytes)]
@@ -397,28 +391,10 @@ class Runner:
             if it is not None:
                 it.seconds[f"weight_{kind}"] = it.seconds.get(f"weight_{kind}", 0.0) + (end - start)
         self.hooks.after_node(run, rep.iteration, rep.node, p.lane, rep.start, rep.end, rep.metrics)
-        duration = rep.end - rep.start
-        if rep.error is not None:
-            self.executor.forget([f.handle, *(it.parts.pop(rep.node, []) if it is not None else [])])
-            events.append(
-                NodeFinished(run.job_id, rep.iteration, rep.node, ok=False, error=rep.error, duration=duration)
-            )
-            return events
-        task = p.task
-        if it is None:
-            self.executor.forget([f.handle])
-        elif task is not None and task.chunk < task.chunks - 1:  # a part of a chunked node: kept for its last chunk
-            it.parts.setdefault(rep.node, []).append(f.handle)
-            it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration
-        else:
-            it.outputs[rep.node] = f.handle
-            it.metrics[rep.node] = rep.metrics
-            it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration  # (the chunks of a chunked node)
-            self.executor.forget(it.parts.pop(rep.node, []))  # joined into the last chunk's output
-        swap_seconds = rep.swap_end - rep.swap_start
-        events.append(
-            NodeFinished(run.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)
-        )
+        finished, forget = self._ledger.node_report(f.handle, p, rep)
+        if forget:
+            self.executor.forget(forget)
+        events.append(finished)
         return events
 
     def _fail(self, run: JobRun, what: str, error: str) -> JobFailed:
@@ -442,7 +418,7 @@ class Runner:
             # runs on the service after the job's last node and before its next one (`Executor.checkpoint`)
             real = iteration + getattr(run.spec, "start_iteration", 0)
             handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": real})
-            self._pending[handle] = Pending("checkpoint", run.job_id, run.service, iteration)
+            self._ledger.sent(handle, Pending("checkpoint", run.job_id, run.service, iteration))
 
     def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:
         model_dir = run.spec.model_dir
@@ -490,8 +466,7 @@ class Runner:
         for run in list(self.runs.values()):
             if run.status in ("pending", "running"):
                 self._close(run, "cancelled", reason)
-        self.executor.forget(list(self._pending))
-        self._pending.clear()
+        self.executor.forget(self._ledger.drop_all())
         self._inbox.drop_submits()
 
     def _close_open_jobs(self, exc: BaseException) -> None:
