@@ -159,3 +159,27 @@ def test_a_cluster_budget_counts_a_lora_job_as_its_adapter_state_beside_one_base
     assert [j.config.name for j in loaded.jobs] == ["la", "lb"]
     with pytest.raises(ConfigError, match=r"adapter, 2 AdamW moments.*for its base"):
         load_cluster(cluster(base + state // 2))
+
+
+def test_a_lora_engine_stops_at_every_eos_of_the_generation_config(smol_tiny: Path, tmp_path: Path) -> None:
+    """Like the full engine: a second eos id listed in generation_config.json ends a LoRA job's rows too."""
+    import json
+    import shutil
+
+    from plexrl.engines.lora import LoRAEngine, SharedBase
+
+    model = tmp_path / "model"
+    shutil.copytree(smol_tiny, model)
+    config = model / "generation_config.json"
+    gen = json.loads(config.read_text()) if config.is_file() else {}
+    base = SharedBase(model, torch.device("cpu"), "eager")
+    plain = LoRAEngine(base, "plain", eos_id=2, pad_id=2, r=4, alpha=8, dropout=0.0, targets=["q_proj"], seed=0)
+    out = plain.generate([[1, 520, 9531, 198]] * 4, n=1, temperature=1.0, max_new_tokens=8, seed=0)
+    second = int(out.response_ids[0, 0])  # a token some row really samples first
+    assert second != 2 and second not in plain.extra_eos
+    gen["eos_token_id"] = [2, second]
+    config.write_text(json.dumps(gen))
+    stopped = LoRAEngine(base, "stopped", eos_id=2, pad_id=2, r=4, alpha=8, dropout=0.0, targets=["q_proj"], seed=0)
+    assert stopped.extra_eos == (second,)
+    again = stopped.generate([[1, 520, 9531, 198]] * 4, n=1, temperature=1.0, max_new_tokens=8, seed=0)
+    assert int(again.lengths[0]) == 1 and int(again.response_ids[0, 0]) == second  # ended at the second eos

@@ -141,7 +141,10 @@ class LoRAEngine(TorchEngine):
         self.shared, self.job_id = shared, job_id
         self.adapter = shared.add(job_id, r, alpha, dropout, targets, seed)
         self.device = shared.device
-        self.eos_id, self.pad_id = eos_id, pad_id
+        from plexrl.data.prompts import engine_special_ids
+
+        special = engine_special_ids(shared.model_dir, eos_id, pad_id)  # every eos of generation_config.json too
+        self.eos_id, self.pad_id, self.extra_eos = special.eos[0], special.pad, special.eos[1:]
         self.policy = shared.model
         self.reference = None  # the base itself, through disable_adapter
         self.model_dir = shared.model_dir

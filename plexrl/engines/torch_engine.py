@@ -152,7 +152,7 @@ class TorchEngine:
     A response ends at `eos_id` (the tokenizer's) or any other eos id of the model's `generation_config.json`
     (`extra_eos`; Llama 3 and Qwen list several); a `pad_id` of None is the generation config's, else eos."""
 
-    extra_eos: tuple[int, ...] = ()  # (a subclass that skips __init__, e.g. LoRAEngine, stops at eos_id only)
+    extra_eos: tuple[int, ...] = ()  # set by __init__ (and by LoRAEngine, which skips it)
     master: dict[str, Tensor] | None = None  # fp32 copies of the policy's parameters (bf16 training only)
 
     def __init__(
