@@ -52,7 +52,7 @@ from plexrl.planner.events import (
     Tick,
     Transition,
 )
-from plexrl.planner.gaps import busy_fraction, due, gap_after, next_use, projected_slowdown
+from plexrl.planner.gaps import busy_fraction, gap_after, next_use
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
@@ -61,7 +61,6 @@ from plexrl.planner.policies import (
     QueuedNode,
     ServiceView,
     Spread,
-    job_pace,
 )
 from plexrl.planner.records import (
     JOB_TRANSITIONS,
@@ -75,6 +74,7 @@ from plexrl.planner.records import (
 )
 from plexrl.planner.shares import Usage
 from plexrl.planner.state import Move, NoRoom, StateManager
+from plexrl.planner.views import next_job, ordering_view
 
 
 class Planner:
@@ -438,7 +438,7 @@ class Planner:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1
         prefetch: list[Move] = []
-        nxt = self._next_job(svc, now, use_in, view, exclude=busy | {q.job_id})
+        nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | {q.job_id})
         if nxt is not None:
             prefetch = svc.state.prefetch(nxt, use_in, busy | {q.job_id})
             if prefetch:
@@ -448,20 +448,7 @@ class Planner:
                            chunk=job.chunk.get(q.node, 0), chunks=chunks))  # fmt: skip
 
     def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
-        def swap_time(job_id: str) -> float:
-            if svc.state.on_device(job_id):
-                return 0.0
-            return self.costs.swap_seconds(svc.state.size.get(job_id, 0))
-
-        resident = svc.resident if svc.resident is not None and svc.state.on_device(svc.resident) else None
-        now, jobs = self.clock(), self.jobs
-        return OrderingView(
-            resident, lambda q: self.costs.predict(q.job_id, q.node), swap_time,
-            lambda q: self.gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
-            lambda u: self.usage.value(u, now), lambda j: projected_slowdown(jobs[j], self.costs.predict, now),
-            lambda: due(svc, jobs, self.costs.predict, self.gap_after, now),
-            lambda j: job_pace(jobs[j], self.costs.predict, now),
-        )  # fmt: skip
+        return ordering_view(svc, self.jobs, self.costs, self.usage, self.gap_after, self.clock())
 
     def gap_after(self, job_id: str, node: str) -> float:
         """Predicted seconds from the end of `node` until its job can next use a service (`gaps.gap_after`).
@@ -471,16 +458,6 @@ class Planner:
         if gap is None:
             gap = cached[node] = gap_after(self.jobs[job_id], node, self.costs.predict)
         return gap
-
-    def _next_job(
-        self, svc: ServiceRecord, now: float, use_in: dict[str, float], view: OrderingView, exclude: set[str]
-    ) -> str | None:
-        """The job the service will most likely run after the nodes sent to it (what to prefetch)."""
-        others = [q for q in svc.queue if q.job_id not in exclude]
-        if others:
-            return others[self.ordering.pick(others, now, view)].job_id
-        later = [(t, j) for j, t in use_in.items() if j not in exclude and t < math.inf]
-        return min(later)[1] if later else None
 
     def _end_job(
         self,
