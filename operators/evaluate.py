@@ -18,8 +18,14 @@ def evaluate(
     max_new_tokens: Annotated[int, Field(ge=1)] = 8,
 ) -> EvalStats:
     """Greedy accuracy of the current policy on the first `size` held-out problems."""
+    from functools import partial
+
     from plexrl.models import greedy_accuracy
+    from plexrl.tasks.dataset import DatasetTask
 
     problems = ctx.task.held_out[:size]
-    acc, length = greedy_accuracy(ctx.engine, ctx.tokenizer, problems, max_new_tokens, ctx.task.verify)
+    verify = ctx.task.verify
+    if isinstance(ctx.task, DatasetTask):  # a user reward sees each held-out row's prompt and extra fields
+        verify = partial(ctx.task.verify, problems=problems)
+    acc, length = greedy_accuracy(ctx.engine, ctx.tokenizer, problems, max_new_tokens, verify)
     return EvalStats(accuracy=acc, size=len(problems), response_length=length)

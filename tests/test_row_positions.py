@@ -98,3 +98,17 @@ def test_score_without_positions_gives_an_empty_prompt(tmp_path: Path, positions
     assert (result.total, result.errors) == (([1.0, 1.0], 0) if positions else ([0.0, 0.0], 2))
     with pytest.raises(ValueError, match="3 row positions for 2 completions"):
         task.score(["x", "y"], ["2", "3"], rows=[0, 1, 2])
+
+
+def test_a_user_reward_first_scores_the_held_out_rows_it_is_asked_about(smol_tiny: Path, tmp_path: Path) -> None:
+    """The held-out accuracy is the first reward term's verdict: a user reward there gets each held-out row's
+    prompt and extra fields (row_check scores 1 exactly when it does; given '' and {} it raises, scoring 0)."""
+    from plexrl.runtime.jobs import run_jobs
+
+    cfg = a_job(smol_tiny, tmp_path, iterations=1)
+    cfg["data"]["rewards"] = [{"ref": "test_row_positions:row_check"}]
+    cfg["pipeline"]["params"].update(eval_every=1, eval_size=4)
+    (job,) = run_jobs([load_job(cfg)], progress=False)
+    assert job.status == "done", job.error
+    evaluations = [it["evaluate/accuracy"] for it in job.history if "evaluate/accuracy" in it]
+    assert evaluations and all(a == 1.0 for a in evaluations), evaluations

@@ -158,9 +158,16 @@ class DatasetTask:
     tool: ClassVar[str | None] = None
     tool_demo_frac: ClassVar[float] = 0.0
 
-    def verify(self, completions: list[str], answers: list[str]) -> list[float | None]:
-        """The first reward term's verdict per completion: 1.0 when it scored 1, else 0.0."""
-        result = self.accuracy([""] * len(completions), list(completions), list(answers))
+    def verify(
+        self, completions: list[str], answers: list[str], problems: Sequence[DatasetProblem] | None = None
+    ) -> list[float | None]:
+        """The first reward term's verdict per completion: 1.0 when it scored 1, else 0.0. With `problems`
+        (completion i answers problems[i], e.g. the held-out rows `evaluate` asked) a user reward gets each
+        row's rendered prompt and extra fields, else '' and {}."""
+        n = len(completions)
+        prompts = [p.prompt for p in problems] if problems is not None else [""] * n
+        extras = [p.extra for p in problems] if problems is not None else [{} for _ in range(n)]
+        result = self.accuracy(prompts, list(completions), list(answers), extras)
         return [1.0 if ok else 0.0 for ok in result.correct]
 
     def score(
