@@ -14,8 +14,8 @@ accuracy reaches `--target` or when `--minutes` have passed. Prints per seed the
 accuracy), the zero-shot accuracy (iteration 0, before any update), the first iteration at the target and
 its time; writes each curve as a PNG under runs/real_model/ (and logs it to the job's MLflow run when
 tracking is on). The bound beside the training time: one iteration's training FLOPs (forward + backward of
-every trained row, the output head on the responses only) at the machine's measured fp32 matmul rate, the
-least time any implementation needs for that work.
+every trained row's response, each prompt once for its n samples, the output head on the responses only) at
+the machine's measured fp32 matmul rate, the least time any implementation needs for that work.
 
 The prompt: a short system prompt (the config's `data.system_prompt`), one worked example as an earlier chat
 turn (the model follows "Answer: N" only when shown; ../shared/ENVIRONMENT.md), then the question: 66 tokens,
@@ -150,8 +150,9 @@ def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> d
     keys = ("time/rollout", "time/train", "time/evaluate", "time/iteration")
     means = {k: sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1) for k in keys}
     # the compute bound of one iteration's training (a lower bound of the iteration): forward + backward,
-    # 6 FLOPs per parameter per token of every trained row, where the output head (vocab x hidden) runs on
-    # the response tokens only (the engine computes no prompt logits); generation not counted
+    # 6 FLOPs per parameter per token, where a prompt counts once for its n samples (the engine computes a
+    # shared prompt once: plexrl/engines/prefix.py) and the output head (vocab x hidden) runs on the response
+    # tokens only (the engine computes no prompt logits); attention and generation not counted
     import json
 
     from plexrl.job import count_parameters
@@ -162,7 +163,8 @@ def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> d
     prompt = len(spec.task.train[0].prompt_ids) if hasattr(spec.task.train[0], "prompt_ids") else 0
     rows_n = sum(r.get("train/rows", 0.0) for r in rows) / max(len(rows), 1)
     resp = sum(r.get("rollout/response_length", 0.0) for r in rows) / max(len(rows), 1)
-    flops = 6 * rows_n * ((params - head) * (prompt + resp) + head * resp)
+    n = int(loaded.config.pipeline.params.get("n", 8))
+    flops = 6 * rows_n * ((params - head) * (prompt / n + resp) + head * resp)
     zero = run.history[0].get("evaluate/accuracy") if run.history else None
     if zero is not None and (not curve or curve[0][0] != 0):
         curve.insert(0, (0, 0.0, zero))

@@ -34,6 +34,7 @@ from torch import Tensor
 from plexrl.engines import decoding
 from plexrl.engines.base import GenerationOutput, LossFn
 from plexrl.engines.decoding import Decoding
+from plexrl.engines.prefix import shared_prefix_logits
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +134,19 @@ def scored_logprobs(
     column before the first one `scored` (a response mask [N, L]) marks. Rows are laid out as a left-padded
     prompt then the response, so every scored token sits at or after that column: the prompt's logits
     ([N, P, vocab], most of the memory of a step over a short answer) are never made. The columns before are
-    0, like column 0. Without `scored` (or with nothing scored) every column is computed."""
+    0, like column 0. Without `scored` (or with nothing scored) every column is computed. Rows that share
+    their prompt (a group's n samples) share its forward (`plexrl.engines.prefix`)."""
     n, length = ids.shape
     start = 1
     if scored is not None and bool(scored.any()):
         start = max(int(scored.any(0).float().argmax()), 1)
-    logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions(mask), logits_to_keep=length - start + 1, **kw
-    ).logits
+    logits = None
+    if start > 1 and not getattr(model, "is_gradient_checkpointing", False):  # the n samples share a prompt
+        logits = shared_prefix_logits(model, ids, mask, positions(mask), start, _cache_kw(model))
+    if logits is None:
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), logits_to_keep=length - start + 1, **kw
+        ).logits
     lp, ent = token_logprobs(logits, ids[:, start - 1 :], temperature)
     pad = lp.new_zeros(n, start - 1)
     return torch.cat([pad, lp], 1), torch.cat([pad, ent], 1)
