@@ -100,7 +100,7 @@ class Efficiency(StrictModel):
                                   "the training and the rollout engine (each way), s.")  # fmt: skip
     train_reserve_gb: float = Field(ge=0, description="Device memory a training step needs beyond the job's state "
                                     "(activations, buffers), GB per accelerator.")  # fmt: skip
-    cpu_adam_gparams_s: float = Field(4.0, gt=0, description="ZeRO-Offload: billions of parameters one node's "
+    cpu_adam_gparams_s: float = Field(3.9, gt=0, description="ZeRO-Offload: billions of parameters one node's "
                                       "CPUs update per second with CPU-Adam.")  # fmt: skip
 
 
@@ -136,7 +136,18 @@ class Workload(StrictModel):
     steps: int = Field(20, ge=1, description="Training steps per job in the scenario.")
 
 
-Kind = Literal["colocated", "split-sync", "split-async", "plexrl", "plexrl-shared"]
+class LoRA(StrictModel):
+    """Every job of the scenario is a LoRA job: the base is frozen (bf16), only the adapter trains, and its
+    optimizer holds the adapter's state only (so ZeRO-Offload's optimizer offload does not apply)."""
+
+    rank: int = Field(32, ge=1, description="Adapter rank (a label: the size is `params_b`).")
+    params_b: float = Field(gt=0, description="Adapter parameters, billions (all linear layers at `rank`).")
+    decode_overhead: float = Field(0.25, ge=0, description="Extra decode-step time when the rollout applies "
+                                   "adapters unmerged (several adapters in one batch, Punica/S-LoRA kernels); "
+                                   "a single job's rollout merges its adapter into its weights: none.")  # fmt: skip
+
+
+Kind = Literal["colocated", "split-sync", "split-async", "plexrl", "plexrl-shared", "plexrl-engine"]
 
 
 class Deployment(StrictModel):
@@ -149,6 +160,10 @@ class Deployment(StrictModel):
       by `jobs_per_pool` jobs by the planner (on-policy, like split-sync, unless `overlap: one-step`).
     - plexrl-shared: rollout and training of `jobs_per_pool` jobs on one shared pool (this system's own
       layout: colocated jobs multiplexed by the planner).
+    - plexrl-engine: `jobs_per_pool` jobs share one rollout engine on the pool: their rollouts decode in the
+      same continuous batches (another job's sequences fill a job's long tail), their trainings time-slice the
+      pool (`plexrl.sim.engine`; an engine-level model, not the planner). LoRA scenarios: one base, resident
+      once, each job's adapter; otherwise every job's rollout weights on the pool at once (if they fit).
     """
 
     name: str = Field(description="Label in the report.")
@@ -193,6 +208,9 @@ class Deployment(StrictModel):
             raise ValueError("tail_shared needs tail > 0 and kind plexrl-shared (a pool of several jobs)")
         if self.tail and self.kind not in ("colocated", "plexrl-shared"):
             raise ValueError("tail is for kinds colocated and plexrl-shared (it moves the tail off the pool)")
+        if self.kind == "plexrl-engine" and (self.tail or self.resident or self.overlap != "none" or self.tune):
+            raise ValueError("kind plexrl-engine takes no tail, resident, overlap or tune (its rollout shares the "
+                             "pool's engine; see docs/simulator.md)")  # fmt: skip
         if self.resident and self.kind not in ("colocated", "plexrl-shared"):
             raise ValueError("resident is for kinds colocated and plexrl-shared (rollout on the pool)")
         return self
@@ -232,6 +250,8 @@ class Scenario(StrictModel):
     sweep_accelerators: list[str] = Field(default_factory=list, description="Other accelerator profiles to "
                                           "rerun the comparison on (how the saving moves with the GPU).")  # fmt: skip
     tune: Tune = Field(default_factory=Tune, description="Layout grid of the deployments with `tune: true`.")  # type: ignore[arg-type]
+    lora: LoRA | None = Field(None, description="Every job is a LoRA job (its baselines too: the same LoRA job on "
+                              "its own allocation); none: full fine-tuning.")  # fmt: skip
     matched_step: float = Field(1.1, ge=1, description="Headline: the best saving among layouts whose step time is "
                                 "at most this multiple of the strongest baseline's.")  # fmt: skip
 

@@ -35,7 +35,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from plexrl.runtime.sim import SimJob
-from plexrl.sim.config import GB, Accelerator, Efficiency, LengthDist, Model, TrainLayout, Workload
+from plexrl.sim.config import GB, Accelerator, Efficiency, LengthDist, LoRA, Model, TrainLayout, Workload
 
 
 class DoesNotFit(ValueError):
@@ -178,23 +178,37 @@ def rank_params(model: Model, layout: TrainLayout) -> float:
     return (shared / layout.tp + expert / layout.ep) / layout.pp
 
 
-def train_state_bytes(model: Model, layout: TrainLayout) -> int:
+def adapter_bytes(layout: TrainLayout, lora: LoRA) -> int:
+    """Per-accelerator bytes of one LoRA job's own state: the adapter in fp32 with its gradients and two Adam
+    moments (16 bytes per parameter), spread over the pool's tp * pp ranks like the base it adapts."""
+    return int(lora.params_b * 1e9 * 16 / (layout.tp * layout.pp))
+
+
+def train_state_bytes(model: Model, layout: TrainLayout, lora: LoRA | None = None) -> int:
     """Device bytes of one rank's training state: bf16 weights, bf16 gradients (sharded over dp with ZeRO-2),
-    fp32 master weights and Adam moments (12 bytes, sharded with ZeRO >= 1; on the host with offload)."""
+    fp32 master weights and Adam moments (12 bytes, sharded with ZeRO >= 1; on the host with offload). A LoRA
+    job: the frozen bf16 base shard plus its adapter state (`adapter_bytes`)."""
     p = rank_params(model, layout)
+    if lora is not None:
+        return int(2 * p) + adapter_bytes(layout, lora)
     grads = 2 / layout.dp if layout.zero >= 2 else 2.0
     optim = 0.0 if layout.offload else (12 / layout.dp if layout.zero >= 1 else 12.0)
     return int(p * (2 + grads + optim))
 
 
 def train_seconds(
-    acc: Accelerator, model: Model, eff: Efficiency, work: Workload, layout: TrainLayout, tokens: int
-) -> float:
-    """One training step over `tokens` (prompts + responses) on the layout's accelerators."""
-    flops = (6 + 2 * work.forward_passes) * model.active_b * 1e9 * tokens
+    acc: Accelerator, model: Model, eff: Efficiency, work: Workload, layout: TrainLayout, tokens: int,
+    lora: LoRA | None = None,
+) -> float:  # fmt: skip
+    """One training step over `tokens` (prompts + responses) on the layout's accelerators. LoRA: the backward
+    pass computes no gradients of the frozen base weights, so forward + backward is 4 instead of 6 x active
+    params FLOPs per token (LoRA Without Regret, Schulman et al. 2025: ~2/3 of full fine-tuning's compute;
+    the adapter's own FLOPs are under 1% at these ranks), and its small optimizer stays on device (no
+    offload, no CPU-Adam)."""
+    flops = ((4 if lora is not None else 6) + 2 * work.forward_passes) * model.active_b * 1e9 * tokens
     t = flops / (layout.accelerators * acc.peak_tflops * 1e12 * eff.train_mfu)
     t *= 1 + (layout.pp - 1) / layout.microbatches
-    if layout.offload:
+    if layout.offload and lora is None:
         p = rank_params(model, layout)
         t += 4 * p / (acc.host_gbps * GB)  # bf16 gradients down, bf16 weights up
         shard = p / (layout.dp if layout.zero >= 1 else 1)  # the optimizer shard this rank updates
@@ -203,34 +217,42 @@ def train_seconds(
 
 
 def sync_seconds(
-    acc: Accelerator, model: Model, eff: Efficiency, senders: int, replicas: int = 1, tp: int = 1
-) -> float:
-    """Push new bf16 weights from the training pool to `replicas` rollout engines of `tp` accelerators over the
-    network: every replica receives the whole model (its accelerators in parallel), and the senders' links
-    carry one copy per replica."""
-    size = model.params_b * 1e9 * 2
+    acc: Accelerator, model: Model, eff: Efficiency, senders: int, replicas: int = 1, tp: int = 1,
+    lora: LoRA | None = None,
+) -> float:  # fmt: skip
+    """Push new bf16 weights (LoRA: the adapter only) from the training pool to `replicas` rollout engines of
+    `tp` accelerators over the network: every replica receives the whole model (its accelerators in
+    parallel), and the senders' links carry one copy per replica."""
+    size = (lora.params_b if lora is not None else model.params_b) * 1e9 * 2
     wire = max(size * replicas / (acc.net_gbps * GB * senders), size / tp / (acc.net_gbps * GB))
     return wire + eff.sync_fixed_s
 
 
 def switch_seconds(
-    acc: Accelerator, model: Model, eff: Efficiency, layout: TrainLayout, rollout_tp: int, resident: bool = False
-) -> float:
+    acc: Accelerator, model: Model, eff: Efficiency, layout: TrainLayout, rollout_tp: int, resident: bool = False,
+    lora: LoRA | None = None,
+) -> float:  # fmt: skip
     """Colocated: one step's two switches (vLLM sleep level 1 style: the KV cache is dropped, not moved). The
     rollout weights go to host and back; offloaded (`resident=False`), so does the training state."""
-    moved = model.params_b * 1e9 * 2 / rollout_tp + (0 if resident else train_state_bytes(model, layout))
+    state = 0 if resident else train_state_bytes(model, layout, lora)
+    moved = model.params_b * 1e9 * 2 / rollout_tp + state
     return 2 * (moved / (acc.host_gbps * GB) + eff.switch_fixed_s)
 
 
-def host_bytes(model: Model, layout: TrainLayout, rollout_tp: int, jobs: int, on_pool: bool, resident: bool) -> float:
+def host_bytes(
+    model: Model, layout: TrainLayout, rollout_tp: int, jobs: int, on_pool: bool, resident: bool,
+    lora: LoRA | None = None, shared_base: bool = False,
+) -> float:  # fmt: skip
     """Host DRAM per accelerator a pool of `jobs` jobs needs: each job's offloaded optimizer shard, the training
     states swapped out (all but one job's; with the rollout on the pool and offloaded, every job's), and
-    where the rollout is on the pool each job's slept rollout weights (pinned buffers stay allocated)."""
+    where the rollout is on the pool each job's slept rollout weights (pinned buffers stay allocated). LoRA
+    jobs on one base (`shared_base`): only adapters are swapped, and the base's slept weights are held once."""
     p = rank_params(model, layout)
-    optim = 12 * p / (layout.dp if layout.zero >= 1 else 1) if layout.offload else 0.0
-    state = train_state_bytes(model, layout)
+    optim = 12 * p / (layout.dp if layout.zero >= 1 else 1) if layout.offload and lora is None else 0.0
+    state = adapter_bytes(layout, lora) if lora is not None and shared_base else train_state_bytes(model, layout, lora)
     swapped = jobs if on_pool and not resident else jobs - 1
-    weights = jobs * model.params_b * 1e9 * 2 / rollout_tp if on_pool else 0.0
+    copies = 1 if shared_base else jobs
+    weights = copies * model.params_b * 1e9 * 2 / rollout_tp if on_pool else 0.0
     return jobs * optim + swapped * state + weights
 
 

@@ -1,6 +1,8 @@
 """Deployments as configurations: each `Deployment` kind becomes a node graph, a number of services (pools
 of accelerators the planner schedules), per-job dedicated accelerators and a placement, and runs on the
-REAL `Runner` and `Planner` over a `SimExecutor`. No deployment has code of its own beyond its graph.
+REAL `Runner` and `Planner` over a `SimExecutor`. No deployment has code of its own beyond its graph, except
+`plexrl-engine` (several jobs' rollouts in one engine at once, which a planner service cannot run: the
+engine-level model of `plexrl.sim.engine`).
 
 Graphs (`[svc]`: on the job's planner service; `[own]`: on the job's own rollout accelerators, which the
 planner does not share; `[cpu]`: the CPU pool):
@@ -13,6 +15,10 @@ planner does not share; `[cpu]`: the CPU pool):
 Agentic workloads (`tool_stall`) split the rollout in two around a `tool[cpu]` stall. `switch` is the
 colocated engine switch (training state out, rollout weights in, and back); `sync` pushes new weights to
 the rollout engines over the network.
+
+LoRA scenarios (`Scenario.lora`): training at (4 + 2 x forward_passes) / (6 + 2 x forward_passes) of the
+FLOPs, no optimizer offload, adapter-only weight sync; in the plexrl kinds the pool's jobs share one base,
+so the planner moves each job's adapter and moments only.
 
 Accounting: a service is allocated from the start until its last job ends, times its accelerators; a job's
 own rollout accelerators from its placement to its end. Busy = node time on services + own-lane rollout time
@@ -33,12 +39,13 @@ from plexrl.planner import ORDERINGS, NodePlan, placement_policy
 from plexrl.planner.events import Placement
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
-from plexrl.sim.config import GB, Accelerator, Deployment, Efficiency, Model, Scenario, TrainLayout, Workload
+from plexrl.sim.config import GB, Accelerator, Deployment, Efficiency, LoRA, Model, Scenario, TrainLayout, Workload
 from plexrl.sim.costs import (
     Decoder,
     DoesNotFit,
     RolloutSample,
     SampledCosts,
+    adapter_bytes,
     check_host,
     host_bytes,
     lognormal_draws,
@@ -49,7 +56,7 @@ from plexrl.sim.costs import (
     train_state_bytes,
 )
 
-SHARED_ROLLOUT = ("colocated", "plexrl-shared")  # rollout runs on the planner's service
+SHARED_ROLLOUT = ("colocated", "plexrl-shared", "plexrl-engine")  # rollout runs on the pool (its service)
 BASELINES = ("colocated", "split-sync", "split-async")
 OVERLAPPED = "split-async"
 
@@ -71,21 +78,21 @@ class StepTable:
 def step_table(
     acc: Accelerator, model: Model, eff: Efficiency, work: Workload, layout: TrainLayout,
     rollout_acc: int, rollout_tp: int, k: int, seed: int, reserved: float = 0.0, tail: float = 0.0,
-    tail_acc: int = 0,
+    tail_acc: int = 0, lora: LoRA | None = None,
 ) -> StepTable:  # fmt: skip
     if tail:
         from plexrl.sim.tail import tail_samples
 
         cut = tail_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed, reserved, tail, tail_acc)
         samples = [RolloutSample(c.bulk, c.tokens, c.prompt_tokens, c.efficiency) for c in cut]
-        tab = step_table(acc, model, eff, work, layout, rollout_acc, rollout_tp, k, seed, reserved)
+        tab = step_table(acc, model, eff, work, layout, rollout_acc, rollout_tp, k, seed, reserved, lora=lora)
         return dataclasses.replace(
             tab, rollout=tuple(c.bulk for c in cut), tail=tuple(c.tail for c in cut),
             efficiency=_mean_efficiency(samples),
         )  # fmt: skip
     samples, dec = rollout_samples(acc, model, eff, work, rollout_acc, rollout_tp, k, seed, reserved)
     rng = random.Random(f"step/{seed}/{model.name}")
-    train = tuple(train_seconds(acc, model, eff, work, layout, s.tokens + s.prompt_tokens) for s in samples)
+    train = tuple(train_seconds(acc, model, eff, work, layout, s.tokens + s.prompt_tokens, lora) for s in samples)
     stall = work.tool_stall
     return StepTable(
         rollout=tuple(s.seconds for s in samples),
@@ -217,11 +224,16 @@ class _TailSpans(Hook):
         return both / total
 
 
-def job_state(kind: str, model: Model, layout: TrainLayout, rollout_tp: int, resident: bool = False) -> int:
+def job_state(
+    kind: str, model: Model, layout: TrainLayout, rollout_tp: int, resident: bool = False, lora: LoRA | None = None
+) -> int:
     """Per-accelerator bytes of a job's state the planner moves: the training state or, where rollout shares
     the service, the larger of it and the rollout engine's weights (the job's own `switch` swaps the two, so
-    only one is on device when another job's turn comes), or both with a resident training state."""
-    state = train_state_bytes(model, layout)
+    only one is on device when another job's turn comes), or both with a resident training state. LoRA jobs
+    sharing a pool (plexrl kinds) share its base, resident once: each moves its adapter and moments only."""
+    if lora is not None and kind.startswith("plexrl"):
+        return adapter_bytes(layout, lora)
+    state = train_state_bytes(model, layout, lora)
     if kind in SHARED_ROLLOUT:
         weights = int(model.params_b * 1e9 * 2 / rollout_tp)
         state = state + weights if resident else max(state, weights)
@@ -272,25 +284,28 @@ def run_deployment(
     own = own_accelerators(sc, dep)
     r_tp = dep.rollout_tp or sc.rollout_tp
     resident = on_service and dep.resident
-    reserved = float(train_state_bytes(model, layout)) if resident else 0.0
+    lora = sc.lora
+    reserved = float(train_state_bytes(model, layout, lora)) if resident else 0.0
     tables = {} if tables is None else tables
     key = (r_acc, r_tp, resident, dep.tail, own if dep.tail else 0, layout.accelerators)
     if key not in tables:
         tables[key] = step_table(acc, model, eff, work, layout, r_acc, r_tp, sc.rollout_samples, sc.seed, reserved,
-                                 dep.tail, own)  # fmt: skip
+                                 dep.tail, own, lora)  # fmt: skip
     tab = tables[key]
     n = scenario_jobs(sc)
-    check_host(acc, host_bytes(model, layout, r_tp, dep.jobs_per_pool, on_service, resident), dep.name)
+    shared_base = lora is not None and dep.kind.startswith("plexrl")
+    need = host_bytes(model, layout, r_tp, dep.jobs_per_pool, on_service, resident, lora, shared_base)
+    check_host(acc, need, dep.name)
     agentic = work.tool_stall is not None
     nodes, baseline, dedicated = job_graph(dep.kind, dep.overlap, agentic, bool(dep.tail))
     half = tuple(x / 2 for x in tab.rollout) if agentic else tab.rollout
     samples = {"rollout": half, "rollout2": half, "train": tab.train, "verify": tab.verify, "tool": tab.tool,
                "tail": tab.tail}  # fmt: skip
     means = {
-        "switch": switch_seconds(acc, model, eff, layout, r_tp, resident),
-        "sync": sync_seconds(acc, model, eff, min(layout.accelerators, r_acc), r_acc // r_tp, r_tp),
+        "switch": switch_seconds(acc, model, eff, layout, r_tp, resident, lora),
+        "sync": sync_seconds(acc, model, eff, min(layout.accelerators, r_acc), r_acc // r_tp, r_tp, lora),
     }
-    state = job_state(dep.kind, model, layout, r_tp, resident)
+    state = job_state(dep.kind, model, layout, r_tp, resident, lora)
     order = tuple(nodes)
     jobs = [
         SimJob(f"job{i:03d}", nodes, work.steps, means, order, baseline, state, dedicated=dedicated,
@@ -385,7 +400,12 @@ def tune_deployment(
 def run_one(
     sc: Scenario, dep: Deployment, acc: Accelerator | None = None, tables: dict[Any, StepTable] | None = None
 ) -> DeploymentResult:
-    """A deployment as `plexrl simulate` runs it: tuned if it says `tune: true`."""
+    """A deployment as `plexrl simulate` runs it: tuned if it says `tune: true`; `plexrl-engine` by the
+    engine-level model (`plexrl.sim.engine`)."""
+    if dep.kind == "plexrl-engine":
+        from plexrl.sim.engine import run_engine_deployment
+
+        return run_engine_deployment(sc, dep, acc)
     return tune_deployment(sc, dep, acc, tables) if dep.tune else run_deployment(sc, dep, acc, tables)
 
 

@@ -80,7 +80,9 @@ def strongest_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def format_scenario(sc: Scenario, rows: list[dict[str, Any]], sweep: dict[str, list[dict[str, Any]]]) -> str:
     base = strongest_row(rows)
     lines = [
-        f"scenario {sc.name}: {sc.model.name} on {sc.accelerator.name}, {rows[0]['jobs']} jobs x "
+        f"scenario {sc.name}: {sc.model.name}"
+        + (f" LoRA r={sc.lora.rank} jobs" if sc.lora else "")
+        + f" on {sc.accelerator.name}, {rows[0]['jobs']} jobs x "
         f"{sc.workload.steps} steps; strongest baseline (cheapest tuned): {base['deployment']} {base['layout']}",
         f"{'deployment':<28}{'layout':<31}{'policy':<11}{'accel':>6}{'GPU-h/step':>11}{'step s':>8}{'x step':>7}"
         f"{'saving':>8}{'bubble':>8}{'eff.bubble':>11}{'decode eff':>11}{'slowdown':>13}",
@@ -117,6 +119,10 @@ def format_scenario(sc: Scenario, rows: list[dict[str, Any]], sweep: dict[str, l
         if r["layout"].endswith("/pool"):
             lines.append(f"{r['deployment']}: its pool's tails overlapped {r['tail_overlap']:.0%} of the tail time "
                          "(shared tail accelerators; the overlap is not slowed down in this model)")  # fmt: skip
+        if r["kind"] == "plexrl-engine":
+            lines.append(f"{r['deployment']}: two or more jobs' rollouts were in flight together "
+                         f"{r['tail_overlap']:.0%} of the decode time (one engine per pool; an engine-level model, "
+                         "not the planner)")  # fmt: skip
     for acc, srows in sweep.items():
         b, best = strongest_row(srows), headline(sc, srows)
         got = (

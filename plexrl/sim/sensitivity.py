@@ -24,6 +24,13 @@ def _eff(sc: Scenario, **changes: float) -> Scenario:
     return sc.model_copy(update={"efficiency": sc.efficiency.model_copy(update=changes)})
 
 
+def _lora(sc: Scenario, scale: float) -> Scenario:
+    if sc.lora is None:
+        raise ValueError(f"{sc.name}: the decode_overhead knobs need a LoRA scenario (lora: in its YAML)")
+    lora = sc.lora.model_copy(update={"decode_overhead": sc.lora.decode_overhead * scale})
+    return sc.model_copy(update={"lora": lora})
+
+
 KNOBS: dict[str, Callable[[Scenario], Scenario]] = {
     "max_tokens x0.5": lambda sc: _work(sc, max_tokens=sc.workload.response.max_tokens // 2),
     "max_tokens x1.5": lambda sc: _work(sc, max_tokens=int(sc.workload.response.max_tokens * 1.5)),
@@ -36,6 +43,8 @@ KNOBS: dict[str, Callable[[Scenario], Scenario]] = {
     "host_gbps x0.5": lambda sc: sc.model_copy(
         update={"accelerator": sc.accelerator.model_copy(update={"host_gbps": sc.accelerator.host_gbps / 2})}
     ),
+    "decode_overhead x0.4": lambda sc: _lora(sc, 0.4),  # LoRA scenarios: adapters applied unmerged
+    "decode_overhead x2": lambda sc: _lora(sc, 2.0),
 }
 
 
@@ -65,8 +74,8 @@ def headline_band(sc: Scenario, knob: str = "shipped") -> Band:
 
 
 def sensitivity(sc: Scenario, knobs: list[str] | None = None) -> list[Band]:
-    """The shipped headline, then one band per knob (all of `KNOBS` by default)."""
-    names = list(KNOBS) if knobs is None else knobs
+    """The shipped headline, then one band per knob (all of `KNOBS` that apply by default)."""
+    names = [k for k in KNOBS if sc.lora or not k.startswith("decode_overhead")] if knobs is None else knobs
     unknown = [k for k in names if k not in KNOBS]
     if unknown:
         raise ValueError(f"unknown sensitivity knobs {unknown}; known: {sorted(KNOBS)}")
