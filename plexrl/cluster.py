@@ -205,12 +205,16 @@ def estimate_engine_bytes(cfg: JobConfig) -> int:
 
 
 def estimate_weight_bytes(cfg: JobConfig) -> int:
-    """fp32 bytes of the job's model weights (the saved files for `model.path`)."""
+    """fp32 bytes of the job's model weights (for `model.path`: its parameters, whatever dtype the files hold)."""
+    from plexrl.job import model_bytes
     from plexrl.tasks.arithmetic import ALPHABET
 
     m = cfg.model
     if m.path is not None:
-        weights = sum(f.stat().st_size for f in Path(m.path).glob("*.safetensors"))
+        try:
+            weights = model_bytes(Path(m.path))
+        except FileNotFoundError:  # no safetensors weights: preparing the job says so
+            weights = 0
     else:
         vocab = len(ALPHABET) + 3
         per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
@@ -264,7 +268,8 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
                 from plexrl.engines.lora import lora_state_bytes
 
                 need = lora_state_bytes(job.config.model.path, lora.r, list(lora.target_modules))
-                engine, holds, shared = estimate_weight_bytes(job.config), "adapter, 2 AdamW moments", "its base"
+                shared = "its base" + (" and its vLLM engine" if engine else "")  # rollouts on vLLM: both
+                engine, holds = estimate_weight_bytes(job.config) + engine, "adapter, 2 AdamW moments"
             if need + engine > budget:
                 with_engine = f" plus {engine / 2**20:.1f} MiB for {shared}" if engine else ""
                 fix = "; or lower vllm.kv_cache_mb, or set engine: torch" if engine else ""

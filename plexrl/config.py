@@ -32,7 +32,8 @@ class StrictModel(BaseModel):
 class LoRAConfig(StrictModel):
     """Train a low-rank adapter (peft LoRA) instead of every weight: the job's state is the adapter and its
     optimizer; the base is loaded once per service and shared read-only by every LoRA job on it
-    (plexrl/engines/lora.py). Rollouts run on the torch engine."""
+    (plexrl/engines/lora.py). Rollouts run on the torch engine, or on vLLM with the job's adapter applied
+    (`engine:`, the same rule as a full job; plexrl/engines/vllm_lora.py)."""
 
     r: int = Field(16, ge=1, le=1024, description="Rank of the adapter's matrices.")
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator: the update is scaled by alpha / r.")
@@ -311,7 +312,8 @@ class JobConfig(StrictModel):
     engine: Literal["auto", "vllm", "torch"] = Field(
         "auto",
         description="Generation (rollout) engine: vllm, torch, or auto = vllm when installed and the model is "
-        "supported, else torch. Training always runs on torch; the rollout side gets its weights after each update.",
+        "supported (and large enough: vllm.auto_min_params), else torch. Training always runs on torch; the rollout "
+        "side gets its weights after each update (a LoRA job's: its adapter only, under a vLLM LoRARequest).",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]

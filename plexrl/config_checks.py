@@ -1,5 +1,5 @@
 """Checks of a validated job against its compiled pipeline and the machine, run by `plexrl.config.load_job`
-(and `prepare_job` for a LoadedJob built otherwise): chunked nodes, what a LoRA job cannot do yet, whether
+(and `prepare_job` for a LoadedJob built otherwise): chunked nodes, what a LoRA job cannot do, whether
 vLLM can serve the model, and whether the prompt + response budget fits the model's context length. Each
 returns problems (or a reason); none raises or imports user code.
 """
@@ -19,12 +19,16 @@ if TYPE_CHECKING:
 
 
 def lora_problems(config: JobConfig, graph: PipelineGraph | None) -> list[Problem]:
-    """What a LoRA job cannot do yet: generate on vLLM, or train a critic."""
+    """What a LoRA job cannot do: train a critic; with `engine: vllm`, an adapter vLLM cannot apply (its rank or
+    target modules; whether vLLM serves the base is the engine check's)."""
     problems = []
-    if config.engine == "vllm":
-        problems.append(
-            Problem("engine", "a LoRA job generates on the torch engine (vLLM adapters are not wired yet); set auto")
-        )
+    lora = config.model.lora
+    if config.engine == "vllm" and lora is not None:
+        from plexrl.engines.vllm_lora import lora_vllm_problem
+
+        why = lora_vllm_problem(lora.r, lora.target_modules)
+        if why:
+            problems.append(Problem("model.lora", f"{why}; or set `engine: torch` (or auto)"))
     critic = [n.name for n in (graph.nodes if graph else []) if n.operator.name in ("value_estimate", "train_critic")]
     if critic:
         problems.append(

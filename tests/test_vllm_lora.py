@@ -1,5 +1,5 @@
 """vLLM's own LoRA serving, checked on the CPU build (skipped where vLLM is not installed): what a LoRA job's
-rollouts on vLLM would rely on (`engine: vllm` with `model.lora` is refused today; `plexrl/engines/lora.py`).
+rollouts on vLLM rely on (`plexrl/engines/vllm_lora.py`; the jobs themselves: tests/test_lora_vllm.py).
 
 With fp32 weights and greedy decoding, `LLM(enable_lora=True)` + `LoRARequest` generate exactly what peft
 computes for the same adapter: one adapter, a new version of it under a new id (a weight sync after a train

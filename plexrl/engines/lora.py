@@ -17,8 +17,17 @@ Invariants kept:
   exact reproducibility under multiplexing;
 - the base's forward is shared but its use is not concurrent: a service runs one node at a time.
 
-What it does NOT do: apply adapters inside vLLM (LoRA jobs generate on the torch engine), batch several
-jobs' adapters into one forward, or train a critic (PPO) on an adapter.
+dtype (`model.dtype: bfloat16`): the shared base holds and computes in bf16 (half its bytes), while every
+adapter's parameters stay fp32 (peft's `autocast_adapter_dtype`, checked here): the adapter IS the fp32 master,
+AdamW steps it directly, so no master copy is needed and a job's state is the same fp32 adapter + two moments
+as at float32. The LoRA layers compute in fp32 on bf16 activations (peft casts the input) and add onto the
+base's bf16 output. `gradient_checkpointing` recomputes the base's layer activations in the backward pass.
+Both are settings of the shared base: jobs share a base only at one dtype and checkpointing (`base_key`).
+
+Rollouts run on this engine (the torch engine) or, with `engine: vllm` (or auto by the same rule as a full
+job), on a shared vLLM engine that applies the job's adapter (`plexrl/engines/vllm_lora.py`).
+
+What it does NOT do: batch several jobs' adapters into one forward, or train a critic (PPO) on an adapter.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from plexrl.engines.torch_engine import TorchEngine, _copy_tensors
+from plexrl.engines.torch_engine import DTYPES, TorchEngine, _copy_tensors
 
 
 def adapter_name(job_id: str) -> str:
@@ -40,22 +49,42 @@ def adapter_name(job_id: str) -> str:
     return "job_" + hashlib.sha1(job_id.encode()).hexdigest()[:12]
 
 
-def base_key(model_dir: str | Path) -> str:
-    """The key under which jobs share a base on a service: the resolved model directory."""
-    return "lora-base:" + str(Path(model_dir).resolve())
+def base_key(model_dir: str | Path, dtype: str = "float32", gradient_checkpointing: bool = False) -> str:
+    """The key under which jobs share a base on a service: the resolved model directory, and the dtype and
+    gradient checkpointing the base runs with (jobs that differ in them get a base each)."""
+    return (
+        "lora-base:"
+        + str(Path(model_dir).resolve())
+        + ("" if dtype == "float32" else f":{dtype}")
+        + (":checkpointed" if gradient_checkpointing else "")
+    )
 
 
 class SharedBase:
-    """A base model loaded once on a service, with the adapters of the LoRA jobs placed there."""
+    """A base model loaded once on a service, with the adapters of the LoRA jobs placed there. `dtype`: the
+    base's (float32 or bfloat16; adapters are fp32 either way); `gradient_checkpointing`: recompute the base's
+    layer activations in the backward pass (the same gradients, less memory, more compute)."""
 
-    def __init__(self, model_dir: str | Path, device: torch.device, attention: str) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        attention: str,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
+        if dtype not in DTYPES:
+            raise ValueError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.model_dir = Path(model_dir)
         self.device = device
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attention)
+        self.dtype = DTYPES[dtype]
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation=attention)
         self.base = base.to(device)  # type: ignore[arg-type]
         self.base.requires_grad_(False)
+        if gradient_checkpointing:  # non-reentrant: gradients reach the adapters through frozen layers
+            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.base.eval()
         self.model: Any = None  # the PeftModel, made with the first adapter
         self.adapters: dict[str, str] = {}  # job id -> adapter name
@@ -91,6 +120,8 @@ class SharedBase:
             for pname, p in self.model.named_parameters():
                 if f".{name}." not in pname:
                     continue
+                if p.dtype != torch.float32:  # the fp32 master (peft's autocast does it; a bf16 base must not)
+                    p.data = p.data.float()
                 if ".lora_A." in pname:  # kaiming-uniform as peft does, from the job's own generator
                     bound = 1.0 / math.sqrt(p.shape[1])
                     p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))

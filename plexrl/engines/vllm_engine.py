@@ -193,6 +193,7 @@ class SharedLLM:
         enable_prefix_caching: bool = True,
         block_size: int | None = None,
         clock: Callable[[], float] = time.time,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         from plexrl.data.prompts import engine_special_ids
 
@@ -229,6 +230,7 @@ class SharedLLM:
                 # system prompt and a worked example) is computed again for every prompt and sample
                 **({} if block_size is None else {"block_size": block_size}),
                 seed=0,
+                **(engine_args or {}),  # e.g. enable_lora (plexrl/engines/vllm_lora.py)
             )
         self.build_seconds = time.perf_counter() - t0
         log.info("vLLM engine for %s built in %.1fs", model_dir, self.build_seconds)
@@ -258,7 +260,10 @@ class SharedLLM:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         top_p: float = 1.0,
+        lora_request: Any = None,
     ) -> GenerationOutput:
+        """`Engine.generate` on the weights the engine holds; `lora_request`: a vLLM `LoRARequest` applied to
+        every row (an engine built with `enable_lora`), else the weights alone."""
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -289,7 +294,10 @@ class SharedLLM:
             for i in range(len(requests))
         ]
         with self._lock:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False)
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False,
+                lora_request=lora_request,
+            )  # fmt: skip
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         N, T = len(rows), max(1, *(len(c.token_ids) for c in samples))
         ids = torch.full((N, longest), self.pad_id, dtype=torch.long)

@@ -1,0 +1,261 @@
+"""vLLM rollouts for LoRA jobs: `SharedLoRALLM` (one in-process `vllm.LLM` with LoRA enabled, per service,
+base model and LoRA settings) and `VLLMLoRAEngine` (one LoRA job's `Engine`: generation on the shared engine
+under the job's own `LoRARequest`; scoring, training and state on its `LoRAEngine`).
+
+Weights: the BASE is loaded into vLLM once, when the engine is built, and never reloaded for a LoRA job: what
+is a job's there is its adapter only. Before a job generates, its engine makes sure vLLM has the job's adapter
+at the job's current version. If not (it trained since, or never generated here), the adapter is written in
+peft's format (`LoRAEngine.save_pretrained`: megabytes, not the base) into the engine's own temporary
+directory and registered with vLLM under a FRESH int id and name (`LLMEngine.add_lora`); the job's previous
+version is then removed (`LLMEngine.remove_lora`) and its files deleted. That one mechanism is the weight
+sync after `train`, timed and reported as a `WeightLoad` of kind "sync" carrying the adapter's bytes.
+Switching between LoRA jobs loads nothing: each job's current adapter stays registered (up to
+`MAX_CPU_LORAS` adapters; vLLM's LRU cache reloads an evicted one from its files, which stay until the next
+version replaces them).
+
+Prefix caching stays on: vLLM keys a cached KV block by the adapter's name and path, both fresh per version,
+so no block computed under another adapter or another version is ever reused, and nothing is reset.
+
+Numerics: vLLM applies an adapter as peft computes it (tests/test_vllm_lora.py). The engine holds the base in
+fp32 (as a full job's vLLM engine does), whatever `model.dtype` the job trains in. Sampling is seeded per row
+exactly as `SharedLLM.generate` does; one call serves one job (batching several jobs' rows into one call,
+which vLLM allows with a request per prompt, needs the planner to co-schedule their rollouts: not built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from plexrl.engines.base import GenerationOutput
+from plexrl.engines.vllm_engine import DEFAULT_KV_CACHE_BYTES, SharedLLM, WeightLoad, generator_key
+
+if TYPE_CHECKING:
+    from plexrl.engines.lora import LoRAEngine
+
+# vLLM's accepted `max_lora_rank` values (vllm/config/lora.py MaxLoRARanks); an engine serves ranks up to its own
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# projections vLLM's Llama-family models apply adapters to (q/k/v packed as qkv_proj, gate/up as gate_up_proj)
+VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_LORAS = 4  # adapters one engine step may mix (device slots; one job per call uses one)
+MAX_CPU_LORAS = 16  # adapters kept registered (vLLM's LRU cache); beyond, the oldest reloads from its files
+
+
+def lora_rank_slot(r: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that serves an adapter of rank `r`.
+
+    >>> lora_rank_slot(4), lora_rank_slot(16), lora_rank_slot(17)
+    (8, 16, 32)
+    """
+    for slot in VLLM_LORA_RANKS:
+        if slot >= r:
+            return slot
+    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {r}")
+
+
+def lora_vllm_problem(r: int, targets: Sequence[str]) -> str | None:
+    """Why vLLM cannot apply a LoRA adapter of rank `r` on `targets`, or None when it can. Pure (no import of
+    vLLM: whether vLLM can serve the base itself is `vllm_engine.model_problem`)."""
+    if r > VLLM_LORA_RANKS[-1]:
+        return f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; model.lora.r is {r}"
+    other = [t for t in targets if t not in VLLM_LORA_MODULES]
+    if other:
+        return f"vLLM applies adapters to {', '.join(VLLM_LORA_MODULES)} only; model.lora.target_modules has {other}"
+    return None
+
+
+def lora_generator_key(
+    model_dir: str | Path, r: int, max_model_len: int | None = None, block_size: int | None = None
+) -> str:
+    """Jobs whose models share this key share one SharedLoRALLM: `generator_key` (architecture, tokenizer,
+    max_model_len, block size), the LoRA rank slot the engine is built with, and the base itself (its resolved
+    directory, as `lora.base_key`): its weights stay loaded, and an adapter applies to the base it trains on."""
+    import hashlib
+
+    base = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{generator_key(model_dir, max_model_len, block_size)}-lora{lora_rank_slot(r)}-base{base}"
+
+
+def lora_engine_bytes(model_dir: str | Path, r: int, kv_cache_bytes: int) -> int:
+    """Device bytes of a SharedLoRALLM: the fp32 base, the KV cache, and `MAX_LORAS` adapter slots of its rank
+    on every projection (vLLM's LoRA buffers)."""
+    from plexrl.engines.lora import lora_state_bytes
+    from plexrl.job import model_bytes
+
+    slot = lora_state_bytes(model_dir, lora_rank_slot(r), list(VLLM_LORA_MODULES)) // 3  # weights, no moments
+    return model_bytes(Path(model_dir)) + kv_cache_bytes + MAX_LORAS * slot
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """A job's adapter as vLLM holds it: the `LoRARequest` to generate under, its version, files and bytes."""
+
+    request: Any
+    version: int
+    path: Path
+    nbytes: int
+
+
+class SharedLoRALLM(SharedLLM):
+    """A SharedLLM built with `enable_lora`, serving the LoRA jobs of one base on a service: the base weights
+    once, each job's current adapter registered under its own id. `load_weights` (a full job's weight swap)
+    is refused: a LoRA engine's base never changes."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        r: int,
+        eos_id: int | None,
+        pad_id: int | None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        max_model_len: int | None = None,
+        block_size: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.rank = lora_rank_slot(r)
+        lora = {"enable_lora": True, "max_lora_rank": self.rank, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS}
+        super().__init__(
+            model_dir, eos_id=eos_id, pad_id=pad_id, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
+            block_size=block_size, clock=clock, engine_args=lora,
+        )  # fmt: skip
+        self.adapters: dict[str, Registered] = {}  # job id -> its adapter in vLLM
+        self._ids = itertools.count(1)  # vLLM int ids, never reused (a version is a new id)
+        self._dir = Path(tempfile.mkdtemp(prefix="plexrl-vllm-lora-"))
+
+    def load_weights(self, job_id: str, version: int, named: Sequence[tuple[str, Any]]) -> WeightLoad:
+        raise RuntimeError("a LoRA engine's base weights never change: register the job's adapter instead")
+
+    def register(self, job_id: str, version: int, adapter: LoRAEngine) -> WeightLoad:
+        """Write `adapter` (the job's LoRAEngine: its adapter only) and serve it as `job_id`'s at `version`
+        under a fresh id; the job's previous version leaves vLLM and the disk."""
+        from vllm.lora.request import LoRARequest
+
+        with self._lock:
+            start = self.clock()
+            lora_id = next(self._ids)
+            name = f"{adapter.adapter}-v{version}-{lora_id}"  # prefix-cache blocks are keyed by name and path
+            path = self._dir / name
+            adapter.save_pretrained(path)
+            nbytes = (path / "adapter_model.safetensors").stat().st_size
+            request = LoRARequest(name, lora_id, str(path))
+            engine = self.llm.llm_engine
+            engine.add_lora(request)
+            old = self.adapters.get(job_id)
+            self.adapters[job_id] = Registered(request, version, path, nbytes)
+            if old is not None:
+                self._drop(old)
+            self.loads += 1
+            return WeightLoad(job_id, version, "sync", start, self.clock(), nbytes)
+
+    def forget(self, job_id: str) -> None:
+        """Remove the job's adapter from vLLM and its files (the job ended, or its state was replaced)."""
+        with self._lock:
+            old = self.adapters.pop(job_id, None)
+            if old is not None:
+                self._drop(old)
+
+    def _drop(self, old: Registered) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):  # an engine that failed has nothing left to remove
+                self.llm.llm_engine.remove_lora(old.request.lora_int_id)
+        shutil.rmtree(old.path, ignore_errors=True)
+
+    def served(self) -> set[int]:
+        """The int ids vLLM holds (its LRU cache of adapters)."""
+        return set(self.llm.llm_engine.list_loras())
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.adapters.clear()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class VLLMLoRAEngine:
+    """The `Engine` of one LoRA job whose rollouts run on vLLM: `generate` on the shared `SharedLoRALLM` under
+    the job's own LoRARequest, after registering its current adapter when vLLM does not have it; scoring,
+    training and state on the job's `LoRAEngine` (`trainer`). `weight_version` is the trainer's; every rollout is
+    generated at it."""
+
+    def __init__(self, trainer: LoRAEngine, llm: SharedLoRALLM, job_id: str) -> None:
+        self.trainer, self.llm, self.job_id = trainer, llm, job_id
+        self._loads: list[WeightLoad] = []
+
+    @property
+    def weight_version(self) -> int:
+        return self.trainer.weight_version
+
+    def sync(self) -> WeightLoad | None:
+        """Register this job's current adapter with vLLM unless it has it already."""
+        version = self.trainer.weight_version
+        held = self.llm.adapters.get(self.job_id)
+        if held is not None and held.version == version:
+            return None
+        load = self.llm.register(self.job_id, version, self.trainer)
+        self._loads.append(load)
+        return load
+
+    def take_loads(self) -> list[WeightLoad]:
+        """Adapter loads since the last call (the service reports them per node)."""
+        out, self._loads = self._loads, []
+        return out
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        greedy: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        top_p: float = 1.0,
+    ) -> GenerationOutput:
+        try:
+            self.sync()
+            request = self.llm.adapters[self.job_id].request
+            return self.llm.generate(
+                prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
+                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, lora_request=request,
+            )  # fmt: skip
+        except ValueError:
+            raise  # bad input (e.g. too long): the engine is fine
+        except Exception as exc:
+            self.llm.broken = True  # the service rebuilds it for the other jobs
+            raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state(state)
+        self.llm.forget(self.job_id)  # same version number, other adapter: register again before generating
+
+    def release(self) -> None:
+        """The job leaves the service: its adapter leaves vLLM and the shared base."""
+        self.llm.forget(self.job_id)
+        self.trainer.release()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("trainer", "llm", "job_id", "_loads"):
+            raise AttributeError(name)
+        # logprobs, train_step, state_tensors, export_state, save_pretrained, policy, shared, adapter
+        return getattr(self.trainer, name)
+
+
+__all__ = [
+    "MAX_CPU_LORAS",
+    "MAX_LORAS",
+    "SharedLoRALLM",
+    "VLLMLoRAEngine",
+    "lora_engine_bytes",
+    "lora_generator_key",
+    "lora_rank_slot",
+    "lora_vllm_problem",
+]
