@@ -35,18 +35,17 @@ class JobSpec:
     generation: str = "torch"  # the rollout engine `engine:` resolved to: "vllm" or "torch"
     generation_reason: str = ""
     # resuming from a checkpoint (plexrl serve): the first iteration to run, the engine state to load (written
-    # by `Service.checkpoint` after iteration start_iteration - 1), and the MLflow run to continue
-    start_iteration: int = 0
+    # by `Service.checkpoint` after iteration first_iteration - 1), and the MLflow run to continue
+    first_iteration: int = 0
     resume_state: Path | None = None
     resume_run_id: str | None = None
     user: str = ""  # who submitted it (a server's fair-share ordering)
     resume_costs: dict[str, float] = field(default_factory=dict)  # the cost model's node times at the checkpoint
 
     def plan(self) -> JobPlan:
-        """The planner's view of this job's pipeline. A resumed job's plan holds the iterations left and no
-        baseline pass; the planner numbers them from 0 and operators see `planner iteration + start_iteration`
-        (`OpContext.iteration`), so a periodic node stays in phase when start_iteration is a multiple of its
-        `every` (the server checks that)."""
+        """The planner's view of this job's pipeline. Iterations keep their real numbers everywhere (planner,
+        operators' `OpContext.iteration`, hooks, journal): a resumed job's plan starts at `first_iteration`,
+        with no baseline pass, so a periodic node (`every`) stays in phase."""
         chunks = self.config.chunks
         nodes = {
             n.name: NodePlan(
@@ -55,39 +54,26 @@ class JobSpec:
             for n in self.graph.nodes
         }
         order = tuple(self.graph.order)
-        baseline = () if self.start_iteration else tuple(self.baseline_nodes())
-        iterations = self.config.iterations - self.start_iteration
+        baseline = () if self.first_iteration else tuple(self.baseline_nodes())
         costs = tuple(sorted(self.resume_costs.items()))
-        return JobPlan(nodes, iterations, order, baseline, self.state_bytes(), self.engine(), self.user, costs)
+        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine(), self.user,
+                       costs, first_iteration=self.first_iteration)  # fmt: skip
 
     def engine(self) -> tuple[str, int] | None:
         """The shared engine this job needs on its service: (key, device bytes), or None (a torch job of its
         own). Jobs with the same key share one per service: a vLLM engine (one copy of the weights plus the KV
-        cache), or a LoRA base (its weights in `model.dtype`, read-only). A LoRA job that rolls out on vLLM needs
-        both its base and a LoRA-enabled vLLM engine (the fp32 base, the KV cache, its adapter slots: see
-        `vllm_lora.lora_engine_bytes`): one key for the pair, so the jobs of one base and one vLLM setting count
-        both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
-        two keys: the planner counts that base twice, an over-estimate.)"""
-        from plexrl.config_checks import generation_budget
-
-        model, budget = self.config.model, generation_budget(self.config, self.graph)
-        kv = self.config.vllm.kv_cache_mb * 2**20
-        if model.lora is not None:  # a LoRA job shares its base: one copy per service
+        cache), or a LoRA base (its weights, read-only)."""
+        if self.config.model.lora is not None:  # a LoRA job shares its base: one copy per service
             from plexrl.engines.lora import base_key
 
-            base = base_key(self.model_path, model.dtype, model.gradient_checkpointing)
-            base_bytes = model_bytes(self.model_path, model.dtype)
-            if self.generation != "vllm":
-                return base, base_bytes
-            from plexrl.engines.vllm_lora import lora_engine_bytes, lora_generator_key
-
-            key = lora_generator_key(self.model_path, model.lora.r, budget, self.config.vllm.block_size)
-            return f"{base}+{key}", base_bytes + lora_engine_bytes(self.model_path, model.lora.r, kv)
+            return base_key(self.model_path), model_bytes(self.model_path)
         if self.generation != "vllm":
             return None
+        from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import generator_key
 
-        key = generator_key(self.model_path, budget, self.config.vllm.block_size)
+        kv = self.config.vllm.kv_cache_mb * 2**20
+        key = generator_key(self.model_path, generation_budget(self.config, self.graph), self.config.vllm.block_size)
         return key, model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:
@@ -205,11 +191,12 @@ def state_copies(graph: PipelineGraph) -> int:
     return 3 + uses_reference(graph) + 3 * uses_critic(graph)
 
 
-def model_bytes(model_dir: Path, dtype: str = "float32") -> int:
-    """Bytes of the weights saved in a HF model directory once loaded in `dtype` (float32: 4 a parameter,
-    bfloat16: 2), whatever dtype the files hold: parameters counted from the safetensors headers
-    (`count_parameters`), so a bf16 checkpoint is not taken for half its fp32 size."""
-    return count_parameters(model_dir) * (2 if dtype == "bfloat16" else 4)
+def model_bytes(model_dir: Path) -> int:
+    """Bytes of the fp32 weights saved in a HF model directory (safetensors files; header included)."""
+    files = list(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return sum(f.stat().st_size for f in files)
 
 
 def count_parameters(model_dir: Path) -> int:
@@ -288,23 +275,20 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
 def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     """The rollout engine for `engine: auto | vllm | torch`, with the reason: auto picks the torch engine for
     models under `vllm.auto_min_params` parameters (the faster one there; vLLM is not even imported), else
-    vLLM when it is installed and can serve the model (and a LoRA job's adapter), else torch."""
+    vLLM when it is installed and can serve the model, else torch."""
     if cfg.engine == "torch":
         return "torch", "engine: torch"
+    if cfg.model.lora is not None:  # load_job refuses engine: vllm with LoRA
+        return "torch", "engine: auto, and a LoRA job generates with its adapter on the torch engine"
     from plexrl.config import auto_engine_rule
     from plexrl.engines.vllm_engine import model_problem
 
-    if cfg.engine == "auto":  # a LoRA job by the same rule, on its base's size
+    if cfg.engine == "auto":
         small = auto_engine_rule(count_parameters(model_path), cfg.vllm.auto_min_params)
         if small:
             return "torch", f"engine: auto, and {small}"
 
     why = model_problem(model_path)
-    lora = cfg.model.lora
-    if lora is not None and not why:  # vLLM applies the job's adapter (plexrl/engines/vllm_lora.py)
-        from plexrl.engines.vllm_lora import lora_vllm_problem
-
-        why = lora_vllm_problem(lora.r, lora.target_modules)
     if cfg.engine == "vllm":
         if why:
             raise ValueError(f"engine: vllm cannot serve {model_path}: {why}; or set `engine: torch`")

@@ -22,14 +22,14 @@ from plexrl.services import swap as sw
 
 
 class Rows(Hook):
-    """Each iteration's metrics by the job's real iteration, timings left out (they are wall-clock)."""
+    """Each iteration's metrics by the job's iteration (real numbers, a resumed job's too), timings left out
+    (they are wall-clock)."""
 
     def __init__(self) -> None:
         self.rows: dict[int, dict[str, float]] = {}
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
-        real = iteration + run.spec.start_iteration if iteration >= 0 else iteration
-        self.rows[real] = {k: v for k, v in metrics.items() if not k.startswith("time/") and "per_s" not in k}
+        self.rows[iteration] = {k: v for k, v in metrics.items() if not k.startswith("time/") and "per_s" not in k}
 
 
 @pytest.mark.slow
@@ -58,7 +58,7 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path: Path, tiny_config: dict[str
     assert sw.load_checkpoint(path)["iteration"] == 1
 
     resumed = Rows()
-    spec2 = dataclasses.replace(spec, start_iteration=2, resume_state=path)
+    spec2 = dataclasses.replace(spec, first_iteration=2, resume_state=path)
     (run,) = local_runner(hooks=[resumed]).run([spec2])
     assert run.status == "done" and run.iterations_done == 2
     assert sorted(resumed.rows) == [2, 3]  # no baseline pass, iterations numbered as in the first run
@@ -67,7 +67,7 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path: Path, tiny_config: dict[str
     assert "evaluate/accuracy" in resumed.rows[3]  # the periodic evaluation stayed in phase (every 2, and last)
     # and without the checkpoint's state the same iterations differ (the test can fail)
     cold = Rows()
-    local_runner(hooks=[cold]).run([dataclasses.replace(spec, start_iteration=2)])
+    local_runner(hooks=[cold]).run([dataclasses.replace(spec, first_iteration=2)])
     assert any(cold.rows[it] != alone.rows[it] for it in (2, 3))
 
 

@@ -372,7 +372,7 @@ def resumable_prepare(entry: JobEntry) -> SimJob:
     start = 0 if entry.checkpoint_iteration is None else entry.checkpoint_iteration + 1
     nodes = grpo_nodes(every=2)
     return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB,
-                  start_iteration=start, user=entry.user)  # fmt: skip
+                  first_iteration=start, user=entry.user)  # fmt: skip
 
 
 def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Path, job_yaml: Path) -> None:

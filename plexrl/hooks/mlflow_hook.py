@@ -106,8 +106,7 @@ class MlflowHook(Hook):
         run_id = self.runs.get(job.job_id)
         if run_id is None:
             return
-        # step = the job's real iteration + 1 (a resumed job's planner counts from its start_iteration)
-        step = iteration + 1 + (getattr(job.spec, "start_iteration", 0) if iteration >= 0 else 0)
+        step = iteration + 1  # (iterations keep their real numbers: a resumed job's first is not 0)
         if step <= self.logged.get(job.job_id, -1):
             return  # logged by the attempt before the restart (a resumed run repeats it exactly)
         now = int(time.time() * 1000)

@@ -192,7 +192,7 @@ class Planner:
     def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
         if ev.job_id in self.jobs and self.jobs[ev.job_id].status not in TERMINAL:  # an ended job may come again
             raise InvalidTransition(self._history(f"job {ev.job_id!r} submitted twice"))
-        if ev.plan.iterations < 1 or not ev.plan.nodes:
+        if ev.plan.iterations <= ev.plan.first_iteration or not ev.plan.nodes:
             self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
             self._end_job(ev.job_id, "failed", "a job needs at least one iteration and one node", out)
             return
@@ -327,7 +327,7 @@ class Planner:
             load[target] += mine
             views.clear()  # the target's jobs, load and free memory changed
             out.append(PlaceJob(job_id, target, tier))
-            job.iteration = -1 if job.plan.baseline else 0
+            job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
             self._start_iteration(job, out)
         self.pending = still
 
@@ -368,7 +368,7 @@ class Planner:
             out.append(IterationDone(job.job_id, job.iteration))
             if getattr(self.placement, "uses_load", True):
                 self._admission_due = True  # its predicted load settled: a load-aware placement may change
-            job.iteration += 1
+            job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
             if job.iteration >= job.plan.iterations:
                 self._end_job(job.job_id, "done", "", out)
                 return

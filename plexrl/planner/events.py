@@ -49,7 +49,9 @@ class RetryPlan:
 @dataclass(frozen=True, slots=True)
 class JobPlan:
     """A job as the planner sees it: nodes of one iteration (in a deterministic topological order), and
-    `baseline` nodes that also run once, alone, before the first iteration (as iteration -1)."""
+    `baseline` nodes that also run once, alone, before the first iteration (as iteration -1). Iterations carry
+    their real numbers: the job's are `0 .. iterations - 1`, and this run does `first_iteration .. iterations
+    - 1` (a job resumed from the checkpoint after iteration k starts at k + 1, with no baseline pass)."""
 
     nodes: dict[str, NodePlan]
     iterations: int
@@ -63,6 +65,7 @@ class JobPlan:
     # model starts from them instead of the priors
     costs: tuple[tuple[str, float], ...] = ()
     retry: RetryPlan | None = None  # failing cpu nodes run again after a backoff (None: a failure ends the job)
+    first_iteration: int = 0  # the first iteration this run does (0, or the one after a checkpoint)
 
 
 # -- events -------------------------------------------------------------------------------------------

@@ -416,8 +416,7 @@ class Runner:
         path = self.checkpoint_at(run, iteration) if self.checkpoint_at is not None and iteration >= 0 else None
         if path is not None and run.service is not None:
             # runs on the service after the job's last node and before its next one (`Executor.checkpoint`)
-            real = iteration + getattr(run.spec, "start_iteration", 0)
-            handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": real})
+            handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": iteration})
             self._ledger.sent(handle, Pending("checkpoint", run.job_id, run.service, iteration))
 
     def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:

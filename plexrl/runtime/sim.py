@@ -73,13 +73,15 @@ class SimJob:
     dedicated: frozenset[str] = frozenset()
     # node -> durations to draw from (seconds), for cost models that sample (`SampledCosts`)
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
-    # a job resumed after iteration start_iteration - 1 (a server's checkpoint): it runs the iterations left
-    start_iteration: int = 0
+    # a job resumed after iteration first_iteration - 1 (a server's checkpoint): it runs the iterations left,
+    # under their real numbers, with no baseline pass
+    first_iteration: int = 0
     user: str = ""  # who submitted it (fair-share ordering)
 
     def plan(self) -> JobPlan:
-        iterations = self.iterations - self.start_iteration
-        return JobPlan(dict(self.nodes), iterations, self.order, self.baseline, self.state_bytes, user=self.user)
+        baseline = () if self.first_iteration else self.baseline
+        return JobPlan(dict(self.nodes), self.iterations, self.order, baseline, self.state_bytes, user=self.user,
+                       first_iteration=self.first_iteration)  # fmt: skip
 
     def inputs(self, node: str) -> dict[str, str]:
         """Input port -> producing node: one port per dependency, named after it."""

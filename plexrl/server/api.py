@@ -229,7 +229,7 @@ def prepare_entry(
         return spec
     return dataclasses.replace(
         spec,
-        start_iteration=entry.checkpoint_iteration + 1,
+        first_iteration=entry.checkpoint_iteration + 1,
         resume_state=Path(entry.checkpoint),
         resume_run_id=entry.tracking.get("run_id"),
     )

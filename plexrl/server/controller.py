@@ -64,8 +64,8 @@ class JournalHook(Hook):
     `checkpoint_every` iterations (`checkpoint_path`, the runner's `checkpoint_at`; the runner has the executor
     write it on the job's service, in order with the job's nodes, on every executor). Required: a journal that
     cannot be written stops the runner rather than letting it run jobs whose progress nobody would know about
-    after a restart. Comes after the MLflow hook, whose run id it records. Iterations are journalled as the
-    job's real iteration (planner iteration + `spec.start_iteration` of a resumed job).
+    after a restart. Comes after the MLflow hook, whose run id it records. Iterations carry their real numbers
+    (a resumed job's first is the one after its checkpoint: `JobPlan.first_iteration`).
 
     A checkpoint is written to a new file `<dir>/<job>/after-<iteration>.pt` (atomically), THEN journalled
     (`on_checkpoint`), THEN the previous file is removed: a crash at any point leaves the journal naming a
@@ -97,34 +97,29 @@ class JournalHook(Hook):
         self.runner.cancel(run.job_id, entry.reason or "cancelled")  # cancelled while it was being handed over
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
-        self.journal.iteration(run.job_id, self._real(run, iteration), metrics)
-
-    @staticmethod
-    def _real(run: JobRun, iteration: int) -> int:
-        return iteration + getattr(run.spec, "start_iteration", 0) if iteration >= 0 else iteration
+        self.journal.iteration(run.job_id, iteration, metrics)
 
     def checkpoint_path(self, run: JobRun, iteration: int) -> Path | None:
-        """Where to checkpoint `run` after planner iteration `iteration` (None: not now, or never)."""
-        k, real = self.checkpoint_every, self._real(run, iteration)
-        if k is None or iteration < 0 or (real + 1) % k:
+        """Where to checkpoint `run` after iteration `iteration` (None: not now, or never)."""
+        k = self.checkpoint_every
+        if k is None or iteration < 0 or (iteration + 1) % k:
             return None
         spec: Any = run.spec  # a JobSpec, or a simulated job (which has `iterations` itself)
         total = spec.config.iterations if hasattr(spec, "config") else spec.iterations
-        if real + 1 >= total:
+        if iteration + 1 >= total:
             return None  # the job is done: nothing to resume
         assert self.checkpoint_dir is not None
-        return self.checkpoint_dir / run.job_id / f"after-{real}.pt"
+        return self.checkpoint_dir / run.job_id / f"after-{iteration}.pt"
 
     def on_checkpoint(self, run: JobRun, iteration: int, path: Path, error: str | None) -> None:
-        real = self._real(run, iteration)
         if error is not None:
-            self.journal.note(run.job_id, "checkpoint_failed", {"iteration": real, "error": error})
+            self.journal.note(run.job_id, "checkpoint_failed", {"iteration": iteration, "error": error})
             return
         entry = self.journal.get(run.job_id)
         if entry is None or entry.finished:
             return  # ended meanwhile (done, cancelled): nothing will resume from it
         previous = entry.checkpoint
-        self.journal.checkpoint(run.job_id, real, str(path), self.runner.planner.costs.of_job(run.job_id))
+        self.journal.checkpoint(run.job_id, iteration, str(path), self.runner.planner.costs.of_job(run.job_id))
         if previous and previous != str(path):
             Path(previous).unlink(missing_ok=True)
 

@@ -160,7 +160,7 @@ class ClusterView(Hook):
         accuracy = metrics.get(name) if name else _first(metrics, lambda k: k.endswith("/accuracy"))
         with self._lock:
             job = self._job(run)
-            job.steps = run.iterations_done + getattr(run.spec, "start_iteration", 0)
+            job.steps = max(iteration + 1, 0)  # iterations done (real numbers: a resumed job's count on)
             job.reward = reward if reward is not None else job.reward
             job.accuracy = accuracy if accuracy is not None else job.accuracy
 

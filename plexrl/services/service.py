@@ -67,7 +67,7 @@ def run_cpu_node(
 ) -> NodeResult:
     """Run one CPU-pool node of `job` (no engine). Errors are returned, never raised."""
     node = job.graph.node(node_name)
-    ctx = OpContext(job.job_id, iteration + job.start_iteration, node.name, job.config.seed, job.task, job.tokenizer)
+    ctx = OpContext(job.job_id, iteration, node.name, job.config.seed, job.task, job.tokenizer)
     start = clock()
     try:
         out = node.operator.run(ctx, inputs, node.params)
@@ -158,14 +158,12 @@ class Service:
         """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
         freed with the last LoRA job on it; plexrl/engines/lora.py)."""
         from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
-        from plexrl.models import engine_options
 
         lora = job.config.model.lora
         assert lora is not None
-        options = engine_options(job.config.model)  # dtype, gradient_checkpointing: the base's (one per setting)
-        key = base_key(job.model_path, **options)
+        key = base_key(job.model_path)
         if key not in self.bases:
-            self.bases[key] = SharedBase(job.model_path, self.device, job.config.model.attention, **options)
+            self.bases[key] = SharedBase(job.model_path, self.device, job.config.model.attention)
         tok = job.tokenizer
         return LoRAEngine(
             self.bases[key], job.job_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, r=lora.r,
@@ -173,25 +171,11 @@ class Service:
         )  # fmt: skip
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
-        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use);
-        a LoRA job's VLLMLoRAEngine on the shared LoRA-enabled engine for its base (plexrl/engines/vllm_lora.py:
-        the base loaded once, each job's adapter under its own LoRARequest)."""
+        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use)."""
         from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
 
         budget = generation_budget(job.config, job.graph)  # None: the model's positions
-        lora = job.config.model.lora
-        if lora is not None:
-            from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine, lora_generator_key
-
-            key = lora_generator_key(job.model_path, lora.r, budget, job.config.vllm.block_size)
-            if key not in self.generators:
-                self.generators[key] = SharedLoRALLM(
-                    job.model_path, r=lora.r, eos_id=job.tokenizer.eos_token_id, pad_id=job.tokenizer.pad_token_id,
-                    kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20, max_model_len=budget,
-                    block_size=job.config.vllm.block_size, clock=self.clock,
-                )  # fmt: skip
-            return VLLMLoRAEngine(trainer, self.generators[key], job.job_id)
         # jobs share an engine only at one max_model_len and block size
         key = generator_key(job.model_path, budget, job.config.vllm.block_size)
         if key not in self.generators:
@@ -222,9 +206,8 @@ class Service:
         return self.states[job_id].tier
 
     def context(self, job: JobSpec, iteration: int, node: str, chunk: int = 0, chunks: int = 1) -> OpContext:
-        real = iteration + job.start_iteration  # a resumed job's planner counts from 0 (JobSpec.plan)
         engine = self.engines[job.job_id]
-        return OpContext(job.job_id, real, node, job.config.seed, job.task, job.tokenizer, engine, chunk=chunk,
+        return OpContext(job.job_id, iteration, node, job.config.seed, job.task, job.tokenizer, engine, chunk=chunk,
                          chunks=chunks)  # fmt: skip
 
     def run_node(
