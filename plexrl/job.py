@@ -62,18 +62,31 @@ class JobSpec:
     def engine(self) -> tuple[str, int] | None:
         """The shared engine this job needs on its service: (key, device bytes), or None (a torch job of its
         own). Jobs with the same key share one per service: a vLLM engine (one copy of the weights plus the KV
-        cache), or a LoRA base (its weights, read-only)."""
-        if self.config.model.lora is not None:  # a LoRA job shares its base: one copy per service
+        cache), or a LoRA base (its weights in `model.dtype`, read-only). A LoRA job that rolls out on vLLM needs
+        both its base and a LoRA-enabled vLLM engine (the fp32 base, the KV cache, its adapter slots: see
+        `vllm_lora.lora_engine_bytes`): one key for the pair, so the jobs of one base and one vLLM setting count
+        both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
+        two keys: the planner counts that base twice, an over-estimate.)"""
+        from plexrl.config_checks import generation_budget
+
+        model, budget = self.config.model, generation_budget(self.config, self.graph)
+        kv = self.config.vllm.kv_cache_mb * 2**20
+        if model.lora is not None:  # a LoRA job shares its base: one copy per service
             from plexrl.engines.lora import base_key
 
-            return base_key(self.model_path), model_bytes(self.model_path)
+            base = base_key(self.model_path, model.dtype, model.gradient_checkpointing)
+            base_bytes = model_bytes(self.model_path, model.dtype)
+            if self.generation != "vllm":
+                return base, base_bytes
+            from plexrl.engines.vllm_lora import lora_engine_bytes, lora_generator_key
+
+            key = lora_generator_key(self.model_path, model.lora.r, budget, self.config.vllm.block_size)
+            return f"{base}+{key}", base_bytes + lora_engine_bytes(self.model_path, model.lora.r, kv)
         if self.generation != "vllm":
             return None
-        from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import generator_key
 
-        kv = self.config.vllm.kv_cache_mb * 2**20
-        key = generator_key(self.model_path, generation_budget(self.config, self.graph), self.config.vllm.block_size)
+        key = generator_key(self.model_path, budget, self.config.vllm.block_size)
         return key, model_bytes(self.model_path) + kv
 
     def state_bytes(self) -> int:
@@ -191,12 +204,11 @@ def state_copies(graph: PipelineGraph) -> int:
     return 3 + uses_reference(graph) + 3 * uses_critic(graph)
 
 
-def model_bytes(model_dir: Path) -> int:
-    """Bytes of the fp32 weights saved in a HF model directory (safetensors files; header included)."""
-    files = list(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return sum(f.stat().st_size for f in files)
+def model_bytes(model_dir: Path, dtype: str = "float32") -> int:
+    """Bytes of the weights saved in a HF model directory once loaded in `dtype` (float32: 4 a parameter,
+    bfloat16: 2), whatever dtype the files hold: parameters counted from the safetensors headers
+    (`count_parameters`), so a bf16 checkpoint is not taken for half its fp32 size."""
+    return count_parameters(model_dir) * (2 if dtype == "bfloat16" else 4)
 
 
 def count_parameters(model_dir: Path) -> int:
@@ -275,20 +287,23 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
 def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     """The rollout engine for `engine: auto | vllm | torch`, with the reason: auto picks the torch engine for
     models under `vllm.auto_min_params` parameters (the faster one there; vLLM is not even imported), else
-    vLLM when it is installed and can serve the model, else torch."""
+    vLLM when it is installed and can serve the model (and a LoRA job's adapter), else torch."""
     if cfg.engine == "torch":
         return "torch", "engine: torch"
-    if cfg.model.lora is not None:  # load_job refuses engine: vllm with LoRA
-        return "torch", "engine: auto, and a LoRA job generates with its adapter on the torch engine"
     from plexrl.config import auto_engine_rule
     from plexrl.engines.vllm_engine import model_problem
 
-    if cfg.engine == "auto":
+    if cfg.engine == "auto":  # a LoRA job by the same rule, on its base's size
         small = auto_engine_rule(count_parameters(model_path), cfg.vllm.auto_min_params)
         if small:
             return "torch", f"engine: auto, and {small}"
 
     why = model_problem(model_path)
+    lora = cfg.model.lora
+    if lora is not None and not why:  # vLLM applies the job's adapter (plexrl/engines/vllm_lora.py)
+        from plexrl.engines.vllm_lora import lora_vllm_problem
+
+        why = lora_vllm_problem(lora.r, lora.target_modules)
     if cfg.engine == "vllm":
         if why:
             raise ValueError(f"engine: vllm cannot serve {model_path}: {why}; or set `engine: torch`")

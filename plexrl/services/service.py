@@ -158,12 +158,14 @@ class Service:
         """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
         freed with the last LoRA job on it; plexrl/engines/lora.py)."""
         from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
+        from plexrl.models import engine_options
 
         lora = job.config.model.lora
         assert lora is not None
-        key = base_key(job.model_path)
+        options = engine_options(job.config.model)  # dtype, gradient_checkpointing: the base's (one per setting)
+        key = base_key(job.model_path, **options)
         if key not in self.bases:
-            self.bases[key] = SharedBase(job.model_path, self.device, job.config.model.attention)
+            self.bases[key] = SharedBase(job.model_path, self.device, job.config.model.attention, **options)
         tok = job.tokenizer
         return LoRAEngine(
             self.bases[key], job.job_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, r=lora.r,
@@ -171,11 +173,25 @@ class Service:
         )  # fmt: skip
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
-        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use)."""
+        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use);
+        a LoRA job's VLLMLoRAEngine on the shared LoRA-enabled engine for its base (plexrl/engines/vllm_lora.py:
+        the base loaded once, each job's adapter under its own LoRARequest)."""
         from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
 
         budget = generation_budget(job.config, job.graph)  # None: the model's positions
+        lora = job.config.model.lora
+        if lora is not None:
+            from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine, lora_generator_key
+
+            key = lora_generator_key(job.model_path, lora.r, budget, job.config.vllm.block_size)
+            if key not in self.generators:
+                self.generators[key] = SharedLoRALLM(
+                    job.model_path, r=lora.r, eos_id=job.tokenizer.eos_token_id, pad_id=job.tokenizer.pad_token_id,
+                    kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20, max_model_len=budget,
+                    block_size=job.config.vllm.block_size, clock=self.clock,
+                )  # fmt: skip
+            return VLLMLoRAEngine(trainer, self.generators[key], job.job_id)
         # jobs share an engine only at one max_model_len and block size
         key = generator_key(job.model_path, budget, job.config.vllm.block_size)
         if key not in self.generators:
