@@ -10,7 +10,7 @@ from plexrl.batch import LogProbs, Prompts, Rollouts
 from plexrl.operator import OpContext, operator
 
 
-@operator(placement="service", chunk_input="prompts")
+@operator(placement="service", chunk_input="prompts", sliceable=True)
 def rollout(
     prompts: Prompts,
     ctx: OpContext,
@@ -27,7 +27,10 @@ def rollout(
     prompt. Runs on the job's generation engine (vLLM or torch, `engine:` in the job config). No prompts: an
     empty rollout (0 rows), without calling the engine. Chunkable (`chunks: {rollout: C}` in the job config):
     chunk k samples the groups of prompts `chunk_rows(P, k, C)` with its own seed; the node's output is the
-    concatenation of the C chunks (`Rollouts.concat`)."""
+    concatenation of the C chunks (`Rollouts.concat`). Sliceable (`slices: {rollout: K}`: decode-step
+    preemption, `plexrl/engines/slicing.py`): the generation runs K decode steps per slice and pauses on the
+    service in between; the last slice returns the rollout, with `token_versions` (the weight version of each
+    token's slice)."""
     import torch
 
     engine, tok = ctx.engine, ctx.tokenizer
@@ -39,10 +42,18 @@ def rollout(
             prompt_len=0, response_lengths=torch.zeros(0, dtype=torch.long), finish_reasons=[], completions=[],
             answers=[], group_size=n, temperature=temperature, weight_version=version,
         )  # fmt: skip
-    gen = engine.generate(
-        prompts.token_ids, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout"),
-        top_p=top_p, stop=stop,
-    )  # fmt: skip
+    kwargs = dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout"), top_p=top_p,
+                  stop=stop)  # fmt: skip
+    versions = None
+    if ctx.slice is None:
+        gen = engine.generate(prompts.token_ids, **kwargs)
+    else:  # one slice of decode steps; raises SlicePaused until the last one (the service keeps the generation)
+        from plexrl.engines.slicing import generate_slice, token_versions
+
+        gen = generate_slice(engine, ctx.slice, prompts.token_ids, **kwargs)
+        version = min(ctx.slice.versions)  # the oldest weights that sampled a token (on-policy: all the same)
+        off_response = torch.full_like(gen.prompt_ids.cpu(), -1)
+        versions = torch.cat([off_response, token_versions(ctx.slice, gen.response_mask)], 1)
     lp = gen.prompt_ids.shape[1]
     input_ids = torch.cat([gen.prompt_ids, gen.response_ids], 1).cpu()
     attention = torch.cat([gen.prompt_mask, gen.response_mask], 1).cpu()
@@ -62,6 +73,7 @@ def rollout(
         temperature=temperature,
         weight_version=version,
         positions=[r for r in prompts.positions for _ in range(n)],
+        token_versions=versions,
     )
 
 

@@ -79,6 +79,9 @@ class Rollouts(Batch):
     - `response_lengths` [N] long; `finish_reasons[i]` in {"stop", "length"}; `completions[i]` decoded text.
     - `group_size` G; `answers[i]` ground truth per row; `weight_version` of the policy that sampled every
       row (one generate call samples all rows at one version; on-policy `train` checks it is the latest).
+    - `token_versions` [N, L] long or None: the weight version that sampled each response token (-1 elsewhere),
+      from a rollout run in slices of decode steps (`slices:`); `weight_version` is then the oldest of them.
+      None: every token at `weight_version`.
     """
 
     input_ids: Tensor
@@ -94,6 +97,7 @@ class Rollouts(Batch):
     temperature: float
     weight_version: int = 0
     positions: list[int] = field(default_factory=list)
+    token_versions: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -134,7 +138,7 @@ class Rollouts(Batch):
         def cat(name: str, value: float) -> Tensor:
             padded = []
             for x in full:
-                t = getattr(x, name)
+                t = getattr(x, name) if name != "token_versions" else x.versions()
                 left, right = lp - x.prompt_len, width - (t.shape[1] - x.prompt_len)
                 padded.append(torch.nn.functional.pad(t, (left, right), value=value))
             return torch.cat(padded)
@@ -147,7 +151,17 @@ class Rollouts(Batch):
             completions=[c for x in full for c in x.completions], answers=[a for x in full for a in x.answers],
             group_size=first.group_size, temperature=first.temperature, weight_version=first.weight_version,
             positions=[r for x in full for r in x.positions] if known else [],
+            token_versions=cat("token_versions", -1) if any(x.token_versions is not None for x in full) else None,
         )  # fmt: skip
+
+    def versions(self) -> Tensor:
+        """[N, L] long: the weight version of each response token, -1 elsewhere (`token_versions`, or every
+        response token at `weight_version`)."""
+        import torch
+
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.where(self.response_mask > 0, self.weight_version, -1).long()
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.completions), 1)

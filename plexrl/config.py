@@ -335,6 +335,14 @@ class JobConfig(StrictModel):
         "operators (`rollout`); 1 or absent: the node runs whole. Chunking changes the samples (per-chunk "
         "seeds), not what multiplexing does to them.",
     )
+    slices: dict[str, Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
+        default_factory=dict,
+        description="Decode-step preemption: pipeline node name -> decode steps per slice, e.g. `{rollout: 16}`. "
+        "The node's generation runs K steps at a time and pauses in between (its KV cache kept on the service, "
+        "its job kept on device), so the service may run another job's node between two slices. Only sliceable "
+        "service operators (`rollout`). The torch engine samples exactly what an unsliced run samples; vLLM "
+        "resubmits unfinished rows with their prefix (partial rollouts: same distribution, other samples).",
+    )
 
     @model_validator(mode="after")
     def _warm_start_fits(self) -> JobConfig:
@@ -470,6 +478,9 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
             pass
     if config is not None and graph is not None:
         problems += chunk_problems(config.chunks, graph) + budget_problems(config, graph)
+        from plexrl.config_checks import slice_problems
+
+        problems += slice_problems(config.slices, graph)
     if config is not None and config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         problems.append(
             Problem(

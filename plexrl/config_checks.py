@@ -65,6 +65,28 @@ def chunk_problems(chunks: dict[str, int], graph: PipelineGraph) -> list[Problem
     return problems
 
 
+def slice_problems(slices: dict[str, int], graph: PipelineGraph) -> list[Problem]:
+    """What is wrong with `slices` (decode-step preemption) for this pipeline: every named node must exist and
+    have a sliceable operator (one whose generation pauses between decode steps: `rollout`)."""
+    problems = []
+    names = [n.name for n in graph.nodes]
+    for name in slices:
+        where = f"slices.{name}"
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(Problem(where, f"no pipeline node {name!r}; {hint}nodes: {', '.join(names)}"))
+        elif not graph.node(name).operator.sliceable:
+            op = graph.node(name).operator
+            able = sorted(n.name for n in graph.nodes if n.operator.sliceable) or ["none in this pipeline"]
+            why = (
+                f"operator {op.name!r} of node {name!r} cannot run in slices of decode steps (only a sliceable "
+                f"service operator can); remove it. Sliceable nodes here: {', '.join(able)}"
+            )
+            problems.append(Problem(where, why))
+    return problems
+
+
 def vllm_problem(model: ModelConfig) -> str | None:
     """Why vLLM cannot generate for this model (not installed, unsupported architecture or head size)."""
     from plexrl.engines.vllm_engine import VLLM_EXTRA_HINT, config_problem, model_problem, vllm_installed

@@ -63,6 +63,9 @@ class OpContext:
     extra: dict[str, Any] = field(default_factory=dict)
     chunk: int = 0
     chunks: int = 1
+    # a sliced node's `plexrl.engines.slicing.SliceSlot` (`JobConfig.slices`, decode-step preemption): where its
+    # paused generation waits between slices, kept by the service; None: the node runs whole
+    slice: Any = None
 
     def seed(self, *keys: object) -> int:
         if self.chunks > 1:
@@ -103,6 +106,7 @@ class Operator:
         *,
         inline: bool = True,
         chunk_input: str | None = None,
+        sliceable: bool = False,
     ) -> None:
         if placement not in ("service", "cpu"):
             raise ValueError(f"placement must be 'service' or 'cpu', got {placement!r}")
@@ -139,6 +143,9 @@ class Operator:
             raise TypeError(f"operator {self.ref}: return annotation must be a Batch subclass, got {out!r}")
         self.output: type[Batch] = out
         self.chunk_input = chunk_input  # the row-sliceable input of a chunkable service operator (`chunkable`)
+        if sliceable and placement != "service":
+            raise TypeError(f"operator {self.ref}: only service operators run in slices (sliceable=True)")
+        self.sliceable = sliceable  # its generation may pause between decode steps (`OpContext.slice`)
         if chunk_input is not None:
             self._check_chunkable(chunk_input)
         self.params_model: type[BaseModel] = create_model(
@@ -224,15 +231,22 @@ def _port_type(hint: Any) -> tuple[type[Batch] | None, bool]:
 
 
 def operator(
-    placement: Placement, name: str | None = None, *, inline: bool = True, chunk_input: str | None = None
+    placement: Placement,
+    name: str | None = None,
+    *,
+    inline: bool = True,
+    chunk_input: str | None = None,
+    sliceable: bool = False,
 ) -> Callable[[Callable[..., Batch]], Operator]:
     """Decorator turning a typed function into an `Operator` (see the module docstring). `inline=False` keeps
     a cpu operator on the CPU pool even when it is fast (the DaskDriver otherwise runs CPU nodes observed
     under `inline_below` in the driver process): use it for tool calls and anything that runs untrusted code.
-    `chunk_input`: the input a chunked node slices by rows (a chunkable service operator, see above)."""
+    `chunk_input`: the input a chunked node slices by rows (a chunkable service operator, see above).
+    `sliceable`: a service operator whose generation runs in slices of decode steps when its node is in the
+    job's `slices` (it generates through `plexrl.engines.slicing.generate_slice` with `ctx.slice`)."""
 
     def wrap(fn: Callable[..., Batch]) -> Operator:
-        return Operator(fn, placement, name, inline=inline, chunk_input=chunk_input)
+        return Operator(fn, placement, name, inline=inline, chunk_input=chunk_input, sliceable=sliceable)
 
     return wrap
 

@@ -28,6 +28,9 @@ class NodeReport:
     weight_loads: list[tuple[str, float, float, int]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # output.metrics(), per-iteration scalars
     measured: dict[str, int] = field(default_factory=dict)  # state bytes of jobs moved off device before it
+    # a slice of a sliced node that ended before the node (decode-step preemption): no output and no metrics;
+    # its generation waits, paused, on the service for the node's next slice
+    paused: bool = False
 
     @property
     def ok(self) -> bool:

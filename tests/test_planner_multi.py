@@ -255,6 +255,8 @@ def test_random_event_sequences_keep_every_invariant_and_finish_every_job(seed: 
                 ins.job_id, ins.iteration, ins.node, ok=ok, error=None if ok else "x", duration=rng.random()
             )
             ev = replace(ev, swap_bytes=rng.randint(0, 100), swap_seconds=rng.random() / 10)
+            if ok and ins.service_id is not None and rng.random() < 0.2:
+                ev = replace(ev, paused=True)  # a slice of decode steps ended before its node (sliced nodes)
             apply(p.handle(ev))
         else:
             live = [j for j in jobs if j not in ended]

@@ -43,6 +43,19 @@ def test_chunks_are_kept_until_the_last_one_joins_them() -> None:
     assert forget == [1, 2] and it.outputs == {"roll": 3} and it.parts == {} and it.seconds == {"roll": 3.0}
 
 
+def test_a_paused_slice_is_forgotten_and_its_seconds_add_up_to_the_last_slices() -> None:
+    led = Ledger()
+    led.iters["j"] = Iteration(0.0)
+    for h in (1, 2):  # two slices of a sliced rollout that paused: no output, no metrics, seconds counted
+        paused = NodeReport("j", 0, "roll", None, 0.0, 1.0, paused=True)
+        event, forget = led.node_report(h, node("j", "roll"), paused)
+        assert event == NodeFinished("j", 0, "roll", True, None, 1.0, paused=True) and forget == [h]
+    event, forget = led.node_report(3, node("j", "roll"), report("j", "roll", 0, 1))
+    it = led.iters["j"]
+    assert not event.paused and forget == [] and it.outputs == {"roll": 3} and it.seconds == {"roll": 3.0}
+    assert it.metrics == {"roll": {"loss": 1.5}}
+
+
 def test_a_failed_node_hands_back_its_output_and_its_parts() -> None:
     led = Ledger()
     led.iters["j"] = Iteration(0.0)

@@ -13,8 +13,9 @@ same tokens, with the same log-probs, as one that never paused:
   a quarter of the rows still in it: at the same steps whether or not the generation paused, so the forward
   passes are the same too. Rows still running keep their KV cache across a pause.
 
-What it does NOT do: move a paused generation's KV cache off the device (it stays where the engine is), or
-decide when to pause (a caller's `max_steps`; the planner's choice once wired).
+What it does NOT do: move a paused generation's KV cache off the device (it stays where the engine is: the
+planner keeps a job with a paused generation resident), or decide when to pause (the caller's `max_steps`: a
+job's `slices`, through `plexrl/engines/slicing.py`).
 """
 
 from __future__ import annotations

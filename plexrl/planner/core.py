@@ -16,7 +16,10 @@ States (each change goes through one table; an illegal move raises `InvalidTrans
 - job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
 - node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
   go waiting -> done directly; a failed cpu node with runs left (`JobPlan.retry`) goes running -> backoff
-  -> running: while it waits, its job counts as away for the predicted backoff left plus the node's time.
+  -> running: while it waits, its job counts as away for the predicted backoff left plus the node's time;
+  a slice of a sliced service node that ends before the node (`NodeFinished(paused=True)`) goes running ->
+  paused -> running: its next slice is queued on the service like any node, and its job, whose paused
+  generation waits there, is never evicted meanwhile (`slices.py`).
 
 Invariants (`validate()`; the runner and the tests run it after every event): a service runs at most
 one node, of a job placed on it, whose state is on device (DESIGN.md invariant 3); what a service runs or
@@ -73,6 +76,8 @@ from plexrl.planner.records import (
     ServiceRecord,
 )
 from plexrl.planner.shares import Usage
+from plexrl.planner.slices import paused_jobs, record_slice, slices_done
+from plexrl.planner.slices import violation as slice_violation
 from plexrl.planner.state import Move, NoRoom, StateManager
 from plexrl.planner.views import next_job, ordering_view
 
@@ -218,9 +223,13 @@ class Planner:
         plan = job.plan.nodes[ev.node]
         job.cpu_started.pop(ev.node, None)
         runs = job.runs.pop(ev.node, 1)
+        if ev.paused and (not ev.ok or plan.placement != "service"):
+            raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} paused, but only a service node can"))
         if ev.ok:
             job.work_done += ev.duration
-            self.costs.observe(ev.job_id, ev.node, ev.duration)
+            seconds = record_slice(job, ev.node, ev.duration, ev.paused)  # a sliced node's: all its slices
+            if not ev.paused:
+                self.costs.observe(ev.job_id, ev.node, seconds)
             self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
@@ -236,6 +245,10 @@ class Planner:
                 return
             after = f" (after {runs} runs)" if runs > 1 else ""
             self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}{after}", out)
+            return
+        if ev.paused:  # a slice ended before its node: the next slice waits for the service like any node
+            self._set_node(job, ev.node, "paused")
+            self._queue(job, ev.node)
             return
         if plan.chunks > 1 and job.chunk.get(ev.node, 0) + 1 < plan.chunks:  # more chunks: queue the next
             job.chunk[ev.node] = job.chunk.get(ev.node, 0) + 1
@@ -415,20 +428,26 @@ class Planner:
         if not candidates:
             return
         view = self._ordering_view(svc)
-        pool = [svc.queue[i] for i in candidates]
-        pick = self.ordering.pick(pool, now, view)
-        if pick < 0:
-            return  # the ordering waits for a job about to be ready (`Slowdown.hold_s`): the next event decides
-        index = candidates[pick]
-        q = svc.queue[index]
-        job = self.jobs[q.job_id]
         use_in = next_use(svc, self.jobs, self.costs.predict, now)
-        try:
-            swaps = svc.state.make_resident(q.job_id, use_in, busy)
-        except NoRoom as exc:
-            if busy:  # lookahead: the device cannot hold it beside the running job; send it later
-                return
-            raise InvalidTransition(self._history(str(exc))) from None  # budgets are validated at submission
+        pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
+        while candidates:
+            pick = self.ordering.pick([svc.queue[i] for i in candidates], now, view)
+            if pick < 0:
+                return  # the ordering waits for a job about to be ready (`Slowdown.hold_s`): the next event decides
+            index = candidates[pick]
+            q = svc.queue[index]
+            try:
+                swaps = svc.state.make_resident(q.job_id, use_in, pinned)
+                break
+            except NoRoom as exc:
+                if busy:  # lookahead: the device cannot hold it beside the running job; send it later
+                    return
+                if pinned <= {q.job_id}:  # budgets are validated at submission
+                    raise InvalidTransition(self._history(str(exc))) from None
+                candidates.remove(index)  # it cannot run beside a paused generation (kept resident); another may
+        else:
+            return
+        job = self.jobs[q.job_id]
         svc.queue.pop(index)
         svc.prefetching, svc.resident = None, q.job_id
         self._set_node(job, q.node, "running")
@@ -440,12 +459,13 @@ class Planner:
         prefetch: list[Move] = []
         nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | {q.job_id})
         if nxt is not None:
-            prefetch = svc.state.prefetch(nxt, use_in, busy | {q.job_id})
+            prefetch = svc.state.prefetch(nxt, use_in, pinned | {q.job_id})
             if prefetch:
                 svc.prefetching = nxt
         chunks = job.plan.nodes[q.node].chunks
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
-                           chunk=job.chunk.get(q.node, 0), chunks=chunks))  # fmt: skip
+                           chunk=job.chunk.get(q.node, 0), chunks=chunks,
+                           slice=slices_done(job, q.node)))  # fmt: skip
 
     def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
         return ordering_view(svc, self.jobs, self.costs, self.usage, self.gap_after, self.clock())
@@ -524,7 +544,7 @@ class Planner:
     def validate(self) -> None:
         """Check every invariant (`checks.first_violation`); raise `InvalidTransition` with history on the first
         violation."""
-        problem = first_violation(self.jobs, self.services)
+        problem = first_violation(self.jobs, self.services) or slice_violation(self.jobs, self.services)
         if problem is not None:
             raise InvalidTransition(self._history(problem))
 

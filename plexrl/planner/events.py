@@ -101,6 +101,9 @@ class NodeFinished:
     duration: float = 0.0  # the node's own run time (swaps excluded): what the cost model learns
     swap_bytes: int = 0  # state bytes moved before the node ran (blocking part)
     swap_seconds: float = 0.0
+    # a slice of a sliced service node ended before the node did (decode-step preemption): its generation
+    # waits, paused, on the service, and the planner queues the node's next slice there
+    paused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +161,7 @@ class RunNode:
     inline: bool = False  # cpu node predicted tiny: an executor may run it next to its inputs, off the pool
     chunk: int = 0  # which chunk of a chunked service node this is (of `chunks`)
     chunks: int = 1
+    slice: int = 0  # which slice of a sliced service node this is (> 0: it resumes the paused generation)
     attempt: int = 1  # which run of the node this is (> 1: after failed runs and their backoff, `RetryPlan`)
 
 

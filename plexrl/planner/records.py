@@ -11,7 +11,7 @@ from plexrl.planner.policies import QueuedNode
 from plexrl.planner.state import StateManager
 
 JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
-NodeStatus = Literal["waiting", "ready", "running", "backoff", "done"]
+NodeStatus = Literal["waiting", "ready", "running", "paused", "backoff", "done"]
 
 JOB_TRANSITIONS: set[tuple[JobStatus, JobStatus]] = {
     ("queued", "placed"),
@@ -29,12 +29,24 @@ NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
     ("running", "ready"),  # a chunk of a chunked service node ended; the next one waits for the service
     ("running", "backoff"),  # a cpu node failed with runs left (`JobPlan.retry`): it waits, then runs again
     ("backoff", "running"),
+    ("running", "paused"),  # a slice of a sliced service node ended, the node did not: its next slice is queued
+    ("paused", "running"),
 }
 TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
 
 
 class InvalidTransition(RuntimeError):
     """An illegal state move; the message carries the planner's recent history."""
+
+
+@dataclass(slots=True)
+class SliceProgress:
+    """The slices a sliced service node has run this iteration (decode-step preemption): how many, the seconds
+    they took, and the last one's seconds."""
+
+    slices: int = 0
+    seconds: float = 0.0
+    last: float = 0.0
 
 
 @dataclass(slots=True)
@@ -58,6 +70,8 @@ class JobRecord:
     work_done: float = 0.0  # seconds its finished nodes took (the `Slowdown` ordering's solo pace)
     runs: dict[str, int] = field(default_factory=dict)  # cpu node -> its runs this iteration (retries: > 1)
     backoff: dict[str, float] = field(default_factory=dict)  # cpu node in `backoff` -> when it runs again
+    # sliced service node with a paused generation (`paused`, or running a later slice) -> its slices so far
+    slices: dict[str, SliceProgress] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from plexrl.planner.gaps import due, projected_slowdown
 from plexrl.planner.policies import OrderingPolicy, OrderingView, job_pace
 from plexrl.planner.records import JobRecord, ServiceRecord
 from plexrl.planner.shares import Usage
+from plexrl.planner.slices import node_rest
 
 
 def ordering_view(
@@ -21,8 +22,8 @@ def ordering_view(
     gap_after: Callable[[str, str], float],
     now: float,
 ) -> OrderingView:
-    """The `OrderingView` of `svc` at `now`: its resident job, predicted node, swap and gap times, users and
-    their usage, projected slowdowns, due times and paces."""
+    """The `OrderingView` of `svc` at `now`: its resident job, predicted node (what is left of a paused one:
+    `slices.node_rest`), swap and gap times, users and their usage, projected slowdowns, due times and paces."""
 
     def swap_time(job_id: str) -> float:
         if svc.state.on_device(job_id):
@@ -31,7 +32,7 @@ def ordering_view(
 
     resident = svc.resident if svc.resident is not None and svc.state.on_device(svc.resident) else None
     return OrderingView(
-        resident, lambda q: costs.predict(q.job_id, q.node), swap_time,
+        resident, lambda q: node_rest(jobs[q.job_id], q.node, costs.predict), swap_time,
         lambda q: gap_after(q.job_id, q.node), lambda j: jobs[j].plan.user,
         lambda u: usage.value(u, now), lambda j: projected_slowdown(jobs[j], costs.predict, now),
         lambda: due(svc, jobs, costs.predict, gap_after, now),

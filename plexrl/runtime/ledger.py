@@ -61,7 +61,8 @@ class Ledger:
     def node_report(self, handle: Handle, p: Pending, rep: NodeReport) -> tuple[NodeFinished, list[Handle]]:
         """A node's report: the planner's event, and the handles to forget. A failed node's output and its
         chunk parts go; a finished chunk that is not the last is kept for the last one (its seconds add up);
-        the last chunk's (or an unchunked node's) handle becomes the node's output and the parts it joined go."""
+        the last chunk's (or an unchunked node's) handle becomes the node's output and the parts it joined go;
+        a paused slice of a sliced node (`paused`) has no output: its handle goes, its seconds add up."""
         it = self.iters.get(p.job_id)
         duration = rep.end - rep.start
         if rep.error is not None:
@@ -70,8 +71,10 @@ class Ledger:
             return event, [handle, *parts]
         forget: list[Handle] = []
         task = p.task
-        if it is None:
+        if it is None or rep.paused:  # (a paused slice has no output: the node's last slice makes it)
             forget = [handle]
+            if it is not None:
+                it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration
         elif task is not None and task.chunk < task.chunks - 1:  # a part of a chunked node: kept for its last chunk
             it.parts.setdefault(rep.node, []).append(handle)
             it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration
@@ -81,7 +84,9 @@ class Ledger:
             it.seconds[rep.node] = it.seconds.get(rep.node, 0.0) + duration  # (the chunks of a chunked node)
             forget = it.parts.pop(rep.node, [])  # joined into the last chunk's output
         swap_seconds = rep.swap_end - rep.swap_start
-        event = NodeFinished(p.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds)
+        event = NodeFinished(
+            p.job_id, rep.iteration, rep.node, True, None, duration, rep.swap_bytes, swap_seconds, rep.paused
+        )
         return event, forget
 
 

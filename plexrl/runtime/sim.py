@@ -16,6 +16,9 @@ Contract (what it models):
   (the rollout of a split deployment): one after another on the job's own lane, outside the CPU pool;
   their time is counted per job (`dedicated_busy`).
 - Loads take `costs.load_seconds(job, nbytes)` on the job's service and occupy it.
+- A node in a job's `slice_s` (decode-step preemption) runs its drawn time in slices of at most that many
+  seconds: each slice but the last is reported `paused` (no output), and the next slice, sent again by the
+  planner, runs what is left.
 - `wait` advances the clock to the earliest completion and returns everything that ends at that instant,
   in submission order. `failures` (service id -> virtual time) lose services: work that ends at or before
   that time is still returned; the rest on that service is dropped, never returned, and `lost()` names the
@@ -68,6 +71,9 @@ class SimJob:
     baseline: tuple[str, ...] = ()
     state_bytes: int = 0
     tails: frozenset[str] = frozenset()
+    # service node -> seconds of one slice (decode-step preemption): the node's drawn time runs as slices of at
+    # most this, each but the last reported paused (a slice of K decode steps, as a time)
+    slice_s: Mapping[str, float] = field(default_factory=dict)
     model_dir: Path | None = None
     # nodes run on the job's own accelerators, not on a planner service nor on the CPU pool (see the module)
     dedicated: frozenset[str] = frozenset()
@@ -272,6 +278,7 @@ class SimExecutor:
         self._ids = itertools.count()
         self._lane_free: dict[str, float] = {}  # job -> when its dedicated lane is free
         self.dedicated_busy: dict[str, float] = {}  # job -> seconds its dedicated nodes ran
+        self._left: dict[tuple[str, int, str, int], float] = {}  # a paused sliced node -> its seconds left
 
     def _clock(self) -> float:
         return self.now
@@ -353,14 +360,22 @@ class SimExecutor:
             report = NodeReport(task.job_id, task.iteration, task.node, f"swap failed: {error}", t, t,
                                    swap_start, t, moved, measured=measured)  # fmt: skip
             return t, report
-        end = t + self.costs.duration(job, task.iteration, task.node) / task.chunks  # chunks share the node's time
+        run = self.costs.duration(job, task.iteration, task.node) / task.chunks  # chunks share the node's time
+        cap, paused = job.slice_s.get(task.node), False
+        if cap is not None:  # a sliced node: what is left of it, at most `cap` seconds of it now
+            key = (task.job_id, task.iteration, task.node, task.chunk)
+            left = self._left.pop(key, run)
+            run, paused = min(left, cap), left > cap * (1 + 1e-9)  # (no sliver of a slice at the end)
+            if paused:
+                self._left[key] = left - cap
+        end = t + run
         svc.free_at = end
         svc.busy_seconds += end - t
         svc.nodes += 1
         if task.prefetch:
             self._prefetch(svc, task, t)
         report = NodeReport(task.job_id, task.iteration, task.node, None, t, end, swap_start, t, moved,
-                               measured=measured)  # fmt: skip
+                               measured=measured, paused=paused)  # fmt: skip
         return end, report
 
     def _draw(self, which: int) -> float:
@@ -456,6 +471,8 @@ class SimExecutor:
         svc = self.services[service_id]
         svc.tier.pop(job_id, None)
         svc.landing.pop(job_id, None)
+        for key in [k for k in self._left if k[0] == job_id]:
+            del self._left[key]
 
     def forget(self, handles: Iterable[Handle]) -> None:
         """Nothing to drop: outputs are not kept."""

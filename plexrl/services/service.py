@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plexrl.engines.slicing import SlicePaused
 from plexrl.job import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
@@ -118,6 +119,8 @@ class Service:
         self.stats = SwapStats()
         self._lock = threading.Lock()  # stats
         self._released: set[str] = set()
+        # (job, iteration, node, chunk) -> the SliceSlot of a sliced node whose generation is paused here
+        self.paused: dict[tuple[str, int, str, int], Any] = {}
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
         self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, stream)
@@ -284,14 +287,21 @@ class Service:
             self.background.passed(seq)  # also after a failed swap: a later early start must not wait forever
         node = job.graph.node(node_name)
         start = self.clock()
+        slot = self._slice_slot(job, (job_id, iteration, node_name, chunk))
         try:
             if chunks > 1:
                 inputs = chunk_inputs(node.operator, inputs, chunk, chunks, len(parts))
             ctx = self.context(job, iteration, node_name, chunk, chunks)
+            ctx.slice = slot
             out = node.operator.run(ctx, inputs, node.params)
             if chunks > 1 and chunk == chunks - 1:
                 pad_id = getattr(job.tokenizer, "pad_token_id", None) or 0
                 out = node.operator.output.concat([*parts, out], pad_id)  # type: ignore[attr-defined]
+        except SlicePaused:  # its slice of decode steps ran; the generation waits here for the next slice
+            self.paused[slot.key] = slot
+            report = NodeReport(job_id, iteration, node_name, None, start, self.clock(), swap_start, swap_end, moved,
+                                self._weight_loads(job_id), measured=measured, paused=True)  # fmt: skip
+            return NodeResult(report)
         except Exception as exc:
             log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
                       exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
@@ -307,7 +317,22 @@ class Service:
                             self._weight_loads(job_id), measured=measured)  # fmt: skip
         if chunk < chunks - 1:
             return NodeResult(report, out)  # a part: the last chunk reports the whole node's metrics
-        return _finish(report, out)
+        result = _finish(report, out)
+        if slot is not None and result.report.ok:
+            result.report.metrics["slices"] = float(slot.slices)
+        return result
+
+    def _slice_slot(self, job: JobSpec, key: tuple[str, int, str, int]) -> Any:
+        """The SliceSlot of node `key` (job, iteration, node, chunk) if its job slices that node
+        (`JobConfig.slices`): the one paused here (taken: a failing slice leaves nothing behind), or a new one;
+        None for a node that runs whole."""
+        from plexrl.engines.slicing import SliceSlot
+
+        steps = job.config.slices.get(key[2])
+        if steps is None:
+            return None
+        kept = self.paused.pop(key, None)
+        return kept if kept is not None else SliceSlot(steps, key)
 
     def _weight_loads(self, job_id: str) -> list[tuple[str, float, float, int]]:
         take = getattr(self.engines.get(job_id), "take_loads", None)
@@ -362,6 +387,8 @@ class Service:
         except Exception as exc:  # the node that needed that move failed with it already; the state goes anyway
             log.warning("job %s: a background move failed before its release: %s", job_id, exc)
         self._released.add(job_id)
+        for paused in [k for k in self.paused if k[0] == job_id]:  # a paused generation (its KV cache) goes too
+            del self.paused[paused]
         state = self.states.pop(job_id, None)
         if state is not None and state.disk is not None:
             state.disk.unlink(missing_ok=True)
