@@ -383,6 +383,18 @@ class VLLMEngine:
             self.llm.broken = True  # the service rebuilds it for the other jobs
             raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
 
+    def begin_generation(self, prompts: list[list[int]], **kwargs: Any) -> Any:
+        """A generation run in slices (decode-step preemption): a partial rollout, `plexrl/engines/partial.py`."""
+        from plexrl.engines.partial import begin
+
+        return begin(self, prompts, **kwargs)
+
+    def resume(self, p: Any, max_steps: int | None = None) -> Any:
+        """At most `max_steps` more tokens per unfinished row of the partial rollout `p` (one vLLM call)."""
+        from plexrl.engines.partial import advance
+
+        return advance(self, p, max_steps)
+
     def load_state(self, state: dict[str, Any]) -> None:
         self.trainer.load_state(state)
         if self.llm.holds is not None and self.llm.holds[0] == self.job_id:
