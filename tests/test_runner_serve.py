@@ -60,9 +60,9 @@ def test_stop_closes_open_jobs_as_cancelled_and_reports_every_close() -> None:
     rec = Record()
     closed: list[tuple[str, str, str]] = []
     runner = Runner(
-        SimExecutor(1, SeededCosts(seed=1)), hooks=[rec], validate=True, placement=placement_policy("isolated")
-    )
-    runner.on_closed = lambda r: closed.append((r.job_id, r.status, r.error))
+        SimExecutor(1, SeededCosts(seed=1)), hooks=[rec], validate=True, placement=placement_policy("isolated"),
+        on_closed=lambda r: closed.append((r.job_id, r.status, r.error)),
+    )  # fmt: skip
 
     class StopAfterFirstIteration(Hook):
         def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:

@@ -154,9 +154,10 @@ class Controller:
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
         hook = JournalHook(journal, runner, checkpoint_every, checkpoint_dir, self._lock)
+        # (still set on a built runner: the controller is given one; its carrier does the journal's work)
         runner.hooks.hooks.append(hook)
-        runner.checkpoint_at = hook.checkpoint_path
-        runner.on_closed = self._closed
+        runner.carrier.checkpoint_at = hook.checkpoint_path
+        runner.carrier.on_closed = self._closed
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
         self._wake = threading.Condition(self._lock)  # the preparation threads wait on it for work

@@ -1,0 +1,298 @@
+"""`Carrier`: the runner's hands. It carries out the planner's instructions on the executor, through ONE table
+(instruction type -> the method that does it), and turns what the executor reports back into the planner's
+events, calling the hooks on the way. It keeps the jobs' records (`JobRun`: status, history, artifacts) and
+closes them.
+
+It decides nothing: what runs where and when is the planner's (retries and their backoff included:
+`RetryNode` is only logged and counted here), when to wait and what to feed the planner is the loop's
+(`runner.Runner`). Its handle ledger (`ledger.py`, pure) keeps what is in flight under each handle and each
+job's current iteration (its nodes' output handles: the data stays where the executor made it, their small
+metrics and durations); when the planner closes an iteration, the carrier assembles the metrics row, calls
+the hooks, has the job checkpointed if `checkpoint_at` says where, and tells the executor to drop the
+outputs. Anything that goes wrong with one job (its load, a node's submission, a swap) fails that job only
+(DESIGN.md invariant 5): `fail` returns the `JobFailed` event for the planner, and the job's later
+instructions are dropped until the planner's `FailJob` comes back.
+
+The loop thread's alone: no lock (other threads reach the loop through its inbox).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from plexrl.hooks.base import HookList
+from plexrl.job import JobRun
+from plexrl.planner import (
+    FailJob,
+    IterationDone,
+    JobDone,
+    JobFailed,
+    JobSubmitted,
+    PlaceJob,
+    Planner,
+    RetryNode,
+    RetryPlan,
+    RunNode,
+    StateMeasured,
+)
+from plexrl.planner.events import Event, Instruction, JobPlan
+from plexrl.runtime.executor import CheckpointReport, Executor, Finished, LoadReport, NodeTask
+from plexrl.runtime.inbox import Inbox
+from plexrl.runtime.ledger import Ledger
+from plexrl.runtime.records import Iteration, Pending
+
+log = logging.getLogger(__name__)
+
+
+class Carrier:
+    """See the module docstring. `forget_ended`: drop an ended job's record, planner entry and spec once the
+    hooks and `on_closed` have seen it (a server's weeks of jobs); `on_closed`: called for every ended job,
+    placed or not (the server's journal); `checkpoint_at`: where to checkpoint a job after an iteration (None:
+    not then)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        hooks: HookList,
+        planner: Planner,
+        inbox: Inbox,
+        *,
+        forget_ended: bool = False,
+        on_closed: Callable[[JobRun], None] | None = None,
+        checkpoint_at: Callable[[JobRun, int], Path | None] | None = None,
+    ) -> None:
+        self.executor, self.hooks, self.planner, self.inbox = executor, hooks, planner, inbox
+        self.clock = executor.clock
+        self.forget_ended, self.on_closed, self.checkpoint_at = forget_ended, on_closed, checkpoint_at
+        self.runs: dict[str, JobRun] = {}
+        self.late: list[JobRun] = []  # records of the jobs that came through `Runner.submit`
+        self.ledger = Ledger()  # what is in flight under each handle, and each job's current iteration
+        self.failing: set[str] = set()  # reported to the planner, its FailJob not yet received
+        self._table: dict[type, Callable[[JobRun, Any], list[Event]]] = {
+            PlaceJob: self._place,
+            RunNode: self._run_node,
+            RetryNode: self._retrying,
+            IterationDone: self._iteration_done,
+            JobDone: self._job_done,
+            FailJob: self._job_failed,
+        }
+
+    # -- instructions in ------------------------------------------------------------------------------
+    def carry_out(self, ins: Instruction) -> list[Event]:
+        """Do one instruction; the events it causes at once (a job that failed to load or to send a node)."""
+        if ins.job_id in self.failing and not isinstance(ins, FailJob):
+            return []  # the job is being failed; do no more of its work
+        return self._table[type(ins)](self.runs[ins.job_id], ins)
+
+    def _place(self, run: JobRun, ins: PlaceJob) -> list[Event]:
+        run.status, run.service, run.started_at = "running", ins.service_id, self.clock()
+        self.ledger.iters[run.job_id] = Iteration(self.clock())
+        self.hooks.on_job_start(run)
+        try:
+            handle = self.executor.load(run.job_id, ins.service_id, ins.tier)
+        except Exception as exc:  # (executors report a failed load; one that raises fails the job alone)
+            return [self.fail(run, f"loading the job on {ins.service_id}", f"{type(exc).__name__}: {exc}")]
+        self.ledger.sent(handle, Pending("load", run.job_id, ins.service_id))
+        return []
+
+    def _run_node(self, run: JobRun, ins: RunNode) -> list[Event]:
+        lane = ins.service_id or "cpu"
+        self.hooks.before_node(run, ins.iteration, ins.node, lane, self.clock())
+        it = self.ledger.iters[run.job_id]
+        outputs = it.outputs
+        inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
+        last = ins.chunks > 1 and ins.chunk == ins.chunks - 1
+        parts = tuple(it.parts.get(ins.node, ())) if last else ()  # the earlier chunks, joined by the last
+        task = NodeTask(
+            run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
+            ins.chunk, ins.chunks, parts,
+        )  # fmt: skip
+        try:
+            handle = self.executor.submit(task)
+        except Exception as exc:  # (executors report a node's errors; one that raises fails the job alone)
+            return [self.fail(run, f"sending node {ins.node!r} to {lane}", f"{type(exc).__name__}: {exc}")]
+        self.ledger.sent(handle, Pending("node", run.job_id, lane, ins.iteration, ins.node, task, ins.attempt))
+        return []
+
+    def _retrying(self, run: JobRun, ins: RetryNode) -> list[Event]:
+        """The planner put a failed cpu node in backoff: log it and count the wait in the iteration's metrics."""
+        log.warning(
+            "job %s: node %s (iteration %d) failed (run %d of %d), again in %.2fs: %s",
+            run.job_id, ins.node, ins.iteration, ins.attempt, ins.attempts, ins.delay, ins.error,
+        )  # fmt: skip
+        it = self.ledger.iters.get(run.job_id)
+        if it is not None:
+            it.seconds[f"retry_wait_{ins.node}"] = it.seconds.get(f"retry_wait_{ins.node}", 0.0) + ins.delay
+            it.metrics.setdefault("retries", {})[ins.node] = float(ins.attempt)
+        return []
+
+    def _iteration_done(self, run: JobRun, ins: IterationDone) -> list[Event]:
+        """Assemble the iteration's metrics (iteration -1 is the baseline pass, logged as step 0), then have
+        the job checkpointed if `checkpoint_at` says where: on its service, after its last node and before
+        its next one (`Executor.checkpoint`)."""
+        now, iteration = self.clock(), ins.iteration
+        it = self.ledger.iters[run.job_id]
+        metrics = it.row(now if iteration >= 0 else None)
+        if iteration >= 0:
+            run.iterations_done += 1
+        self.executor.forget(it.handles())
+        self.ledger.iters[run.job_id] = Iteration(now)
+        run.history.append(metrics)
+        self.hooks.on_iteration_end(run, iteration, metrics)
+        path = self.checkpoint_at(run, iteration) if self.checkpoint_at is not None and iteration >= 0 else None
+        if path is not None and run.service is not None:
+            handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": iteration})
+            self.ledger.sent(handle, Pending("checkpoint", run.job_id, run.service, iteration))
+        return []
+
+    def _job_done(self, run: JobRun, ins: JobDone) -> list[Event]:
+        self._end_job(run, "done", "", ins.service_id)
+        return []
+
+    def _job_failed(self, run: JobRun, ins: FailJob) -> list[Event]:
+        self.failing.discard(run.job_id)
+        run.service_lost = ins.service_lost
+        self._end_job(run, "cancelled" if ins.cancelled else "failed", ins.reason, ins.service_id)
+        return []
+
+    # -- reports in, events out -----------------------------------------------------------------------
+    def collect(self, f: Finished) -> list[Event]:
+        """One finished handle: the hooks hear of it, and the planner gets its events."""
+        p = self.ledger.take(f.handle)
+        if p is None:
+            self.executor.forget([f.handle])
+            return []  # a lost service's late report, or a dropped job's
+        run = self.runs[p.job_id]
+        rep = f.report
+        if isinstance(rep, LoadReport):
+            if rep.error is not None:
+                # its nodes sent with the load (none ran on a state that is not there)
+                self.executor.forget(self.ledger.drop_nodes(run.job_id))
+                return [self.fail(run, f"loading the job on {p.lane}", rep.error)]
+            self.hooks.on_load(run, p.lane, rep.start, rep.end, rep.nbytes)
+            return [StateMeasured(p.lane, run.job_id, rep.nbytes)]
+        if isinstance(rep, CheckpointReport):
+            if rep.error is not None:
+                log.error("job %s: checkpoint after iteration %d failed: %s", run.job_id, p.iteration, rep.error)
+            self.hooks.on_checkpoint(run, p.iteration, Path(rep.path), rep.error)
+            return []
+        events: list[Event] = [StateMeasured(p.lane, job_id, nbytes) for job_id, nbytes in rep.measured.items()]
+        it = self.ledger.iters.get(run.job_id)
+        if rep.swap_end > rep.swap_start:
+            self.hooks.on_swap(run, p.lane, rep.swap_start, rep.swap_end, rep.swap_bytes)
+        for kind, start, end, nbytes in rep.weight_loads:
+            self.hooks.on_weight_load(run, p.lane, kind, start, end, nbytes)
+            if it is not None:
+                it.seconds[f"weight_{kind}"] = it.seconds.get(f"weight_{kind}", 0.0) + (end - start)
+        self.hooks.after_node(run, rep.iteration, rep.node, p.lane, rep.start, rep.end, rep.metrics)
+        finished, forget = self.ledger.node_report(f.handle, p, rep)
+        if forget:
+            self.executor.forget(forget)
+        events.append(finished)
+        return events
+
+    def fail(self, run: JobRun, what: str, error: str) -> JobFailed:
+        """Work of the job outside a node went wrong: the event that tells the planner."""
+        log.error("job %s: %s failed: %s", run.job_id, what, error)
+        self.failing.add(run.job_id)
+        return JobFailed(run.job_id, f"{what}: {error}")
+
+    # -- records --------------------------------------------------------------------------------------
+    def new_run(self, spec: Any, late: bool = False) -> JobRun:
+        """The record of a job given to `run` (or, `late`, through `submit`: it replaces an earlier attempt's)."""
+        if late:
+            self.drop_attempt(spec.job_id)
+        run = self.runs[spec.job_id] = JobRun(spec)
+        if late:
+            self.late.append(run)
+        self.inbox.name(spec.job_id, True)
+        return run
+
+    def ship(self, run: JobRun) -> list[Event]:
+        """A job is submitted: ship its spec to the executor, and tell the planner (`JobSubmitted`, with
+        `plan_of`). A job that cannot be shipped fails alone."""
+        run.submitted_at = self.clock()
+        try:
+            self.executor.ship(run.spec)
+        except Exception as exc:
+            self.close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
+            return []
+        return [JobSubmitted(run.job_id, plan_of(run.spec))]
+
+    def drop_attempt(self, job_id: str) -> None:
+        """A job submitted again: forget what its previous attempt still has in flight or waiting."""
+        self.executor.forget(self.ledger.drop_job(job_id))
+        self.failing.discard(job_id)
+
+    def _end_job(self, run: JobRun, status: str, reason: str, service_id: str | None) -> None:
+        model_dir = run.spec.model_dir
+        if status == "done" and service_id is not None and model_dir is not None:
+            try:
+                run.artifacts["model"] = self.executor.save(run.job_id, service_id, model_dir)
+            except Exception:
+                log.exception("could not save the final model of job %s", run.job_id)
+        self.close(run, status, reason)
+        if service_id is not None:
+            try:
+                self.executor.release(run.job_id, service_id)
+            except Exception:
+                log.exception("could not release job %s on %s", run.job_id, service_id)
+
+    def close(self, run: JobRun, status: str, reason: str) -> None:
+        run.status, run.error, run.finished_at = status, reason, self.clock()  # type: ignore[assignment]
+        if status in ("failed", "cancelled") and self.runs.get(run.job_id) is run:
+            self.inbox.name(run.job_id, False)
+        if status == "failed":
+            log.error("job %s failed: %s", run.job_id, reason)
+        it = self.ledger.iters.pop(run.job_id, None)
+        if it is not None:
+            self.executor.forget(it.handles())
+        if run.started_at is not None:
+            self.hooks.on_job_end(run)
+        if self.on_closed is not None:  # every ended job, placed or not (the server's journal)
+            self.on_closed(run)
+        if self.forget_ended:
+            self._forget(run)
+
+    def _forget(self, run: JobRun) -> None:
+        """`forget_ended`: drop an ended job from every table once the hooks and `on_closed` have seen it, so
+        memory does not grow with the number of jobs ever run."""
+        if self.runs.get(run.job_id) is run:
+            del self.runs[run.job_id]
+            self.inbox.name(run.job_id, False)
+        self.late = [r for r in self.late if r is not run]
+        self.drop_attempt(run.job_id)  # its work still in flight reports to nobody
+        self.planner.forget(run.job_id)  # (a no-op until the planner has ended it too)
+        self.executor.unship(run.job_id)
+
+    def stop_open(self, reason: str) -> None:
+        """`Runner.stop`: close every job that has not ended and forget the work in flight."""
+        for run in list(self.runs.values()):
+            if run.status in ("pending", "running"):
+                self.close(run, "cancelled", reason)
+        self.executor.forget(self.ledger.drop_all())
+
+    def close_open(self, exc: BaseException) -> None:
+        """The loop was interrupted (Ctrl-C, a required hook failed, a bug): close the running jobs."""
+        for run in list(self.runs.values()):  # (a closed job may be forgotten: `forget_ended`)
+            if run.status == "running":
+                status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
+                self.close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))
+
+
+def plan_of(spec: Any) -> JobPlan:
+    """The job's plan as the planner gets it: `spec.plan()` with the retry policy of its config (`retry`), as
+    the delays after each failed run; a spec without a config (the simulator's) has none."""
+    plan: JobPlan = spec.plan()
+    policy = getattr(getattr(spec, "config", None), "retry", None)
+    if policy is None or plan.retry is not None:
+        return plan
+    delays = tuple(policy.delay(k) for k in range(1, policy.attempts))
+    return dataclasses.replace(plan, retry=RetryPlan(policy.attempts, delays))
+
+
+__all__ = ["Carrier", "plan_of"]
