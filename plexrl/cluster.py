@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
-from plexrl.config import JobConfig, LoadedJob, StrictModel, _problem, load_job
-from plexrl.errors import ConfigError, Problem
+from plexrl.config import JobConfig, LoadedJob, StrictModel, load_job
+from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.job import estimate_state_bytes, state_parts
 from plexrl.runtime.tls import is_loopback
 
@@ -149,8 +149,10 @@ class DaskNetwork(StrictModel):
         return self
 
 
-class ClusterConfig(DaskNetwork):
-    """Services, policies and the jobs that share them."""
+class ClusterRuntime(DaskNetwork):
+    """A cluster without its jobs: the services, the policies and the driver, what `make_executor` and
+    `make_runner` need. A cluster config is one with jobs; a server's config gives one (`ServerConfig.cluster`,
+    validated like any config)."""
 
     name: str = Field("cluster", description="Name of the cluster-level MLflow run.")
     run_dir: str = Field("runs", description="Directory for the cluster's timeline, report and MLflow store.")
@@ -176,13 +178,18 @@ class ClusterConfig(DaskNetwork):
     mlflow: bool = Field(True, description="Log a cluster-level MLflow run (jobs log their own runs).")
     experiment: str = Field("plexrl", description="MLflow experiment of the cluster run.")
     progress: bool = Field(True, description="Progress bars on a terminal.")
-    jobs: list[ClusterJob] = Field(description="The jobs that share the services.", min_length=1)
 
     @model_validator(mode="after")
-    def _groups_on_dask(self) -> ClusterConfig:
+    def _groups_on_dask(self) -> ClusterRuntime:
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
         return self
+
+
+class ClusterConfig(ClusterRuntime):
+    """Services, policies and the jobs that share them."""
+
+    jobs: list[ClusterJob] = Field(description="The jobs that share the services.", min_length=1)
 
 
 @dataclass(slots=True)
@@ -207,7 +214,7 @@ def estimate_engine_bytes(cfg: JobConfig) -> int:
 def estimate_weight_bytes(cfg: JobConfig) -> int:
     """fp32 bytes of the job's model weights (for `model.path`: its parameters, whatever dtype the files hold)."""
     from plexrl.job import model_bytes
-    from plexrl.tasks.arithmetic import ALPHABET
+    from plexrl.tasks import tokenizer_size
 
     m = cfg.model
     if m.path is not None:
@@ -216,7 +223,7 @@ def estimate_weight_bytes(cfg: JobConfig) -> int:
         except FileNotFoundError:  # no safetensors weights: preparing the job says so
             weights = 0
     else:
-        vocab = len(ALPHABET) + 3
+        vocab = tokenizer_size(cfg.task.name)  # a model built for the job's task
         per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
         params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
         weights = params * 4
@@ -236,7 +243,8 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     try:
         cfg = ClusterConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(problems + [_problem(e, "", ClusterConfig) for e in exc.errors()], str(path)) from None
+        problems += [pydantic_problem(e, "", ClusterConfig) for e in exc.errors()]
+        raise ConfigError(problems, str(path)) from None
     jobs: list[LoadedJob] = []
     for i, entry in enumerate(cfg.jobs):
         where = f"jobs[{i}]"
@@ -309,7 +317,7 @@ class ClusterResult:
     tracking: dict[str, str] = field(default_factory=dict)
 
 
-def make_executor(cfg: ClusterConfig) -> Executor:
+def make_executor(cfg: ClusterRuntime) -> Executor:
     """The executor a cluster config asks for: in-process (`driver: local`) or a Dask cluster."""
     s = cfg.services
     if cfg.driver == "local":
@@ -328,7 +336,7 @@ def make_executor(cfg: ClusterConfig) -> Executor:
 
 
 def make_runner(
-    cfg: ClusterConfig, hooks: list[Hook], executor: Executor | None = None, *, fair_share: bool = False,
+    cfg: ClusterRuntime, hooks: list[Hook], executor: Executor | None = None, *, fair_share: bool = False,
     share_half_life_s: float | None = None, **options: Any,
 ) -> Runner:  # fmt: skip
     """The one `Runner`, with the config's policies and budgets, over `executor` (default: `make_executor`),
@@ -396,6 +404,7 @@ def run_cluster(
 
 __all__ = [
     "ClusterConfig",
+    "ClusterRuntime",
     "DaskTLS",
     "LoadedCluster",
     "dask_network_problem",

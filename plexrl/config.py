@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from plexrl.config_checks import budget_problems, chunk_problems, lora_problems, vllm_problem
 from plexrl.data.config import DataConfig
-from plexrl.errors import ConfigError, Problem, _problem
+from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.graph import NodeSpec, PipelineGraph, compile_pipeline
 from plexrl.roles import resolve
 from plexrl.yamlio import load_yaml_file, load_yaml_text
@@ -408,7 +408,7 @@ def build_pipeline(cfg: PipelineConfig, where: str = "pipeline") -> PipelineGrap
     try:
         graph = validate_call(config=ConfigDict(extra="forbid"))(builder)(**cfg.params)
     except ValidationError as exc:
-        raise ConfigError([_problem(e, f"{where}.params", None) for e in exc.errors()]) from None
+        raise ConfigError([pydantic_problem(e, f"{where}.params", None) for e in exc.errors()]) from None
     except ConfigError as exc:
         raise _named(exc, cfg.name) from None
     except Exception as exc:  # a user's builder with a bug: a problem of this config, not a server error
@@ -466,7 +466,7 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
     try:
         config = JobConfig.model_validate(raw)
     except ValidationError as exc:
-        problems += [_problem(e, "", JobConfig) for e in exc.errors()]
+        problems += [pydantic_problem(e, "", JobConfig) for e in exc.errors()]
     graph = None
     if config is not None or not any(p.where.startswith("pipeline") for p in problems):
         try:

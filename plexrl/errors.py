@@ -48,7 +48,7 @@ class OperatorError(PlexRLError):
         )
 
 
-def _problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Problem:
+def pydantic_problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Problem:
     """A pydantic error as a Problem: its dotted location under `prefix`, and for an unknown key the known
     keys of that place in `model` (with the closest one)."""
     loc = [str(x) for x in err["loc"]]

@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from plexrl.cluster import ClusterConfig, DaskNetwork, ServicesConfig
-from plexrl.config import _problem, apply_overrides
-from plexrl.errors import ConfigError, Problem
+from plexrl.cluster import ClusterRuntime, DaskNetwork, ServicesConfig
+from plexrl.config import apply_overrides
+from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.runtime.tls import is_loopback
 
 
@@ -135,6 +135,14 @@ class ServerConfig(DaskNetwork):
             raise ValueError("`scheduler` needs `driver: dask`")
         return self
 
+    @model_validator(mode="after")
+    def _a_valid_cluster(self) -> ServerConfig:
+        try:
+            self.cluster()  # the services and policies it runs, checked as a cluster's are (worker groups: dask)
+        except ValidationError as exc:
+            raise ValueError("; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())) from None
+        return self
+
     def jobs_private(self) -> bool:
         """Whether a user's token reads only that user's jobs' details (`private_jobs`, resolved)."""
         return bool(self.users) if self.private_jobs is None else self.private_jobs
@@ -147,14 +155,13 @@ class ServerConfig(DaskNetwork):
         """The allowed roots, resolved."""
         return [Path(r).resolve() for r in (self.allowed_roots or [self.run_dir])]
 
-    def cluster(self) -> ClusterConfig:
-        """The equivalent cluster config (no jobs), for `plexrl.cluster.make_runner`."""
+    def cluster(self) -> ClusterRuntime:
+        """The equivalent cluster (services, policies, driver; no jobs), validated, for `make_runner`."""
         fields: tuple[str, ...] = ("driver", "scheduler", "cpu_threads", "services", "placement", "max_load")
         fields += ("ordering", "lookahead", "dask_host", "dask_tls", "allow_plaintext_scheduler", "pin_cores")
         values: dict[str, Any] = {f: getattr(self, f) for f in fields}
-        return ClusterConfig.model_construct(
-            name="server", run_dir=self.run_dir, validate_state=self.validate_state, mlflow=False, jobs=[], **values
-        )
+        return ClusterRuntime(name="server", run_dir=self.run_dir, validate_state=self.validate_state, mlflow=False,
+                              **values)  # fmt: skip
 
 
 def load_server_config(path: Path | None, overrides: list[str] | None = None, token: str | None = None) -> ServerConfig:
@@ -175,7 +182,7 @@ def load_server_config(path: Path | None, overrides: list[str] | None = None, to
     try:
         cfg = ServerConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(problems + [_problem(e, "", ServerConfig) for e in exc.errors()], source) from None
+        raise ConfigError(problems + [pydantic_problem(e, "", ServerConfig) for e in exc.errors()], source) from None
     if problems:
         raise ConfigError(problems, source)
     return cfg

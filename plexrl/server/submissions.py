@@ -67,7 +67,8 @@ def check_submission(
     job's supervised warm start (None: no cap)."""
     from pydantic import ValidationError
 
-    from plexrl.config import JobConfig, _problem, apply_overrides, load_job
+    from plexrl.config import JobConfig, apply_overrides, load_job
+    from plexrl.errors import pydantic_problem
     from plexrl.roles import allowed_modules
     from plexrl.yamlio import load_yaml_text
 
@@ -82,7 +83,7 @@ def check_submission(
     try:  # the schema alone: pydantic, no import, no file opened
         typed = JobConfig.model_validate(raw)
     except ValidationError as exc:
-        problems += [_problem(e, "", JobConfig) for e in exc.errors()]
+        problems += [pydantic_problem(e, "", JobConfig) for e in exc.errors()]
     # the policy on the raw values and on the typed config: a coercion cannot hide a value from it
     policy = _policy_problems(raw, modules, roots, max_warm_start_steps)
     if typed is not None:

@@ -20,6 +20,16 @@ from plexrl.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
 Task = ArithmeticTask | ToolArithmeticTask | CodeTask | CopyTask
 
 
+def tokenizer_size(name: str) -> int:
+    """Tokens of the character-level tokenizer built for the task named `name` (`models.build_tokenizer`): the
+    specials (pad, bos, eos), the task's extra special tokens and its alphabet. No problem is generated."""
+    from plexrl.models import SPECIALS
+
+    kinds: dict[str, type[Task]] = {"tool_arithmetic": ToolArithmeticTask, "code": CodeTask, "copy": CopyTask}
+    kind = kinds.get(name, ArithmeticTask)
+    return len(SPECIALS) + len(kind.special_tokens) + len(kind.alphabet)
+
+
 def make_task(cfg: TaskConfig) -> Task:
     """Generate the task named by `cfg.name`; the same config always gives the same problems."""
     if cfg.name == "tool_arithmetic":
@@ -43,5 +53,6 @@ __all__ = [
     "ToolArithmeticTask",
     "make_dataset_task",
     "make_task",
+    "tokenizer_size",
     "verify_answers",
 ]
