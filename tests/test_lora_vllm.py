@@ -5,7 +5,8 @@ tokenizer (head size 32: vLLM's CPU attention has no 16); skipped where vLLM is 
   agrees (fp32), and differs from the base's (the adapter is really applied);
 - a train step syncs the adapter only: a new version under a fresh id, the old one removed from vLLM and the
   disk, reported as a "sync" WeightLoad of the adapter's bytes; the base is never reloaded;
-- two LoRA jobs on one engine get exactly what each gets alone; end to end, two LoRA jobs multiplexed on one
+- two LoRA jobs on one engine get exactly what each gets alone, also with both jobs' rollouts in ONE vLLM call
+  (`generate_together`); end to end, two LoRA jobs multiplexed on one
   service with vLLM rollouts learn exactly what each learns alone, the engine and the base loaded once;
 - `engine: auto` picks vLLM for a LoRA job by the full job's rule; the planner and the cluster budget count
   the base + the vLLM engine once beside the adapter states.
@@ -138,6 +139,17 @@ def test_two_adapters_on_one_engine_get_what_each_gets_alone(smol32: Path, llm: 
             got = engine.generate(PROMPTS, **kw)
             assert torch.equal(got.response_ids, alone.response_ids) and torch.equal(got.logprobs, alone.logprobs)
     assert len(ea.take_loads()) == len(eb.take_loads()) == 1
+    # both jobs' rollouts in ONE vLLM call (what co-scheduled rollouts would use): each gets its own rows
+    from plexrl.engines.vllm_lora import generate_together
+
+    kw_b: dict[str, Any] = {"n": 3, "temperature": 0.8, "max_new_tokens": 4, "seed": 9}
+    solo_b = eb.generate(PROMPTS[:2], **kw_b)
+    both = generate_together([ea, eb], [(PROMPTS, kw), (PROMPTS[:2], kw_b)])
+    for got, alone in zip(both, (alone_a, solo_b), strict=True):
+        assert torch.equal(got.response_ids, alone.response_ids) and got.finish_reasons == alone.finish_reasons
+        torch.testing.assert_close(got.logprobs, alone.logprobs, rtol=0, atol=1e-5)  # batch numerics only
+    with pytest.raises(ValueError, match="one call per job"):
+        generate_together([ea, ea], [(PROMPTS, kw), (PROMPTS, kw)])
     ea.release()
     eb.release()
 

@@ -264,9 +264,35 @@ class SharedLLM:
     ) -> GenerationOutput:
         """`Engine.generate` on the weights the engine holds; `lora_request`: a vLLM `LoRARequest` applied to
         every row (an engine built with `enable_lora`), else the weights alone."""
-        import torch
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        rows, requests, params = self.requests(
+            prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
+            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p,
+        )  # fmt: skip
+        with self._lock:
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False,
+                lora_request=lora_request,
+            )  # fmt: skip
+        return self.collect(rows, outs)
+
+    def requests(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        greedy: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        top_p: float = 1.0,
+    ) -> tuple[list[list[int]], list[list[int]], list[Any]]:
+        """The vLLM side of one `generate` call: its rows (each prompt n times), the request prompts and their
+        `SamplingParams` (seeded per row). `collect` turns vLLM's outputs for these requests back into rows."""
+        from vllm import SamplingParams
 
         rows = [p for p in prompts for _ in range(n)]
         longest = max(len(p) for p in rows)
@@ -293,11 +319,13 @@ class SharedLLM:
             )
             for i in range(len(requests))
         ]
-        with self._lock:
-            outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False,
-                lora_request=lora_request,
-            )  # fmt: skip
+        return rows, requests, params
+
+    def collect(self, rows: list[list[int]], outs: Sequence[Any]) -> GenerationOutput:
+        """The `GenerationOutput` of `rows` from vLLM's outputs of their requests (`requests`), in order."""
+        import torch
+
+        longest = max(len(p) for p in rows)
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         N, T = len(rows), max(1, *(len(c.token_ids) for c in samples))
         ids = torch.full((N, longest), self.pad_id, dtype=torch.long)

@@ -18,8 +18,9 @@ so no block computed under another adapter or another version is ever reused, an
 
 Numerics: vLLM applies an adapter as peft computes it (tests/test_vllm_lora.py). The engine holds the base in
 fp32 (as a full job's vLLM engine does), whatever `model.dtype` the job trains in. Sampling is seeded per row
-exactly as `SharedLLM.generate` does; one call serves one job (batching several jobs' rows into one call,
-which vLLM allows with a request per prompt, needs the planner to co-schedule their rollouts: not built).
+exactly as `SharedLLM.generate` does. A job's rollout node is one call of its own; `generate_together` runs
+several jobs' rollouts in ONE call (a LoRARequest per request, each job's seeds), what co-scheduled rollouts
+would use: the planner does not co-schedule rollout nodes of several jobs yet.
 """
 
 from __future__ import annotations
@@ -168,6 +169,28 @@ class SharedLoRALLM(SharedLLM):
                 self.llm.llm_engine.remove_lora(old.request.lora_int_id)
         shutil.rmtree(old.path, ignore_errors=True)
 
+    def generate_many(self, calls: Sequence[tuple[str, list[list[int]], dict[str, Any]]]) -> list[GenerationOutput]:
+        """Several jobs' generations in ONE vLLM call: `calls` are (job id, prompts, `generate` keywords), each
+        job's adapter registered already (`VLLMLoRAEngine.sync`); every request carries its own job's
+        LoRARequest and seeds, so a job's rows are sampled as in its own call (vLLM batches the rows of all
+        jobs, up to `MAX_LORAS` adapters a step). Returns one output per call, in order."""
+        from vllm.inputs import TokensPrompt
+
+        parts = [self.requests(prompts, **kw) for _, prompts, kw in calls]
+        loras = [self.adapters[job].request for job, _, _ in calls]
+        with self._lock:
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for _, requests, _ in parts for p in requests],
+                [sp for _, _, params in parts for sp in params],
+                use_tqdm=False,
+                lora_request=[lora for lora, (_, requests, _) in zip(loras, parts, strict=True) for _ in requests],
+            )
+        results, start = [], 0
+        for rows, requests, _ in parts:
+            results.append(self.collect(rows, outs[start : start + len(requests)]))
+            start += len(requests)
+        return results
+
     def served(self) -> set[int]:
         """The int ids vLLM holds (its LRU cache of adapters)."""
         return set(self.llm.llm_engine.list_loras())
@@ -249,11 +272,33 @@ class VLLMLoRAEngine:
         return getattr(self.trainer, name)
 
 
+def generate_together(
+    engines: Sequence[VLLMLoRAEngine], calls: Sequence[tuple[list[list[int]], dict[str, Any]]]
+) -> list[GenerationOutput]:
+    """The rollouts of several LoRA jobs on ONE shared engine in one vLLM call: `calls[i]` = (prompts, `generate`
+    keywords) of `engines[i]`. Each job's current adapter is synced first (its loads reported with its own
+    engine). What a co-scheduled rollout of several jobs would call; the planner does not co-schedule yet."""
+    if len({id(e.llm) for e in engines}) > 1:
+        raise ValueError("jobs generate together only on one shared engine (the same base and LoRA settings)")
+    if len({e.job_id for e in engines}) < len(engines):
+        raise ValueError("one call per job: a job's rollouts in one batch go in one call's prompts")
+    try:
+        for e in engines:
+            e.sync()
+        return engines[0].llm.generate_many([(e.job_id, p, kw) for e, (p, kw) in zip(engines, calls, strict=True)])
+    except ValueError:
+        raise
+    except Exception as exc:
+        engines[0].llm.broken = True
+        raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
+
+
 __all__ = [
     "MAX_CPU_LORAS",
     "MAX_LORAS",
     "SharedLoRALLM",
     "VLLMLoRAEngine",
+    "generate_together",
     "lora_engine_bytes",
     "lora_generator_key",
     "lora_rank_slot",
