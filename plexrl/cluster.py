@@ -274,10 +274,14 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
             lora = job.config.model.lora
             if lora is not None and job.config.model.path is not None:  # adapter + moments, and the shared base
                 from plexrl.engines.lora import lora_state_bytes
+                from plexrl.engines.vllm_lora import lora_engine_bytes
+                from plexrl.job import model_bytes
 
-                need = lora_state_bytes(job.config.model.path, lora.r, list(lora.target_modules))
-                shared = "its base" + (" and its vLLM engine" if engine else "")  # rollouts on vLLM: both
-                engine, holds = estimate_weight_bytes(job.config) + engine, "adapter, 2 AdamW moments"
+                path, kv = Path(job.config.model.path), job.config.vllm.kv_cache_mb * 2**20
+                need = lora_state_bytes(path, lora.r, list(lora.target_modules))
+                shared = "its base" + (" and its vLLM engine" if engine else "")  # as JobSpec.engine() counts them
+                vllm = lora_engine_bytes(path, lora.r, kv) if engine else 0
+                engine, holds = model_bytes(path, job.config.model.dtype) + vllm, "adapter, 2 AdamW moments"
             if need + engine > budget:
                 with_engine = f" plus {engine / 2**20:.1f} MiB for {shared}" if engine else ""
                 fix = "; or lower vllm.kv_cache_mb, or set engine: torch" if engine else ""
