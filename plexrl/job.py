@@ -221,7 +221,12 @@ def count_parameters(model_dir: Path) -> int:
     total = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with f.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
+            head = fh.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < size <= f.stat().st_size - 8:  # a damaged or foreign file: never read a bogus length
+                raise ValueError(
+                    f"{f} is not a safetensors file (no valid header); re-save the model with save_pretrained"
+                )
             header = json.loads(fh.read(size))
         total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     if not total:
