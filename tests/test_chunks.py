@@ -160,7 +160,9 @@ def test_chunks_reach_the_plan(tiny_config: dict[str, Any], tmp_path: Path) -> N
     tiny_config["chunks"] = {"rollout": 3, "train": 1}
     loaded = load_job(tiny_config)
     assert loaded.config.chunks == {"rollout": 3, "train": 1}
-    (tmp_path / "model.safetensors").write_bytes(b"0" * 64)  # the plan sizes the state from the weight files
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(16)}, str(tmp_path / "model.safetensors"))  # the plan sizes the state from it
     spec = JobSpec("x", loaded.config, loaded.graph, loaded.raw, None, None, tmp_path, tmp_path)
     plan = spec.plan()
     assert plan.nodes["rollout"].chunks == 3 and plan.nodes["train"].chunks == 1 and plan.nodes["verify"].chunks == 1
@@ -330,3 +332,11 @@ def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alo
     assert [t.parts != () for t in watch.tasks.values() if t.job_id == "a" and t.node == "rollout"] == [
         False, False, True,
     ] * 2  # fmt: skip
+
+
+def test_a_damaged_weight_file_is_named(tmp_path: Path) -> None:
+    from plexrl.job import count_parameters
+
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 64)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a safetensors file"):
+        count_parameters(tmp_path)
