@@ -207,8 +207,13 @@ def state_copies(graph: PipelineGraph) -> int:
 def model_bytes(model_dir: Path, dtype: str = "float32") -> int:
     """Bytes of the weights saved in a HF model directory once loaded in `dtype` (float32: 4 a parameter,
     bfloat16: 2), whatever dtype the files hold: parameters counted from the safetensors headers
-    (`count_parameters`), so a bf16 checkpoint is not taken for half its fp32 size."""
-    return count_parameters(model_dir) * (2 if dtype == "bfloat16" else 4)
+    (`count_parameters`), so a bf16 checkpoint is not taken for half its fp32 size. A weights file whose header
+    cannot be read counts its size on disk: sizing a job's plan never fails on it, loading the job says what
+    is wrong."""
+    try:
+        return count_parameters(model_dir) * (2 if dtype == "bfloat16" else 4)
+    except ValueError:  # a damaged or foreign *.safetensors (not a missing one: FileNotFoundError)
+        return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
 def count_parameters(model_dir: Path) -> int:

@@ -116,3 +116,7 @@ def test_a_bf16_checkpoint_is_counted_at_its_fp32_size(smol_tiny: Path, tmp_path
     on_disk = sum(f.stat().st_size for f in half.glob("*.safetensors"))
     assert count_parameters(half) == count_parameters(smol_tiny)
     assert model_bytes(half) == model_bytes(smol_tiny) == 4 * count_parameters(half) > 1.9 * on_disk
+    damaged = tmp_path / "damaged"  # an unreadable header: its size on disk (loading the job says what is wrong)
+    damaged.mkdir()
+    (damaged / "model.safetensors").write_bytes(b"\x00" * 4096)
+    assert model_bytes(damaged) == 4096
