@@ -156,8 +156,9 @@ def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
                 assert self.release.wait(60)
 
     gate = Gate()
+    hooks = [*standard_hooks(run_dir, progress=False, mlflow=True), gate]
     srv = start_server(
-        cfg, runner=make_runner(cfg.cluster(), [*standard_hooks(run_dir, progress=False, mlflow=True), gate])
+        cfg, runner=lambda more_hooks=(), **parts: make_runner(cfg.cluster(), [*hooks, *more_hooks], **parts)
     )
     try:
         c = Client(srv.url)

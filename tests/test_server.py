@@ -23,11 +23,11 @@ from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
 from plexrl.job import JobRun
 from plexrl.planner.policies import FairShare, Fifo
-from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
 from plexrl.server.api import RunningServer, start_server
 from plexrl.server.client import Client, ServerError
 from plexrl.server.config import ServerConfig, load_server_config
+from plexrl.server.controller import RunnerFactory, runner_of
 from plexrl.server.journal import JobEntry, Journal
 
 TOKEN = "0123456789abcdef-token"
@@ -39,10 +39,10 @@ def sim_prepare(entry: JobEntry) -> SimJob:
     return SimJob(entry.job_id, nodes, entry.iterations, {n: 0.1 for n in nodes}, GRPO_ORDER, (), GB, user=entry.user)
 
 
-def sim_runner(*hooks: Hook) -> Runner:
-    """A server's runner over two simulated services: built whole, as `server_runner` builds the server's own
-    (it forgets ended jobs, fair share over the ordering); `start_server` uses it as it is."""
-    return Runner(
+def sim_runner(*hooks: Hook) -> RunnerFactory:
+    """A server's runner over two simulated services, built whole by the controller as `server_runner` builds
+    the server's own (it forgets ended jobs, fair share over the ordering)."""
+    return runner_of(
         SimExecutor(2, SeededCosts(seed=0)),
         hooks=list(hooks),
         validate=True,
@@ -53,7 +53,7 @@ def sim_runner(*hooks: Hook) -> Runner:
 
 @contextmanager
 def serving(
-    tmp_path: Path, runner: Runner | None = None, prepare: Callable[[JobEntry], Any] = sim_prepare, **fields: Any
+    tmp_path: Path, runner: RunnerFactory | None = None, prepare: Callable[[JobEntry], Any] = sim_prepare, **fields: Any
 ) -> Iterator[RunningServer]:
     cfg = ServerConfig(
         port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False, **fields
@@ -223,8 +223,8 @@ def test_cancel_while_preparing_never_reaches_the_runner_and_a_failed_preparatio
             raise RuntimeError("no such model")
         return sim_prepare(entry)
 
-    runner = sim_runner()
-    with serving(tmp_path, runner=runner, prepare=prepare) as srv:
+    with serving(tmp_path, runner=sim_runner(), prepare=prepare) as srv:
+        runner = srv.controller.runner
         c = Client(srv.url)
         slow = c.submit(job_yaml, ["name=slow"])["job_id"]
         boom = c.submit(job_yaml, ["name=boom"])["job_id"]
@@ -245,8 +245,8 @@ def test_cancel_while_preparing_never_reaches_the_runner_and_a_failed_preparatio
 
 def test_cancel_a_running_job_is_recorded_at_once(tmp_path: Path, job_yaml: Path) -> None:
     gate = Gate(at=0)
-    runner = sim_runner(gate)
-    with serving(tmp_path, runner=runner) as srv:
+    with serving(tmp_path, runner=sim_runner(gate)) as srv:
+        runner = srv.controller.runner
         c = Client(srv.url)
         job_id = c.submit(job_yaml, ["iterations=50"])["job_id"]
         assert gate.reached.wait(60)
@@ -295,8 +295,8 @@ def test_cli_clients(tmp_path: Path, job_yaml: Path) -> None:
 
 def test_per_user_limit_holds_a_users_extra_jobs_and_lets_another_user_in(tmp_path: Path, job_yaml: Path) -> None:
     gate = Gate(at=0)  # blocks the runner inside ann's first job
-    runner = sim_runner(gate)
-    with serving(tmp_path, runner=runner, max_jobs_per_user=1) as srv:
+    with serving(tmp_path, runner=sim_runner(gate), max_jobs_per_user=1) as srv:
+        runner = srv.controller.runner
         c = Client(srv.url)
         first = c.submit(job_yaml, ["iterations=2"], user="ann")["job_id"]
         assert gate.reached.wait(60)
@@ -342,7 +342,7 @@ class CheckpointingSim(SimExecutor):
 
 
 def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_path: Path, job_yaml: Path) -> None:
-    runner = Runner(CheckpointingSim(fail={2}), validate=True, ordering=FairShare(Fifo()), forget_ended=True)
+    runner = runner_of(CheckpointingSim(fail={2}), validate=True, ordering=FairShare(Fifo()), forget_ended=True)
     with serving(tmp_path, runner=runner, checkpoint_every=1) as srv:
         c = Client(srv.url)
         job_id = c.submit(job_yaml, ["iterations=4", "pipeline.params.eval_every=1"])["job_id"]
@@ -379,7 +379,7 @@ def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Pa
     """service-0 is lost (virtual t=30) while job A runs on it: A is placed again on service-1 and resumes after
     its latest checkpoint; job B on service-1 is untouched; nothing before the checkpoint is run again."""
     sim = SimExecutor(2, SeededCosts(seed=0), failures={"service-0": 30.0})
-    runner = Runner(sim, validate=True, ordering=FairShare(Fifo()), forget_ended=True)
+    runner = runner_of(sim, validate=True, ordering=FairShare(Fifo()), forget_ended=True)
     with serving(tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, placement="spread") as srv:
         c = Client(srv.url)
         a = c.submit(job_yaml, ["iterations=200"])["job_id"]

@@ -20,7 +20,7 @@ from plexrl.job import JobRun, JobSpec, prepare_job
 from plexrl.runtime.inline import InlineExecutor
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_like_jobs, grpo_nodes
-from plexrl.server.controller import Controller
+from plexrl.server.controller import Controller, runner_of
 from plexrl.server.journal import JobEntry, Journal
 
 
@@ -145,7 +145,7 @@ def test_concurrent_submits_cancels_and_status_reads_leave_the_runner_healthy(tm
     cancels every other job as soon as it is submitted, one reads statuses and the controller's health. The
     runner thread stays alive, every job ends (done or cancelled), and nothing of them stays in the runner."""
     journal = Journal(tmp_path / "journal.db")
-    runner = Runner(SimExecutor(2, SeededCosts(seed=0)), validate=True, forget_ended=True)
+    runner = runner_of(SimExecutor(2, SeededCosts(seed=0)), validate=True, forget_ended=True)
     controller = Controller(runner, journal, sim_prepare, prepare_workers=3)
     controller.start()
     n = 60
@@ -209,4 +209,4 @@ def test_concurrent_submits_cancels_and_status_reads_leave_the_runner_healthy(tm
     finally:
         assert controller.stop(30)
         journal.close()
-    assert runner.runs == {}
+    assert controller.runner.runs == {}

@@ -21,11 +21,12 @@ from plexrl.hooks.base import Hook, HookList
 from plexrl.job import JobRun, prepare_job
 from plexrl.models import PreparationCancelled, prepare_model
 from plexrl.planner.policies import FairShare, Fifo
+from plexrl.runtime.inline import InlineExecutor
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
 from plexrl.server.api import start_server
 from plexrl.server.config import ServerConfig
-from plexrl.server.controller import Controller
+from plexrl.server.controller import Controller, runner_of
 from plexrl.server.journal import JobEntry, Journal
 from plexrl.tasks import make_task
 
@@ -44,7 +45,7 @@ def sim_job(entry: JobEntry) -> SimJob:
 def controlling(tmp_path: Path, prepare: Callable[..., Any], **kwargs: Any) -> Iterator[Controller]:
     """A started controller over a simulated runner and a journal in tmp_path; stopped (within 30 s) after."""
     journal = Journal(tmp_path / "journal.db")
-    controller = Controller(Runner(SimExecutor(2, SeededCosts(seed=0)), validate=True), journal, prepare, **kwargs)
+    controller = Controller(runner_of(SimExecutor(2, SeededCosts(seed=0)), validate=True), journal, prepare, **kwargs)
     controller.start()
     try:
         yield controller
@@ -131,7 +132,7 @@ def test_stop_during_a_long_preparation_returns_promptly_and_the_next_server_pre
 ) -> None:
     gates = Gates("slow")
     journal = Journal(tmp_path / "journal.db")
-    c = Controller(Runner(SimExecutor(1, SeededCosts(seed=0)), validate=True), journal, gates)
+    c = Controller(runner_of(SimExecutor(1, SeededCosts(seed=0)), validate=True), journal, gates)
     c.start()
     job_id = c.submit("slow", {}, 2).job_id
     assert gates.entered["slow"].wait(60)
@@ -190,7 +191,8 @@ def test_a_real_server_stops_within_10_s_during_a_warm_start_and_caps_warm_start
         port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False,
         max_warm_start_steps=50_000,
     )  # fmt: skip
-    srv = start_server(cfg, runner=local_runner(ordering=FairShare(Fifo()), forget_ended=True))
+    inline = InlineExecutor(services=1, validate=True)
+    srv = start_server(cfg, runner=runner_of(inline, validate=True, ordering=FairShare(Fifo()), forget_ended=True))
     stopped = False
     try:
         c = srv.controller

@@ -72,7 +72,7 @@ def two_jobs(view: ClusterView, runner: FakeRunner) -> tuple[JobRun, JobRun]:
 
 def test_the_view_accounts_as_the_accounting_does() -> None:
     runner = FakeRunner(["s0", "s1"])
-    view = ClusterView(runner)
+    view = ClusterView(lambda: runner)
     two_jobs(view, runner)
     snap = view.snapshot()
     s0, s1 = snap.services
@@ -98,7 +98,7 @@ def test_the_view_accounts_as_the_accounting_does() -> None:
 
 def test_the_view_is_bounded_and_keeps_running_jobs() -> None:
     runner = FakeRunner(["s0"])
-    view = ClusterView(runner, max_spans=10, max_jobs=2)
+    view = ClusterView(lambda: runner, max_spans=10, max_jobs=2)
     view.on_start(0.0)
     keep = placed("long-0", "s0", 0.0)
     view.on_job_start(keep)
@@ -126,15 +126,14 @@ def test_snapshots_read_while_the_runner_runs_match_its_timeline(tmp_path: Path)
     from plexrl.runtime.sim import SeededCosts, SimExecutor, grpo_like_jobs
 
     timeline = TimelineRecorder(tmp_path / "timelines", draw=False)
+    view = ClusterView(lambda: runner)  # one of the runner's hooks, built before it
     runner = Runner(
         SimExecutor(2, SeededCosts(seed=3)),
-        hooks=[timeline],
+        hooks=[timeline, view],
         validate=True,
         placement=placement_policy("pack"),
         budgets=Budgets(device=5 * GB),  # one job's state on device at a time: every switch swaps
     )
-    view = ClusterView(runner)
-    runner.hooks.hooks.append(view)
     jobs = grpo_like_jobs(12, (3, 6), seed=3)
     thread = threading.Thread(target=runner.run, args=(jobs,), name="runner")
     thread.start()
@@ -160,7 +159,7 @@ def test_snapshots_read_while_the_runner_runs_match_its_timeline(tmp_path: Path)
 
 def test_cluster_payload_visibility(tmp_path: Path) -> None:
     runner = FakeRunner(["s0"])
-    view = ClusterView(runner)
+    view = ClusterView(lambda: runner)
     two_jobs(view, runner)
     journal = Journal(tmp_path / "journal.db")
     try:

@@ -28,6 +28,7 @@ import hmac
 import logging
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plexrl.errors import ConfigError, Problem
 from plexrl.server.config import ServerConfig
-from plexrl.server.controller import Controller
+from plexrl.server.controller import Controller, RunnerFactory
 from plexrl.server.journal import JobEntry, Journal
 from plexrl.server.view import ClusterView
 
@@ -72,10 +73,9 @@ def _public(entry: JobEntry) -> dict[str, Any]:
     return out
 
 
-def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView | None = None) -> Any:
-    """The FastAPI application over `controller` (see the module docstring). `view`: the runner's
-    `ClusterView` hook, added to its hooks before the runner started (None: one is added now, which is only
-    safe before `controller.start()`)."""
+def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView) -> Any:
+    """The FastAPI application over `controller` (see the module docstring). `view`: the `ClusterView` among
+    the runner's hooks (given when the runner was built: `start_server`)."""
     from plexrl.server.submissions import check_submission
     from plexrl.server.web import PUBLIC_PATHS, add_web_routes
 
@@ -86,9 +86,6 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView | No
         secrets.append((cfg.token.encode(), None))
     roots, modules, run_dir = cfg.roots(), list(cfg.allowed_modules), Path(cfg.run_dir).resolve()
     private = cfg.jobs_private()
-    if view is None:
-        view = ClusterView(controller.runner)
-        controller.runner.hooks.hooks.append(view)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
@@ -254,42 +251,49 @@ class RunningServer:
         return ok and not self.thread.is_alive()
 
 
-def server_runner(cfg: ServerConfig, executor: Any = None, hooks: list[Any] | None = None) -> Any:
+def server_runner(
+    cfg: ServerConfig, executor: Any = None, hooks: list[Any] | None = None, *, more_hooks: Sequence[Any] = (),
+    **parts: Any,
+) -> Any:  # fmt: skip
     """The server's `Runner`, built whole from its config (over `executor`, default the config's): it forgets
     ended jobs (weeks of them live on in the journal and MLflow, not in memory), its timeline drops each job's
     spans once written, and it orders by user first (`fair_share`) with service seconds decayed over
-    `share_half_life_s`. `hooks`: more hooks after the standard ones (tests)."""
+    `share_half_life_s`. `hooks`, then `more_hooks`: after the standard ones (tests; the controller's journal
+    hook); `parts` (`on_closed`, `checkpoint_at`): the controller's (`controller.RunnerFactory`)."""
     from plexrl.cluster import make_runner
     from plexrl.runtime.jobs import standard_hooks
 
     run_dir = Path(cfg.run_dir).resolve()
     standard = standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow, keep_ended=False)
     return make_runner(
-        cfg.cluster(), [*standard, *(hooks or [])], executor, fair_share=cfg.fair_share,
-        share_half_life_s=cfg.share_half_life_s, forget_ended=True,
+        cfg.cluster(), [*standard, *(hooks or []), *more_hooks], executor, fair_share=cfg.fair_share,
+        share_half_life_s=cfg.share_half_life_s, forget_ended=True, **parts,
     )  # fmt: skip
 
 
 def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any = None) -> RunningServer:
     """Open the journal, start the controller (recovering unfinished jobs) and the HTTP server in threads;
-    returns once the socket is listening. `runner`: a ready `Runner`, used as it is (tests; `server_runner`
-    builds one as the server's own); default: `server_runner(cfg)`."""
+    returns once the socket is listening. `runner`: builds the runner (`controller.RunnerFactory`; tests give
+    `controller.runner_of(...)`); default: `server_runner` over `cfg`. The cluster view and the controller's
+    journal hook join its hooks when it is built, nothing afterwards."""
     import functools
 
     import uvicorn
 
-    if runner is None:
-        runner = server_runner(cfg)
+    make: RunnerFactory = runner if runner is not None else functools.partial(server_runner, cfg)
     journal = Journal(cfg.journal)
     every, where = cfg.checkpoint_every, cfg.checkpoints()
-    view = ClusterView(runner)  # what the page and /metrics show; a hook from the start, on the runner's thread
-    runner.hooks.hooks.append(view)
+    view = ClusterView(lambda: controller.runner)  # what the page and /metrics show: a hook, on the runner's thread
+
+    def build(more_hooks: Sequence[Any] = (), **parts: Any) -> Any:
+        return make(more_hooks=[view, *more_hooks], **parts)
+
     if prepare is prepare_entry:
         prepare = functools.partial(
             prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules)
         )
     controller = Controller(
-        runner, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
+        build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,
         max_share_per_user=cfg.max_share_per_user, prepare_workers=cfg.prepare_workers,
     )  # fmt: skip

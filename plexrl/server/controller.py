@@ -44,7 +44,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,14 @@ class JournalHook(Hook):
     def __init__(
         self,
         journal: Journal,
-        runner: Runner,
+        cancel: Callable[[str, str], None],
+        costs: Callable[[str], dict[str, float]],
         checkpoint_every: int | None = None,
         checkpoint_dir: Path | None = None,
         lock: threading.Lock | None = None,
     ) -> None:
-        self.journal, self.runner = journal, runner
+        # `cancel(job, reason)`: the runner's; `costs(job)`: the planner's node times, kept with a checkpoint
+        self.journal, self.cancel, self.costs = journal, cancel, costs
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         # the controller's: a cancel (journal: cancelled) cannot come between the check and `placed`
         self.lock = lock or threading.Lock()
@@ -94,7 +96,7 @@ class JournalHook(Hook):
             if entry is None or not entry.finished:
                 self.journal.placed(run.job_id, run.service, tracking)
                 return
-        self.runner.cancel(run.job_id, entry.reason or "cancelled")  # cancelled while it was being handed over
+        self.cancel(run.job_id, entry.reason or "cancelled")  # cancelled while it was being handed over
 
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         self.journal.iteration(run.job_id, iteration, metrics)
@@ -119,19 +121,35 @@ class JournalHook(Hook):
         if entry is None or entry.finished:
             return  # ended meanwhile (done, cancelled): nothing will resume from it
         previous = entry.checkpoint
-        self.journal.checkpoint(run.job_id, iteration, str(path), self.runner.planner.costs.of_job(run.job_id))
+        self.journal.checkpoint(run.job_id, iteration, str(path), self.costs(run.job_id))
         if previous and previous != str(path):
             Path(previous).unlink(missing_ok=True)
 
 
+RunnerFactory = Callable[..., Runner]
+"""Builds the server's runner, whole: the controller calls it once, as `factory(more_hooks=[...],
+on_closed=..., checkpoint_at=...)`, and gets a `Runner` with those hooks after its own and those callbacks
+(`api.server_runner` is the server's; `runner_of` makes one from `Runner`'s arguments)."""
+
+
+def runner_of(executor: Any, *, hooks: list[Hook] | None = None, **options: Any) -> RunnerFactory:
+    """The factory of `Runner(executor, hooks=[*hooks, *more_hooks], **options, on_closed=..., checkpoint_at=...)`."""
+
+    def build(more_hooks: Sequence[Hook] = (), **parts: Any) -> Runner:
+        return Runner(executor, hooks=[*(hooks or []), *more_hooks], **options, **parts)
+
+    return build
+
+
 class Controller:
-    """See the module docstring. `prepare(entry)` (or `prepare(entry, cancel=event)`) builds the runner's spec of
-    a journal entry (its `job_id` must be `entry.job_id`); it runs on the preparation pool, `prepare_workers`
-    jobs at a time."""
+    """See the module docstring. `runner`: builds the server's runner (`RunnerFactory`): the controller adds its
+    journal hook and callbacks at construction, nothing afterwards. `prepare(entry)` (or `prepare(entry,
+    cancel=event)`) builds the runner's spec of a journal entry (its `job_id` must be `entry.job_id`); it runs on
+    the preparation pool, `prepare_workers` jobs at a time."""
 
     def __init__(
         self,
-        runner: Runner,
+        runner: RunnerFactory,
         journal: Journal,
         prepare: Callable[..., Any],
         *,
@@ -145,7 +163,7 @@ class Controller:
     ) -> None:
         if prepare_workers < 1:
             raise ValueError(f"prepare_workers={prepare_workers}: give at least 1 preparation thread")
-        self.runner, self.journal, self.prepare = runner, journal, prepare
+        self.journal, self.prepare = journal, prepare
         self.max_attempts, self.recheck_s = max_attempts, recheck_s
         self.prepare_workers = prepare_workers
         self._takes_cancel = _takes_cancel(prepare)
@@ -153,11 +171,8 @@ class Controller:
         self.admission = Admission(max_jobs_per_user, max_share_per_user, self.share)  # guarded by _lock
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
-        hook = JournalHook(journal, runner, checkpoint_every, checkpoint_dir, self._lock)
-        # (still set on a built runner: the controller is given one; its carrier does the journal's work)
-        runner.hooks.hooks.append(hook)
-        runner.carrier.checkpoint_at = hook.checkpoint_path
-        runner.carrier.on_closed = self._closed
+        hook = JournalHook(journal, self._cancel_in_runner, self._costs, checkpoint_every, checkpoint_dir, self._lock)
+        self.runner = runner(more_hooks=[hook], on_closed=self._closed, checkpoint_at=hook.checkpoint_path)
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
         self._wake = threading.Condition(self._lock)  # the preparation threads wait on it for work
@@ -166,6 +181,12 @@ class Controller:
         self._stopping = False
         self.stopping = threading.Event()  # set once `stop` has asked the runner to stop
         self._threads: list[threading.Thread] = []
+
+    def _cancel_in_runner(self, job_id: str, reason: str) -> None:
+        self.runner.cancel(job_id, reason)
+
+    def _costs(self, job_id: str) -> dict[str, float]:
+        return self.runner.planner.costs.of_job(job_id)  # (the journal hook's: on the runner's thread)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> list[JobEntry]:
@@ -386,4 +407,4 @@ def close_stale_mlflow_run(entry: JobEntry) -> None:
         log.exception("could not close the stale MLflow run %s of job %s", run_id, entry.job_id)
 
 
-__all__ = ["STOP_REASON", "Controller", "JournalHook", "close_stale_mlflow_run"]
+__all__ = ["STOP_REASON", "Controller", "JournalHook", "RunnerFactory", "close_stale_mlflow_run", "runner_of"]

@@ -105,12 +105,12 @@ class Snapshot:
 
 
 class ClusterView(Hook):
-    """See the module docstring. `runner`: the server's runner (its clock, services and planner are read on the
-    runner's thread only, in the callbacks, except `clock()` and the list of service ids, read by `snapshot`)."""
+    """See the module docstring. `runner`: returns the server's runner, whose clock, services and planner are
+    read on the runner's thread only, in the callbacks, except `clock()` and the list of service ids, read by
+    `snapshot`. It is not called at construction: the view is one of the runner's hooks, built before it."""
 
-    def __init__(self, runner: Any, *, max_spans: int = 5000, max_jobs: int = 1000) -> None:
-        self.runner = runner
-        self.clock: Callable[[], float] = runner.clock
+    def __init__(self, runner: Callable[[], Any], *, max_spans: int = 5000, max_jobs: int = 1000) -> None:
+        self._runner = runner
         self.max_jobs = max_jobs
         self._lock = threading.Lock()
         self._start: float | None = None
@@ -206,9 +206,13 @@ class ClusterView(Hook):
         mine = self._job(run).seconds
         mine[bucket] = mine.get(bucket, 0.0) + seconds
 
+    def clock(self) -> float:
+        """The runner's clock."""
+        return float(self._runner().clock())
+
     def _copy_planner(self) -> None:
         """Copy each service's waiting nodes and the jobs waiting for room (the runner's thread: safe)."""
-        planner = getattr(self.runner, "planner", None)
+        planner = getattr(self._runner(), "planner", None)
         if planner is None:
             return
         waiting = {sid: tuple((q.job_id, q.node) for q in rec.queue) for sid, rec in planner.services.items()}
@@ -219,7 +223,7 @@ class ClusterView(Hook):
     # -- reads (any thread) ------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         """A consistent copy, with the accounting so far computed from it (see the module docstring)."""
-        service_ids = list(getattr(self.runner, "services", []))  # (a list the runner appends to: copied)
+        service_ids = list(getattr(self._runner(), "services", []))  # (a list the runner appends to: copied)
         with self._lock:
             now = self.clock()
             start = self._start if self._start is not None else now
