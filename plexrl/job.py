@@ -123,7 +123,8 @@ class JobSpec:
         return None
 
 
-JobStatus = Literal["pending", "running", "done", "failed", "cancelled"]
+# a job's status, one vocabulary for its record (`JobRun`) and the server's journal (`journal_records.JobState`)
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 
 
 @dataclass(slots=True, eq=False)
@@ -132,7 +133,7 @@ class JobRun:
     own keys to `tracking` and `artifacts`; they never touch the spec)."""
 
     spec: JobSpec
-    status: JobStatus = "pending"
+    status: JobStatus = "queued"
     iterations_done: int = 0
     error: str = ""
     service: str | None = None  # where the planner placed it

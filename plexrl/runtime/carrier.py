@@ -272,7 +272,7 @@ class Carrier:
     def stop_open(self, reason: str) -> None:
         """`Runner.stop`: close every job that has not ended and forget the work in flight."""
         for run in list(self.runs.values()):
-            if run.status in ("pending", "running"):
+            if run.status in ("queued", "running"):
                 self.close(run, "cancelled", reason)
         self.executor.forget(self.ledger.drop_all())
 

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+from plexrl.job import JobStatus
+
+JobState = JobStatus  # the job record's vocabulary (`plexrl.job.JobStatus`): queued, running, done, failed, cancelled
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 
 # (from, to) -> the event kind recorded for that move; the only legal moves
