@@ -9,13 +9,22 @@ from pydantic import Field
 
 from plexrl.batch import Advantages, LogProbs, Rollouts, TrainStats
 from plexrl.operator import OpContext, operator
+from plexrl.operators.objective import (
+    Agg,
+    EntropyBonus,
+    KlEstimator,
+    KlTerm,
+    Normaliser,
+    Optimiser,
+    PolicyLoss,
+    PresetName,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 
-Agg = Literal["token_mean", "seq_mean", "seq_sum_token_mean"]
-KlEstimator = Literal["k1", "k2", "k3"]
 LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp(): ratios within e^+-20 (the reference implementations')
 K3_CLAMP = 10.0  # upper bound of a token's k3 KL estimate
 
@@ -145,28 +154,42 @@ def train(
     ctx: OpContext,
     ref_logprobs: LogProbs | None = None,
     *,
-    lr: Annotated[float, Field(gt=0, lt=1)] = 1e-3,
-    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2,
-    kl_coef: Annotated[float, Field(ge=0)] = 0.0,
-    max_grad_norm: Annotated[float, Field(gt=0)] = 1.0,
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0,
-    minibatches: Annotated[int, Field(ge=1)] = 1,
-    epochs: Annotated[int, Field(ge=1)] = 1,
+    objective: PresetName = "default",
+    policy: PolicyLoss | None = None,
+    normaliser: Normaliser | None = None,
+    kl: KlTerm | None = None,
+    entropy: EntropyBonus | None = None,
+    optimiser: Optimiser | None = None,
+    lr: Annotated[float, Field(gt=0, lt=1)] | None = None,
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] | None = None,
+    kl_coef: Annotated[float, Field(ge=0)] | None = None,
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = None,
+    weight_decay: Annotated[float, Field(ge=0)] | None = None,
+    minibatches: Annotated[int, Field(ge=1)] | None = None,
+    epochs: Annotated[int, Field(ge=1)] | None = None,
     clip_eps_high: Annotated[float, Field(gt=0, lt=10)] | None = None,
     dual_clip: Annotated[float, Field(gt=1)] | None = None,
-    ratio_level: Literal["token", "sequence"] = "token",
-    kl_estimator: KlEstimator = "k3",
-    loss_agg: Agg = "token_mean",
+    ratio_level: Literal["token", "sequence"] | None = None,
+    kl_estimator: KlEstimator | None = None,
+    loss_agg: Agg | None = None,
     norm_length: Annotated[float, Field(gt=0)] | None = None,
-    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9,
-    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999,
-    skip_zero_advantage: bool = True,
-    skip_norm: Literal["full", "kept"] = "full",
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)] | None = None,
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)] | None = None,
+    skip_zero_advantage: bool | None = None,
+    skip_norm: Literal["full", "kept"] | None = None,
+    entropy_coef: Annotated[float, Field(ge=0)] | None = None,
     on_policy: bool = True,
 ) -> TrainStats:
     """One policy update from a rollout: `epochs` x `minibatches` AdamW steps on `policy_loss` (see there
     for clip_eps_high, dual_clip, ratio_level, kl_estimator, loss_agg, norm_length), gradient clipping at
-    `max_grad_norm`; KL to the reference when `ref_logprobs` is given and `kl_coef` > 0.
+    `max_grad_norm`; KL to the reference when `ref_logprobs` is given and `kl_coef` > 0; an entropy bonus
+    (loss -= entropy_coef * entropy, aggregated like the policy loss) when `entropy_coef` > 0.
+
+    The update is an `Objective` of parts (`operators/objective.py`), resolved in three layers: the preset
+    `objective` names (`default`: the defaults of every part), then the parts given whole (`policy`,
+    `normaliser`, `kl`, `entropy`, `optimiser`: each replaces the preset's), then the flat flags (`lr`,
+    `clip_eps`, ...; None: not set), each of which overrides one field of a part (`objective.FLAGS`). A
+    flat flag cannot set a field back to None (e.g. `clip_eps_high`); give the part instead.
 
     `skip_zero_advantage` leaves rows whose advantage is exactly 0 out of the forward and backward passes;
     `skip_norm` says what the loss is then divided by:
@@ -186,6 +209,18 @@ def train(
     off-policy update."""
     import torch
 
+    obj = resolve(
+        objective,
+        {"policy": policy, "normaliser": normaliser, "kl": kl, "entropy": entropy, "optimiser": optimiser},
+        {
+            "lr": lr, "clip_eps": clip_eps, "kl_coef": kl_coef, "max_grad_norm": max_grad_norm,
+            "weight_decay": weight_decay, "minibatches": minibatches, "epochs": epochs, "clip_eps_high": clip_eps_high,
+            "dual_clip": dual_clip, "ratio_level": ratio_level, "kl_estimator": kl_estimator, "loss_agg": loss_agg,
+            "norm_length": norm_length, "adam_beta1": adam_beta1, "adam_beta2": adam_beta2,
+            "skip_zero_advantage": skip_zero_advantage, "skip_norm": skip_norm, "entropy_coef": entropy_coef,
+        },
+    )  # fmt: skip
+    norm, opt = obj.normaliser, obj.optimiser
     if on_policy and rollouts.weight_version != ctx.engine.weight_version:
         raise RuntimeError(
             f"on-policy update on rollouts sampled by weight version {rollouts.weight_version}, but the policy "
@@ -200,18 +235,19 @@ def train(
         "old_logp": rollouts.behaviour_logprobs,
         "adv": advantages.values,
     }
-    with_kl = ref_logprobs is not None and kl_coef > 0
+    with_kl = ref_logprobs is not None and obj.kl.coef > 0
     if with_kl:
         assert ref_logprobs is not None
         batch["ref_logp"] = ref_logprobs.values
     total = int(batch["adv"].shape[0])
     denominator: float | None = None
-    if skip_zero_advantage:
-        keep = zero_advantage_keep(advantages.values, rollouts.group_size if skip_norm == "kept" else 1)
-        if skip_norm == "full":
-            count = batch["mask"].sum() if loss_agg == "token_mean" else torch.tensor(float(total))
-            denominator = float(count.clamp(min=1)) / minibatches
-            if norm_length is None and loss_agg == "seq_sum_token_mean":
+    norm_length = norm.norm_length
+    if norm.skip_zero_advantage:
+        keep = zero_advantage_keep(advantages.values, rollouts.group_size if norm.skip_norm == "kept" else 1)
+        if norm.skip_norm == "full":
+            count = batch["mask"].sum() if norm.agg == "token_mean" else torch.tensor(float(total))
+            denominator = float(count.clamp(min=1)) / opt.minibatches
+            if norm_length is None and norm.agg == "seq_sum_token_mean":
                 norm_length = float(batch["mask"].sum(1).max().clamp(min=1))  # the whole batch's longest
             if with_kl:
                 keep = torch.ones_like(keep)  # their KL term has a gradient: nothing to skip
@@ -223,19 +259,13 @@ def train(
         )
 
     def loss_fn(mb: dict[str, Tensor], logp: Tensor, entropy: Tensor) -> tuple[Tensor, dict[str, float]]:
-        loss, stats = policy_loss(
+        loss, stats = obj.loss(
             logp,
             mb["old_logp"],
             mb["adv"],
             mb["mask"],
-            clip_eps=clip_eps,
-            clip_eps_high=clip_eps_high,
-            dual_clip=dual_clip,
-            ratio_level=ratio_level,
+            entropy,
             ref_logp=mb.get("ref_logp"),
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            agg=loss_agg,
             norm_length=norm_length,
             denominator=denominator,
         )
@@ -247,12 +277,12 @@ def train(
         batch,
         loss_fn,
         temperature=rollouts.temperature,
-        lr=lr,
-        weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
-        minibatches=minibatches,
-        epochs=epochs,
-        betas=(adam_beta1, adam_beta2),
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.max_grad_norm,
+        minibatches=opt.minibatches,
+        epochs=opt.epochs,
+        betas=(opt.beta1, opt.beta2),
     )
     return TrainStats(
         stats={**stats, "rows": float(rows), "rows_skipped": float(total - rows)},

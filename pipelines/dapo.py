@@ -76,9 +76,13 @@ def dapo(
     )  # fmt: skip
     adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=shaped)
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps_low,
-        clip_eps_high=clip_eps_high, minibatches=minibatches, adam_beta2=adam_beta2, loss_agg="token_mean",
-        skip_zero_advantage=True, skip_norm="kept",
-    )  # fmt: skip
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        objective="dapo",
+        policy={"clip_eps": clip_eps_low, "clip_eps_high": clip_eps_high},
+        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+    )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

@@ -38,8 +38,14 @@ def dr_grpo(
     rewards = p.add("verify", "verify", rollouts=rollouts)
     adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards, scale=False)
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps, minibatches=minibatches,
-        adam_beta2=adam_beta2, loss_agg="seq_sum_token_mean", norm_length=float(max_new_tokens),
-    )  # fmt: skip
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        objective="dr_grpo",
+        policy={"clip_eps": clip_eps},
+        normaliser={"agg": "seq_sum_token_mean", "norm_length": float(max_new_tokens)},
+        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+    )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

@@ -62,16 +62,14 @@ def grpo_tools(
         rollouts=rollouts,
         advantages=adv,
         **ref,
-        lr=lr,
-        clip_eps=clip_eps,
-        kl_coef=kl_coef,
-        minibatches=minibatches,
-        epochs=epochs,
-        max_grad_norm=max_grad_norm,
-        loss_agg=loss_agg,
-        adam_beta2=adam_beta2,
-        skip_zero_advantage=skip_zero_advantage,
-    )
+        objective="grpo",
+        policy={"clip_eps": clip_eps},
+        normaliser={"agg": loss_agg, "skip_zero_advantage": skip_zero_advantage},
+        kl={"coef": kl_coef},
+        optimiser={
+            "lr": lr, "beta2": adam_beta2, "max_grad_norm": max_grad_norm, "minibatches": minibatches, "epochs": epochs
+        },
+    )  # fmt: skip
     limits = {"max_turns": max_turns, "max_new_tokens": max_new_tokens, "token_budget": token_budget}
     p.add("evaluate", "evaluate_agent", after=[train], every=eval_every, size=eval_size, **limits, **tools)
     return p.build()

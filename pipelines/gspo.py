@@ -39,9 +39,13 @@ def gspo(
     rewards = p.add("verify", "verify", rollouts=rollouts)
     adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards)
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps_low,
-        clip_eps_high=clip_eps_high, ratio_level="sequence", minibatches=minibatches, adam_beta2=adam_beta2,
-        loss_agg="seq_mean",
-    )  # fmt: skip
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        objective="gspo",
+        policy={"clip_eps": clip_eps_low, "clip_eps_high": clip_eps_high, "ratio_level": "sequence"},
+        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+    )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

@@ -46,9 +46,14 @@ def ppo(
         "gae", "gae_advantage", rollouts=rollouts, rewards=rewards, values=values, gamma=gamma, lam=lam, std=std
     )
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, clip_eps=clip_eps, minibatches=minibatches,
-        adam_beta2=adam_beta2, loss_agg="token_mean",
-    )  # fmt: skip
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        objective="ppo",
+        policy={"clip_eps": clip_eps},
+        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+    )
     critic = p.add("critic", "train_critic", rollouts=rollouts, advantages=adv, values=values, lr=critic_lr)
     p.add(
         "evaluate", "evaluate", after=[train, critic], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens

@@ -69,8 +69,15 @@ def reinforce_pp(
     )  # fmt: skip
     ref: dict[str, Any] = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts)} if kl_coef > 0 else {}
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, **ref, lr=lr, clip_eps=clip_eps, kl_coef=kl_coef,
-        kl_estimator="k2", minibatches=minibatches, adam_beta2=adam_beta2, skip_zero_advantage=False,
-    )  # fmt: skip
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        **ref,
+        objective="reinforce_pp",
+        policy={"clip_eps": clip_eps},
+        kl={"coef": kl_coef, "estimator": "k2"},
+        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+    )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

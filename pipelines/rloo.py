@@ -42,8 +42,12 @@ def rloo(
     rewards = p.add("verify", "remote_verify" if remote else "verify", rollouts=rollouts, **remote)
     adv = p.add("advantage", "rloo_advantage", rollouts=rollouts, rewards=rewards)
     train = p.add(
-        "train", "train", rollouts=rollouts, advantages=adv, lr=lr, minibatches=minibatches, adam_beta2=adam_beta2,
-        loss_agg="seq_mean",
-    )  # fmt: skip
+        "train",
+        "train",
+        rollouts=rollouts,
+        advantages=adv,
+        objective="rloo",
+        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+    )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()
