@@ -154,6 +154,27 @@ def test_two_adapters_on_one_engine_get_what_each_gets_alone(smol32: Path, llm: 
     eb.release()
 
 
+def test_a_sliced_rollout_runs_every_slice_under_the_jobs_adapter(smol32: Path, llm: Any) -> None:
+    """Decode-step slices (`slices:`, plexrl/engines/partial.py) of a LoRA job on vLLM: each slice is a vLLM
+    call under the job's LoRARequest, so the tokens' log-probs are the adapter's, not the base's."""
+    from plexrl.engines.slicing import pausable
+    from plexrl.engines.vllm_lora import VLLMLoRAEngine
+
+    trainer = adapter_engine(SharedBase(smol32, torch.device("cpu"), "eager"), "sliced", 0)
+    train(trainer, 3, 4000)
+    engine = VLLMLoRAEngine(trainer, llm, "sliced")
+    assert pausable(engine)
+    p = engine.begin_generation(PROMPTS, n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    while not p.finished:
+        engine.resume(p, 2)
+    gen = p.output()
+    assert p.slices == 3
+    mask = gen.response_mask.bool()
+    assert float((scored(trainer, gen) - gen.logprobs).abs()[mask].max()) < 1e-4
+    assert float((scored(trainer, gen, "reference") - gen.logprobs).abs()[mask].max()) > 1e-2
+    engine.release()
+
+
 def vllm_lora_job(model: Path, run_dir: Path, name: str, seed: int, iterations: int = 2) -> dict[str, Any]:
     cfg = lora_job(model, run_dir, name, seed, iterations)
     cfg.update(engine="vllm", vllm={"kv_cache_mb": 16})

@@ -138,7 +138,10 @@ def advance(engine: Any, p: PartialGeneration, max_steps: int | None = None) -> 
     requests = [TokensPrompt(prompt_token_ids=p.rows[i] + p.tokens[i]) for i in live]
     try:
         with llm._lock:  # (the SharedLLM's: one call at a time)
-            outs = llm.llm.generate(requests, params, use_tqdm=False)
+            # a LoRA job's rows under its own adapter (`VLLMLoRAEngine.lora_request`; None: the engine's weights)
+            outs = llm.llm.generate(
+                requests, params, use_tqdm=False, lora_request=getattr(engine, "lora_request", None)
+            )
     except Exception as exc:
         llm.broken = True  # the service rebuilds it for the other jobs
         raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc

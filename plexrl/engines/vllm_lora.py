@@ -256,6 +256,24 @@ class VLLMLoRAEngine:
             self.llm.broken = True  # the service rebuilds it for the other jobs
             raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
 
+    @property
+    def lora_request(self) -> Any:
+        """The vLLM `LoRARequest` of this job's adapter as vLLM holds it (after `sync`)."""
+        return self.llm.adapters[self.job_id].request
+
+    def begin_generation(self, prompts: list[list[int]], **kwargs: Any) -> Any:
+        """A generation run in slices (decode-step preemption): a partial rollout (`plexrl/engines/partial.py`)
+        whose every slice runs under this job's adapter, synced before each slice."""
+        from plexrl.engines.partial import begin
+
+        return begin(self, prompts, **kwargs)
+
+    def resume(self, p: Any, max_steps: int | None = None) -> Any:
+        """At most `max_steps` more tokens per unfinished row of the partial rollout `p` (one vLLM call)."""
+        from plexrl.engines.partial import advance
+
+        return advance(self, p, max_steps)
+
     def load_state(self, state: dict[str, Any]) -> None:
         self.trainer.load_state(state)
         self.llm.forget(self.job_id)  # same version number, other adapter: register again before generating
