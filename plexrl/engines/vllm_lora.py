@@ -20,7 +20,8 @@ Numerics: vLLM applies an adapter as peft computes it (tests/test_vllm_lora.py).
 fp32 (as a full job's vLLM engine does), whatever `model.dtype` the job trains in. Sampling is seeded per row
 exactly as `SharedLLM.generate` does. A job's rollout node is one call of its own; `generate_together` runs
 several jobs' rollouts in ONE call (a LoRARequest per request, each job's seeds), what co-scheduled rollouts
-would use: the planner does not co-schedule rollout nodes of several jobs yet.
+would use: the planner does not co-schedule rollout nodes of several jobs yet. Decode-step slices
+(`begin_generation` / `resume`) are partial rollouts (`plexrl/engines/partial.py`) under the job's adapter.
 """
 
 from __future__ import annotations
