@@ -343,13 +343,13 @@ def make_runner(
     cfg: ClusterRuntime, hooks: list[Hook], executor: Executor | None = None, *, fair_share: bool = False,
     share_half_life_s: float | None = None, **options: Any,
 ) -> Runner:  # fmt: skip
-    """The one `Runner`, with the config's policies and budgets, over `executor` (default: `make_executor`),
-    built whole: `fair_share` orders by user first (`FairShare` over the config's ordering), with service
-    seconds decayed over `share_half_life_s`; `options` (`forget_ended`, `on_closed`, `checkpoint_at`) go to
-    the `Runner` as they are. Used by `plexrl run CLUSTER.yaml` and the server."""
-    from plexrl.planner.policies import ORDERINGS, FairShare, placement_policy
-    from plexrl.planner.shares import Usage
-    from plexrl.runtime.runner import Budgets, Runner
+    """The one `Runner` (`runtime.build.build_runner`), with the config's policies and budgets, over
+    `executor` (default: `make_executor`), built whole: `fair_share` orders by user first (`FairShare` over the
+    config's ordering), with service seconds decayed over `share_half_life_s`; `options` (`forget_ended`,
+    `on_closed`, `checkpoint_at`) go to the `Runner` as they are. Used by `plexrl run CLUSTER.yaml` and the
+    server."""
+    from plexrl.runtime.build import build_runner
+    from plexrl.runtime.records import Budgets
 
     s = cfg.services
     budgets = Budgets(
@@ -357,18 +357,11 @@ def make_runner(
         int(s.host_memory) if s.host_memory is not None else None,
         int(s.disk) if s.disk is not None else None,
     )
-    placement = placement_policy(cfg.placement, cfg.max_load)
-    ordering = ORDERINGS[cfg.ordering]()
-    if fair_share:
-        ordering = FairShare(ordering)
-    usage = Usage(share_half_life_s) if share_half_life_s is not None else None
-    dask = cfg.driver == "dask"
-    return Runner(
-        executor if executor is not None else make_executor(cfg), hooks=hooks, placement=placement,
-        ordering=ordering, budgets=budgets, validate=cfg.validate_state, usage=usage,
-        # a Dask round trip costs milliseconds: send each service its next node early, and let cpu nodes
-        # shorter than a round trip run next to their inputs
-        lookahead=dask and cfg.lookahead, inline_below=0.01 if dask else None, **options,
+    return build_runner(
+        executor if executor is not None else make_executor(cfg), hooks, placement=cfg.placement,
+        max_load=cfg.max_load, ordering=cfg.ordering, budgets=budgets, validate=cfg.validate_state,
+        dask=cfg.driver == "dask", lookahead=cfg.lookahead, fair_share=fair_share,
+        share_half_life_s=share_half_life_s, **options,
     )  # fmt: skip
 
 

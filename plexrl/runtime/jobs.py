@@ -40,9 +40,10 @@ def standard_hooks(
 
 
 def run_jobs(loaded: list[LoadedJob], *, progress: bool | None = None, services: int = 1) -> list[JobRun]:
-    """Prepare each job (task, model, warm start; cached) and run them all to completion, in this process."""
+    """Prepare each job (task, model, warm start; cached) and run them all to completion, in this process, on
+    the one runner builder's defaults (`runtime.build.build_runner`, as a cluster config's)."""
+    from plexrl.runtime.build import build_runner
     from plexrl.runtime.inline import InlineExecutor
-    from plexrl.runtime.runner import Runner
 
     first = loaded[0].config
     configure_torch(first.threads)
@@ -51,4 +52,4 @@ def run_jobs(loaded: list[LoadedJob], *, progress: bool | None = None, services:
     hooks = standard_hooks(
         Path(first.run_dir).resolve(), progress=show, mlflow=any(j.config.tracking.mlflow for j in loaded)
     )
-    return Runner(InlineExecutor(services=services), hooks=hooks).run(specs)
+    return build_runner(InlineExecutor(services=services), hooks).run(specs)

@@ -1,0 +1,49 @@
+"""`build_runner`: THE builder of a `Runner` from plain settings, used by every entry point: `plexrl run JOB.yaml`
+(`runtime/jobs.run_jobs`), a cluster (`cluster.make_runner`, from its config) and the server
+(`server.api.server_runner`, through `make_runner`). Its defaults are a cluster config's (spread+backfill,
+hrrs, no budgets); the runner is built whole: nothing is set on it afterwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plexrl.hooks.base import Hook
+from plexrl.planner.policies import ORDERINGS, FairShare, placement_policy
+from plexrl.planner.shares import Usage
+from plexrl.runtime.executor import Executor
+from plexrl.runtime.records import Budgets
+from plexrl.runtime.runner import Runner
+
+
+def build_runner(
+    executor: Executor,
+    hooks: list[Hook],
+    *,
+    placement: str = "spread+backfill",
+    max_load: float = 1.0,
+    ordering: str = "hrrs",
+    budgets: Budgets | None = None,
+    validate: bool = False,
+    dask: bool = False,
+    lookahead: bool = True,
+    fair_share: bool = False,
+    share_half_life_s: float | None = None,
+    **options: Any,
+) -> Runner:
+    """The `Runner` over `executor` with these policies: `placement` (capped at `max_load` where it is
+    load-aware), `ordering` (by user first with `fair_share`: `FairShare`, service seconds decayed over
+    `share_half_life_s`), `budgets` per tier. `dask`: the executor's round trip costs milliseconds, so each
+    service gets its next node early (`lookahead`) and cpu nodes shorter than a round trip run next to their
+    inputs. `options` (`forget_ended`, `on_closed`, `checkpoint_at`, `poll`) go to the `Runner` as they are."""
+    order = ORDERINGS[ordering]()
+    if fair_share:
+        order = FairShare(order)
+    usage = Usage(share_half_life_s) if share_half_life_s is not None else None
+    return Runner(
+        executor, hooks=hooks, placement=placement_policy(placement, max_load), ordering=order, budgets=budgets,
+        validate=validate, usage=usage, lookahead=dask and lookahead, inline_below=0.01 if dask else None,
+        **options,
+    )  # fmt: skip
+
+
+__all__ = ["build_runner"]
