@@ -78,7 +78,11 @@ class Seen(Hook):
 def test_a_resumed_simulated_job_runs_its_real_iterations_and_checkpoints_under_them(tmp_path: Path) -> None:
     nodes = grpo_nodes(every=2)
     job = SimJob("j", nodes, 8, {n: 0.1 for n in nodes}, GRPO_ORDER, ("evaluate",), GB, first_iteration=5)
-    hook, seen = JournalHook(None, None, checkpoint_every=2, checkpoint_dir=tmp_path), Seen()  # type: ignore[arg-type]
+    journal: Any = None  # (checkpoint_path reads neither the journal nor the runner)
+    hook, seen = (
+        JournalHook(journal, lambda j, r: None, lambda j: {}, checkpoint_every=2, checkpoint_dir=tmp_path),
+        Seen(),
+    )
     ex = SimExecutor(1, SeededCosts(seed=0))
     paths: list[Any] = []
 

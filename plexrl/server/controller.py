@@ -377,7 +377,7 @@ class Controller:
                     return
             tried = entry.attempt if entry else "?"
             run.error += f" (attempt {tried} of at most {self.max_attempts}: not placed again)"
-        self.journal.finish(run.job_id, run.status, run.error)  # type: ignore[arg-type]
+        self.journal.finish(run.job_id, run.status, run.error)
         if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure, for a post-mortem
             shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)
 
