@@ -19,7 +19,8 @@ rollouts of a pool's jobs run at once. Within one pool, per rollout replica of `
   new weights to the rollout engine on the same accelerators (`sync_fixed_s`); two `switch_fixed_s`.
   Then the job's next step arrives (on-policy: the rollout of step i+1 starts after the training of step i).
 
-The scenario's pools are identical: one pool is simulated and its accounting counted `services` times.
+The scenario's pools are identical: one pool is simulated and its accounting counted `services` times (with
+a job count that is not a multiple of `jobs_per_pool`, the last pool is charged as a full one: conservative).
 Output: a `DeploymentResult` like the planner's rows, plus the share of decode time in which two or more
 jobs' rollouts were in flight together (in its `tail_overlap` field: what the sharing bought).
 """
