@@ -24,6 +24,11 @@ batched across jobs: each job's rollout is its own engine call (see docs/benchma
 
     .venv/bin/python benchmarks/multiplex_lora.py [--jobs 4] [--layers 4] [--iterations 20] [--reps 1]
         [--latency 1.0] [--batch 8] [--n 8] [--rank 16] [--resident 1] [--driver dask|local] [--orderings hrrs,deadline]
+        [--engine torch|vllm] [--kv-cache-mb 256]
+
+`--engine vllm`: the rollouts on one LoRA-enabled vLLM engine per service (`plexrl/engines/vllm_lora.py`: the
+base loaded once, each job under its own LoRARequest, a weight sync registers the adapter only); the device
+budget then counts that engine once beside the base and the resident adapter states.
         [--smoke]
 
 `--smoke`: 2 jobs on a 1-layer copy, 1 iteration of 2 prompts x 2 samples, local driver (the tests run it;
@@ -61,7 +66,8 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
     jobs = []
     for i in range(args.jobs):
         jobs.append({"config": str(ROOT / "configs" / "grpo_smollm2_addition.yaml"), "set": {
-            "name": f"lora-{i}", "seed": i, "engine": "torch", "run_dir": str(run_dir),
+            "name": f"lora-{i}", "seed": i, "engine": args.engine, "run_dir": str(run_dir),
+            "vllm.kv_cache_mb": args.kv_cache_mb,
             "model.pretrained": None, "model.path": str(model), "model.lora": lora,
             "data.train": str(DATA / "train.parquet"), "data.held_out": str(DATA / "test.parquet"),
             "pipeline.params.batch_size": args.batch, "pipeline.params.n": args.n,
@@ -87,7 +93,12 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         from plexrl.job import model_bytes
 
         state = lora_state_bytes(model, args.rank, lora["target_modules"])  # type: ignore[arg-type]
-        cluster["services"]["device_memory"] = model_bytes(model) + args.resident * state + state // 4  # type: ignore[index]
+        budget = model_bytes(model) + args.resident * state + state // 4
+        if args.engine == "vllm":  # the LoRA-enabled vLLM engine, once per service: its base, KV cache, slots
+            from plexrl.engines.vllm_lora import lora_engine_bytes
+
+            budget += lora_engine_bytes(model, args.rank, args.kv_cache_mb * 2**20)
+        cluster["services"]["device_memory"] = budget  # type: ignore[index]
     path = run_dir / "multiplex-lora.yaml"
     path.write_text("# written by benchmarks/multiplex_lora.py\n" + yaml.safe_dump(cluster, sort_keys=False))
     return path
@@ -136,6 +147,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--resident", type=int, default=1, help="adapter states the device holds beside the base "
                     "(default 1: every switch swaps adapters and moments; 0: no budget)")  # fmt: skip
     ap.add_argument("--driver", choices=["dask", "local"], default="dask")
+    ap.add_argument(
+        "--engine",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="the rollout engine: torch, or vLLM with one LoRARequest per job (default torch)",
+    )
+    ap.add_argument("--kv-cache-mb", type=int, default=256, help="the vLLM engine's KV cache (--engine vllm)")
     ap.add_argument("--orderings", default="hrrs", help="comma-separated orderings of the multiplexed arm")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "multiplex-lora")
     ap.add_argument("--smoke", action="store_true", help="2 jobs, 1 layer, 1 iteration of 2 x 2, local (tests)")
