@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,7 +94,7 @@ def step(model: Any, arm: str, ids: torch.Tensor, attn: torch.Tensor, scored: to
     return float(loss.detach())
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--n", type=int, default=8)
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.reps, args.prompt, args.response = 1, 12, 4
     torch.set_num_threads(torch.get_num_threads())
