@@ -84,13 +84,13 @@ def format_scenario(sc: Scenario, rows: list[dict[str, Any]], sweep: dict[str, l
         + (f" LoRA r={sc.lora.rank} jobs" if sc.lora else "")
         + f" on {sc.accelerator.name}, {rows[0]['jobs']} jobs x "
         f"{sc.workload.steps} steps; strongest baseline (cheapest tuned): {base['deployment']} {base['layout']}",
-        f"{'deployment':<28}{'layout':<31}{'policy':<11}{'accel':>6}{'GPU-h/step':>11}{'step s':>8}{'x step':>7}"
+        f"{'deployment':<28}{'layout':<34}{'policy':<11}{'accel':>6}{'GPU-h/step':>11}{'step s':>8}{'x step':>7}"
         f"{'saving':>8}{'bubble':>8}{'eff.bubble':>11}{'decode eff':>11}{'slowdown':>13}",
     ]
     lines.append("-" * len(lines[-1]))
     for r in rows:
         lines.append(
-            f"{r['deployment']:<28}{r['layout']:<31}{r['policy']:<11}{r['accelerators']:>6}"
+            f"{r['deployment']:<28}{r['layout']:<34}{r['policy']:<11}{r['accelerators']:>6}"
             f"{r['gpu_hours_per_step']:>11.2f}{r['step_seconds']:>8.0f}{r['step_vs_strongest']:>7.2f}"
             f"{r['saving_vs_strongest']:>+8.1%}{r['bubble']:>8.1%}{r['effective_bubble']:>11.1%}"
             f"{r['decode_efficiency']:>11.1%}{r['slowdown_mean']:>7.2f}/{r['slowdown_max']:<5.2f}"
