@@ -50,6 +50,9 @@ def dapo(
     verifier_latency_s: Annotated[
         float, Field(ge=0, description="> 0: verify through a remote verifier with this round trip (remote_verify)")
     ] = 0.0,
+    entropy_coef: Annotated[
+        float, Field(ge=0, description="> 0: an entropy bonus in the update (train's EntropyBonus), against collapse")
+    ] = 0.0,
 ) -> PipelineGraph:
     p = Pipeline("dapo")
     remote: dict[str, Any] = {"latency_s": verifier_latency_s} if verifier_latency_s > 0 else {}
@@ -83,6 +86,7 @@ def dapo(
         objective="dapo",
         policy={"clip_eps": clip_eps_low, "clip_eps_high": clip_eps_high},
         optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
+        **({"entropy": {"coef": entropy_coef}} if entropy_coef > 0 else {}),
     )
     p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
     return p.build()

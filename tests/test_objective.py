@@ -212,3 +212,12 @@ def test_bad_parts_are_clear_errors() -> None:
     assert Normaliser() == PRESETS["grpo"].normaliser  # frozen parts compare by value
     with pytest.raises(ValueError, match="frozen"):
         PRESETS["grpo"].kl.coef = 1.0
+
+
+def test_dapo_passes_its_entropy_bonus_to_train_and_none_by_default() -> None:
+    def entropy_of(graph: PipelineGraph) -> float:
+        params = train_node(graph).params.model_dump()
+        return flat(resolve(params["objective"], {k: params[k] for k in Objective.model_fields}, {}))["entropy_coef"]
+
+    assert entropy_of(dapo()) == 0.0
+    assert entropy_of(dapo(entropy_coef=0.003)) == 0.003
