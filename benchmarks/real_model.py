@@ -219,6 +219,22 @@ def smoke_config(tmp: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def override(cfg: dict[str, Any], item: str) -> None:
+    """Set `KEY=VALUE` in `cfg`: KEY dotted (`pipeline.params.n`), VALUE parsed as YAML (`1.2`, `true`, `[a]`)."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set {item!r}: write KEY=VALUE, e.g. --set pipeline.params.temperature=1.2")
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SystemExit(f"--set {item!r}: {part!r} is not a mapping in the config")
+    node[leaf] = yaml.safe_load(value)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/dapo_smollm2_addition.yaml")
@@ -226,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed (default 20)")
     ap.add_argument("--target", type=float, default=0.85, help="held-out accuracy that ends a seed (default 0.85)")
     ap.add_argument("--write-data", metavar="DIR", help="write train.parquet and test.parquet into DIR and exit")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value by dotted key, the value read as YAML (a recipe trial), e.g. "
+                         "--set pipeline.params.temperature=1.2; repeatable")  # fmt: skip
+    ap.add_argument("--out", default="runs/real_model", help="where the curve PNG goes (default runs/real_model)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model with the real tokenizer, 2 iterations")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -239,7 +259,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         from plexrl.yamlio import load_yaml_file
 
-        cfg, seeds, out = load_yaml_file(args.config), [int(s) for s in args.seeds.split(",")], Path("runs/real_model")
+        cfg, seeds, out = load_yaml_file(args.config), [int(s) for s in args.seeds.split(",")], Path(args.out)
+        for item in args.set:
+            override(cfg, item)
         for split in ("train", "held_out"):
             if not Path(cfg["data"][split]).is_file():
                 raise SystemExit(f"{cfg['data'][split]} is missing: run benchmarks/real_model.py --write-data "
