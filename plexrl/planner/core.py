@@ -12,14 +12,7 @@ the moves before every service node. A `CostModel` fitted online to node duratio
 feeds the policies: predicted busy fraction for placement, predicted node and swap time for HRRS, and
 predicted next use for choosing which state to evict or prefetch.
 
-States (each change goes through one table; an illegal move raises `InvalidTransition` with recent history):
-- job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
-- node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
-  go waiting -> done directly; a failed cpu node with runs left (`JobPlan.retry`) goes running -> backoff
-  -> running: while it waits, its job counts as away for the predicted backoff left plus the node's time;
-  a slice of a sliced service node that ends before the node (`NodeFinished(paused=True)`) goes running ->
-  paused -> running: its next slice is queued on the service like any node, and its job, whose paused
-  generation waits there, is never evicted meanwhile (`slices.py`).
+States and their one table: `records.py`; backoffs: `retries.py`; slices: `slices.py`.
 
 Invariants (`validate()`; the runner and the tests run it after every event): a service runs at most
 one node, of a job placed on it, whose state is on device (DESIGN.md invariant 3); what a service runs or
@@ -30,7 +23,6 @@ queues belongs to a job placed on that service, and a job's service is fixed onc
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable
 
@@ -47,7 +39,6 @@ from plexrl.planner.events import (
     JobSubmitted,
     NodeFinished,
     PlaceJob,
-    RetryNode,
     RunNode,
     ServiceJoined,
     ServiceLost,
@@ -56,13 +47,13 @@ from plexrl.planner.events import (
     Transition,
 )
 from plexrl.planner.gaps import busy_fraction, gap_after, next_use
+from plexrl.planner.placing import admissions, leave
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
     OrderingView,
     PlacementPolicy,
     QueuedNode,
-    ServiceView,
     Spread,
 )
 from plexrl.planner.records import (
@@ -75,6 +66,7 @@ from plexrl.planner.records import (
     NodeStatus,
     ServiceRecord,
 )
+from plexrl.planner.retries import Backoffs
 from plexrl.planner.shares import Usage
 from plexrl.planner.slices import paused_jobs, record_slice, slices_done
 from plexrl.planner.slices import violation as slice_violation
@@ -125,7 +117,7 @@ class Planner:
         # offered a dispatch (a service nothing happened to would make the same choice as before)
         self._dirty: set[str] = set()
         self._gaps: dict[str, dict[str, float]] = {}  # job -> node -> gap_after (see there)
-        self._backing: set[str] = set()  # jobs with a cpu node in backoff (`wake_at`)
+        self._backing = Backoffs()  # jobs with a cpu node in backoff (`wake_at`)
         self.usage = usage or Usage()  # service seconds per user (fair-share ordering)
 
     # -- the one entry point -----------------------------------------------------------------------
@@ -241,7 +233,7 @@ class Planner:
         if not ev.ok:
             retry = job.plan.retry
             if plan.placement == "cpu" and retry is not None and runs < retry.attempts:
-                self._back_off(job, ev, runs, out)
+                out.append(self._backing.back_off(job, ev, runs, self.clock(), self._set_node))
                 return
             after = f" (after {runs} runs)" if runs > 1 else ""
             self._end_job(ev.job_id, "failed", f"node {ev.node!r} (iteration {ev.iteration}): {ev.error}{after}", out)
@@ -259,37 +251,17 @@ class Planner:
         self._set_node(job, ev.node, "done")
         self._advance(job, out)
 
-    # -- retries ---------------------------------------------------------------------------------------
-    def _back_off(self, job: JobRecord, ev: NodeFinished, runs: int, out: list[Instruction]) -> None:
-        """A cpu node failed with runs left: it waits in `backoff` until its delay has passed (`_tick`)."""
-        assert job.plan.retry is not None
-        delay = job.plan.retry.delay(runs)
-        self._set_node(job, ev.node, "backoff")
-        job.runs[ev.node] = runs
-        job.backoff[ev.node] = self.clock() + delay
-        self._backing.add(job.job_id)
-        out.append(RetryNode(job.job_id, ev.iteration, ev.node, runs, job.plan.retry.attempts, delay, ev.error or ""))
-
+    # -- retries (`retries.Backoffs`) ------------------------------------------------------------------
     @property
     def wake_at(self) -> float | None:
         """When the planner next needs a `Tick` (the earliest end of a backoff); None: no event is due."""
-        ends = [t for j in self._backing for t in self.jobs[j].backoff.values()]
-        return min(ends) if ends else None
+        return self._backing.wake_at(self.jobs)
 
     def _tick(self, out: list[Instruction]) -> None:
         """Send again the cpu nodes whose backoff has ended, in job and node order."""
-        now = self.clock()
-        for job_id in sorted(self._backing):
-            job = self.jobs[job_id]
-            for node in [n for n, t in sorted(job.backoff.items()) if t <= now]:
-                del job.backoff[node]
-                self._set_node(job, node, "running")
-                job.cpu_started[node] = now
-                job.runs[node] = runs = job.runs.get(node, 1) + 1
-                inline = self._tiny(job, node)
-                out.append(RunNode(job_id, job.iteration, node, "cpu", None, inline=inline, attempt=runs))
-            if not job.backoff:
-                self._backing.discard(job_id)
+        for job, node, runs in self._backing.due(self.jobs, self.clock(), self._set_node):
+            inline = self._tiny(job, node)
+            out.append(RunNode(job.job_id, job.iteration, node, "cpu", None, inline=inline, attempt=runs))
 
     # -- job progress --------------------------------------------------------------------------------
     def _admit(self, out: list[Instruction]) -> None:
@@ -299,47 +271,22 @@ class Planner:
         alive = [s for s in self.services.values() if s.alive]
         if not alive:
             return
-        load = {s.service_id: sum(self.job_load(j) for j in s.jobs) for s in alive}
-        views: dict[tuple[int, tuple[str, int] | None], list[ServiceView]] = {}  # `fits` depends only on these
-        largest = max(math.inf if s.state.budgets["device"] is None else s.state.budgets["device"] for s in alive)
         still: list[str] = []
-        for job_id in self.pending:
-            job = self.jobs[job_id]
-            nbytes, engine = job.plan.state_bytes, job.plan.engine
-            need = nbytes + (engine[1] if engine else 0)
-            if need > largest:
-                self._end_job(
-                    job_id,
-                    "failed",
-                    f"its state ({nbytes} bytes"
-                    + (f", plus {engine[1]} for its generation engine" if engine else "")
-                    + f") exceeds the device budget of every service (largest {largest}); "
-                    "raise device_bytes or use a smaller model",
-                    out,
-                    keep_pending=True,
-                )
+        for a in admissions(self.pending, self.jobs, alive, self.placement, self.job_load):
+            if a.problem:
+                self._end_job(a.job_id, "failed", a.problem, out, keep_pending=True)
                 continue
-            if (nbytes, engine) not in views:
-                views[nbytes, engine] = [
-                    ServiceView(s.service_id, len(s.jobs), load[s.service_id], s.state.fits(nbytes, engine))
-                    for s in alive
-                ]
-            mine = self.job_load(job_id)
-            target = self.placement.place(job_id, mine, views[nbytes, engine])
-            if target is None:
-                still.append(job_id)
+            if a.target is None:
+                still.append(a.job_id)
                 continue
-            svc = self.services[target]
-            tier = svc.state.admit(job_id, nbytes, engine)
-            if tier is None:
-                raise InvalidTransition(self._history(f"placement chose {target} for {job_id} but it does not fit"))
+            if a.tier is None:
+                raise InvalidTransition(self._history(f"placement chose {a.target} for {a.job_id} but it does not fit"))
+            job, svc = self.jobs[a.job_id], self.services[a.target]
             self._set_job(job, "placed")
-            job.service, job.placed_at = target, self.clock()
-            svc.jobs.add(job_id)
-            self._dirty.add(target)
-            load[target] += mine
-            views.clear()  # the target's jobs, load and free memory changed
-            out.append(PlaceJob(job_id, target, tier))
+            job.service, job.placed_at = a.target, self.clock()
+            svc.jobs.add(a.job_id)
+            self._dirty.add(a.target)
+            out.append(PlaceJob(a.job_id, a.target, a.tier))
             job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
             self._start_iteration(job, out)
         self.pending = still
@@ -501,17 +448,7 @@ class Planner:
             self.pending.remove(job_id)
         svc = self.services.get(job.service) if job.service else None
         if svc is not None:
-            svc.queue = [q for q in svc.queue if q.job_id != job_id]
-            if svc.next is not None and svc.next[0] == job_id:
-                svc.next = None  # the driver abandons the node's result
-            if svc.running is not None and svc.running[0] == job_id:
-                svc.running, svc.next = svc.next, None  # (the service runs `next` once the abandoned node ends)
-            svc.jobs.discard(job_id)
-            svc.state.release(job_id)
-            if svc.resident == job_id:
-                svc.resident = None
-            if svc.prefetching == job_id:
-                svc.prefetching = None
+            leave(svc, job_id)
         if status == "done":
             out.append(JobDone(job_id, job.service))
         else:

@@ -1,5 +1,15 @@
 """The planner's records and its state tables: job and node states, every legal move, and the per-job and
-per-service records the planner keeps. Data only; `core.Planner` is the one thing that changes them."""
+per-service records the planner keeps. Data only; `core.Planner` is the one thing that changes them.
+
+States (each change goes through one table; an illegal move raises `InvalidTransition` with recent history):
+- job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
+- node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
+  go waiting -> done directly; a failed cpu node with runs left (`JobPlan.retry`) goes running -> backoff
+  -> running: while it waits, its job counts as away for the predicted backoff left plus the node's time;
+  a slice of a sliced service node that ends before the node (`NodeFinished(paused=True)`) goes running ->
+  paused -> running: its next slice is queued on the service like any node, and its job, whose paused
+  generation waits there, is never evicted meanwhile (`slices.py`).
+"""
 
 from __future__ import annotations
 
