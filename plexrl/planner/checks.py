@@ -1,8 +1,8 @@
 """The planner's invariants, checked after every event in tests and with `validate=True` (see `core`): a
-service runs at most one node (plus one sent ahead), of a job placed on it, whose state is on device; what a
-service queues belongs to its jobs; every tier within budget; states recorded = jobs placed; a job's count
-of nodes left matches its node states; its nodes in backoff are cpu nodes with a backoff end. Pure: reads the
-planner's records, changes nothing."""
+service runs at most one node (plus one sent ahead; or one group of co-scheduled rollouts, checked in
+`batches.py`), of a job placed on it, whose state is on device; what a service queues belongs to its jobs;
+every tier within budget; states recorded = jobs placed; a job's count of nodes left matches its node states;
+its nodes in backoff are cpu nodes with a backoff end. Pure: reads the planner's records, changes nothing."""
 
 from __future__ import annotations
 

@@ -12,12 +12,9 @@ the moves before every service node. A `CostModel` fitted online to node duratio
 feeds the policies: predicted busy fraction for placement, predicted node and swap time for HRRS, and
 predicted next use for choosing which state to evict or prefetch.
 
-States and their one table: `records.py`; backoffs: `retries.py`; slices: `slices.py`.
-
-Invariants (`validate()`; the runner and the tests run it after every event): a service runs at most
-one node, of a job placed on it, whose state is on device (DESIGN.md invariant 3); what a service runs or
-queues belongs to a job placed on that service, and a job's service is fixed once placed (invariant 2:
-`_admit` is the only place that sets it); every tier stays within its budget.
+States and their one table: `records.py`; backoffs: `retries.py`; slices: `slices.py`; co-scheduled rollouts:
+`batches.py`. Invariants (`validate()`, after every event in the runner and the tests): `checks.py`; a job's
+service is fixed once placed (DESIGN.md invariant 2: `_admit` is the only place that sets it).
 """
 
 from __future__ import annotations
@@ -26,6 +23,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
+from plexrl.planner.batches import gather, member_finished, start_group
+from plexrl.planner.batches import violation as batch_violation
 from plexrl.planner.checks import first_violation
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
@@ -88,6 +87,7 @@ class Planner:
         lookahead: bool = False,
         inline_below: float | None = None,
         usage: Usage | None = None,
+        batch_rollouts: bool = False,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
@@ -119,6 +119,9 @@ class Planner:
         self._gaps: dict[str, dict[str, float]] = {}  # job -> node -> gap_after (see there)
         self._backing = Backoffs()  # jobs with a cpu node in backoff (`wake_at`)
         self.usage = usage or Usage()  # service seconds per user (fair-share ordering)
+        # co-scheduled rollouts (`batches.py`): several jobs' batchable nodes in one engine call
+        self.batch_rollouts = batch_rollouts
+        self.groups_sent = self.grouped_nodes = 0  # groups sent, and their members (statistics)
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -135,10 +138,9 @@ class Planner:
             self._job_submitted(event, out)  # type: ignore[arg-type]
         elif kind is StateMeasured:
             self._state_measured(event)  # type: ignore[arg-type]
-        elif kind is JobCancelled:
-            self._end_job(event.job_id, "cancelled", event.reason, out)  # type: ignore[union-attr]
-        elif kind is JobFailed:
-            self._end_job(event.job_id, "failed", event.reason, out)  # type: ignore[union-attr]
+        elif kind is JobCancelled or kind is JobFailed:
+            status: JobStatus = "cancelled" if kind is JobCancelled else "failed"
+            self._end_job(event.job_id, status, event.reason, out)  # type: ignore[union-attr]
         elif kind is Tick:
             self._tick(out)
         else:
@@ -226,9 +228,11 @@ class Planner:
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
             svc = self.services[job.service] if job.service else None
-            if svc is None or svc.running != (ev.job_id, ev.iteration, ev.node):
+            key = (ev.job_id, ev.iteration, ev.node)
+            if svc is None or (svc.running != key and key not in svc.group):
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
-            svc.running, svc.next = svc.next, None
+            if not svc.group or member_finished(svc, key):
+                svc.running, svc.next = svc.next, None
             self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
             retry = job.plan.retry
@@ -288,16 +292,13 @@ class Planner:
             self._dirty.add(a.target)
             out.append(PlaceJob(a.job_id, a.target, a.tier))
             job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
-            self._start_iteration(job, out)
+            self._reset_nodes(job)
+            self._advance(job, out)
         self.pending = still
 
     def job_load(self, job_id: str) -> float:
         """Predicted busy fraction of a job on its service (`gaps.busy_fraction`)."""
         return busy_fraction(self.jobs[job_id], self.costs.predict)
-
-    def _start_iteration(self, job: JobRecord, out: list[Instruction]) -> None:
-        self._reset_nodes(job)
-        self._advance(job, out)
 
     def _reset_nodes(self, job: JobRecord) -> None:
         """Node states for `job.iteration`: the baseline pass (-1) has only the baseline nodes, without their
@@ -395,24 +396,33 @@ class Planner:
         else:
             return
         job = self.jobs[q.job_id]
+        members: list[QueuedNode] = []
+        if self.batch_rollouts and svc.running is None:  # a group runs now, never sent ahead
+            members, more = gather(svc, self.jobs, q, self.ordering, view, now,
+                                   lambda j, keep: svc.state.make_resident(j, use_in, keep), pinned)  # fmt: skip
+            swaps += more
         svc.queue.pop(index)
+        taken = start_group(svc, q, members)
         svc.prefetching, svc.resident = None, q.job_id
-        self._set_node(job, q.node, "running")
+        for entry in (q, *members):
+            self._set_node(self.jobs[entry.job_id], entry.node, "running")
         if svc.running is None:
             svc.running = (q.job_id, q.iteration, q.node)
+            self.groups_sent, self.grouped_nodes = self.groups_sent + bool(members), self.grouped_nodes + len(members)
         else:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1
         prefetch: list[Move] = []
-        nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | {q.job_id})
+        nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | taken)
         if nxt is not None:
-            prefetch = svc.state.prefetch(nxt, use_in, pinned | {q.job_id})
+            prefetch = svc.state.prefetch(nxt, use_in, pinned | taken)
             if prefetch:
                 svc.prefetching = nxt
         chunks = job.plan.nodes[q.node].chunks
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
                            chunk=job.chunk.get(q.node, 0), chunks=chunks,
-                           slice=slices_done(job, q.node)))  # fmt: skip
+                           slice=slices_done(job, q.node),
+                           group=tuple((m.job_id, m.iteration, m.node) for m in members)))  # fmt: skip
 
     def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
         return ordering_view(svc, self.jobs, self.costs, self.usage, self.gap_after, self.clock())
@@ -426,15 +436,8 @@ class Planner:
             gap = cached[node] = gap_after(self.jobs[job_id], node, self.costs.predict)
         return gap
 
-    def _end_job(
-        self,
-        job_id: str,
-        status: JobStatus,
-        reason: str,
-        out: list[Instruction],
-        keep_pending: bool = False,
-        lost: bool = False,
-    ) -> None:
+    def _end_job(self, job_id: str, status: JobStatus, reason: str, out: list[Instruction], keep_pending: bool = False,
+                 lost: bool = False) -> None:  # fmt: skip
         job = self.jobs.get(job_id)
         if job is None or job.status in TERMINAL:
             return
@@ -446,9 +449,8 @@ class Planner:
         job.reason, job.finished_at = reason, self.clock()
         if job_id in self.pending and not keep_pending:
             self.pending.remove(job_id)
-        svc = self.services.get(job.service) if job.service else None
-        if svc is not None:
-            leave(svc, job_id)
+        if job.service is not None:
+            leave(self.services[job.service], job_id)
         if status == "done":
             out.append(JobDone(job_id, job.service))
         else:
@@ -481,7 +483,8 @@ class Planner:
     def validate(self) -> None:
         """Check every invariant (`checks.first_violation`); raise `InvalidTransition` with history on the first
         violation."""
-        problem = first_violation(self.jobs, self.services) or slice_violation(self.jobs, self.services)
+        problem = (first_violation(self.jobs, self.services) or slice_violation(self.jobs, self.services)
+                   or batch_violation(self.jobs, self.services))  # fmt: skip
         if problem is not None:
             raise InvalidTransition(self._history(problem))
 

@@ -26,6 +26,9 @@ class NodePlan:
     # a service node run as this many resumable chunks: after each, the service may run another job's node
     # (function-level preemption); the cost model then learns the time of one chunk
     chunks: int = 1
+    # a rollout that runs whole (neither chunked nor sliced) and whose operator has a batched form: with
+    # `Planner(batch_rollouts=True)` it may share one engine call with other jobs' (`batches.py`)
+    batchable: bool = False
 
     def active(self, iteration: int, iterations: int) -> bool:
         return self.every is None or (iteration + 1) % self.every == 0 or iteration == iterations - 1
@@ -66,6 +69,9 @@ class JobPlan:
     costs: tuple[tuple[str, float], ...] = ()
     retry: RetryPlan | None = None  # failing cpu nodes run again after a backoff (None: a failure ends the job)
     first_iteration: int = 0  # the first iteration this run does (0, or the one after a checkpoint)
+    # the most jobs whose batchable nodes its engine runs in one call (a LoRA job on vLLM: the adapters one
+    # engine step mixes); 0 or 1: its nodes always run alone (`batches.py`)
+    batch: int = 0
 
 
 # -- events -------------------------------------------------------------------------------------------
@@ -163,6 +169,9 @@ class RunNode:
     chunks: int = 1
     slice: int = 0  # which slice of a sliced service node this is (> 0: it resumes the paused generation)
     attempt: int = 1  # which run of the node this is (> 1: after failed runs and their backoff, `RetryPlan`)
+    # co-scheduled rollouts (`batches.py`): the other members (job, iteration, node) run in the same engine
+    # call as this node; `swaps` make every member resident
+    group: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@
   every service's device budget), stays queued (the placement policy said no), or goes to a service, whose
   `StateManager` has admitted its state (the tier it landed in). A generator: the planner places each job
   before the next one is weighed, so later views see the jobs, loads and free memory that placement changed;
-- `leave`: drop an ended job from its service's queue, running and sent-ahead slots, states and pointers.
+- `leave`: drop an ended job from its service's queue, running, group and sent-ahead slots, states and pointers.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from plexrl.planner.batches import member_finished
 from plexrl.planner.policies import PlacementPolicy, ServiceView
 from plexrl.planner.records import JobRecord, ServiceRecord
 from plexrl.planner.state import Tier
@@ -72,6 +73,9 @@ def leave(svc: ServiceRecord, job_id: str) -> None:
     svc.queue = [q for q in svc.queue if q.job_id != job_id]
     if svc.next is not None and svc.next[0] == job_id:
         svc.next = None
+    for key in sorted(k for k in svc.group if k[0] == job_id):  # a member of a co-scheduled group
+        if member_finished(svc, key):
+            svc.running, svc.next = svc.next, None
     if svc.running is not None and svc.running[0] == job_id:
         svc.running, svc.next = svc.next, None
     svc.jobs.discard(job_id)

@@ -97,3 +97,5 @@ class ServiceRecord:
     resident: str | None = None  # the job that ran last here (its state is on device)
     prefetching: str | None = None
     next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
+    # co-scheduled rollouts (`batches.py`): every member of the group running here, `running` among them
+    group: set[tuple[str, int, str]] = field(default_factory=set)

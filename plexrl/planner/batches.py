@@ -1,0 +1,135 @@
+"""Co-scheduled rollouts (`Planner(batch_rollouts=True)`): several jobs' rollout nodes in ONE engine call.
+
+A node has a batch key when its job's generation engine can mix jobs in one call (`JobPlan.batch` > 1: a
+LoRA job on a shared vLLM engine, whose adapters one engine step mixes, up to `batch` of them) and its node is
+batchable (`NodePlan.batchable`: a rollout that runs whole, neither chunked nor sliced): the key is the job's
+shared-engine key (`JobPlan.engine[0]`), so one key means one engine on a service. When the planner runs such
+a node now (not sent ahead), `gather` adds the other queued nodes of that key on that service, of distinct
+jobs, in the ordering policy's order, each only if its state can be made resident beside the members already
+taken (a member that does not fit is left queued), up to the smallest `batch` of the members. The group is
+ONE `RunNode` (the first member's, `group` naming the others) whose swaps make every member resident.
+
+While the group runs, `ServiceRecord.group` holds every member and `running` one of them still running; each
+member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
+executor reports each member a consecutive share of the group's span (`shares`: proportional to the tokens of
+its calls), so the cost model learns each member's share, the service's busy time counts once and each job's
+accounted seconds are its share. Pure helpers of `core.Planner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from plexrl.planner.policies import OrderingPolicy, OrderingView, QueuedNode
+from plexrl.planner.records import JobRecord, ServiceRecord
+from plexrl.planner.state import Move, NoRoom
+
+Key = tuple[str, int, str]
+
+
+def batch_key(job: JobRecord, node: str) -> str | None:
+    """The key of the engine `node` of `job` can share a call on; None: it runs alone."""
+    plan = job.plan
+    if plan.batch < 2 or plan.engine is None or not plan.nodes[node].batchable:
+        return None
+    return plan.engine[0]
+
+
+def gather(
+    svc: ServiceRecord,
+    jobs: Mapping[str, JobRecord],
+    lead: QueuedNode,
+    ordering: OrderingPolicy,
+    view: OrderingView,
+    now: float,
+    make_resident: Callable[[str, set[str]], list[Move]],
+    pinned: set[str],
+) -> tuple[list[QueuedNode], list[Move]]:
+    """The other members of `lead`'s group (taken off nothing: the caller pops them) and the moves that make
+    them resident, in order. `make_resident(job, pinned)` raises `NoRoom` when the job does not fit beside
+    `pinned`; such a job stays queued. Empty when `lead` has no batch key."""
+    key = batch_key(jobs[lead.job_id], lead.node)
+    if key is None:
+        return [], []
+    limit = jobs[lead.job_id].plan.batch
+    taken = {lead.job_id}
+    left = [
+        q
+        for q in svc.queue
+        if q is not lead
+        and q.job_id not in pinned
+        and q.job_id != lead.job_id
+        and jobs[q.job_id].nodes.get(q.node) == "ready"
+        and batch_key(jobs[q.job_id], q.node) == key
+    ]
+    members: list[QueuedNode] = []
+    moves: list[Move] = []
+    while left and len(taken) < limit:
+        index = ordering.pick(left, now, view)
+        if index < 0:
+            break
+        q = left.pop(index)
+        if q.job_id in taken or len(taken) >= jobs[q.job_id].plan.batch:
+            continue
+        try:
+            moves += make_resident(q.job_id, pinned | taken)
+        except NoRoom:
+            continue  # it does not fit beside the members: it stays queued, to run later
+        taken.add(q.job_id)
+        limit = min(limit, jobs[q.job_id].plan.batch)
+        members.append(q)
+    return members, moves
+
+
+def start_group(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode]) -> set[str]:
+    """`lead` (already off the queue) starts with `members` (taken off it here) as one group; its jobs."""
+    if members:
+        svc.queue = [e for e in svc.queue if all(e is not m for m in members)]
+        svc.group = {(e.job_id, e.iteration, e.node) for e in (lead, *members)}
+    return {lead.job_id, *(m.job_id for m in members)}
+
+
+def member_finished(svc: ServiceRecord, key: Key) -> bool:
+    """A member of the group `svc` runs ended (or its job did): drop it. True when the service is free."""
+    svc.group.discard(key)
+    if svc.group:
+        if svc.running == key:
+            svc.running = min(svc.group)  # another member still running stands for the group
+        return False
+    return True
+
+
+def shares(start: float, end: float, weights: Sequence[float]) -> list[tuple[float, float]]:
+    """Consecutive spans that tile [start, end], one per member, proportional to `weights` (equal when they
+    sum to zero): what each member of a group is reported to have taken."""
+    total = float(sum(weights))
+    n = len(weights)
+    fractions = [w / total for w in weights] if total > 0 else [1.0 / n] * n
+    out, t = [], start
+    for i, f in enumerate(fractions):
+        u = end if i == n - 1 else t + f * (end - start)
+        out.append((t, u))
+        t = u
+    return out
+
+
+def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:
+    """The first broken invariant of groups, described; None when all hold: a group's members are running
+    service nodes of distinct jobs placed on its service, with their states on device, and `running` is one."""
+    for svc in services.values():
+        if not svc.group:
+            continue
+        if svc.running not in svc.group:
+            return f"{svc.service_id}: running {svc.running} is not one of its group {sorted(svc.group)}"
+        if len({k[0] for k in svc.group}) < len(svc.group):
+            return f"{svc.service_id}: a job twice in its group {sorted(svc.group)}"
+        for job_id, iteration, node in svc.group:
+            job = jobs[job_id]
+            if job.service != svc.service_id or job.status != "placed" or not svc.state.on_device(job_id):
+                return f"{svc.service_id}: group member {job_id} not placed there with its state on device"
+            if job.iteration != iteration or job.nodes.get(node) != "running":
+                return f"{svc.service_id}: group member {job_id}/{node} not marked running"
+    return None
+
+
+__all__ = ["batch_key", "gather", "member_finished", "shares", "start_group", "violation"]
