@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from plexrl.batch import LogProbs, Prompts, Rollouts
 from plexrl.operator import OpContext, operator
@@ -31,29 +32,49 @@ def rollout(
     preemption, `plexrl/engines/slicing.py`): the generation runs K decode steps per slice and pauses on the
     service in between; the last slice returns the rollout, with `token_versions` (the weight version of each
     token's slice)."""
-    import torch
-
-    engine, tok = ctx.engine, ctx.tokenizer
+    engine = ctx.engine
     version = engine.weight_version
     if len(prompts) == 0:  # e.g. a refill attempt whose pool is full (operators/sampling.py): no engine call
-        empty = torch.zeros(0, 0, dtype=torch.long)
-        return Rollouts(
-            input_ids=empty, attention_mask=empty, response_mask=empty.float(), behaviour_logprobs=empty.float(),
-            prompt_len=0, response_lengths=torch.zeros(0, dtype=torch.long), finish_reasons=[], completions=[],
-            answers=[], group_size=n, temperature=temperature, weight_version=version,
-        )  # fmt: skip
-    kwargs = dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout"), top_p=top_p,
-                  stop=stop)  # fmt: skip
+        return _empty(n, temperature, version)
+    kwargs = _generate_kwargs(ctx, n, temperature, max_new_tokens, top_p, stop)
     versions = None
     if ctx.slice is None:
         gen = engine.generate(prompts.token_ids, **kwargs)
     else:  # one slice of decode steps; raises SlicePaused until the last one (the service keeps the generation)
+        import torch
+
         from plexrl.engines.slicing import generate_slice, token_versions
 
         gen = generate_slice(engine, ctx.slice, prompts.token_ids, **kwargs)
         version = min(ctx.slice.versions)  # the oldest weights that sampled a token (on-policy: all the same)
         off_response = torch.full_like(gen.prompt_ids.cpu(), -1)
         versions = torch.cat([off_response, token_versions(ctx.slice, gen.response_mask)], 1)
+    return _rollouts(gen, prompts, ctx, n, temperature, version, versions)
+
+
+def _generate_kwargs(
+    ctx: OpContext, n: int, temperature: float, max_new_tokens: int, top_p: float, stop: list[str]
+) -> dict[str, Any]:
+    return dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=ctx.seed("rollout"), top_p=top_p,
+                stop=stop)  # fmt: skip
+
+
+def _empty(n: int, temperature: float, version: int) -> Rollouts:
+    import torch
+
+    empty = torch.zeros(0, 0, dtype=torch.long)
+    return Rollouts(
+        input_ids=empty, attention_mask=empty, response_mask=empty.float(), behaviour_logprobs=empty.float(),
+        prompt_len=0, response_lengths=torch.zeros(0, dtype=torch.long), finish_reasons=[], completions=[],
+        answers=[], group_size=n, temperature=temperature, weight_version=version,
+    )  # fmt: skip
+
+
+def _rollouts(
+    gen: Any, prompts: Prompts, ctx: OpContext, n: int, temperature: float, version: int, versions: Any = None
+) -> Rollouts:
+    import torch
+
     lp = gen.prompt_ids.shape[1]
     input_ids = torch.cat([gen.prompt_ids, gen.response_ids], 1).cpu()
     attention = torch.cat([gen.prompt_mask, gen.response_mask], 1).cpu()
@@ -67,7 +88,7 @@ def rollout(
         prompt_len=lp,
         response_lengths=gen.lengths.cpu(),
         finish_reasons=gen.finish_reasons,
-        completions=tok.batch_decode(gen.response_ids, skip_special_tokens=True),
+        completions=ctx.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True),
         answers=[a for a in prompts.answers for _ in range(n)],
         group_size=n,
         temperature=temperature,
@@ -75,6 +96,39 @@ def rollout(
         positions=[r for r in prompts.positions for _ in range(n)],
         token_versions=versions,
     )
+
+
+def rollout_together(
+    ctxs: Sequence[OpContext], inputs: Sequence[dict[str, Any]], params: Sequence[BaseModel]
+) -> list[Rollouts]:
+    """The batched form of `rollout` (co-scheduled rollouts, `plexrl/planner/batches.py`): several jobs'
+    rollouts, each with its own prompts, parameters and seed, in ONE call of their shared engine
+    (`vllm_lora.generate_together`: a LoRA request per job). Each job's rollout is what `rollout` alone would
+    sample (tokens equal; log-probs equal up to the engine's batch-composition noise). Runs whole: never
+    chunked or sliced. Jobs with no prompts get an empty rollout and no share of the call."""
+    from plexrl.engines.vllm_lora import generate_together
+
+    engines, calls, versions, called = [], [], [], []
+    out: list[Rollouts | None] = []
+    for ctx, ins, p in zip(ctxs, inputs, params, strict=True):
+        kw = p.model_dump()
+        version = ctx.engine.weight_version
+        if len(ins["prompts"]) == 0:
+            out.append(_empty(kw["n"], kw["temperature"], version))
+            continue
+        out.append(None)
+        engines.append(ctx.engine)
+        calls.append((ins["prompts"].token_ids, _generate_kwargs(ctx, **kw)))
+        versions.append(version)
+        called.append(len(out) - 1)
+    gens = generate_together(engines, calls) if engines else []
+    for i, gen, version in zip(called, gens, versions, strict=True):
+        kw = params[i].model_dump()
+        out[i] = _rollouts(gen, inputs[i]["prompts"], ctxs[i], kw["n"], kw["temperature"], version)
+    return [r for r in out if r is not None]
+
+
+rollout.batched = rollout_together  # type: ignore[attr-defined]  # (`Operator.batched`: services/batched.py)
 
 
 @operator(placement="service")

@@ -46,10 +46,15 @@ class JobSpec:
         """The planner's view of this job's pipeline. Iterations keep their real numbers everywhere (planner,
         operators' `OpContext.iteration`, hooks, journal): a resumed job's plan starts at `first_iteration`,
         with no baseline pass, so a periodic node (`every`) stays in phase."""
-        chunks = self.config.chunks
+        chunks, sliced = self.config.chunks, self.config.slices
         nodes = {
             n.name: NodePlan(
-                n.placement, tuple(self.graph.deps(n.name)), n.every, n.operator.inline, chunks.get(n.name, 1)
+                n.placement,
+                tuple(self.graph.deps(n.name)),
+                n.every,
+                n.operator.inline,
+                chunks.get(n.name, 1),
+                hasattr(n.operator, "batched") and chunks.get(n.name, 1) == 1 and n.name not in sliced,
             )
             for n in self.graph.nodes
         }
@@ -57,7 +62,16 @@ class JobSpec:
         baseline = () if self.first_iteration else tuple(self.baseline_nodes())
         costs = tuple(sorted(self.resume_costs.items()))
         return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine(), self.user,
-                       costs, first_iteration=self.first_iteration)  # fmt: skip
+                       costs, first_iteration=self.first_iteration, batch=self.batch_limit())  # fmt: skip
+
+    def batch_limit(self) -> int:
+        """How many jobs' rollouts its engine runs in one call (`JobPlan.batch`): a LoRA job on vLLM, the
+        adapters one engine step mixes (`vllm_lora.MAX_LORAS`); 0 for every other job (it rolls out alone)."""
+        if self.config.model.lora is None or self.generation != "vllm":
+            return 0
+        from plexrl.engines.vllm_lora import MAX_LORAS
+
+        return MAX_LORAS
 
     def engine(self) -> tuple[str, int] | None:
         """The shared engine this job needs on its service: (key, device bytes), or None (a torch job of its

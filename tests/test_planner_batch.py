@@ -52,7 +52,7 @@ def test_queued_rollouts_of_one_engine_run_as_one_group_and_the_service_waits_fo
     p = planner()
     group = three_jobs(p)
     assert (group.job_id, group.node, group.group) == ("b", "rollout", (("c", 0, "rollout"),))
-    assert p.groups_sent == 1 and p.grouped_nodes == 1
+    assert p.groups_sent == 1 and p.grouped_nodes == 2
     svc = p.services["s0"]
     assert svc.group == {("b", 0, "rollout"), ("c", 0, "rollout")}
     assert [q.job_id for q in svc.queue] == ["a"]  # a's train waits; the group took c off the queue

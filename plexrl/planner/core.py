@@ -121,7 +121,7 @@ class Planner:
         self.usage = usage or Usage()  # service seconds per user (fair-share ordering)
         # co-scheduled rollouts (`batches.py`): several jobs' batchable nodes in one engine call
         self.batch_rollouts = batch_rollouts
-        self.groups_sent = self.grouped_nodes = 0  # groups sent, and their members (statistics)
+        self.groups_sent = self.grouped_nodes = 0  # groups sent, and their members, leads included (statistics)
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -396,11 +396,10 @@ class Planner:
         else:
             return
         job = self.jobs[q.job_id]
-        members: list[QueuedNode] = []
-        if self.batch_rollouts and svc.running is None:  # a group runs now, never sent ahead
-            members, more = gather(svc, self.jobs, q, self.ordering, view, now,
-                                   lambda j, keep: svc.state.make_resident(j, use_in, keep), pinned)  # fmt: skip
-            swaps += more
+        grouping = self.batch_rollouts and svc.running is None  # a group runs now, never sent ahead
+        members, more = gather(svc, self.jobs, q, self.ordering, view, now, lambda j, keep: svc.state.make_resident(
+            j, use_in, keep), pinned) if grouping else ([], [])  # fmt: skip
+        swaps += more
         svc.queue.pop(index)
         taken = start_group(svc, q, members)
         svc.prefetching, svc.resident = None, q.job_id
@@ -408,7 +407,8 @@ class Planner:
             self._set_node(self.jobs[entry.job_id], entry.node, "running")
         if svc.running is None:
             svc.running = (q.job_id, q.iteration, q.node)
-            self.groups_sent, self.grouped_nodes = self.groups_sent + bool(members), self.grouped_nodes + len(members)
+            if members:
+                self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
         else:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1

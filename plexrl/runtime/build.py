@@ -28,13 +28,19 @@ def build_runner(
     lookahead: bool = True,
     fair_share: bool = False,
     share_half_life_s: float | None = None,
+    batch_rollouts: bool = False,
     **options: Any,
 ) -> Runner:
     """The `Runner` over `executor` with these policies: `placement` (capped at `max_load` where it is
     load-aware), `ordering` (by user first with `fair_share`: `FairShare`, service seconds decayed over
     `share_half_life_s`), `budgets` per tier. `dask`: the executor's round trip costs milliseconds, so each
     service gets its next node early (`lookahead`) and cpu nodes shorter than a round trip run next to their
-    inputs. `options` (`forget_ended`, `on_closed`, `checkpoint_at`, `poll`) go to the `Runner` as they are."""
+    inputs. `batch_rollouts`: co-scheduled rollouts (`planner/batches.py`: several LoRA jobs' rollouts in one
+    vLLM call), on the local driver only. `options` (`forget_ended`, `on_closed`, `checkpoint_at`, `poll`) go to
+    the `Runner` as they are."""
+    if batch_rollouts and dask:
+        raise ValueError("batch_rollouts (co-scheduled rollouts) runs on driver: local only; set driver: local "
+                         "or batch_rollouts: false")  # fmt: skip
     order = ORDERINGS[ordering]()
     if fair_share:
         order = FairShare(order)
@@ -42,7 +48,7 @@ def build_runner(
     return Runner(
         executor, hooks=hooks, placement=placement_policy(placement, max_load), ordering=order, budgets=budgets,
         validate=validate, usage=usage, lookahead=dask and lookahead, inline_below=0.01 if dask else None,
-        **options,
+        batch_rollouts=batch_rollouts, **options,
     )  # fmt: skip
 
 

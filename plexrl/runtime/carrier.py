@@ -84,8 +84,8 @@ class Carrier:
     # -- instructions in ------------------------------------------------------------------------------
     def carry_out(self, ins: Instruction) -> list[Event]:
         """Do one instruction; the events it causes at once (a job that failed to load or to send a node)."""
-        if ins.job_id in self.failing and not isinstance(ins, FailJob):
-            return []  # the job is being failed; do no more of its work
+        if ins.job_id in self.failing and not isinstance(ins, FailJob) and not getattr(ins, "group", ()):
+            return []  # the job is being failed; do no more of its work (a group's other members still run)
         return self._table[type(ins)](self.runs[ins.job_id], ins)
 
     def _place(self, run: JobRun, ins: PlaceJob) -> list[Event]:
@@ -100,6 +100,8 @@ class Carrier:
         return []
 
     def _run_node(self, run: JobRun, ins: RunNode) -> list[Event]:
+        if ins.group:
+            return self._run_group(ins)
         lane = ins.service_id or "cpu"
         self.hooks.before_node(run, ins.iteration, ins.node, lane, self.clock())
         it = self.ledger.iters[run.job_id]
@@ -116,6 +118,38 @@ class Carrier:
         except Exception as exc:  # (executors report a node's errors; one that raises fails the job alone)
             return [self.fail(run, f"sending node {ins.node!r} to {lane}", f"{type(exc).__name__}: {exc}")]
         self.ledger.sent(handle, Pending("node", run.job_id, lane, ins.iteration, ins.node, task, ins.attempt))
+        return []
+
+    def _run_group(self, ins: RunNode) -> list[Event]:
+        """Co-scheduled rollouts (`planner/batches.py`): the members, this node and `ins.group`, go to the
+        executor as one group (`submit_group`: one engine call), the swaps and prefetch with the first; each
+        member has its own handle. Members of jobs being failed are left out (the planner drops them)."""
+        lane = ins.service_id or "cpu"
+        keys = [(ins.job_id, ins.iteration, ins.node), *ins.group]
+        tasks: list[NodeTask] = []
+        for job_id, iteration, node in keys:
+            if job_id in self.failing:
+                continue
+            run = self.runs[job_id]
+            self.hooks.before_node(run, iteration, node, lane, self.clock())
+            outputs = self.ledger.iters[job_id].outputs
+            inputs = {port: outputs[src] for port, src in run.spec.inputs(node).items() if src in outputs}
+            first = not tasks
+            tasks.append(NodeTask(job_id, iteration, node, ins.service_id, inputs, ins.swaps if first else (),
+                                  ins.prefetch if first else ()))  # fmt: skip
+        if not tasks:
+            return []
+        submit_group = getattr(self.executor, "submit_group", None)
+        try:
+            if submit_group is None:
+                raise TypeError(f"{type(self.executor).__name__} cannot run co-scheduled rollouts "
+                                "(batch_rollouts); use driver: local or turn batch_rollouts off")  # fmt: skip
+            handles = submit_group(tasks)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            return [self.fail(self.runs[t.job_id], f"sending group {keys} to {lane}", error) for t in tasks]
+        for handle, task in zip(handles, tasks, strict=True):
+            self.ledger.sent(handle, Pending("node", task.job_id, lane, task.iteration, task.node, task, 1))
         return []
 
     def _retrying(self, run: JobRun, ins: RetryNode) -> list[Event]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,45 @@ class InlineExecutor:
             self.outputs[handle] = res.output
         self._done.append(Finished(handle, res.report))
         return handle
+
+    def submit_group(self, tasks: Sequence[NodeTask]) -> list[Handle]:
+        """Co-scheduled rollouts (`planner/batches.py`): `tasks`, nodes of distinct jobs on one service, run in
+        ONE engine call (`services.batched.run_group`); the first task's swaps and prefetch are the group's. One
+        handle and one report per task, in order. A member whose load failed is reported not run."""
+        from plexrl.services.batched import Member, run_group
+
+        handles = [next(self._ids) for _ in tasks]
+        sid = tasks[0].service_id
+        assert sid is not None
+        svc = self.services[sid]
+        members, mine = [], []
+        for h, t in zip(handles, tasks, strict=True):
+            failed = self._load_failed.get((t.job_id, sid))
+            if failed is not None:
+                now = self.clock()
+                self._done.append(Finished(h, NodeReport(t.job_id, t.iteration, t.node,
+                                                         f"not run: loading the job on {sid} failed ({failed})", now,
+                                                         now)))  # fmt: skip
+                continue
+            members.append(Member(t.job_id, t.iteration, t.node, {p: self.outputs[i] for p, i in t.inputs.items()}))
+            mine.append(h)
+        if not members:  # (their moves still happen: the planner counts on them)
+            svc.apply(tasks[0].swaps)
+            return handles
+        try:
+            with model_construction():
+                results = run_group(svc, members, tasks[0].swaps, tasks[0].prefetch)
+        except Exception as exc:  # (the nodes' own errors come back in their reports; this is anything else)
+            now = self.clock()
+            error = f"{type(exc).__name__}: {exc}"
+            for h, m in zip(mine, members, strict=True):
+                self._done.append(Finished(h, NodeReport(m.job_id, m.iteration, m.node, error, now, now)))
+            return handles
+        for h, res in zip(mine, results, strict=True):
+            if res.output is not None:
+                self.outputs[h] = res.output
+            self._done.append(Finished(h, res.report))
+        return handles
 
     def _not_run(self, handle: Handle, task: NodeTask, why: str) -> None:
         """Report `task` failed without running it. The other jobs' moves that came with it still happen (the

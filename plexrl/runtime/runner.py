@@ -70,6 +70,7 @@ class Runner:
         validate: bool = False,
         poll: float | None = None,
         usage: Usage | None = None,
+        batch_rollouts: bool = False,
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
         checkpoint_at: Callable[[JobRun, int], Path | None] | None = None,
@@ -80,7 +81,7 @@ class Runner:
         self.budgets = budgets or Budgets()
         self.planner = Planner(
             clock=self.clock, placement=placement, ordering=ordering, validate=validate, costs=costs,
-            lookahead=lookahead, inline_below=inline_below, usage=usage,
+            lookahead=lookahead, inline_below=inline_below, usage=usage, batch_rollouts=batch_rollouts,
         )  # fmt: skip
         self.poll: float = poll if poll is not None else getattr(executor, "poll", 0.5)
         self.services: list[str] = []
