@@ -174,6 +174,10 @@ class ClusterRuntime(DaskNetwork):
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."
     )
+    batch_rollouts: bool = Field(
+        False, description="Co-schedule rollouts: LoRA jobs on one shared vLLM engine roll out in ONE engine call "
+        "(each job's own tokens; driver: local only).",
+    )  # fmt: skip
     validate_state: bool = Field(False, description="Planner invariants after every event and state checksums.")
     mlflow: bool = Field(True, description="Log a cluster-level MLflow run (jobs log their own runs).")
     experiment: str = Field("plexrl", description="MLflow experiment of the cluster run.")
@@ -183,6 +187,8 @@ class ClusterRuntime(DaskNetwork):
     def _groups_on_dask(self) -> ClusterRuntime:
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
+        if self.batch_rollouts and self.driver == "dask":
+            raise ValueError("batch_rollouts runs on driver: local only; set driver: local or batch_rollouts: false")
         return self
 
 
@@ -361,7 +367,7 @@ def make_runner(
         executor if executor is not None else make_executor(cfg), hooks, placement=cfg.placement,
         max_load=cfg.max_load, ordering=cfg.ordering, budgets=budgets, validate=cfg.validate_state,
         dask=cfg.driver == "dask", lookahead=cfg.lookahead, fair_share=fair_share,
-        share_half_life_s=share_half_life_s, **options,
+        share_half_life_s=share_half_life_s, batch_rollouts=cfg.batch_rollouts, **options,
     )  # fmt: skip
 
 

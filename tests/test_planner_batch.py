@@ -164,3 +164,18 @@ def test_a_member_cancelled_mid_group_leaves_it_and_the_others_finish() -> None:
     assert svc.running == ("c", 0, "rollout") and svc.group == {("c", 0, "rollout")}
     (nxt,) = runs(p.handle(NodeFinished("c", 0, "rollout", duration=0.4)))
     assert nxt.job_id == "a" and svc.group == set()
+
+
+def test_batch_rollouts_is_refused_on_dask_naming_the_local_driver() -> None:
+    from pydantic import ValidationError
+
+    from plexrl.cluster import ClusterRuntime
+    from plexrl.runtime import InlineExecutor
+    from plexrl.runtime.build import build_runner
+
+    with pytest.raises(ValidationError, match="driver: local"):
+        ClusterRuntime.model_validate({"driver": "dask", "batch_rollouts": True})
+    assert ClusterRuntime.model_validate({"driver": "local", "batch_rollouts": True}).batch_rollouts
+    with pytest.raises(ValueError, match="driver: local"):
+        build_runner(InlineExecutor(), [], dask=True, batch_rollouts=True)
+    assert build_runner(InlineExecutor(), [], batch_rollouts=True).planner.batch_rollouts
