@@ -20,16 +20,18 @@ SkyRL's 2.81x experiment throughput on one node), next to its bound (`plexrl.acc
 busy service seconds alone, so steps per accelerator-second can be at most steps / those seconds).
 
 One iteration of the first job alone runs untimed first (the process's one-time costs). Rollouts are not
-batched across jobs: each job's rollout is its own engine call (see docs/benchmarks.md).
+batched across jobs unless `--batch-rollouts`: each job's rollout is its own engine call (see docs/benchmarks.md).
 
     .venv/bin/python benchmarks/multiplex_lora.py [--jobs 4] [--layers 4] [--iterations 20] [--reps 1]
         [--latency 1.0] [--batch 8] [--n 8] [--rank 16] [--resident 1] [--driver dask|local] [--orderings hrrs,deadline]
-        [--engine torch|vllm] [--kv-cache-mb 256]
+        [--engine torch|vllm] [--kv-cache-mb 256] [--batch-rollouts] [--smoke]
 
 `--engine vllm`: the rollouts on one LoRA-enabled vLLM engine per service (`plexrl/engines/vllm_lora.py`: the
 base loaded once, each job under its own LoRARequest, a weight sync registers the adapter only); the device
 budget then counts that engine once beside the base and the resident adapter states.
-        [--smoke]
+`--batch-rollouts` (with `--engine vllm --driver local`): the multiplexed arm co-schedules rollouts (cluster
+`batch_rollouts: true`, `plexrl/planner/batches.py`): the rollouts of jobs queued together on the service run
+as ONE vLLM call, a LoRARequest per job; each job samples its own tokens (the alone arm is unchanged).
 
 `--smoke`: 2 jobs on a 1-layer copy, 1 iteration of 2 prompts x 2 samples, local driver (the tests run it;
 its figures mean nothing). Run it alone on the machine: other processes on the 2 cores distort every figure.
@@ -86,6 +88,7 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         "max_load": 64.0,
         "mlflow": False,
         "progress": False,
+        "batch_rollouts": args.batch_rollouts,
         "jobs": jobs,
     }
     if args.resident > 0:  # the base once + `resident` adapter states (+ a quarter of one: estimates move)
@@ -156,6 +159,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--kv-cache-mb", type=int, default=256, help="the vLLM engine's KV cache (--engine vllm)")
     ap.add_argument("--orderings", default="hrrs", help="comma-separated orderings of the multiplexed arm")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "multiplex-lora")
+    ap.add_argument(
+        "--batch-rollouts",
+        action="store_true",
+        help="multiplexed arm: co-schedule the jobs' rollouts into one vLLM call (needs --engine vllm --driver local)",
+    )
     ap.add_argument("--smoke", action="store_true", help="2 jobs, 1 layer, 1 iteration of 2 x 2, local (tests)")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="plexrl-multiplex-lora-") if args.smoke else None
@@ -165,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.batch, args.n, args.max_new_tokens, args.latency, args.driver = 2, 2, 4, 0.05, "local"
     if args.jobs < 1 or args.reps < 1:
         ap.error("--jobs and --reps must be at least 1")
+    if args.batch_rollouts and (args.engine != "vllm" or args.driver != "local"):
+        ap.error("--batch-rollouts mixes LoRA adapters in one vLLM call: add --engine vllm --driver local")
     logging.basicConfig(level=logging.WARNING)
     if not (DATA / "train.parquet").is_file():
         from real_model import write_data
