@@ -3,6 +3,8 @@
 One service per worker that has a `GPU` resource. The `Service` object (engines and job states) lives in
 that worker process (a registry in `dask_tasks`, filled by a start-up task), so job state stays resident
 there; every service task is pinned to its worker. CPU nodes are ordinary tasks on the CPU-pool workers.
+With `ranks > 1` each service spans a worker group instead: the executor's `placement` (chosen at
+construction, `runtime/placement.py`) carries every service task out one way or the other.
 
 Data stays where it is made: a node task returns its `NodeResult` (report + output) and that future is
 the node's output; a later node receives it as an argument, so Dask moves it worker to worker. Before it
@@ -43,26 +45,15 @@ import pickle
 import queue
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plexrl.planner.state import Tier
-from plexrl.runtime.dask_tasks import (
-    _checkpoint,
-    _load_job,
-    _release,
-    _run_cpu_node,
-    _run_service_node,
-    _save_model,
-    _start_and_warm,
-    _start_service,
-    _start_swaps,
-    _stop_service,
-    _warm_up,
-)
+from plexrl.runtime.dask_tasks import _run_cpu_node, _start_and_warm, _warm_up
 from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
+from plexrl.runtime.placement import Placement, placement_for
 from plexrl.runtime.tls import LOOPBACK, TLSFiles, is_loopback
 
 log = logging.getLogger(__name__)
@@ -117,8 +108,6 @@ class DaskExecutor:
         self._work: dict[Handle, _Work] = {}
         self._specs: dict[str, Any] = {}  # job -> scattered spec future
         self._loaded: dict[str, Any] = {}  # job -> future of its load (its service nodes run after it)
-        self._last_on: dict[str, Any] = {}  # service -> its latest task: the next one runs after it (order)
-        self._seq: dict[str, int] = {}  # service -> number of the latest task sent in that order (`_next_seq`)
         self._lost: set[str] = set()
         self._topic = f"plexrl-reports-{self.token}"
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()  # node reports published by the workers
@@ -130,7 +119,13 @@ class DaskExecutor:
         self._refused_workers: set[str] = set()  # joined GPU workers where a service failed to start
         # worker groups (runtime/group.py): each service spans `ranks` workers with one process group
         self.ranks, self.group_timeout = ranks, group_timeout
-        self.groups: Any = None  # WorkerGroups when ranks > 1
+        # how services sit on workers (one each, or a worker group each): every service task goes through it
+        self.placement: Placement = placement_for(self)
+
+    @property
+    def groups(self) -> Any:
+        """The `WorkerGroups` when services span several ranks (after `start`), else None."""
+        return self.placement.groups
 
     # -- cluster ------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -195,18 +190,7 @@ class DaskExecutor:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
         if self.pin_cores and self.scheduler is None:
             self._pin([a for _, a in gpu])
-        if self.ranks > 1:
-            return self._start_groups(gpu)
-        for i, (_, addr) in enumerate(gpu):
-            self.worker_of[f"service-{i}"] = addr
-        futs = [
-            self.client.submit(
-                _start_service, self._key(sid), self.device, self.validate, self.spill_dir, self.service_threads,
-                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{self._key(sid)}",
-            )
-            for sid, addr in self.worker_of.items()
-        ]  # fmt: skip
-        self.client.gather(futs)
+        self.placement.form(gpu)
         self.client.run(_warm_up)
         self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
         self._next_check = time.time() + self.poll
@@ -229,40 +213,8 @@ class DaskExecutor:
             self.pinned[addr] = self.client.run(pin_process, mine, workers=[addr])[addr]
         log.info("pinned: %s", {a: c for a, c in self.pinned.items()})
 
-    def _start_groups(self, gpu: list[tuple[str, str]]) -> list[str]:
-        """Services of `ranks` workers each (consecutive by name), each forming one process group."""
-        from plexrl.runtime.group import Group, WorkerGroups
-        from plexrl.services.group import group_topic, start_rank
-
-        if len(gpu) < self.ranks:
-            raise RuntimeError(
-                f"services of {self.ranks} ranks need {self.ranks} GPU workers; the cluster has {len(gpu)}"
-            )
-        groups = {}
-        for i in range(len(gpu) // self.ranks):
-            ranks = gpu[i * self.ranks : (i + 1) * self.ranks]
-            groups[f"service-{i}"] = Group(f"service-{i}", [n for n, _ in ranks], [a for _, a in ranks])
-            self.worker_of[f"service-{i}"] = ranks[0][1]
-        self.groups = WorkerGroups(
-            self.client, groups, key_of=self._key, start_rank=start_rank, start_args=self._start_args(),
-            backend="nccl" if self.device == "cuda" else "gloo", timeout_s=self.group_timeout,
-            topic=group_topic(self._topic),
-        )  # fmt: skip
-        futs = [f for sid in groups for f in self.groups.form(sid)]
-        self.client.gather(futs)
-        self.client.run(_warm_up)
-        self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
-        self._next_check = time.time() + self.poll
-        return list(self.worker_of)
-
     def _start_args(self) -> tuple[Any, ...]:
         return self.device, self.validate, self.spill_dir, self.service_threads
-
-    def _each(self, service_id: str, fn: Any, args: Any, after: Sequence[Any], key: str) -> list[Any]:
-        """The task on every rank of a group service (rank 0's future first)."""
-        futs: list[Any] = self.groups.submit(service_id, fn, args, after, key)
-        self._last_on[service_id] = futs[0]
-        return futs
 
     def close(self) -> dict[str, dict[str, Any]]:
         reports: dict[str, dict[str, Any]] = {}
@@ -274,23 +226,7 @@ class DaskExecutor:
                     work.future.cancel()
             self._work.clear()
             alive = self._alive()
-            if self.groups is not None:
-                from plexrl.services.group import stop_rank
-
-                for sid, g in self.groups.groups.items():
-                    stops = [self.client.submit(stop_rank, self._key(sid), workers=[a], pure=False) for a in g.addrs]
-                    with contextlib.suppress(Exception):
-                        reports[sid] = self._fetch(stops[0], timeout=60)
-                        self.client.gather(stops[1:])
-                return reports
-            futs = {
-                sid: self._on(sid, _stop_service, self._key(sid)) for sid, a in self.worker_of.items() if a in alive
-            }
-            for sid, fut in futs.items():
-                try:
-                    reports[sid] = self._fetch(fut, timeout=60)
-                except Exception:
-                    log.exception("could not stop service %s cleanly", sid)
+            reports = self.placement.stop(alive)
         finally:
             self.client.close()
             if self.cluster is not None:
@@ -332,15 +268,7 @@ class DaskExecutor:
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         handle = next(self._ids)  # in the key: a job submitted again (after its service was lost) loads again
-        if self.groups is not None:
-            from plexrl.services.group import rank_load
-
-            spec, key = self._specs[job_id], self._key(service_id)
-            fut = self._each(service_id, rank_load, lambda r: (self._topic, key, r, spec, tier), [],
-                             f"load-{self.token}-{job_id}-{handle}")[0]  # fmt: skip
-        else:
-            fut = self._on(service_id, _load_job, self._key(service_id), self._specs[job_id], tier,
-                           key=f"load-{self.token}-{job_id}-{handle}")  # fmt: skip
+        fut = self.placement.load(service_id, job_id, tier, f"load-{self.token}-{job_id}-{handle}")
         self._loaded[job_id] = fut
         self._work[handle] = _Work(fut, False, service_id, job_id)
         return handle
@@ -348,63 +276,21 @@ class DaskExecutor:
     def submit(self, task: NodeTask) -> Handle:
         handle = next(self._ids)
         key = f"{task.job_id}-{task.iteration}-{task.node}-{self.token}-{handle}"
-        inputs = {port: self._work[h].future for port, h in task.inputs.items()}
         if task.service_id is None:
+            inputs = {port: self._work[h].future for port, h in task.inputs.items()}
             fut = self.client.submit(
                 _run_cpu_node, self._topic, handle, self._specs[task.job_id], task.iteration, task.node, inputs, 1,
                 workers=None if task.inline else self.cpu_workers, pure=False, key=key,
             )  # fmt: skip
+            ranks: list[Any] = []
         else:
-            sid = task.service_id
             involved = {task.job_id} | {m.job_id for m in (*task.swaps, *task.prefetch)}
             after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
-            if self.groups is not None:  # every rank runs it; rank r reads rank r's outputs of service nodes
-                from plexrl.services.group import rank_node
-
-                ins = {p: self._work[h] for p, h in task.inputs.items()}
-                done = [self._work[h] for h in task.parts]
-                futs = self._each(sid, rank_node, lambda r: (
-                    self._topic, handle, self._key(sid), r, task.job_id, task.iteration, task.node,
-                    {p: w.ranks[r] if w.ranks else w.future for p, w in ins.items()}, task.swaps, task.prefetch,
-                    task.chunk, task.chunks, [w.ranks[r] if w.ranks else w.future for w in done],
-                ), after, key)  # fmt: skip
-                self._work[handle] = _Work(futs[0], True, task.lane, task.job_id, task.iteration, task.node, ranks=futs)
-                return handle
-            previous = self._last_on.get(sid)
-            ahead = previous is not None and not previous.done()
-            if ahead:
-                after.append(previous)  # with lookahead, a service runs its nodes in the order they were sent
-            parts = [self._work[h].future for h in task.parts]  # earlier chunks: on this worker already
-            seq = self._next_seq(sid)
-            fut = self._on(
-                sid, _run_service_node, self._topic, handle, self._key(sid), task.job_id, task.iteration,
-                task.node, inputs, task.swaps, task.prefetch, task.chunk, task.chunks, parts, seq, *after, key=key,
-            )  # fmt: skip
-            self._last_on[sid] = fut
-            if ahead and task.swaps and sid not in self._lost:
-                self._start_early(sid, seq, task, key)
-        self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node)
+            ins = {p: self._work[h] for p, h in task.inputs.items()}
+            parts = [self._work[h] for h in task.parts]  # earlier chunks: on this worker already
+            fut, ranks = self.placement.node(task, handle, ins, parts, after, key)
+        self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node, ranks=ranks)
         return handle
-
-    def _next_seq(self, service_id: str) -> int:
-        """Number the service's ordered tasks (nodes, checkpoints) in the order they are sent."""
-        self._seq[service_id] = seq = self._seq.get(service_id, -1) + 1
-        return seq
-
-    def _start_early(self, service_id: str, seq: int, task: NodeTask, key: str) -> None:
-        """The swaps of a node sent while the service runs another: a small task on the service worker, not
-        chained after the running node and holding no GPU slot (the worker's second thread), hands them to
-        the service's background thread (`Service.start_early`), which starts them once the node before
-        this one has applied its own swaps. If it runs late or fails, the node applies its swaps itself;
-        nothing waits on it (fire and forget: a lost worker takes it along)."""
-        from distributed import fire_and_forget
-
-        loads = [self._loaded[j] for j in sorted({m.job_id for m in task.swaps}) if j in self._loaded]
-        fut = self.client.submit(
-            _start_swaps, self._key(service_id), seq, task.swaps, *loads,
-            workers=[self.worker_of[service_id]], allow_other_workers=False, pure=False, key=f"early-{key}",
-        )  # fmt: skip
-        fire_and_forget(fut)
 
     def wait(self, timeout: float) -> list[Finished]:
         """Node reports arrive as events the workers publish when a node ends (no task, no fetch); loads are
@@ -493,7 +379,7 @@ class DaskExecutor:
         """Services on GPU workers that joined after `start` (a worker the nanny restarted after a crash, a new
         machine): each gets a new service id once its service has started there (single-rank services only;
         a worker group needs all its ranks). Checked every `poll` seconds."""
-        if self.client is None or self.groups is not None:
+        if self.client is None or not self.placement.joins:
             return []
         out = []
         for addr, (sid, fut) in list(self._starting.items()):
@@ -525,45 +411,32 @@ class DaskExecutor:
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         if service_id in self._lost:
             raise RuntimeError(f"service {service_id} is lost; the model of {job_id} cannot be saved")
-        if self.groups is not None:
-            from plexrl.services.group import rank_save
-
-            key, name = self._key(service_id), f"save-{self.token}-{job_id}-{next(self._ids)}"
-            futs = self._each(service_id, rank_save, lambda r: (key, r, job_id, str(path)), [], name)
-            return Path(self._fetch(futs[0], 300))
-        return Path(self._fetch(self._on(service_id, _save_model, self._key(service_id), job_id, str(path)), 300))
+        fut = self.placement.save(service_id, job_id, path, f"save-{self.token}-{job_id}-{next(self._ids)}")
+        return Path(self._fetch(fut, 300))
 
     def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
         """A task on the service, after the job's load and the service's previous task, and before the next
-        one (`_last_on`): the same order in which the runner sent them."""
+        one: the same order in which the runner sent them (the placement keeps it)."""
         handle = next(self._ids)
         refused = "lost" if service_id in self._lost else None
-        if self.groups is not None:
-            refused = "checkpoints of a service over several ranks (worker groups) are not built yet"
+        if refused is None:
+            after = [self._loaded[job_id]] if job_id in self._loaded else []
+            key = f"checkpoint-{self.token}-{job_id}-{handle}"
+            try:
+                fut = self.placement.checkpoint(service_id, job_id, path, extra, after, key)
+            except NotImplementedError as exc:
+                refused = str(exc)
         if refused is not None:
             now = self.clock()
             self._refused.append(Finished(handle, CheckpointReport(job_id, service_id, str(path), now, now, refused)))
             return handle
-        after = [self._loaded[job_id]] if job_id in self._loaded else []
-        previous = self._last_on.get(service_id)
-        if previous is not None and not previous.done():
-            after.append(previous)
-        seq = self._next_seq(service_id)
-        fut = self._on(service_id, _checkpoint, self._key(service_id), job_id, str(path), extra, seq, *after,
-                       key=f"checkpoint-{self.token}-{job_id}-{handle}")  # fmt: skip
-        self._last_on[service_id] = fut
         self._work[handle] = _Work(fut, False, service_id, job_id, checkpoint=str(path))
         return handle
 
     def release(self, job_id: str, service_id: str) -> None:
         self._loaded.pop(job_id, None)
-        if self.groups is not None and service_id not in self._lost:
-            from plexrl.services.group import rank_release
-
-            key, name = self._key(service_id), f"release-{self.token}-{job_id}-{next(self._ids)}"
-            self._each(service_id, rank_release, lambda r: (key, r, job_id), [], name)
-        elif service_id not in self._lost:
-            self._on(service_id, _release, self._key(service_id), job_id)
+        if service_id not in self._lost:
+            self.placement.release(service_id, job_id, f"release-{self.token}-{job_id}-{next(self._ids)}")
 
     def forget(self, handles: Iterable[Handle]) -> None:
         for h in list(handles):

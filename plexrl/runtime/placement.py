@@ -1,0 +1,258 @@
+"""How a `DaskExecutor`'s services sit on its workers: one worker each (`OneWorker`) or a worker group each
+(`WorkerGroupPlacement`, `ranks > 1`: one task per rank, `runtime/group.py`). The executor picks one at
+construction and hands it every task that touches a service: the start, a job's load, a service node with
+its ordering dependency, a save, a checkpoint, a release and the stop. Each keeps the order of its services'
+tasks (a task runs after the service's latest one, in the order the runner sent them).
+
+Nothing here decides what runs where or when (that is the planner's); this only carries it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from plexrl.runtime.dask_tasks import (
+    _checkpoint,
+    _load_job,
+    _release,
+    _run_service_node,
+    _save_model,
+    _start_service,
+    _start_swaps,
+    _stop_service,
+)
+from plexrl.runtime.executor import NodeTask
+
+if TYPE_CHECKING:
+    from plexrl.planner.state import Tier
+    from plexrl.runtime.dask import DaskExecutor, _Work
+    from plexrl.runtime.group import WorkerGroups
+
+log = logging.getLogger(__name__)
+
+
+class Placement(Protocol):
+    """The executor's service part (see the module docstring). `after`: futures a task must follow (the
+    loads of the jobs it touches); the placement adds the service's own previous task."""
+
+    groups: WorkerGroups | None  # the worker groups, when services span several ranks
+    joins: bool  # a GPU worker that joins late can become a service of its own
+
+    def form(self, gpu: list[tuple[str, str]]) -> None: ...
+
+    def load(self, service_id: str, job_id: str, tier: Tier, key: str) -> Any: ...
+
+    def node(
+        self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
+    ) -> tuple[Any, list[Any]]: ...
+
+    def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any: ...
+
+    def checkpoint(
+        self, service_id: str, job_id: str, path: Path, extra: dict[str, Any], after: list[Any], key: str
+    ) -> Any: ...
+
+    def release(self, service_id: str, job_id: str, key: str) -> None: ...
+
+    def stop(self, alive: set[str]) -> dict[str, dict[str, Any]]: ...
+
+
+class OneWorker:
+    """Each service in one worker process: its tasks pinned there, each after the service's latest one when
+    that one is still running (`last_on`), numbered in the order they were sent (`seq`)."""
+
+    groups: WorkerGroups | None = None
+    joins = True
+
+    def __init__(self, ex: DaskExecutor) -> None:
+        self.ex = ex
+        self.last_on: dict[str, Any] = {}  # service -> its latest task: the next one runs after it (order)
+        self.seq: dict[str, int] = {}  # service -> number of the latest task sent in that order (`next_seq`)
+
+    def form(self, gpu: list[tuple[str, str]]) -> None:
+        ex = self.ex
+        for i, (_, addr) in enumerate(gpu):
+            ex.worker_of[f"service-{i}"] = addr
+        futs = [
+            ex.client.submit(
+                _start_service, ex._key(sid), *ex._start_args(),
+                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{ex._key(sid)}",
+            )
+            for sid, addr in ex.worker_of.items()
+        ]  # fmt: skip
+        ex.client.gather(futs)
+
+    def next_seq(self, service_id: str) -> int:
+        """Number the service's ordered tasks (nodes, checkpoints) in the order they are sent."""
+        self.seq[service_id] = seq = self.seq.get(service_id, -1) + 1
+        return seq
+
+    def _ordered(self, service_id: str, after: list[Any]) -> bool:
+        """Add the service's latest task to `after` while it still runs; whether it did."""
+        previous = self.last_on.get(service_id)
+        ahead = previous is not None and not previous.done()
+        if ahead:
+            after.append(previous)
+        return ahead
+
+    def load(self, service_id: str, job_id: str, tier: Tier, key: str) -> Any:
+        ex = self.ex
+        return ex._on(service_id, _load_job, ex._key(service_id), ex._specs[job_id], tier, key=key)
+
+    def node(
+        self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
+    ) -> tuple[Any, list[Any]]:
+        ex, sid = self.ex, task.service_id
+        assert sid is not None
+        ahead = self._ordered(sid, after)  # with lookahead, a service runs its nodes in the order they were sent
+        seq = self.next_seq(sid)
+        fut = ex._on(
+            sid, _run_service_node, ex._topic, handle, ex._key(sid), task.job_id, task.iteration, task.node,
+            {p: w.future for p, w in inputs.items()}, task.swaps, task.prefetch, task.chunk, task.chunks,
+            [w.future for w in parts], seq, *after, key=key,
+        )  # fmt: skip
+        self.last_on[sid] = fut
+        if ahead and task.swaps and sid not in ex._lost:
+            self._start_early(sid, seq, task, key)
+        return fut, []
+
+    def _start_early(self, service_id: str, seq: int, task: NodeTask, key: str) -> None:
+        """The swaps of a node sent while the service runs another: a small task on the service worker, not
+        chained after the running node and holding no GPU slot (the worker's second thread), hands them to
+        the service's background thread (`Service.start_early`), which starts them once the node before
+        this one has applied its own swaps. If it runs late or fails, the node applies its swaps itself;
+        nothing waits on it (fire and forget: a lost worker takes it along)."""
+        from distributed import fire_and_forget
+
+        ex = self.ex
+        loads = [ex._loaded[j] for j in sorted({m.job_id for m in task.swaps}) if j in ex._loaded]
+        fut = ex.client.submit(
+            _start_swaps, ex._key(service_id), seq, task.swaps, *loads,
+            workers=[ex.worker_of[service_id]], allow_other_workers=False, pure=False, key=f"early-{key}",
+        )  # fmt: skip
+        fire_and_forget(fut)
+
+    def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any:
+        ex = self.ex
+        return ex._on(service_id, _save_model, ex._key(service_id), job_id, str(path), key=key)
+
+    def checkpoint(
+        self, service_id: str, job_id: str, path: Path, extra: dict[str, Any], after: list[Any], key: str
+    ) -> Any:
+        ex = self.ex
+        self._ordered(service_id, after)
+        seq = self.next_seq(service_id)
+        fut = ex._on(service_id, _checkpoint, ex._key(service_id), job_id, str(path), extra, seq, *after, key=key)
+        self.last_on[service_id] = fut
+        return fut
+
+    def release(self, service_id: str, job_id: str, key: str) -> None:
+        self.ex._on(service_id, _release, self.ex._key(service_id), job_id, key=key)
+
+    def stop(self, alive: set[str]) -> dict[str, dict[str, Any]]:
+        ex = self.ex
+        futs = {sid: ex._on(sid, _stop_service, ex._key(sid)) for sid, a in ex.worker_of.items() if a in alive}
+        reports: dict[str, dict[str, Any]] = {}
+        for sid, fut in futs.items():
+            try:
+                reports[sid] = ex._fetch(fut, timeout=60)
+            except Exception:
+                log.exception("could not stop service %s cleanly", sid)
+        return reports
+
+
+class WorkerGroupPlacement:
+    """Each service over `ranks` workers (consecutive by name) that form one process group: every task runs
+    on every rank, each after that rank's previous task (`WorkerGroups.submit`); rank 0's future stands for
+    it. A worker group needs all its ranks, so a worker that joins late does not become a service."""
+
+    joins = False
+
+    def __init__(self, ex: DaskExecutor) -> None:
+        self.ex = ex
+        self.groups: WorkerGroups | None = None  # made by `form`
+
+    def form(self, gpu: list[tuple[str, str]]) -> None:
+        from plexrl.runtime.group import Group, WorkerGroups
+        from plexrl.services.group import group_topic, start_rank
+
+        ex, n = self.ex, self.ex.ranks
+        if len(gpu) < n:
+            raise RuntimeError(f"services of {n} ranks need {n} GPU workers; the cluster has {len(gpu)}")
+        groups = {}
+        for i in range(len(gpu) // n):
+            ranks = gpu[i * n : (i + 1) * n]
+            groups[f"service-{i}"] = Group(f"service-{i}", [name for name, _ in ranks], [a for _, a in ranks])
+            ex.worker_of[f"service-{i}"] = ranks[0][1]
+        self.groups = WorkerGroups(
+            ex.client, groups, key_of=ex._key, start_rank=start_rank, start_args=ex._start_args(),
+            backend="nccl" if ex.device == "cuda" else "gloo", timeout_s=ex.group_timeout,
+            topic=group_topic(ex._topic),
+        )  # fmt: skip
+        ex.client.gather([f for sid in groups for f in self.groups.form(sid)])
+
+    def _each(self, service_id: str, fn: Any, args: Callable[[int], Sequence[Any]], after: Sequence[Any],
+              key: str) -> list[Any]:  # fmt: skip
+        """The task on every rank of the group service (rank 0's future first)."""
+        assert self.groups is not None, "the worker groups are formed at start"
+        futs: list[Any] = self.groups.submit(service_id, fn, args, after, key)
+        return futs
+
+    def load(self, service_id: str, job_id: str, tier: Tier, key: str) -> Any:
+        from plexrl.services.group import rank_load
+
+        ex = self.ex
+        spec, skey = ex._specs[job_id], ex._key(service_id)
+        return self._each(service_id, rank_load, lambda r: (ex._topic, skey, r, spec, tier), [], key)[0]
+
+    def node(
+        self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
+    ) -> tuple[Any, list[Any]]:
+        """Every rank runs it; rank r reads rank r's outputs of service nodes (a cpu node's: its one copy)."""
+        from plexrl.services.group import rank_node
+
+        ex, sid = self.ex, task.service_id
+        assert sid is not None
+        futs = self._each(sid, rank_node, lambda r: (
+            ex._topic, handle, ex._key(sid), r, task.job_id, task.iteration, task.node,
+            {p: w.ranks[r] if w.ranks else w.future for p, w in inputs.items()}, task.swaps, task.prefetch,
+            task.chunk, task.chunks, [w.ranks[r] if w.ranks else w.future for w in parts],
+        ), after, key)  # fmt: skip
+        return futs[0], futs
+
+    def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any:
+        from plexrl.services.group import rank_save
+
+        skey = self.ex._key(service_id)
+        return self._each(service_id, rank_save, lambda r: (skey, r, job_id, str(path)), [], key)[0]
+
+    def checkpoint(
+        self, service_id: str, job_id: str, path: Path, extra: dict[str, Any], after: list[Any], key: str
+    ) -> Any:
+        raise NotImplementedError("checkpoints of a service over several ranks (worker groups) are not built yet")
+
+    def release(self, service_id: str, job_id: str, key: str) -> None:
+        from plexrl.services.group import rank_release
+
+        skey = self.ex._key(service_id)
+        self._each(service_id, rank_release, lambda r: (skey, r, job_id), [], key)
+
+    def stop(self, alive: set[str]) -> dict[str, dict[str, Any]]:
+        from plexrl.services.group import stop_rank
+
+        ex, reports = self.ex, {}
+        for sid, g in (self.groups.groups if self.groups is not None else {}).items():
+            stops = [ex.client.submit(stop_rank, ex._key(sid), workers=[a], pure=False) for a in g.addrs]
+            with contextlib.suppress(Exception):
+                reports[sid] = ex._fetch(stops[0], timeout=60)
+                ex.client.gather(stops[1:])
+        return reports
+
+
+def placement_for(ex: DaskExecutor) -> Placement:
+    """`WorkerGroupPlacement` when the executor's services span several ranks, else `OneWorker`."""
+    return WorkerGroupPlacement(ex) if ex.ranks > 1 else OneWorker(ex)
