@@ -12,8 +12,9 @@ rank runs every operator the same way (SPMD) and every collective is met. After 
 policy is gathered to rank 0's copy (`get_model_state_dict(full_state_dict, cpu_offload)`): the weight
 sync. vLLM with tensor parallelism is not used here (CPU: see docs/architecture.md).
 
-Not supported on a group: PPO's critic (`values`, `train_critic_step`) and `export_state`/`load_state`
-(checkpoints of a sharded job): they raise with the reason.
+Checkpoints: `export_state` / `load_state` are this rank's share (its shards, and on rank 0 the full copy):
+each rank writes its own part, a resume on a group of the same size reads it back (`services/group.py`).
+Not supported on a group: PPO's critic (`values`, `train_critic_step`): it raises with the reason.
 """
 
 from __future__ import annotations
@@ -229,10 +230,48 @@ class FSDPEngine:
         raise NotImplementedError("a critic (PPO) is not supported on a worker group (services.ranks > 1)")
 
     def export_state(self) -> dict[str, Any]:
-        raise NotImplementedError("checkpoints of a job on a worker group are not built (services.ranks > 1)")
+        """THIS rank's share of the job's state, as copies: its shards of the policy and of the AdamW state
+        (local parts; step counts and hyper-parameters as they are), the weight version, the group's size,
+        and on rank 0 the full generation copy and reference (`full`). No collective: every rank writes its own;
+        `load_state` on the same rank of a group of the same size restores it exactly."""
+        state: dict[str, Any] = {
+            "rank": self.rank, "world": self.group.spec.world, "weight_version": self.weight_version,
+            "policy": {n: _local(p).detach().clone() for n, p in self.policy.named_parameters(remove_duplicate=True)},
+        }  # fmt: skip
+        if self.optimizer is not None:
+            osd = self.optimizer.state_dict()
+            osd["state"] = {i: {k: _local(v).clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+                            for i, st in osd["state"].items()}  # fmt: skip
+            state["optimizer"] = osd
+        if self.full is not None:
+            state["full"] = self.full.export_state()
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("resuming a job on a worker group is not built (services.ranks > 1)")
+        """Restore what `export_state` wrote on this rank (same rank, same group size; else a clear error)."""
+        from torch.distributed.tensor import DTensor
+
+        if (state.get("rank"), state.get("world")) != (self.rank, self.group.spec.world):
+            raise ValueError(f"a checkpoint of rank {state.get('rank')} of {state.get('world')} cannot resume rank "
+                             f"{self.rank} of {self.group.spec.world}: resume on a group of the same size")  # fmt: skip
+        params = dict(self.policy.named_parameters(remove_duplicate=True))
+        with torch.no_grad():
+            for name, saved in state["policy"].items():
+                _local(params[name]).copy_(saved)
+        if "optimizer" in state:
+            osd, plist = state["optimizer"], list(self.policy.parameters())
+            for i, st in osd["state"].items():
+                p = plist[int(i)]
+                for k, v in list(st.items()):
+                    if isinstance(v, Tensor) and v.dim() > 0 and hasattr(p, "device_mesh"):
+                        st[k] = DTensor.from_local(v.to(self.device), p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())  # fmt: skip
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW(plist)
+            self.optimizer.load_state_dict(osd)
+        if self.full is not None and "full" in state:
+            self.full.load_state(state["full"])
+        self.weight_version = int(state["weight_version"])
 
     # -- state --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, Tensor]:

@@ -233,7 +233,13 @@ class WorkerGroupPlacement:
     def checkpoint(
         self, service_id: str, job_id: str, path: Path, extra: dict[str, Any], after: list[Any], key: str
     ) -> Any:
-        raise NotImplementedError("checkpoints of a service over several ranks (worker groups) are not built yet")
+        """On every rank after that rank's latest task (and the job's load): each writes its part, rank 0 the
+        checkpoint that names them (`services.group.rank_checkpoint`)."""
+        from plexrl.services.group import rank_checkpoint
+
+        ex, skey, where = self.ex, self.ex._key(service_id), str(path)
+        return self._each(service_id, rank_checkpoint, lambda r: (ex._topic, skey, r, job_id, where, extra), after,
+                          key)[0]  # fmt: skip
 
     def release(self, service_id: str, job_id: str, key: str) -> None:
         from plexrl.services.group import rank_release

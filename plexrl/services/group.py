@@ -12,6 +12,10 @@ Every service task of a group runs on every rank (SPMD: the same operator, the s
 same order); rank 0 publishes the report. At the end of a node the ranks exchange their errors (`agree`),
 so a failure on any rank fails the node. A failure of the process group itself breaks it: see
 `plexrl.runtime.group`.
+
+A checkpoint of a group job is one part per rank (its shards; rank 0's also the full copy) and, once every
+part is written, the file at the checkpoint's path naming them (`rank_checkpoint`); a resume on a group of
+the same size loads rank r's part on rank r.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from plexrl.job import uses_reference
 from plexrl.planner.state import Move
-from plexrl.reports import LoadReport, NodeReport
+from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services import swap as sw
 from plexrl.services.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
 from plexrl.services.registry import SERVICES, publish
@@ -93,14 +97,18 @@ class RankService(Service):
         rank's state bytes (rank 0's is the largest: it is what the planner budgets per rank)."""
         from plexrl.engines.fsdp_engine import FSDPEngine
 
-        if job.resume_state is not None:
-            raise NotImplementedError("resuming a job on a worker group is not built (services.ranks > 1)")
         if job.generation == "vllm":
             raise NotImplementedError("vLLM rollouts on a worker group are not built; set engine: torch")
         tok = job.tokenizer
         engine = FSDPEngine(job.model_path, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, group=self.group,
                             device=str(self.device), with_reference=uses_reference(job.graph),
                             attention=job.config.model.attention)  # fmt: skip
+        if job.resume_state is not None:  # this rank's part of a group checkpoint (`checkpoint`)
+            part = rank_part(job.resume_state, self.rank)
+            if not part.is_file():
+                raise FileNotFoundError(f"{job.resume_state} has no part for rank {self.rank} ({part.name}): resume "
+                                        "a group job from a checkpoint that a group of its size wrote")  # fmt: skip
+            engine.load_state(sw.load_checkpoint(part)["engine"])
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
         live = _storages(engine.state_tensors())
         self.states[job.job_id] = ShardPlacement("device", nbytes=sum(s.nbytes() for s in live.values()))
@@ -113,7 +121,16 @@ class RankService(Service):
         return super().save_model(job_id, path) if self.rank == 0 else path
 
     def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
-        raise NotImplementedError("checkpoints of a job on a worker group are not built (services.ranks > 1)")
+        """Write THIS rank's part of the job's checkpoint (`rank_part(path, rank)`: its shards; rank 0's also
+        the full copy and reference), atomically; `rank_checkpoint` writes the checkpoint itself at `path`
+        once every rank's part is written. Only from the device tier: a state swapped out is refused (its
+        bytes on host or disk are raw storage, not the engine state a resume reads)."""
+        self._wait_for(job_id, count=False)
+        tier = self.states[job_id].tier
+        if tier != "device":
+            raise NotImplementedError(f"job {job_id}: a checkpoint of a group job's state on {tier} is not built "
+                                      "(take it while the state is on device)")  # fmt: skip
+        return sw.save_checkpoint({"engine": self.engines[job_id].export_state()}, rank_part(path, self.rank))
 
     def release(self, job_id: str) -> None:
         self._wait_for(job_id)
@@ -276,6 +293,36 @@ def rank_node(
     if rank == 0:
         publish(topic, handle, result.report)
     return result
+
+
+def rank_part(path: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its part of the group checkpoint at `path`."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.rank{rank}")
+
+
+def rank_checkpoint(
+    topic: str, key: str, rank: int, job_id: str, path: str, extra: dict[str, Any], epoch: int, *after: Any
+) -> CheckpointReport:
+    """Every rank writes its part (`RankService.checkpoint`), the ranks agree that all did, then rank 0
+    writes `path` itself: `extra` and the parts' names and count (`{"ranks": N, "parts": [...]}`), so a
+    checkpoint at `path` always has every part. A resume on a group of the same size reads rank r's part on
+    rank r. Rank 0's report stands for the task."""
+    start, service_id, error = time.time(), key.rpartition("/")[2], None
+    try:
+        svc, state = _checked(key, epoch, topic)
+        try:
+            svc.checkpoint(job_id, Path(path), extra)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        error = _agree(state, error, topic)
+        if error is None and rank == 0:
+            world = state.spec.world
+            parts = [rank_part(path, r).name for r in range(world)]
+            sw.save_checkpoint({**extra, "ranks": world, "parts": parts}, Path(path))
+    except Exception as exc:  # never raise: a failed task would read as a dead worker
+        error = f"{type(exc).__name__}: {exc}"
+    return CheckpointReport(job_id, service_id, path, start, time.time(), error)
 
 
 def rank_save(key: str, rank: int, job_id: str, path: str, epoch: int, *after: Any) -> str:
