@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.cluster import load_cluster, run_cluster
-from plexrl.hooks.timeline import TimelineRecorder
-from plexrl.runtime.runner import Budgets, Runner
+from plexrl.runtime.runner import Budgets
 from plexrl.sim.calibrate import fit, merge, predict
 
 HERE = Path(__file__).resolve().parent
@@ -62,22 +61,17 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
 
     for job in cluster.jobs:  # warm starts first (cached)
         prepare_job(job)
-    grabbed: dict[str, Any] = {}
-
-    def grab(runner: Runner) -> None:
-        grabbed["timeline"] = next(h for h in runner.hooks.hooks if isinstance(h, TimelineRecorder))
-
     t0 = time.time()
-    fit_res = run_cluster(cluster, runner_hook=grab)
+    fit_res = run_cluster(cluster)
     plans = {h.job_id: h.spec.plan() for h in fit_res.jobs}
-    rec: dict[str, Any] = {"plans": plans, "mux_spans": [asdict(x) for x in grabbed["timeline"].spans], "iso_spans": {}}
+    rec: dict[str, Any] = {"plans": plans, "mux_spans": [asdict(x) for x in fit_res.spans], "iso_spans": {}}
     print(f"fit run: {time.time() - t0:.1f}s", flush=True)
     alone_cfg = cfg.model_copy(update={"services": cfg.services.model_copy(update={"count": 1}),
                                        "placement": "isolated"})  # fmt: skip
     if args.fit_isolated:
         for job in cluster.jobs:
-            run_cluster(dataclasses.replace(cluster, config=alone_cfg, jobs=[job]), runner_hook=grab)
-            rec["iso_spans"][job.config.name] = [asdict(x) for x in grabbed["timeline"].spans]
+            iso_res = run_cluster(dataclasses.replace(cluster, config=alone_cfg, jobs=[job]))
+            rec["iso_spans"][job.config.name] = [asdict(x) for x in iso_res.spans]
     iso: dict[str, float] = {}
     steps: dict[str, int] = {}
     for job in cluster.jobs:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,6 +26,7 @@ from plexrl.runtime.tls import is_loopback
 
 if TYPE_CHECKING:
     from plexrl.hooks.base import Hook
+    from plexrl.hooks.timeline import Span
     from plexrl.runtime.executor import Executor
     from plexrl.runtime.runner import Runner
 
@@ -325,6 +326,7 @@ class ClusterResult:
     service_reports: dict[str, dict[str, Any]]
     timeline: Path | None
     tracking: dict[str, str] = field(default_factory=dict)
+    spans: list[Span] = field(default_factory=list)  # what the timeline recorded (nodes, swaps, loads)
 
 
 def make_executor(cfg: ClusterRuntime) -> Executor:
@@ -371,11 +373,10 @@ def make_runner(
     )  # fmt: skip
 
 
-def run_cluster(
-    loaded: LoadedCluster, *, progress: bool = False, runner_hook: Callable[[Runner], Any] | None = None
-) -> ClusterResult:
+def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequence[Hook] = ()) -> ClusterResult:
     """Prepare every job (warm starts cached), run them on the shared services, account, track. Every output
-    (timeline, accounting, the cluster MLflow run) is a hook; `runner_hook(runner)` sees the runner first."""
+    (timeline, accounting, the cluster MLflow run) is a hook; `hooks`: more of them, after those, given to the
+    runner when it is built (nothing is set on it afterwards). The result carries the timeline's spans."""
     from plexrl.hooks.cluster import Accounting, ClusterMlflow
     from plexrl.hooks.timeline import TimelineRecorder
     from plexrl.job import prepare_job
@@ -384,6 +385,7 @@ def run_cluster(
     cfg = loaded.config
     run_dir = Path(cfg.run_dir).resolve()
     specs = [prepare_job(job) for job in loaded.jobs]
+    extra = list(hooks)
     hooks = standard_hooks(run_dir, progress=progress, mlflow=any(j.config.tracking.mlflow for j in loaded.jobs))
     out_dir = run_dir / "clusters" / f"{cfg.name}-{int(time.time())}"
     timeline = hooks[0]
@@ -396,12 +398,14 @@ def run_cluster(
             accounting, run_dir, cfg.name, cfg.experiment, cfg.model_dump(mode="json", exclude={"jobs"})
         )
         hooks.append(tracker)
-    runner = make_runner(cfg, hooks)
-    if runner_hook is not None:
-        runner_hook(runner)
-    runs = runner.run(specs)
+    runs = make_runner(cfg, [*hooks, *extra]).run(specs)
     return ClusterResult(
-        runs, accounting.report, accounting.service_reports, accounting.png, tracker.tracking if tracker else {}
+        runs,
+        accounting.report,
+        accounting.service_reports,
+        accounting.png,
+        tracker.tracking if tracker else {},
+        spans=list(timeline.spans),
     )
 
 

@@ -306,6 +306,12 @@ def test_cluster_run_prints_accounting_and_links_mlflow_runs(tmp_path: Path) -> 
 
 
 class Interrupt(Hook):
+    def __init__(self) -> None:
+        self.runs: dict[str, JobRun] = {}
+
+    def on_job_start(self, run: JobRun) -> None:
+        self.runs[run.job_id] = run
+
     def on_iteration_end(self, job: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         if job.job_id == "y" and iteration == 0:
             raise KeyboardInterrupt
@@ -324,11 +330,10 @@ def test_ctrl_c_closes_every_job_as_killed_and_keeps_what_was_logged(tmp_path: P
         jobs.append({"job": job})
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({"run_dir": str(runs), "driver": "local", "progress": False, "jobs": jobs}))
-    seen: list[Any] = []
+    interrupt = Interrupt()
     with pytest.raises(KeyboardInterrupt):
-        run_cluster(load_cluster(path), runner_hook=lambda r: (r.hooks.hooks.append(Interrupt()), seen.append(r)))
-    (runner,) = seen
-    x, y = (runner.runs[n] for n in ("x", "y"))
+        run_cluster(load_cluster(path), hooks=[interrupt])
+    x, y = (interrupt.runs[n] for n in ("x", "y"))
     assert x.status == y.status == "cancelled" and "KeyboardInterrupt" in y.error
     client = MlflowClient(tracking_uri=y.tracking["uri"])
     for job in (x, y):
