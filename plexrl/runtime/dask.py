@@ -350,7 +350,10 @@ class DaskExecutor:
     def _outcome(self, fut: Any, work: _Work) -> Any:
         if fut.status == "finished":
             return self._fetch(fut, job_id=work.job_id)
-        exc = fut.exception() if fut.status == "error" else RuntimeError(f"task {fut.status}")
+        if fut.status == "error":
+            exc = fut.exception()
+        else:
+            exc = RuntimeError(self.placement.why_cancelled(fut) if fut.status == "cancelled" else f"task {fut.status}")
         error = f"{type(exc).__name__}: {exc}"
         now = self.clock()
         if work.checkpoint:

@@ -72,6 +72,7 @@ class WorkerGroups:
         self.backend, self.timeout_s = backend, timeout_s
         self.topic = topic  # ranks publish {"key": ..., "epoch": ...} here when their group breaks
         self._broken: set[tuple[str, int]] = set()
+        self.dropped: set[str] = set()  # keys of tasks cancelled because their group was re-formed
         client.subscribe_topic(topic, lambda event: self._broken.add((event[1]["key"], event[1]["epoch"])))
 
     def form(self, service_id: str) -> list[Any]:
@@ -80,6 +81,7 @@ class WorkerGroups:
         g = self.groups[service_id]
         for fut in g.last:  # a task of the old group still queued for a worker that died never runs
             if not fut.done():
+                self.dropped.add(fut.key)
                 fut.cancel()
         deadline = time.monotonic() + self.timeout_s  # a killed worker comes back under its nanny
         while True:

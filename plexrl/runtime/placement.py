@@ -60,6 +60,8 @@ class Placement(Protocol):
 
     def stop(self, alive: set[str]) -> dict[str, dict[str, Any]]: ...
 
+    def why_cancelled(self, fut: Any) -> str: ...
+
 
 class OneWorker:
     """Each service in one worker process: its tasks pinned there, each after the service's latest one when
@@ -164,6 +166,9 @@ class OneWorker:
                 log.exception("could not stop service %s cleanly", sid)
         return reports
 
+    def why_cancelled(self, fut: Any) -> str:
+        return "task cancelled"
+
 
 class WorkerGroupPlacement:
     """Each service over `ranks` workers (consecutive by name) that form one process group: every task runs
@@ -257,6 +262,12 @@ class WorkerGroupPlacement:
                 reports[sid] = ex._fetch(stops[0], timeout=60)
                 ex.client.gather(stops[1:])
         return reports
+
+    def why_cancelled(self, fut: Any) -> str:
+        """A rank's task still queued when its group was re-formed was cancelled (`WorkerGroups.form`)."""
+        if self.groups is not None and fut.key in self.groups.dropped:
+            return "task cancelled: its worker group was re-formed after a failure (the job's state on it is gone)"
+        return "task cancelled"
 
 
 def placement_for(ex: DaskExecutor) -> Placement:
