@@ -29,9 +29,10 @@ batched across jobs unless `--batch-rollouts`: each job's rollout is its own eng
 `--engine vllm`: the rollouts on one LoRA-enabled vLLM engine per service (`plexrl/engines/vllm_lora.py`: the
 base loaded once, each job under its own LoRARequest, a weight sync registers the adapter only); the device
 budget then counts that engine once beside the base and the resident adapter states.
-`--batch-rollouts` (with `--engine vllm --driver local`): the multiplexed arm co-schedules rollouts (cluster
-`batch_rollouts: true`, `plexrl/planner/batches.py`): the rollouts of jobs queued together on the service run
-as ONE vLLM call, a LoRARequest per job; each job samples its own tokens (the alone arm is unchanged).
+`--batch-rollouts` (with `--engine vllm --driver local`): each ordering runs twice per repetition, as above
+and then with co-scheduled rollouts (arm `<ordering>+batched`, cluster `batch_rollouts: true`,
+`plexrl/planner/batches.py`): the rollouts of jobs queued together on the service run as ONE vLLM call, a
+LoRARequest per job; each job samples its own tokens (the alone arm is unchanged).
 
 `--smoke`: 2 jobs on a 1-layer copy, 1 iteration of 2 prompts x 2 samples, local driver (the tests run it;
 its figures mean nothing). Run it alone on the machine: other processes on the 2 cores distort every figure.
@@ -88,7 +89,6 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         "max_load": 64.0,
         "mlflow": False,
         "progress": False,
-        "batch_rollouts": args.batch_rollouts,
         "jobs": jobs,
     }
     if args.resident > 0:  # the base once + `resident` adapter states (+ a quarter of one: estimates move)
@@ -194,18 +194,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_torch(cluster.config.services.threads)
     run_alone(with_iterations(dataclasses.replace(cluster, jobs=cluster.jobs[:1]), 1), "local", "warm-up")
     orderings = args.orderings.split(",")
+    # with --batch-rollouts every ordering runs twice in each repetition: its rollouts one call per job, then
+    # co-scheduled into one vLLM call (cluster batch_rollouts: true), side by side against the same alone arm
+    arms = {o: cluster for o in orderings}
+    if args.batch_rollouts:
+        batched = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"batch_rollouts": True}))
+        arms.update({f"{o}+batched": batched for o in orderings})
     lean: list[dict[str, Alone]] = []
-    mux: dict[str, list[Mux]] = {o: [] for o in orderings}
+    mux: dict[str, list[Mux]] = {o: [] for o in arms}
     for i in range(args.reps):
         print(
             f"repetition {i + 1}/{args.reps}: {args.jobs} LoRA jobs on a {args.layers}-layer SmolLM2 copy", flush=True
         )
         configure_torch(cluster.config.services.threads)
         lean.append(run_alone(cluster, "local", "alone"))
-        for o in orderings:
-            mux[o].append(run_mux(cluster, o))
-    for o in orderings:
-        report(lean, mux[o], o)
+        for arm, loaded in arms.items():
+            mux[arm].append(run_mux(loaded, arm.split("+")[0]))
+    for arm in arms:
+        report(lean, mux[arm], arm)
     print(f"({args.reps} repetition(s); mean +- sample sd [min, max]; base: {model})")
     if tmp is not None:
         tmp.cleanup()
