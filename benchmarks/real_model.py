@@ -219,22 +219,6 @@ def smoke_config(tmp: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def override(cfg: dict[str, Any], item: str) -> None:
-    """Set `KEY=VALUE` in `cfg`: KEY dotted (`pipeline.params.n`), VALUE parsed as YAML (`1.2`, `true`, `[a]`)."""
-    import yaml
-
-    key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--set {item!r}: write KEY=VALUE, e.g. --set pipeline.params.temperature=1.2")
-    *parents, leaf = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise SystemExit(f"--set {item!r}: {part!r} is not a mapping in the config")
-    node[leaf] = yaml.safe_load(value)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/dapo_smollm2_addition.yaml")
@@ -260,8 +244,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from plexrl.yamlio import load_yaml_file
 
         cfg, seeds, out = load_yaml_file(args.config), [int(s) for s in args.seeds.split(",")], Path(args.out)
-        for item in args.set:
-            override(cfg, item)
+        from plexrl.config import apply_overrides
+
+        problems = apply_overrides(cfg, args.set)  # the same `--set` as `plexrl run`
+        if problems:
+            raise SystemExit("\n".join(f"{p.where}: {p.message}" for p in problems))
         for split in ("train", "held_out"):
             if not Path(cfg["data"][split]).is_file():
                 raise SystemExit(f"{cfg['data'][split]} is missing: run benchmarks/real_model.py --write-data "
