@@ -86,12 +86,12 @@ def test_a_resumed_simulated_job_runs_its_real_iterations_and_checkpoints_under_
     ex = SimExecutor(1, SeededCosts(seed=0))
     paths: list[Any] = []
 
-    def checkpoint_at(run: JobRun, iteration: int) -> Path | None:
+    def checkpoint_at(run: JobRun, iteration: int) -> Path:
         paths.append(hook.checkpoint_path(run, iteration))
         return paths[-1]
 
-    (run,) = Runner(ex, hooks=[seen], validate=True, checkpoint_at=checkpoint_at).run([job])
+    (run,) = Runner(ex, hooks=[seen], validate=True, checkpoint_every=2, checkpoint_at=checkpoint_at).run([job])
     assert run.status == "done" and run.iterations_done == 3
     assert seen.iterations == [5, 6, 7] and seen.nodes == {5, 6, 7}  # no baseline pass, no renumbering
     # checkpoint after (real) iteration 5 (every 2); none after 7, the last
-    assert paths == [tmp_path / "j" / "after-5.pt", None, None]
+    assert paths == [tmp_path / "j" / "after-5.pt"]

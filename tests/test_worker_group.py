@@ -286,7 +286,7 @@ def test_a_group_checkpoint_holds_every_ranks_part_and_resumes_to_the_same_next_
     spec, path = job(run_dir, "ckpt", 0), tmp_path / "ckpt" / "job.pt"
     first = _Rows()
     executor = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=60, validate=True)
-    (run,) = Runner(executor, hooks=[first], validate=True, checkpoint_at=lambda r, it: path if it == 0 else None
+    (run,) = Runner(executor, hooks=[first], validate=True, checkpoint_every=1, checkpoint_at=lambda r, it: path
                     ).run([spec])  # fmt: skip
     assert run.status == "done", run.error
     assert first.checkpoints == [(0, None)]

@@ -3,6 +3,7 @@
 from plexrl.planner.core import Planner
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
+    CheckpointFinished,
     FailJob,
     IterationDone,
     JobCancelled,
@@ -15,6 +16,7 @@ from plexrl.planner.events import (
     PlaceJob,
     RetryNode,
     RetryPlan,
+    RunCheckpoint,
     RunNode,
     ServiceJoined,
     ServiceLost,
@@ -40,6 +42,7 @@ from plexrl.planner.state import Move, NoRoom, StateManager, Tier
 __all__ = [
     "ORDERINGS",
     "PLACEMENTS",
+    "CheckpointFinished",
     "CostModel",
     "FailJob",
     "FairShare",
@@ -63,6 +66,7 @@ __all__ = [
     "Planner",
     "RetryNode",
     "RetryPlan",
+    "RunCheckpoint",
     "RunNode",
     "ServiceJoined",
     "ServiceLost",

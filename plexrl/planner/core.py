@@ -1,11 +1,11 @@
 """The global planner: ONE pure state machine for all jobs and services.
 
 `Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted, node
-finished, a state measured, job cancelled or failed, a tick) and returns the instructions a runner must carry
-out (place job, run node with the swaps that make its job resident and a prefetch of the next job's state,
-retry node, iteration done, job done, fail job). `wake_at` says when it next needs a `Tick` (a node's
-backoff ends), so the driver never decides when anything runs. Time comes from an injected clock; nothing
-here sleeps, awaits, or imports Dask, torch or mlflow.
+or checkpoint finished, a state measured, job cancelled or failed, a tick) and returns the instructions a
+runner must carry out (place job, run node with the swaps that make its job resident and a prefetch of the
+next job's state, retry node, iteration done, run checkpoint, job done, fail job). `wake_at` says when it next
+needs a `Tick` (a node's backoff ends), so the driver never decides when anything runs. Time comes from an
+injected clock; nothing here sleeps, awaits, or imports Dask, torch or mlflow.
 
 Each service has a pure `StateManager` (tiers device/host/disk with byte budgets); the planner asks it for
 the moves before every service node. A `CostModel` fitted online to node durations and swap bandwidth
@@ -13,8 +13,9 @@ feeds the policies: predicted busy fraction for placement, predicted node and sw
 predicted next use for choosing which state to evict or prefetch.
 
 States and their one table: `records.py`; backoffs: `retries.py`; slices: `slices.py`; co-scheduled rollouts:
-`batches.py`. Invariants (`validate()`, after every event in the runner and the tests): `checks.py`; a job's
-service is fixed once placed (DESIGN.md invariant 2: `_admit` is the only place that sets it).
+`batches.py`; checkpoints: `checkpoints.py`. Invariants (`validate()`, after every event in the runner and the
+tests): `checks.py`; a job's service is fixed once placed (DESIGN.md invariant 2: `_admit` is the only place
+that sets it).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
+from plexrl.planner import checkpoints
 from plexrl.planner.batches import gather, member_finished, start_group
 from plexrl.planner.batches import violation as batch_violation
 from plexrl.planner.checks import first_violation
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
+    CheckpointFinished,
     Event,
     FailJob,
     Instruction,
@@ -122,29 +126,27 @@ class Planner:
         # co-scheduled rollouts (`batches.py`): several jobs' batchable nodes in one engine call
         self.batch_rollouts = batch_rollouts
         self.groups_sent = self.grouped_nodes = 0  # groups sent, and their members, leads included (statistics)
+        self._handlers: dict[type, Callable[[Any, list[Instruction]], None]] = {
+            NodeFinished: self._node_finished,  # by far the most frequent
+            ServiceJoined: self._service_joined,
+            ServiceLost: self._service_lost,
+            JobSubmitted: self._job_submitted,
+            StateMeasured: lambda ev, out: self._state_measured(ev),
+            JobCancelled: lambda ev, out: self._end_job(ev.job_id, "cancelled", ev.reason, out),
+            JobFailed: lambda ev, out: self._end_job(ev.job_id, "failed", ev.reason, out),
+            CheckpointFinished: self._checkpoint_finished,
+            Tick: lambda ev, out: self._tick(out),
+        }
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
         out: list[Instruction] = []
         self.log.append(Transition(self.clock(), event, out))
         kind = type(event)
-        if kind is NodeFinished:  # by far the most frequent
-            self._node_finished(event, out)  # type: ignore[arg-type]
-        elif kind is ServiceJoined:
-            self._service_joined(event, out)  # type: ignore[arg-type]
-        elif kind is ServiceLost:
-            self._service_lost(event, out)  # type: ignore[arg-type]
-        elif kind is JobSubmitted:
-            self._job_submitted(event, out)  # type: ignore[arg-type]
-        elif kind is StateMeasured:
-            self._state_measured(event)  # type: ignore[arg-type]
-        elif kind is JobCancelled or kind is JobFailed:
-            status: JobStatus = "cancelled" if kind is JobCancelled else "failed"
-            self._end_job(event.job_id, status, event.reason, out)  # type: ignore[union-attr]
-        elif kind is Tick:
-            self._tick(out)
-        else:
+        handler = self._handlers.get(kind)
+        if handler is None:
             raise TypeError(f"unknown event {event!r}")
+        handler(event, out)
         # the service this event concerns is offered a dispatch
         if kind is ServiceJoined:
             self._dirty.add(event.service_id)  # type: ignore[union-attr]
@@ -177,7 +179,8 @@ class Planner:
         for job_id in sorted(svc.jobs):
             self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out, lost=True)
         svc.queue.clear()
-        svc.running = svc.next = None
+        svc.checkpoints.clear()
+        svc.running = svc.next = svc.checkpointing = None
         svc.resident = svc.prefetching = None
 
     def _state_measured(self, ev: StateMeasured) -> None:
@@ -195,13 +198,7 @@ class Planner:
             self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
             self._end_job(ev.job_id, "failed", "a job needs at least one iteration and one node", out)
             return
-        job = self.jobs[ev.job_id] = JobRecord(ev.job_id, ev.plan, submitted_at=self.clock())
-        succ: dict[str, list[str]] = {name: [] for name in ev.plan.nodes}
-        for name, node in ev.plan.nodes.items():
-            for dep in node.deps:
-                succ[dep].append(name)
-        job.successors = {name: tuple(s) for name, s in succ.items()}
-        job.sources = tuple(name for name, node in ev.plan.nodes.items() if not node.deps)
+        self.jobs[ev.job_id] = JobRecord.of(ev.job_id, ev.plan, self.clock())
         for learned, seconds in ev.plan.costs:
             if learned in ev.plan.nodes and seconds >= 0:
                 self.costs.observe(ev.job_id, learned, seconds)
@@ -329,11 +326,33 @@ class Planner:
             out.append(IterationDone(job.job_id, job.iteration))
             if getattr(self.placement, "uses_load", True):
                 self._admission_due = True  # its predicted load settled: a load-aware placement may change
-            job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
-            if job.iteration >= job.plan.iterations:
-                self._end_job(job.job_id, "done", "", out)
+            if checkpoints.due(job.plan, job.iteration):  # held until `CheckpointFinished` (`checkpoints.py`)
+                checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
+                self._dirty.add(job.service)  # type: ignore[arg-type]
                 return
-            self._reset_nodes(job)
+            if not self._next_iteration(job, out):
+                return
+
+    def _next_iteration(self, job: JobRecord, out: list[Instruction]) -> bool:
+        """Move a job whose iteration ended to its next one; False if that was its last (the job is done)."""
+        job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
+        if job.iteration >= job.plan.iterations:
+            self._end_job(job.job_id, "done", "", out)
+            return False
+        self._reset_nodes(job)
+        return True
+
+    def _checkpoint_finished(self, ev: CheckpointFinished, out: list[Instruction]) -> None:
+        """A checkpoint ended (failed ones too: the job goes on): the service is free, the job goes on."""
+        job = self.jobs.get(ev.job_id)
+        if job is None or job.status in TERMINAL:
+            return  # a late report of a job that already ended
+        problem = checkpoints.finish(self.services[job.service], job, ev.iteration)  # type: ignore[index]
+        if problem is not None:
+            raise InvalidTransition(self._history(problem))
+        self.usage.add(job.plan.user, ev.duration, self.clock())
+        if self._next_iteration(job, out):
+            self._advance(job, out)
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")
@@ -360,7 +379,14 @@ class Planner:
         dirty, self._dirty = self._dirty, set()
         for service_id in sorted(dirty):  # services are offered dispatches in id order
             svc = self.services[service_id]
-            if not svc.alive or not svc.queue:
+            if not svc.alive:
+                continue
+            if svc.checkpoints or svc.checkpointing is not None:  # it goes next, alone (`checkpoints.py`)
+                started = checkpoints.start(svc)
+                if started is not None:
+                    out.append(started)
+                continue
+            if not svc.queue:
                 continue
             if svc.running is None:
                 self._dispatch_one(svc, out)
@@ -484,7 +510,8 @@ class Planner:
         """Check every invariant (`checks.first_violation`); raise `InvalidTransition` with history on the first
         violation."""
         problem = (first_violation(self.jobs, self.services) or slice_violation(self.jobs, self.services)
-                   or batch_violation(self.jobs, self.services))  # fmt: skip
+                   or batch_violation(self.jobs, self.services)
+                   or checkpoints.violation(self.jobs, self.services))  # fmt: skip
         if problem is not None:
             raise InvalidTransition(self._history(problem))
 

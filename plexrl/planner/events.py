@@ -72,6 +72,8 @@ class JobPlan:
     # the most jobs whose batchable nodes its engine runs in one call (a LoRA job on vLLM: the adapters one
     # engine step mixes); 0 or 1: its nodes always run alone (`batches.py`)
     batch: int = 0
+    # checkpoint the job on its service after every k-th iteration but its last (0: never; `checkpoints.py`)
+    checkpoint_every: int = 0
 
 
 # -- events -------------------------------------------------------------------------------------------
@@ -138,11 +140,33 @@ class JobFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointFinished:
+    """The checkpoint after `iteration` (`RunCheckpoint`) ended on the job's service; `ok=False`: it failed
+    (the job goes on; the driver logged why). `duration`: the service seconds it took."""
+
+    job_id: str
+    iteration: int
+    ok: bool = True
+    error: str | None = None
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed: the driver sends it once the clock reaches `Planner.wake_at` (a node's backoff ended)."""
 
 
-Event = ServiceJoined | ServiceLost | JobSubmitted | NodeFinished | StateMeasured | JobCancelled | JobFailed | Tick
+Event = (
+    ServiceJoined
+    | ServiceLost
+    | JobSubmitted
+    | NodeFinished
+    | StateMeasured
+    | JobCancelled
+    | JobFailed
+    | CheckpointFinished
+    | Tick
+)
 
 
 # -- instructions -------------------------------------------------------------------------------------
@@ -195,6 +219,17 @@ class IterationDone:
 
 
 @dataclass(frozen=True, slots=True)
+class RunCheckpoint:
+    """Save the job's state after `iteration` on its service, from whichever tier holds it, without moving it
+    (`JobPlan.checkpoint_every`). The service runs nothing else until `CheckpointFinished` comes back, and the
+    job's next iteration waits for it."""
+
+    job_id: str
+    iteration: int
+    service_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class JobDone:
     job_id: str
     service_id: str | None = None
@@ -209,7 +244,7 @@ class FailJob:
     service_lost: bool = False  # failed because its service was lost (its state there is gone)
 
 
-Instruction = PlaceJob | RunNode | RetryNode | IterationDone | JobDone | FailJob
+Instruction = PlaceJob | RunNode | RetryNode | IterationDone | RunCheckpoint | JobDone | FailJob
 
 
 @dataclass(slots=True)

@@ -42,8 +42,8 @@ def next_use(
     """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
     there, the predicted rest of its CPU nodes in flight otherwise (`cpu_rests`: a retry's backoff counts), inf
     with nothing in flight."""
-    soon = {q.job_id for q in svc.queue}
-    for key in (svc.running, svc.next):
+    soon = {q.job_id for q in svc.queue} | {c[0] for c in svc.checkpoints}  # (a checkpoint: its next iteration)
+    for key in (svc.running, svc.next, svc.checkpointing):
         if key is not None:
             soon.add(key[0])
     out: dict[str, float] = {}

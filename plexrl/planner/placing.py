@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from plexrl.planner import checkpoints
 from plexrl.planner.batches import member_finished
 from plexrl.planner.policies import PlacementPolicy, ServiceView
 from plexrl.planner.records import JobRecord, ServiceRecord
@@ -78,6 +79,7 @@ def leave(svc: ServiceRecord, job_id: str) -> None:
             svc.running, svc.next = svc.next, None
     if svc.running is not None and svc.running[0] == job_id:
         svc.running, svc.next = svc.next, None
+    checkpoints.leave(svc, job_id)
     svc.jobs.discard(job_id)
     svc.state.release(job_id)
     if svc.resident == job_id:

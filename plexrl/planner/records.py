@@ -84,6 +84,18 @@ class JobRecord:
     backoff: dict[str, float] = field(default_factory=dict)  # cpu node in `backoff` -> when it runs again
     # sliced service node with a paused generation (`paused`, or running a later slice) -> its slices so far
     slices: dict[str, SliceProgress] = field(default_factory=dict)
+    # the iteration whose checkpoint the job waits for (queued or running on its service; `checkpoints.py`)
+    checkpoint: int | None = None
+
+    @classmethod
+    def of(cls, job_id: str, plan: JobPlan, now: float) -> JobRecord:
+        """The record of a job just submitted, with its plan's edges (`successors`, `sources`)."""
+        succ: dict[str, list[str]] = {name: [] for name in plan.nodes}
+        for name, node in plan.nodes.items():
+            for dep in node.deps:
+                succ[dep].append(name)
+        sources = tuple(name for name, node in plan.nodes.items() if not node.deps)
+        return cls(job_id, plan, submitted_at=now, successors={n: tuple(s) for n, s in succ.items()}, sources=sources)
 
 
 @dataclass(slots=True)
@@ -99,3 +111,6 @@ class ServiceRecord:
     next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
     # co-scheduled rollouts (`batches.py`): every member of the group running here, `running` among them
     group: set[tuple[str, int, str]] = field(default_factory=set)
+    # checkpoints (`checkpoints.py`): (job, iteration) waiting for the service, in order, and the one running
+    checkpoints: list[tuple[str, int]] = field(default_factory=list)
+    checkpointing: tuple[str, int] | None = None

@@ -8,10 +8,11 @@ It decides nothing: what runs where and when is the planner's (retries and their
 (`runner.Runner`). Its handle ledger (`ledger.py`, pure) keeps what is in flight under each handle and each
 job's current iteration (its nodes' output handles: the data stays where the executor made it, their small
 metrics and durations); when the planner closes an iteration, the carrier assembles the metrics row, calls
-the hooks, has the job checkpointed if `checkpoint_at` says where, and tells the executor to drop the
-outputs. Anything that goes wrong with one job (its load, a node's submission, a swap) fails that job only
-(DESIGN.md invariant 5): `fail` returns the `JobFailed` event for the planner, and the job's later
-instructions are dropped until the planner's `FailJob` comes back.
+the hooks and tells the executor to drop the outputs. A checkpoint is the planner's work too (`RunCheckpoint`,
+`JobPlan.checkpoint_every`): the carrier asks `checkpoint_at` where it goes, has the executor write it on the
+job's service, and reports its end (`CheckpointFinished`). Anything that goes wrong with one job (its load, a
+node's submission, a swap) fails that job only (DESIGN.md invariant 5): `fail` returns the `JobFailed` event
+for the planner, and the job's later instructions are dropped until the planner's `FailJob` comes back.
 
 The loop thread's alone: no lock (other threads reach the loop through its inbox).
 """
@@ -27,6 +28,7 @@ from typing import Any
 from plexrl.hooks.base import HookList
 from plexrl.job import JobRun
 from plexrl.planner import (
+    CheckpointFinished,
     FailJob,
     IterationDone,
     JobDone,
@@ -36,6 +38,7 @@ from plexrl.planner import (
     Planner,
     RetryNode,
     RetryPlan,
+    RunCheckpoint,
     RunNode,
     StateMeasured,
 )
@@ -51,8 +54,9 @@ log = logging.getLogger(__name__)
 class Carrier:
     """See the module docstring. `forget_ended`: drop an ended job's record, planner entry and spec once the
     hooks and `on_closed` have seen it (a server's weeks of jobs); `on_closed`: called for every ended job,
-    placed or not (the server's journal); `checkpoint_at`: where to checkpoint a job after an iteration (None:
-    not then)."""
+    placed or not (the server's journal); `checkpoint_every`: every job's plan gets it (`JobPlan.checkpoint_every`:
+    the planner sends `RunCheckpoint` after every k-th iteration but the last), and `checkpoint_at(run, iteration)`
+    says where that checkpoint goes (required with it)."""
 
     def __init__(
         self,
@@ -63,9 +67,14 @@ class Carrier:
         *,
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
-        checkpoint_at: Callable[[JobRun, int], Path | None] | None = None,
+        checkpoint_every: int = 0,
+        checkpoint_at: Callable[[JobRun, int], Path] | None = None,
     ) -> None:
+        if checkpoint_every < 0 or (checkpoint_every > 0) != (checkpoint_at is not None):
+            raise ValueError(f"checkpoint_every={checkpoint_every} with checkpoint_at={checkpoint_at!r}: give both "
+                             "(how often, k >= 1, and where) or neither")  # fmt: skip
         self.executor, self.hooks, self.planner, self.inbox = executor, hooks, planner, inbox
+        self.checkpoint_every = checkpoint_every
         self.clock = executor.clock
         self.forget_ended, self.on_closed, self.checkpoint_at = forget_ended, on_closed, checkpoint_at
         self.runs: dict[str, JobRun] = {}
@@ -77,6 +86,7 @@ class Carrier:
             RunNode: self._run_node,
             RetryNode: self._retrying,
             IterationDone: self._iteration_done,
+            RunCheckpoint: self._checkpoint,
             JobDone: self._job_done,
             FailJob: self._job_failed,
         }
@@ -165,9 +175,7 @@ class Carrier:
         return []
 
     def _iteration_done(self, run: JobRun, ins: IterationDone) -> list[Event]:
-        """Assemble the iteration's metrics (iteration -1 is the baseline pass, logged as step 0), then have
-        the job checkpointed if `checkpoint_at` says where: on its service, after its last node and before
-        its next one (`Executor.checkpoint`)."""
+        """Assemble the iteration's metrics (iteration -1 is the baseline pass, logged as step 0)."""
         now, iteration = self.clock(), ins.iteration
         it = self.ledger.iters[run.job_id]
         metrics = it.row(now if iteration >= 0 else None)
@@ -177,10 +185,20 @@ class Carrier:
         self.ledger.iters[run.job_id] = Iteration(now)
         run.history.append(metrics)
         self.hooks.on_iteration_end(run, iteration, metrics)
-        path = self.checkpoint_at(run, iteration) if self.checkpoint_at is not None and iteration >= 0 else None
-        if path is not None and run.service is not None:
-            handle = self.executor.checkpoint(run.job_id, run.service, path, {"iteration": iteration})
-            self.ledger.sent(handle, Pending("checkpoint", run.job_id, run.service, iteration))
+        return []
+
+    def _checkpoint(self, run: JobRun, ins: RunCheckpoint) -> list[Event]:
+        """Have the executor write the job's checkpoint after `ins.iteration` where `checkpoint_at` says, on its
+        service (`Executor.checkpoint`); one that cannot even be sent ends at once, failed (the job goes on)."""
+        assert self.checkpoint_at is not None  # (a plan has `checkpoint_every` only from this carrier)
+        try:
+            path = self.checkpoint_at(run, ins.iteration)
+            handle = self.executor.checkpoint(run.job_id, ins.service_id, path, {"iteration": ins.iteration})
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("job %s: checkpoint after iteration %d failed: %s", run.job_id, ins.iteration, error)
+            return [CheckpointFinished(run.job_id, ins.iteration, False, error)]
+        self.ledger.sent(handle, Pending("checkpoint", run.job_id, ins.service_id, ins.iteration))
         return []
 
     def _job_done(self, run: JobRun, ins: JobDone) -> list[Event]:
@@ -213,7 +231,7 @@ class Carrier:
             if rep.error is not None:
                 log.error("job %s: checkpoint after iteration %d failed: %s", run.job_id, p.iteration, rep.error)
             self.hooks.on_checkpoint(run, p.iteration, Path(rep.path), rep.error)
-            return []
+            return [CheckpointFinished(run.job_id, p.iteration, rep.error is None, rep.error, rep.end - rep.start)]
         events: list[Event] = [StateMeasured(p.lane, job_id, nbytes) for job_id, nbytes in rep.measured.items()]
         it = self.ledger.iters.get(run.job_id)
         if rep.swap_end > rep.swap_start:
@@ -255,7 +273,7 @@ class Carrier:
         except Exception as exc:
             self.close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
             return []
-        return [JobSubmitted(run.job_id, plan_of(run.spec))]
+        return [JobSubmitted(run.job_id, plan_of(run.spec, self.checkpoint_every))]
 
     def drop_attempt(self, job_id: str) -> None:
         """A job submitted again: forget what its previous attempt still has in flight or waiting."""
@@ -318,10 +336,13 @@ class Carrier:
                 self.close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
-def plan_of(spec: Any) -> JobPlan:
-    """The job's plan as the planner gets it: `spec.plan()` with the retry policy of its config (`retry`), as
-    the delays after each failed run; a spec without a config (the simulator's) has none."""
+def plan_of(spec: Any, checkpoint_every: int = 0) -> JobPlan:
+    """The job's plan as the planner gets it: `spec.plan()` with the checkpoint cadence (`checkpoint_every`,
+    the runner's) and the retry policy of its config (`retry`), as the delays after each failed run; a spec
+    without a config (the simulator's) has none."""
     plan: JobPlan = spec.plan()
+    if checkpoint_every:
+        plan = dataclasses.replace(plan, checkpoint_every=checkpoint_every)
     policy = getattr(getattr(spec, "config", None), "retry", None)
     if policy is None or plan.retry is not None:
         return plan

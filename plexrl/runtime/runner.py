@@ -53,8 +53,8 @@ class Runner:
     """See the module docstring. `poll`: how long one `executor.wait` may block (the cancel and lost-service
     checks run at least this often); default: the executor's `poll` attribute if it has one (the simulator's
     is infinite: its clock only moves to the next event), else 0.5 s. `usage`: the planner's fair-share
-    account; `forget_ended`, `on_closed`, `checkpoint_at`: the carrier's (`Carrier`: a server's memory, its
-    journal, its checkpoints)."""
+    account; `forget_ended`, `on_closed`, `checkpoint_every`, `checkpoint_at`: the carrier's (`Carrier`: a
+    server's memory, its journal, its checkpoints)."""
 
     def __init__(
         self,
@@ -73,7 +73,8 @@ class Runner:
         batch_rollouts: bool = False,
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
-        checkpoint_at: Callable[[JobRun, int], Path | None] | None = None,
+        checkpoint_every: int = 0,
+        checkpoint_at: Callable[[JobRun, int], Path] | None = None,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -90,7 +91,8 @@ class Runner:
         self._arrivals = Arrivals()  # jobs not yet submitted (the loop's alone)
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended,
-                               on_closed=on_closed, checkpoint_at=checkpoint_at)  # fmt: skip
+                               on_closed=on_closed, checkpoint_every=checkpoint_every,
+                               checkpoint_at=checkpoint_at)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:

@@ -60,9 +60,9 @@ STOP_REASON = "the server stopped; the job runs again when it restarts (from its
 
 
 class JournalHook(Hook):
-    """Placements, iteration ends and checkpoints into the journal, and where a job is checkpointed: every
-    `checkpoint_every` iterations (`checkpoint_path`, the runner's `checkpoint_at`; the runner has the executor
-    write it on the job's service, in order with the job's nodes, on every executor). Required: a journal that
+    """Placements, iteration ends and checkpoints into the journal, and where a job is checkpointed
+    (`checkpoint_path`, the runner's `checkpoint_at`: the planner checkpoints every job every `checkpoint_every`
+    iterations, as work on the job's service, `planner/checkpoints.py`). Required: a journal that
     cannot be written stops the runner rather than letting it run jobs whose progress nobody would know about
     after a restart. Comes after the MLflow hook, whose run id it records. Iterations carry their real numbers
     (a resumed job's first is the one after its checkpoint: `JobPlan.first_iteration`).
@@ -101,15 +101,8 @@ class JournalHook(Hook):
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         self.journal.iteration(run.job_id, iteration, metrics)
 
-    def checkpoint_path(self, run: JobRun, iteration: int) -> Path | None:
-        """Where to checkpoint `run` after iteration `iteration` (None: not now, or never)."""
-        k = self.checkpoint_every
-        if k is None or iteration < 0 or (iteration + 1) % k:
-            return None
-        spec: Any = run.spec  # a JobSpec, or a simulated job (which has `iterations` itself)
-        total = spec.config.iterations if hasattr(spec, "config") else spec.iterations
-        if iteration + 1 >= total:
-            return None  # the job is done: nothing to resume
+    def checkpoint_path(self, run: JobRun, iteration: int) -> Path:
+        """Where the checkpoint of `run` after iteration `iteration` goes."""
         assert self.checkpoint_dir is not None
         return self.checkpoint_dir / run.job_id / f"after-{iteration}.pt"
 
@@ -128,8 +121,9 @@ class JournalHook(Hook):
 
 RunnerFactory = Callable[..., Runner]
 """Builds the server's runner, whole: the controller calls it once, as `factory(more_hooks=[...],
-on_closed=..., checkpoint_at=...)`, and gets a `Runner` with those hooks after its own and those callbacks
-(`api.server_runner` is the server's; `runner_of` makes one from `Runner`'s arguments)."""
+on_closed=..., checkpoint_every=..., checkpoint_at=...)` (the last two with checkpoints only), and gets a
+`Runner` with those hooks after its own and those callbacks (`api.server_runner` is the server's; `runner_of`
+makes one from `Runner`'s arguments)."""
 
 
 def runner_of(executor: Any, *, hooks: list[Hook] | None = None, **options: Any) -> RunnerFactory:
@@ -172,7 +166,8 @@ class Controller:
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
         hook = JournalHook(journal, self._cancel_in_runner, self._costs, checkpoint_every, checkpoint_dir, self._lock)
-        self.runner = runner(more_hooks=[hook], on_closed=self._closed, checkpoint_at=hook.checkpoint_path)
+        ckpt: dict[str, Any] = {"checkpoint_every": checkpoint_every, "checkpoint_at": hook.checkpoint_path}
+        self.runner = runner(more_hooks=[hook], on_closed=self._closed, **(ckpt if checkpoint_every else {}))
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
         self._wake = threading.Condition(self._lock)  # the preparation threads wait on it for work
