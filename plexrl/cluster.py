@@ -177,7 +177,7 @@ class ClusterRuntime(DaskNetwork):
     )
     batch_rollouts: bool = Field(
         False, description="Co-schedule rollouts: LoRA jobs on one shared vLLM engine roll out in ONE engine call "
-        "(each job's own tokens; driver: local only).",
+        "(each job's own tokens; either driver, not with services.ranks > 1).",
     )  # fmt: skip
     validate_state: bool = Field(False, description="Planner invariants after every event and state checksums.")
     mlflow: bool = Field(True, description="Log a cluster-level MLflow run (jobs log their own runs).")
@@ -188,8 +188,9 @@ class ClusterRuntime(DaskNetwork):
     def _groups_on_dask(self) -> ClusterRuntime:
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
-        if self.batch_rollouts and self.driver == "dask":
-            raise ValueError("batch_rollouts runs on driver: local only; set driver: local or batch_rollouts: false")
+        if self.batch_rollouts and self.services.ranks > 1:
+            raise ValueError("batch_rollouts does not run on worker groups (services.ranks > 1); set services.ranks: "
+                             "1 or batch_rollouts: false")  # fmt: skip
         return self
 
 

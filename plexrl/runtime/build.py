@@ -36,11 +36,11 @@ def build_runner(
     `share_half_life_s`), `budgets` per tier. `dask`: the executor's round trip costs milliseconds, so each
     service gets its next node early (`lookahead`) and cpu nodes shorter than a round trip run next to their
     inputs. `batch_rollouts`: co-scheduled rollouts (`planner/batches.py`: several LoRA jobs' rollouts in one
-    vLLM call), on the local driver only. `options` (`forget_ended`, `on_closed`, `checkpoint_at`, `poll`) go to
-    the `Runner` as they are."""
-    if batch_rollouts and dask:
-        raise ValueError("batch_rollouts (co-scheduled rollouts) runs on driver: local only; set driver: local "
-                         "or batch_rollouts: false")  # fmt: skip
+    vLLM call), on either driver but not on worker groups (`ranks` > 1). `options` (`forget_ended`, `on_closed`,
+    `checkpoint_at`, `poll`) go to the `Runner` as they are."""
+    if batch_rollouts and getattr(executor, "ranks", 1) > 1:
+        raise ValueError("batch_rollouts (co-scheduled rollouts) does not run on worker groups (services.ranks > 1); "
+                         "set services.ranks: 1 or batch_rollouts: false")  # fmt: skip
     order = ORDERINGS[ordering]()
     if fair_share:
         order = FairShare(order)

@@ -17,6 +17,11 @@ A cpu node the planner marks `inline` (predicted shorter than a round trip) may 
 including the service worker that holds its input, instead of only the CPU pool (Dask picks the worker by
 where the data is); nodes of operators declared `inline=False` (tool calls, untrusted code) never are.
 
+Co-scheduled rollouts (`batch_rollouts`, `submit_group`): a group of several jobs' rollouts is ONE task on
+the service's worker (one engine call), one place in the service's order; each member's handle is a small
+task there that picks its result out, so its output stays on the worker like a node's (single-rank
+services only).
+
 Default cluster: a local `SpecCluster` with one worker process per service (`GPU=1`, one thread for
 service nodes, one for inline cpu nodes) and one CPU-pool worker process with `cpu_threads` threads.
 `scheduler="tcp://host:8786"` connects to an existing cluster instead (start it with `dask scheduler`,
@@ -45,7 +50,7 @@ import pickle
 import queue
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,6 +296,23 @@ class DaskExecutor:
             fut, ranks = self.placement.node(task, handle, ins, parts, after, key)
         self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node, ranks=ranks)
         return handle
+
+    def submit_group(self, tasks: Sequence[NodeTask]) -> list[Handle]:
+        """Co-scheduled rollouts (`planner/batches.py`): `tasks`, nodes of distinct jobs on one service, run as
+        ONE task on its worker (one engine call, `services.batched.run_group`), after the members' loads and
+        the service's previous task; the first task's swaps and prefetch are the group's. One handle per task,
+        in order, each with its own report and its output on the worker (a later node's input, as after
+        `submit`). A member whose load failed is reported not run. Worker groups refuse it (NotImplementedError)."""
+        handles = [next(self._ids) for _ in tasks]
+        involved = {t.job_id for t in tasks} | {m.job_id for m in (*tasks[0].swaps, *tasks[0].prefetch)}
+        after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
+        inputs = [{p: self._work[h] for p, h in t.inputs.items()} for t in tasks]
+        first = tasks[0]
+        key = f"group-{first.job_id}-{first.iteration}-{first.node}-{self.token}-{handles[0]}"
+        futs = self.placement.group(tasks, handles, inputs, after, key)
+        for h, t, fut in zip(handles, tasks, futs, strict=True):
+            self._work[h] = _Work(fut, True, t.lane, t.job_id, t.iteration, t.node)
+        return handles
 
     def wait(self, timeout: float) -> list[Finished]:
         """Node reports arrive as events the workers publish when a node ends (no task, no fetch); loads are

@@ -1,7 +1,7 @@
 """What the `DaskExecutor` runs inside the Dask workers: a service's start, the job loads, the node tasks,
-saves, checkpoints, releases and the stop. A worker's `Service` lives in the worker's registry
-(`plexrl.services.registry.SERVICES`, one per executor token and service id), so a job's state stays
-resident in that worker process between tasks. A node task publishes its small `NodeReport` as a Dask event
+co-scheduled rollout groups, saves, checkpoints, releases and the stop. A worker's `Service` lives in the
+worker's registry (`plexrl.services.registry.SERVICES`, one per executor token and service id), so a job's
+state stays resident in that worker process between tasks. A node task publishes its small `NodeReport` as a Dask event
 before it returns (`registry.publish`); its return value stays on the worker as the node's output."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.planner.state import Move, Tier
-from plexrl.reports import CheckpointReport, LoadReport
+from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services.registry import SERVICES as _SERVICES
 from plexrl.services.registry import publish as _publish
 from plexrl.services.service import NodeResult, Service, run_cpu_node
@@ -96,6 +96,65 @@ def _run_service_node(
     result = svc.run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch, chunk, chunks, outs, seq)
     _publish(topic, handle, result.report)
     return result
+
+
+def _run_service_group(
+    topic: str,
+    handles: list[int],
+    key: str,
+    members: list[tuple[str, int, str, dict[str, NodeResult]]],
+    loads: dict[str, LoadReport],
+    swaps: Sequence[Move],
+    prefetch: Sequence[Move],
+    seq: int,
+    *after: Any,
+) -> list[NodeResult]:
+    """Co-scheduled rollouts (`services.batched.run_group`): the members (job, iteration, node, inputs), nodes
+    of distinct jobs, in ONE engine call, taking one place (`seq`) in the service's order; publishes each
+    member's report under its own handle and returns every member's result, in order (`_member` picks one
+    out: that member's output). A member whose job's load failed (`loads`: the members' loads, or is not
+    loaded here) is reported not run; the swaps still happen (the planner counts on them). Never raises:
+    anything that fails comes back in the members' reports. `after`: the futures it must follow; unused."""
+    from plexrl.services.batched import Member, run_group
+
+    service_id = key.rpartition("/")[2]
+    results: list[NodeResult | None] = [None] * len(members)
+    try:
+        svc = _service(key)
+        run: list[int] = []
+        for i, (job_id, iteration, node, _) in enumerate(members):
+            load = loads.get(job_id)
+            why = load.error if load is not None and load.error else None
+            if why is None and job_id not in svc.jobs:
+                why = "it is not loaded there"
+            if why is None:
+                run.append(i)
+                continue
+            now = time.time()
+            error = f"not run: loading the job on {service_id} failed ({why})"
+            results[i] = NodeResult(NodeReport(job_id, iteration, node, error, now, now))
+        if run:
+            batch = [Member(*members[i][:3], _outputs(members[i][3])) for i in run]
+            for i, res in zip(run, run_group(svc, batch, swaps, prefetch, seq), strict=True):
+                results[i] = res
+        else:
+            with svc.in_order(seq):
+                svc.apply(swaps)
+    except Exception as exc:  # (the members' own errors come back in their reports; this is anything else)
+        now = time.time()
+        error = f"{type(exc).__name__}: {exc}"
+        for i, (job_id, iteration, node, _) in enumerate(members):
+            if results[i] is None:
+                results[i] = NodeResult(NodeReport(job_id, iteration, node, error, now, now))
+    out = [r for r in results if r is not None]
+    for handle, res in zip(handles, out, strict=True):
+        _publish(topic, handle, res.report)
+    return out
+
+
+def _member(results: list[NodeResult], i: int) -> NodeResult:
+    """Member `i`'s result of a group (`_run_service_group`): its handle's future, its output kept here."""
+    return results[i]
 
 
 def _start_swaps(key: str, seq: int, swaps: Sequence[Move], *after: Any) -> str:

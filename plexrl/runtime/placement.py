@@ -1,8 +1,9 @@
 """How a `DaskExecutor`'s services sit on its workers: one worker each (`OneWorker`) or a worker group each
 (`WorkerGroupPlacement`, `ranks > 1`: one task per rank, `runtime/group.py`). The executor picks one at
 construction and hands it every task that touches a service: the start, a job's load, a service node with
-its ordering dependency, a save, a checkpoint, a release and the stop. Each keeps the order of its services'
-tasks (a task runs after the service's latest one, in the order the runner sent them).
+its ordering dependency, a group of co-scheduled rollouts (`group`), a save, a checkpoint, a release and the
+stop. Each keeps the order of its services' tasks (a task runs after the service's latest one, in the order
+the runner sent them).
 
 Nothing here decides what runs where or when (that is the planner's); this only carries it out.
 """
@@ -18,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from plexrl.runtime.dask_tasks import (
     _checkpoint,
     _load_job,
+    _member,
     _release,
+    _run_service_group,
     _run_service_node,
     _save_model,
     _start_service,
@@ -49,6 +52,10 @@ class Placement(Protocol):
     def node(
         self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
     ) -> tuple[Any, list[Any]]: ...
+
+    def group(
+        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
+    ) -> list[Any]: ...
 
     def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any: ...
 
@@ -121,6 +128,32 @@ class OneWorker:
         if ahead and task.swaps and sid not in ex._lost:
             self._start_early(sid, seq, task, key)
         return fut, []
+
+    def group(
+        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
+    ) -> list[Any]:
+        """Co-scheduled rollouts: ONE task on the service worker (`_run_service_group`, one place in the
+        service's order; sent ahead, its swaps start early as a node's do) and, per member, a small task there
+        that picks the member's result out (no GPU slot): that member's future, its output kept on the worker."""
+        ex, sid = self.ex, tasks[0].service_id
+        assert sid is not None
+        ahead = self._ordered(sid, after)
+        seq = self.next_seq(sid)
+        members = [(t.job_id, t.iteration, t.node, {p: w.future for p, w in ins.items()})
+                   for t, ins in zip(tasks, inputs, strict=True)]  # fmt: skip
+        loads = {t.job_id: ex._loaded[t.job_id] for t in tasks if t.job_id in ex._loaded}
+        fut = ex._on(
+            sid, _run_service_group, ex._topic, handles, ex._key(sid), members, loads, tasks[0].swaps,
+            tasks[0].prefetch, seq, *after, key=key,
+        )  # fmt: skip
+        self.last_on[sid] = fut
+        if ahead and tasks[0].swaps and sid not in ex._lost:
+            self._start_early(sid, seq, tasks[0], key)
+        where = [ex.worker_of[sid]]
+        return [
+            ex.client.submit(_member, fut, i, workers=where, allow_other_workers=False, pure=False, key=f"{key}-{i}")
+            for i in range(len(tasks))
+        ]
 
     def _start_early(self, service_id: str, seq: int, task: NodeTask, key: str) -> None:
         """The swaps of a node sent while the service runs another: a small task on the service worker, not
@@ -228,6 +261,14 @@ class WorkerGroupPlacement:
             task.chunk, task.chunks, [w.ranks[r] if w.ranks else w.future for w in parts],
         ), after, key)  # fmt: skip
         return futs[0], futs
+
+    def group(
+        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
+    ) -> list[Any]:
+        raise NotImplementedError(
+            "co-scheduled rollouts (batch_rollouts) do not run on worker groups (services.ranks > 1): set "
+            "batch_rollouts: false or services.ranks: 1"
+        )
 
     def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any:
         from plexrl.services.group import rank_save

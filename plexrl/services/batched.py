@@ -42,34 +42,52 @@ class Member:
 
 
 def run_group(
-    svc: Service, members: Sequence[Member], swaps: Sequence[Move], prefetch: Sequence[Move]
+    svc: Service,
+    members: Sequence[Member],
+    swaps: Sequence[Move],
+    prefetch: Sequence[Move],
+    seq: int | None = None,
 ) -> list[NodeResult]:
-    """See the module docstring."""
+    """See the module docstring. `seq`: the group's number among the service's ordered tasks (an executor
+    that sends work ahead, `Service.run_node`'s `seq`; None: none): the group takes that one place, and the
+    next task's early swaps may start once its swaps are applied and its prefetch queued."""
     from plexrl.services.service import NodeResult, _finish
 
     swap_start = svc.clock()
     moved = 0
     measured: dict[str, int] = {}
     try:
-        moved = svc.apply(swaps)
-        measured = {m.job_id: svc.states[m.job_id].nbytes for m in swaps if m.src == "device"}
-        for m in members:
-            svc._wait_for(m.job_id)
-            if svc.states[m.job_id].tier != "device":
-                raise sw.StateCorrupted(f"job {m.job_id} is on {svc.states[m.job_id].tier}, not device, at run time")
-    except Exception as exc:
-        now = svc.clock()
+        try:
+            early = svc.background.claim(seq)
+            if early is None:
+                moved = svc.apply(swaps)
+            else:  # (an executor that started the group's swaps early: wait for them)
+                svc.background.wait(early)
+                for mv in swaps:
+                    svc._wait_for(mv.job_id)
+            measured = {m.job_id: svc.states[m.job_id].nbytes for m in swaps if m.src == "device"}
+            for m in members:
+                svc._wait_for(m.job_id)
+                if svc.states[m.job_id].tier != "device":
+                    raise sw.StateCorrupted(
+                        f"job {m.job_id} is on {svc.states[m.job_id].tier}, not device, at run time"
+                    )
+        except Exception as exc:
+            now = svc.clock()
+            with svc._lock:
+                svc.stats.blocking_seconds += now - swap_start
+            error: str | None = f"swap failed: {type(exc).__name__}: {exc}"
+            lead = NodeResult(NodeReport(members[0].job_id, members[0].iteration, members[0].node, error, now, now,
+                                          swap_start, now, moved))  # fmt: skip
+            return [lead] + [NodeResult(NodeReport(m.job_id, m.iteration, m.node, error, now, now))
+                             for m in members[1:]]  # fmt: skip
+        swap_end = svc.clock()
         with svc._lock:
-            svc.stats.blocking_seconds += now - swap_start
-        error: str | None = f"swap failed: {type(exc).__name__}: {exc}"
-        lead = NodeResult(NodeReport(members[0].job_id, members[0].iteration, members[0].node, error, now, now,
-                                      swap_start, now, moved))  # fmt: skip
-        return [lead] + [NodeResult(NodeReport(m.job_id, m.iteration, m.node, error, now, now)) for m in members[1:]]
-    swap_end = svc.clock()
-    with svc._lock:
-        svc.stats.blocking_seconds += swap_end - swap_start
-    if prefetch:
-        svc._start_prefetch(list(prefetch))
+            svc.stats.blocking_seconds += swap_end - swap_start
+        if prefetch:
+            svc._start_prefetch(list(prefetch))
+    finally:
+        svc.background.passed(seq)  # also after a failed swap: a later early start must not wait forever
     ops = [svc.jobs[m.job_id].graph.node(m.node) for m in members]
     batched = getattr(ops[0].operator, "batched", None)
     if batched is None or len({n.operator.ref for n in ops}) > 1:
