@@ -1,6 +1,6 @@
 """Co-scheduled rollouts (`Planner(batch_rollouts=True)`, `planner/batches.py`): the planner groups queued
-batchable nodes of distinct jobs that share one engine key into one `RunNode`, within the device budget, never
-for a node sent ahead, and frees the service once every member has finished. Pure: events in, instructions out."""
+batchable nodes of distinct jobs that share one engine key into one `RunNode`, within the device budget (sent
+ahead too: tests/test_planner_batch_ahead.py), and frees the service once every member has finished. Pure: events in, instructions out."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_one_job_never_joins_its_own_group() -> None:
     assert [q.node for q in p.services["s0"].queue] == ["r2"]
 
 
-def test_a_node_sent_ahead_is_never_grouped() -> None:
+def test_a_node_sent_ahead_with_nothing_of_its_engine_queued_goes_alone() -> None:
     p = planner(lookahead=True)
     p.handle(JobSubmitted("a", plan()))
     (ahead,) = runs(p.handle(JobSubmitted("b", plan())))  # a runs: b is sent to run right after it
@@ -166,16 +166,15 @@ def test_a_member_cancelled_mid_group_leaves_it_and_the_others_finish() -> None:
     assert nxt.job_id == "a" and svc.group == set()
 
 
-def test_batch_rollouts_is_refused_on_dask_naming_the_local_driver() -> None:
+def test_batch_rollouts_runs_on_either_driver_and_is_refused_on_worker_groups_naming_the_fix() -> None:
     from pydantic import ValidationError
 
     from plexrl.cluster import ClusterRuntime
     from plexrl.runtime import InlineExecutor
     from plexrl.runtime.build import build_runner
 
-    with pytest.raises(ValidationError, match="driver: local"):
-        ClusterRuntime.model_validate({"driver": "dask", "batch_rollouts": True})
-    assert ClusterRuntime.model_validate({"driver": "local", "batch_rollouts": True}).batch_rollouts
-    with pytest.raises(ValueError, match="driver: local"):
-        build_runner(InlineExecutor(), [], dask=True, batch_rollouts=True)
-    assert build_runner(InlineExecutor(), [], batch_rollouts=True).planner.batch_rollouts
+    for driver in ("dask", "local"):
+        assert ClusterRuntime.model_validate({"driver": driver, "batch_rollouts": True}).batch_rollouts
+    with pytest.raises(ValidationError, match="services.ranks: 1 or batch_rollouts: false"):
+        ClusterRuntime.model_validate({"driver": "dask", "batch_rollouts": True, "services": {"ranks": 2}})
+    assert build_runner(InlineExecutor(), [], dask=True, batch_rollouts=True).planner.batch_rollouts

@@ -3,11 +3,13 @@
 A node has a batch key when its job's generation engine can mix jobs in one call (`JobPlan.batch` > 1: a
 LoRA job on a shared vLLM engine, whose adapters one engine step mixes, up to `batch` of them) and its node is
 batchable (`NodePlan.batchable`: a rollout that runs whole, neither chunked nor sliced): the key is the job's
-shared-engine key (`JobPlan.engine[0]`), so one key means one engine on a service. When the planner runs such
-a node now (not sent ahead), `gather` adds the other queued nodes of that key on that service, of distinct
+shared-engine key (`JobPlan.engine[0]`), so one key means one engine on a service. When the planner sends such
+a node (to run now, or ahead), `gather` adds the other queued nodes of that key on that service, of distinct
 jobs, in the ordering policy's order, each only if its state can be made resident beside the members already
 taken (a member that does not fit is left queued), up to the smallest `batch` of the members. The group is
-ONE `RunNode` (the first member's, `group` naming the others) whose swaps make every member resident.
+ONE `RunNode` (the first member's, `group` naming the others) whose swaps make every member resident. With
+lookahead a group is also sent ahead, to run right after the node or group running (`ServiceRecord.next_group`,
+`next` one of its members, every member resident beside the running ones); it runs once those end (`advance`).
 
 While the group runs, `ServiceRecord.group` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
@@ -81,12 +83,40 @@ def gather(
     return members, moves
 
 
-def start_group(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode]) -> set[str]:
-    """`lead` (already off the queue) starts with `members` (taken off it here) as one group; its jobs."""
+def start_group(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode], ahead: bool) -> set[str]:
+    """`lead` (already off the queue) starts with `members` (taken off it here) as one group, now or (`ahead`)
+    after what runs; its jobs."""
     if members:
         svc.queue = [e for e in svc.queue if all(e is not m for m in members)]
-        svc.group = {(e.job_id, e.iteration, e.node) for e in (lead, *members)}
+        keys = {(e.job_id, e.iteration, e.node) for e in (lead, *members)}
+        if ahead:
+            svc.next_group = keys
+        else:
+            svc.group = keys
     return {lead.job_id, *(m.job_id for m in members)}
+
+
+def grouped_jobs(svc: ServiceRecord) -> set[str]:
+    """The jobs of every member of the group running and of the group sent ahead."""
+    return {k[0] for k in svc.group} | {k[0] for k in svc.next_group}
+
+
+def advance(svc: ServiceRecord) -> None:
+    """What ran ended (a node, or a group's last member): what was sent ahead, a node or a group, runs now."""
+    svc.running, svc.next = svc.next, None
+    svc.group, svc.next_group = svc.next_group, set()
+
+
+def leave_groups(svc: ServiceRecord, job_id: str) -> None:
+    """An ended job's members of the running group and of the one sent ahead: dropped (`next` or `running`
+    passes to another member; an emptied running group frees the service)."""
+    for key in sorted(k for k in svc.next_group if k[0] == job_id):
+        svc.next_group.discard(key)
+        if svc.next == key:
+            svc.next = min(svc.next_group) if svc.next_group else None
+    for key in sorted(k for k in svc.group if k[0] == job_id):
+        if member_finished(svc, key):
+            advance(svc)
 
 
 def member_finished(svc: ServiceRecord, key: Key) -> bool:
@@ -117,13 +147,14 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
     """The first broken invariant of groups, described; None when all hold: a group's members are running
     service nodes of distinct jobs placed on its service, with their states on device, and `running` is one."""
     for svc in services.values():
-        if not svc.group:
-            continue
-        if svc.running not in svc.group:
+        if svc.next_group and svc.next not in svc.next_group:
+            return f"{svc.service_id}: next {svc.next} is not one of its group sent ahead {sorted(svc.next_group)}"
+        if svc.group and svc.running not in svc.group:
             return f"{svc.service_id}: running {svc.running} is not one of its group {sorted(svc.group)}"
-        if len({k[0] for k in svc.group}) < len(svc.group):
-            return f"{svc.service_id}: a job twice in its group {sorted(svc.group)}"
-        for job_id, iteration, node in svc.group:
+        both = svc.group | svc.next_group
+        if len({k[0] for k in both}) < len(both):
+            return f"{svc.service_id}: a job twice in its groups {sorted(svc.group)} / {sorted(svc.next_group)}"
+        for job_id, iteration, node in both:
             job = jobs[job_id]
             if job.service != svc.service_id or job.status != "placed" or not svc.state.on_device(job_id):
                 return f"{svc.service_id}: group member {job_id} not placed there with its state on device"
@@ -132,4 +163,7 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
     return None
 
 
-__all__ = ["batch_key", "gather", "member_finished", "shares", "start_group", "violation"]
+__all__ = [
+    "advance", "batch_key", "gather", "grouped_jobs", "leave_groups", "member_finished", "shares", "start_group",
+    "violation",
+]  # fmt: skip

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plexrl.planner import checkpoints
-from plexrl.planner.batches import gather, member_finished, start_group
+from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group
 from plexrl.planner.batches import violation as batch_violation
 from plexrl.planner.checks import first_violation
 from plexrl.planner.costs import CostModel
@@ -181,6 +181,7 @@ class Planner:
         svc.queue.clear()
         svc.checkpoints.clear()
         svc.running = svc.next = svc.checkpointing = None
+        svc.group, svc.next_group = set(), set()
         svc.resident = svc.prefetching = None
 
     def _state_measured(self, ev: StateMeasured) -> None:
@@ -229,7 +230,7 @@ class Planner:
             if svc is None or (svc.running != key and key not in svc.group):
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
             if not svc.group or member_finished(svc, key):
-                svc.running, svc.next = svc.next, None
+                advance(svc)
             self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
             retry = job.plan.retry
@@ -397,7 +398,7 @@ class Planner:
         """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node.
         A job has at most one service node sent at a time, and sent jobs' states are never evicted."""
         now = self.clock()
-        busy = {key[0] for key in (svc.running, svc.next) if key is not None}
+        busy = {key[0] for key in (svc.running, svc.next) if key is not None} | grouped_jobs(svc)
         candidates = [i for i, q in enumerate(svc.queue) if q.job_id not in busy]
         if not candidates:
             return
@@ -422,19 +423,18 @@ class Planner:
         else:
             return
         job = self.jobs[q.job_id]
-        grouping = self.batch_rollouts and svc.running is None  # a group runs now, never sent ahead
         members, more = gather(svc, self.jobs, q, self.ordering, view, now, lambda j, keep: svc.state.make_resident(
-            j, use_in, keep), pinned) if grouping else ([], [])  # fmt: skip
+            j, use_in, keep), pinned) if self.batch_rollouts else ([], [])  # fmt: skip
         swaps += more
         svc.queue.pop(index)
-        taken = start_group(svc, q, members)
+        taken = start_group(svc, q, members, ahead=svc.running is not None)
         svc.prefetching, svc.resident = None, q.job_id
         for entry in (q, *members):
             self._set_node(self.jobs[entry.job_id], entry.node, "running")
+        if members:
+            self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
         if svc.running is None:
             svc.running = (q.job_id, q.iteration, q.node)
-            if members:
-                self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
         else:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1

@@ -43,7 +43,7 @@ def next_use(
     there, the predicted rest of its CPU nodes in flight otherwise (`cpu_rests`: a retry's backoff counts), inf
     with nothing in flight."""
     soon = {q.job_id for q in svc.queue} | {c[0] for c in svc.checkpoints}  # (a checkpoint: its next iteration)
-    for key in (svc.running, svc.next, svc.checkpointing):
+    for key in (svc.running, svc.next, svc.checkpointing, *svc.group, *svc.next_group):
         if key is not None:
             soon.add(key[0])
     out: dict[str, float] = {}
@@ -92,7 +92,7 @@ def due(
     negative when overdue). Jobs with nothing in flight are left out."""
     queued = {q.job_id for q in svc.queue}
     out: dict[str, float] = {}
-    for key in (svc.running, svc.next):
+    for key in (svc.running, svc.next, *svc.group, *svc.next_group):
         if key is not None and key[0] not in queued:
             out[key[0]] = gap(key[0], key[2])
     for job_id in svc.jobs - queued - out.keys():

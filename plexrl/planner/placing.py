@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from plexrl.planner import checkpoints
-from plexrl.planner.batches import member_finished
+from plexrl.planner.batches import advance, leave_groups
 from plexrl.planner.policies import PlacementPolicy, ServiceView
 from plexrl.planner.records import JobRecord, ServiceRecord
 from plexrl.planner.state import Tier
@@ -72,13 +72,11 @@ def leave(svc: ServiceRecord, job_id: str) -> None:
     """Drop an ended job from `svc`: its queued nodes, its running or sent-ahead node (the driver abandons
     their results; the service runs `next` once an abandoned running node ends), its state and pointers."""
     svc.queue = [q for q in svc.queue if q.job_id != job_id]
-    if svc.next is not None and svc.next[0] == job_id:
+    if svc.next is not None and svc.next[0] == job_id and not svc.next_group:
         svc.next = None
-    for key in sorted(k for k in svc.group if k[0] == job_id):  # a member of a co-scheduled group
-        if member_finished(svc, key):
-            svc.running, svc.next = svc.next, None
+    leave_groups(svc, job_id)  # a member of a co-scheduled group, running or sent ahead
     if svc.running is not None and svc.running[0] == job_id:
-        svc.running, svc.next = svc.next, None
+        advance(svc)
     checkpoints.leave(svc, job_id)
     svc.jobs.discard(job_id)
     svc.state.release(job_id)

@@ -111,6 +111,7 @@ class ServiceRecord:
     next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
     # co-scheduled rollouts (`batches.py`): every member of the group running here, `running` among them
     group: set[tuple[str, int, str]] = field(default_factory=set)
+    next_group: set[tuple[str, int, str]] = field(default_factory=set)  # lookahead: a group sent ahead, `next` in it
     # checkpoints (`checkpoints.py`): (job, iteration) waiting for the service, in order, and the one running
     checkpoints: list[tuple[str, int]] = field(default_factory=list)
     checkpointing: tuple[str, int] | None = None

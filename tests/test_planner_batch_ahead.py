@@ -1,0 +1,78 @@
+"""Co-scheduled rollouts sent ahead (`Planner(batch_rollouts=True, lookahead=True)`, `planner/batches.py`):
+while a node runs, the queued batchable rollouts of one engine go ahead as ONE group, every member resident
+beside what runs, and run once it ends; an ended job leaves the group sent ahead. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plexrl.planner import JobCancelled, JobPlan, JobSubmitted, NodeFinished, NodePlan, Planner, RunNode, ServiceJoined
+
+ENGINE = ("base+lora", 1000)
+NODES = {"rollout": NodePlan("service", batchable=True), "train": NodePlan("service", ("rollout",))}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def runs(out: Sequence[object]) -> list[RunNode]:
+    return [i for i in out if isinstance(i, RunNode)]
+
+
+def four_jobs(device: int | None = None) -> tuple[Planner, RunNode]:
+    """a's rollout runs, b's is sent ahead alone (nothing else was queued), c's and d's queue; when a's
+    ends, b's runs and what the planner sends ahead is returned."""
+    p = Planner(clock=Clock(), validate=True, batch_rollouts=True, lookahead=True)
+    p.handle(ServiceJoined("s0", device_bytes=device))
+    plan = JobPlan(NODES, iterations=2, order=tuple(NODES), state_bytes=100, engine=ENGINE, batch=4)
+    assert [r.job_id for r in runs(p.handle(JobSubmitted("a", plan)))] == ["a"]
+    (ahead,) = runs(p.handle(JobSubmitted("b", plan)))
+    assert (ahead.job_id, ahead.group) == ("b", ())
+    for j in "cd":
+        assert runs(p.handle(JobSubmitted(j, plan))) == []  # one node or group ahead at a time
+    (nxt,) = runs(p.handle(NodeFinished("a", 0, "rollout", duration=1.0)))
+    return p, nxt
+
+
+def test_queued_rollouts_go_ahead_as_one_group_and_run_when_the_node_before_them_ends() -> None:
+    p, ahead = four_jobs()
+    svc = p.services["s0"]
+    assert (ahead.job_id, ahead.group) == ("c", (("d", 0, "rollout"),))
+    assert svc.running == ("b", 0, "rollout") and svc.next == ("c", 0, "rollout")
+    assert svc.next_group == {("c", 0, "rollout"), ("d", 0, "rollout")} and svc.group == set()
+    assert p.groups_sent == 1 and p.grouped_nodes == 2 and p.sent_ahead == 2
+    assert [q.job_id for q in svc.queue] == ["a"]  # a's train waits behind the group
+    # b ends: the group runs, and a's train is sent ahead of... nothing: one ahead, after the group
+    (train,) = runs(p.handle(NodeFinished("b", 0, "rollout", duration=1.0)))
+    assert (train.job_id, train.node) == ("a", "train")
+    assert svc.group == {("c", 0, "rollout"), ("d", 0, "rollout")} and svc.next_group == set()
+    assert svc.running in svc.group and svc.next == ("a", 0, "train")
+    assert runs(p.handle(NodeFinished("d", 0, "rollout", duration=0.5))) == []  # c still runs: the group holds
+    p.handle(NodeFinished("c", 0, "rollout", duration=0.5))
+    assert svc.running == ("a", 0, "train") and svc.group == set()
+
+
+def test_a_group_sent_ahead_takes_only_the_members_that_fit_beside_what_runs() -> None:
+    # the shared engine takes 1000 bytes of the device once; each job's state 100
+    p, ahead = four_jobs(device=1300)  # b runs: two more fit beside it, a is evicted to make room
+    assert (ahead.job_id, ahead.group) == ("c", (("d", 0, "rollout"),))
+    assert not p.services["s0"].state.on_device("a")
+    p, ahead = four_jobs(device=1200)  # room for one beside b: c goes ahead alone, d stays queued
+    assert (ahead.job_id, ahead.group) == ("c", ())
+    assert [q.job_id for q in p.services["s0"].queue if q.node == "rollout"] == ["d"]
+
+
+def test_a_job_cancelled_in_a_group_sent_ahead_leaves_it_and_the_others_still_run() -> None:
+    p, _ = four_jobs()
+    svc = p.services["s0"]
+    p.handle(JobCancelled("c"))
+    assert svc.next == ("d", 0, "rollout") and svc.next_group == {("d", 0, "rollout")}
+    (train,) = runs(p.handle(JobCancelled("d")))  # the slot ahead is free again: a's train takes it
+    assert svc.next_group == set() and svc.next == ("a", 0, "train") == (train.job_id, 0, train.node)
+    p.handle(NodeFinished("b", 0, "rollout", duration=1.0))
+    assert svc.running == ("a", 0, "train") and svc.group == set()
