@@ -1,6 +1,7 @@
 """Co-scheduled rollouts (`Planner(batch_rollouts=True)`, `planner/batches.py`): the planner groups queued
 batchable nodes of distinct jobs that share one engine key into one `RunNode`, within the device budget (sent
-ahead too: tests/test_planner_batch_ahead.py), and frees the service once every member has finished. Pure: events in, instructions out."""
+ahead too: tests/test_planner_batch_ahead.py), and frees the service once every member has finished. Pure:
+events in, instructions out."""
 
 from __future__ import annotations
 
@@ -175,6 +176,6 @@ def test_batch_rollouts_runs_on_either_driver_and_is_refused_on_worker_groups_na
 
     for driver in ("dask", "local"):
         assert ClusterRuntime.model_validate({"driver": driver, "batch_rollouts": True}).batch_rollouts
-    with pytest.raises(ValidationError, match="services.ranks: 1 or batch_rollouts: false"):
+    with pytest.raises(ValidationError, match=r"services\.ranks: 1 or batch_rollouts: false"):
         ClusterRuntime.model_validate({"driver": "dask", "batch_rollouts": True, "services": {"ranks": 2}})
     assert build_runner(InlineExecutor(), [], dask=True, batch_rollouts=True).planner.batch_rollouts
