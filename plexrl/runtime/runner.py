@@ -2,7 +2,7 @@
 
     events --> Planner.handle() --> instructions --> Carrier --> Executor (inline | Dask | simulated)
       ^                                                             |
-      +------- NodeFinished / StateMeasured / JobFailed / ServiceLost <-- Finished reports, lost services
+      +-- NodeFinished / CheckpointFinished / StateMeasured / JobFailed / ServiceLost <-- reports, lost services
 
 The loop and nothing else: it feeds the planner what came in (jobs submitted or arriving, cancels, a stop,
 services lost or joined, a `Tick` once the clock reaches `Planner.wake_at`), gives each instruction to its
@@ -87,12 +87,10 @@ class Runner:
         self.poll: float = poll if poll is not None else getattr(executor, "poll", 0.5)
         self.services: list[str] = []
         self.service_reports: dict[str, dict[str, Any]] = {}
-        self.events_handled = 0
-        self._arrivals = Arrivals()  # jobs not yet submitted (the loop's alone)
+        self.events_handled, self._arrivals = 0, Arrivals()  # (arrivals: jobs not yet submitted, the loop's alone)
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
-        self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended,
-                               on_closed=on_closed, checkpoint_every=checkpoint_every,
-                               checkpoint_at=checkpoint_at)  # fmt: skip
+        self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
+                               on_closed, checkpoint_every=checkpoint_every, checkpoint_at=checkpoint_at)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
