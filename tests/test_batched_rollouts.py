@@ -4,8 +4,9 @@ call. Every job completes; each rollout's tokens equal the job's rollout without
 agree within 1e-5; each job's metrics equal its unbatched run within that tolerance; the planner records the
 groups, and each member is accounted a share of the call (the shares tile it). Skipped without vLLM.
 
-The reference is the same two jobs multiplexed WITHOUT batching, which equals each job alone exactly
-(tests/test_lora_vllm.py proves that): two engine builds in all, not three."""
+The reference is the same jobs multiplexed WITHOUT batching, which equals each job alone exactly
+(tests/test_lora_vllm.py proves that), run once for the module. The same batching on the Dask executor
+(`DaskExecutor.submit_group`) learns the same."""
 
 from __future__ import annotations
 
@@ -69,24 +70,43 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
+def specs(smol32: Path, run_dir: Path) -> list[Any]:  # noqa: F811
+    jobs = (("la", 0), ("lb", 1), ("lc", 2))
+    return [prepare_job(load_job(vllm_lora_job(smol32, run_dir, n, s, iterations=2))) for n, s in jobs]
+
+
+@pytest.fixture(scope="module")
+def unbatched(smol32: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Recording, Any]:  # noqa: F811
+    """The reference: the three jobs multiplexed in process, one engine call per rollout (runs, executor,
+    planner)."""
+    record = Recording()
+    runner = Runner(record, validate=True)
+    runs = runner.run(specs(smol32, tmp_path_factory.mktemp("unbatched") / "runs"))
+    assert [r.status for r in runs] == ["done"] * 3, [r.error for r in runs]
+    return runs, record, runner.planner
+
+
+def same_metrics(runs: list[Any], reference: list[Any]) -> None:
+    for run, ref in zip(runs, reference, strict=True):
+        for got, want in zip(stable(run.history), stable(ref.history), strict=True):
+            assert got.keys() == want.keys()
+            assert all(close(got[k], want[k]) for k in want), (run.job_id, got, want)
+
+
 def test_two_lora_jobs_rollouts_batched_in_one_vllm_call_sample_what_each_samples_alone(
     smol32: Path,  # noqa: F811
+    unbatched: tuple[list[Any], Recording, Any],
     tmp_path: Path,
 ) -> None:
-    def specs(run_dir: Path) -> list[Any]:
-        jobs = (("la", 0), ("lb", 1), ("lc", 2))
-        return [prepare_job(load_job(vllm_lora_job(smol32, run_dir, n, s, iterations=2))) for n, s in jobs]
-
-    runs_of: dict[bool, list[Any]] = {}
-    record: dict[bool, Recording] = {}
+    runs_of: dict[bool, list[Any]] = {False: unbatched[0]}
+    record: dict[bool, Recording] = {False: unbatched[1]}
     spans = Spans()
-    planners = {}
-    for batch in (False, True):
-        record[batch] = Recording()
-        runner = Runner(record[batch], validate=True, batch_rollouts=batch, hooks=[spans] if batch else [])
-        runs_of[batch] = runner.run(specs(tmp_path / f"runs-{batch}"))
-        planners[batch] = runner.planner
-        assert [r.status for r in runs_of[batch]] == ["done"] * 3, [r.error for r in runs_of[batch]]
+    planners = {False: unbatched[2]}
+    record[True] = Recording()
+    runner = Runner(record[True], validate=True, batch_rollouts=True, hooks=[spans])
+    runs_of[True] = runner.run(specs(smol32, tmp_path / "runs"))
+    planners[True] = runner.planner
+    assert [r.status for r in runs_of[True]] == ["done"] * 3, [r.error for r in runs_of[True]]
     assert planners[False].groups_sent == 0
     assert planners[True].groups_sent >= 1 and planners[True].grouped_nodes >= 2  # rollouts ran as one call
     alone, grouped = record[False].rollouts, record[True].rollouts
@@ -95,11 +115,30 @@ def test_two_lora_jobs_rollouts_batched_in_one_vllm_call_sample_what_each_sample
         got_ids, got_lp = grouped[key]
         assert torch.equal(got_ids, ids), key
         assert float((got_lp - logprobs).abs().max()) <= 1e-5, key
-    for run, ref in zip(runs_of[True], runs_of[False], strict=True):
-        for got, want in zip(stable(run.history), stable(ref.history), strict=True):
-            assert got.keys() == want.keys()
-            assert all(close(got[k], want[k]) for k in want), (run.job_id, got, want)
+    same_metrics(runs_of[True], runs_of[False])
     # a group's members were reported consecutive shares of one call: spans that touch, not one span each
     starts = sorted(spans.spans.values())
     touching = sum(1 for (s0, e0), (s1, e1) in itertools.pairwise(starts) if e0 == s1 and e1 > s1 >= s0)
     assert touching >= planners[True].grouped_nodes - planners[True].groups_sent
+
+
+def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatched(
+    smol32: Path,  # noqa: F811
+    unbatched: tuple[list[Any], Recording, Any],
+    tmp_path: Path,
+) -> None:
+    """The same three jobs on ONE Dask service with `batch_rollouts` (`DaskExecutor.submit_group`: a group is
+    one task on the service's worker, each member's output stays there as the input of its job's next nodes):
+    groups form, every job completes, and each job's metrics equal the unbatched run within 1e-5."""
+    from plexrl.runtime.build import build_runner
+    from plexrl.runtime.dask import DaskExecutor
+
+    executor = DaskExecutor(services=1, cpu_threads=1)
+    # all three jobs on the service at once (spread, as the in-process runs; spread+backfill admits two), so
+    # rollouts queue while one runs (the first builds the vLLM engine); no lookahead (a node sent ahead runs alone)
+    runner = build_runner(executor, [], validate=True, dask=True, lookahead=False, batch_rollouts=True,
+                          placement="spread")  # fmt: skip
+    runs = runner.run(specs(smol32, tmp_path / "runs"))
+    assert [r.status for r in runs] == ["done"] * 3, [r.error for r in runs]
+    assert runner.planner.groups_sent >= 1 and runner.planner.grouped_nodes >= 2
+    same_metrics(runs, unbatched[0])
