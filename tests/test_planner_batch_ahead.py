@@ -76,3 +76,36 @@ def test_a_job_cancelled_in_a_group_sent_ahead_leaves_it_and_the_others_still_ru
     assert svc.next_group == set() and svc.next == ("a", 0, "train") == (train.job_id, 0, train.node)
     p.handle(NodeFinished("b", 0, "rollout", duration=1.0))
     assert svc.running == ("a", 0, "train") and svc.group == set()
+
+
+# rollout -> verify (cpu) -> train
+GAPPY = {
+    "rollout": NodePlan("service", batchable=True),
+    "verify": NodePlan("cpu", ("rollout",)),
+    "train": NodePlan("service", ("verify",)),
+}
+
+
+def test_a_rollout_waits_to_go_ahead_when_a_partner_of_its_engine_is_due_before_the_running_node_ends() -> None:
+    p = Planner(clock=Clock(), validate=True, batch_rollouts=True, lookahead=True)
+    p.handle(ServiceJoined("s0"))
+    plan = JobPlan(GAPPY, iterations=2, order=tuple(GAPPY), state_bytes=100, engine=ENGINE, batch=4)
+    p.handle(JobSubmitted("c", plan))
+    p.handle(NodeFinished("c", 0, "rollout", duration=1.0))
+    (train,) = runs(p.handle(NodeFinished("c", 0, "verify", duration=0.5)))
+    assert (train.job_id, train.node) == ("c", "train")  # c's train runs; c's next service node is a rollout
+    assert runs(p.handle(JobSubmitted("b", plan))) == []  # b's rollout is held, not sent ahead alone
+    assert p.services["s0"].next is None
+    (group,) = runs(p.handle(NodeFinished("c", 0, "train", duration=1.0)))
+    assert (group.job_id, group.group) == ("b", (("c", 1, "rollout"),))  # one engine call for both
+
+
+def test_a_rollout_with_no_partner_due_still_goes_ahead_alone() -> None:
+    p = Planner(clock=Clock(), validate=True, batch_rollouts=True, lookahead=True)
+    p.handle(ServiceJoined("s0"))
+    plan = JobPlan(GAPPY, iterations=1, order=tuple(GAPPY), state_bytes=100, engine=ENGINE, batch=4)
+    p.handle(JobSubmitted("c", plan))
+    p.handle(NodeFinished("c", 0, "rollout", duration=1.0))
+    p.handle(NodeFinished("c", 0, "verify", duration=0.5))  # c's train runs: its last service node
+    (ahead,) = runs(p.handle(JobSubmitted("b", plan)))
+    assert (ahead.job_id, ahead.node, ahead.group) == ("b", "rollout", ())

@@ -10,6 +10,9 @@ taken (a member that does not fit is left queued), up to the smallest `batch` of
 ONE `RunNode` (the first member's, `group` naming the others) whose swaps make every member resident. With
 lookahead a group is also sent ahead, to run right after the node or group running (`ServiceRecord.next_group`,
 `next` one of its members, every member resident beside the running ones); it runs once those end (`advance`).
+A batchable node that would go ahead alone waits instead when another job of its key will have its batchable
+node ready before the running node is predicted to end (`worth_waiting`): both then run as one group when the
+service frees, instead of one after the other.
 
 While the group runs, `ServiceRecord.group` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
@@ -81,6 +84,42 @@ def gather(
         limit = min(limit, jobs[q.job_id].plan.batch)
         members.append(q)
     return members, moves
+
+
+def next_service_node(job: JobRecord) -> str | None:
+    """The job's next service node not yet running: this iteration's first waiting or ready one, else the next
+    iteration's first active one (None after its last iteration)."""
+    plan, order = job.plan, job.plan.order or tuple(job.plan.nodes)
+    for name in order:
+        if plan.nodes[name].placement == "service" and job.nodes.get(name) in ("waiting", "ready"):
+            return name
+    it = job.iteration + 1
+    if it >= plan.iterations:
+        return None
+    active = [n for n in order if plan.nodes[n].placement == "service" and plan.nodes[n].active(it, plan.iterations)]
+    return active[0] if active else None
+
+
+def worth_waiting(
+    svc: ServiceRecord, jobs: Mapping[str, JobRecord], lead: QueuedNode, pinned: set[str],
+    due: Callable[[], Mapping[str, float]], window: float,
+) -> bool:  # fmt: skip
+    """Whether `lead`, about to be sent ahead, should wait: it has a batch key, no other queued node of that key
+    (of a job not `pinned`) could join it now, and another job on `svc` whose next service node has that key is
+    due (`OrderingView.due`) within `window` seconds (the running node's predicted time)."""
+    key = batch_key(jobs[lead.job_id], lead.node)
+    if key is None:
+        return False
+    for q in svc.queue:
+        if q.job_id != lead.job_id and q.job_id not in pinned and batch_key(jobs[q.job_id], q.node) == key:
+            return False  # a group can form now
+    for job_id, rest in due().items():
+        if job_id == lead.job_id or rest > window:
+            continue
+        nxt = next_service_node(jobs[job_id])
+        if nxt is not None and batch_key(jobs[job_id], nxt) == key:
+            return True
+    return False
 
 
 def start_group(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode], ahead: bool) -> set[str]:
@@ -164,6 +203,6 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
 
 
 __all__ = [
-    "advance", "batch_key", "gather", "grouped_jobs", "leave_groups", "member_finished", "shares", "start_group",
-    "violation",
+    "advance", "batch_key", "gather", "grouped_jobs", "leave_groups", "member_finished", "next_service_node", "shares",
+    "start_group", "violation", "worth_waiting",
 ]  # fmt: skip

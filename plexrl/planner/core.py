@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plexrl.planner import checkpoints
-from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group
+from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group, worth_waiting
 from plexrl.planner.batches import violation as batch_violation
 from plexrl.planner.checks import first_violation
 from plexrl.planner.costs import CostModel
@@ -411,6 +411,15 @@ class Planner:
                 return  # the ordering waits for a job about to be ready (`Slowdown.hold_s`): the next event decides
             index = candidates[pick]
             q = svc.queue[index]
+            if (
+                busy
+                and self.batch_rollouts
+                and svc.running is not None
+                and worth_waiting(
+                    svc, self.jobs, q, pinned, view.due, self.costs.predict(svc.running[0], svc.running[2])
+                )
+            ):
+                return  # sent ahead alone it would miss a partner due soon: the group forms when the service frees
             try:
                 swaps = svc.state.make_resident(q.job_id, use_in, pinned)
                 break
