@@ -174,6 +174,9 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
+    c = res.planner
+    print(f"    planner: {c['sent_ahead']} nodes sent ahead, {c['groups_sent']} co-scheduled groups of "
+          f"{c['grouped_nodes']} rollouts", flush=True)  # fmt: skip
     return Mux(
         {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
         {h.job_id: service_seconds(h) for h in res.jobs},

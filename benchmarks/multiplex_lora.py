@@ -29,7 +29,7 @@ batched across jobs unless `--batch-rollouts`: each job's rollout is its own eng
 `--engine vllm`: the rollouts on one LoRA-enabled vLLM engine per service (`plexrl/engines/vllm_lora.py`: the
 base loaded once, each job under its own LoRARequest, a weight sync registers the adapter only); the device
 budget then counts that engine once beside the base and the resident adapter states.
-`--batch-rollouts` (with `--engine vllm --driver local`): each ordering runs twice per repetition, as above
+`--batch-rollouts` (with `--engine vllm`, either driver): each ordering runs twice per repetition, as above
 and then with co-scheduled rollouts (arm `<ordering>+batched`, cluster `batch_rollouts: true`,
 `plexrl/planner/batches.py`): the rollouts of jobs queued together on the service run as ONE vLLM call, a
 LoRARequest per job; each job samples its own tokens (the alone arm is unchanged).
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--batch-rollouts",
         action="store_true",
-        help="multiplexed arm: co-schedule the jobs' rollouts into one vLLM call (needs --engine vllm --driver local)",
+        help="multiplexed arm: co-schedule the jobs' rollouts into one vLLM call (needs --engine vllm)",
     )
     ap.add_argument("--smoke", action="store_true", help="2 jobs, 1 layer, 1 iteration of 2 x 2, local (tests)")
     args = ap.parse_args(argv)
@@ -173,8 +173,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.batch, args.n, args.max_new_tokens, args.latency, args.driver = 2, 2, 4, 0.05, "local"
     if args.jobs < 1 or args.reps < 1:
         ap.error("--jobs and --reps must be at least 1")
-    if args.batch_rollouts and (args.engine != "vllm" or args.driver != "local"):
-        ap.error("--batch-rollouts mixes LoRA adapters in one vLLM call: add --engine vllm --driver local")
+    if args.batch_rollouts and args.engine != "vllm":
+        ap.error("--batch-rollouts mixes LoRA adapters in one vLLM call: add --engine vllm")
     logging.basicConfig(level=logging.WARNING)
     if not (DATA / "train.parquet").is_file():
         from real_model import write_data

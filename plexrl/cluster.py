@@ -328,6 +328,8 @@ class ClusterResult:
     timeline: Path | None
     tracking: dict[str, str] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)  # what the timeline recorded (nodes, swaps, loads)
+    # the planner's counts: nodes sent ahead (lookahead), co-scheduled groups sent and their members
+    planner: dict[str, int] = field(default_factory=dict)
 
 
 def make_executor(cfg: ClusterRuntime) -> Executor:
@@ -399,7 +401,11 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
             accounting, run_dir, cfg.name, cfg.experiment, cfg.model_dump(mode="json", exclude={"jobs"})
         )
         hooks.append(tracker)
-    runs = make_runner(cfg, [*hooks, *extra]).run(specs)
+    runner = make_runner(cfg, [*hooks, *extra])
+    runs = runner.run(specs)
+    p = runner.planner
+    counts = {"sent_ahead": p.sent_ahead, "groups_sent": p.groups_sent, "grouped_nodes": p.grouped_nodes}
+    log.info("planner: %(sent_ahead)d nodes sent ahead, %(groups_sent)d groups of %(grouped_nodes)d rollouts", counts)
     return ClusterResult(
         runs,
         accounting.report,
@@ -407,6 +413,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
         accounting.png,
         tracker.tracking if tracker else {},
         spans=list(timeline.spans),
+        planner=counts,
     )
 
 
