@@ -6,9 +6,27 @@ its nodes in backoff are cpu nodes with a backoff end. Pure: reads the planner's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from plexrl.planner.records import JobRecord, ServiceRecord
+
+
+def any_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:
+    """The first broken invariant of all: the core's (`first_violation`), then those of slices, co-scheduled
+    groups and checkpoints (each in its own module)."""
+    from plexrl.planner import batches, checkpoints, slices
+
+    return (first_violation(jobs, services) or slices.violation(jobs, services)
+            or batches.violation(jobs, services) or checkpoints.violation(dict(jobs), dict(services)))  # fmt: skip
+
+
+def history(log: Iterable[Any], message: str, last: int = 10) -> str:
+    """`message` with the planner's last `last` transitions (event -> instructions), oldest first."""
+    lines = [message, "recent history (oldest first):"]
+    for t in list(log)[-last:]:
+        lines.append(f"  t={t.time:.3f} {t.event!r} -> {t.instructions!r}")
+    return "\n".join(lines)
 
 
 def first_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:

@@ -27,8 +27,7 @@ from typing import Any
 
 from plexrl.planner import checkpoints
 from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group, worth_waiting
-from plexrl.planner.batches import violation as batch_violation
-from plexrl.planner.checks import first_violation
+from plexrl.planner.checks import any_violation, history
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
     CheckpointFinished,
@@ -50,7 +49,7 @@ from plexrl.planner.events import (
     Transition,
 )
 from plexrl.planner.gaps import busy_fraction, gap_after, next_use
-from plexrl.planner.placing import admissions, leave
+from plexrl.planner.placing import admissions, emptied, leave
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
@@ -72,7 +71,6 @@ from plexrl.planner.records import (
 from plexrl.planner.retries import Backoffs
 from plexrl.planner.shares import Usage
 from plexrl.planner.slices import paused_jobs, record_slice, slices_done
-from plexrl.planner.slices import violation as slice_violation
 from plexrl.planner.state import Move, NoRoom, StateManager
 from plexrl.planner.views import next_job, ordering_view
 
@@ -178,11 +176,7 @@ class Planner:
         self._admission_due = True
         for job_id in sorted(svc.jobs):
             self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out, lost=True)
-        svc.queue.clear()
-        svc.checkpoints.clear()
-        svc.running = svc.next = svc.checkpointing = None
-        svc.group, svc.next_group = set(), set()
-        svc.resident = svc.prefetching = None
+        emptied(svc)
 
     def _state_measured(self, ev: StateMeasured) -> None:
         svc = self.services.get(ev.service_id)
@@ -516,19 +510,14 @@ class Planner:
 
     # -- checks --------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check every invariant (`checks.first_violation`); raise `InvalidTransition` with history on the first
+        """Check every invariant (`checks.any_violation`); raise `InvalidTransition` with history on the first
         violation."""
-        problem = (first_violation(self.jobs, self.services) or slice_violation(self.jobs, self.services)
-                   or batch_violation(self.jobs, self.services)
-                   or checkpoints.violation(self.jobs, self.services))  # fmt: skip
+        problem = any_violation(self.jobs, self.services)
         if problem is not None:
             raise InvalidTransition(self._history(problem))
 
     def _history(self, message: str) -> str:
-        lines = [message, "recent history (oldest first):"]
-        for t in list(self.log)[-10:]:
-            lines.append(f"  t={t.time:.3f} {t.event!r} -> {t.instructions!r}")
-        return "\n".join(lines)
+        return history(self.log, message)
 
     @property
     def finished(self) -> bool:

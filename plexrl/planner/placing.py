@@ -86,4 +86,13 @@ def leave(svc: ServiceRecord, job_id: str) -> None:
         svc.prefetching = None
 
 
-__all__ = ["Admission", "admissions", "leave"]
+def emptied(svc: ServiceRecord) -> None:
+    """A lost service, its jobs ended: it queues, runs, holds and points at nothing."""
+    svc.queue.clear()
+    svc.checkpoints.clear()
+    svc.running = svc.next = svc.checkpointing = None
+    svc.group, svc.next_group = set(), set()
+    svc.resident = svc.prefetching = None
+
+
+__all__ = ["Admission", "admissions", "emptied", "leave"]
