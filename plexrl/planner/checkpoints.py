@@ -12,6 +12,8 @@ Pure."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from plexrl.planner.events import JobPlan, RunCheckpoint
 from plexrl.planner.records import JobRecord, ServiceRecord
 
@@ -54,7 +56,7 @@ def leave(svc: ServiceRecord, job_id: str) -> None:
         svc.checkpointing = None
 
 
-def violation(jobs: dict[str, JobRecord], services: dict[str, ServiceRecord]) -> str | None:
+def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:
     """The first broken invariant of checkpoints, described; None when all hold: a running checkpoint has the
     service to itself; every checkpoint, waiting or running, is of a job placed there, held at that iteration
     with all its nodes done, and a held job's checkpoint is on its service exactly once."""

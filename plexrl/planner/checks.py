@@ -18,7 +18,7 @@ def any_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceR
     from plexrl.planner import batches, checkpoints, slices
 
     return (first_violation(jobs, services) or slices.violation(jobs, services)
-            or batches.violation(jobs, services) or checkpoints.violation(dict(jobs), dict(services)))  # fmt: skip
+            or batches.violation(jobs, services) or checkpoints.violation(jobs, services))  # fmt: skip
 
 
 def history(log: Iterable[Any], message: str, last: int = 10) -> str:
