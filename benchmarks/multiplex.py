@@ -157,8 +157,12 @@ class Rep:
 
 
 def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
-    """(c) the mix on its services with `ordering`."""
-    cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"ordering": ordering}))
+    """(c) the mix on its services with `ordering` (`NAME/nohold`: that ordering, lookahead never held back)."""
+    name, _, flag = ordering.partition("/")
+    if flag not in ("", "nohold"):
+        raise SystemExit(f"--orderings: {ordering!r}: give NAME or NAME/nohold")
+    update = {"ordering": name, "hold_ahead": False if flag else None}
+    cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update=update))
     t0 = time.time()
     res = run_cluster(cluster)
     wall = time.time() - t0
@@ -175,7 +179,8 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
     c = res.planner
-    print(f"    planner: {c['sent_ahead']} nodes sent ahead, {c['groups_sent']} co-scheduled groups of "
+    print(f"    planner: {c['sent_ahead']} nodes sent ahead ({c['held_ahead']} times held back), "
+          f"{c['groups_sent']} co-scheduled groups of "
           f"{c['grouped_nodes']} rollouts", flush=True)  # fmt: skip
     return Mux(
         {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
@@ -255,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--engine", choices=["auto", "vllm", "torch"], help="override the jobs' rollout engine")
     ap.add_argument("--driver", choices=["dask", "local"], help="isolated and multiplexed arms (default: config's)")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="the services' device (default: the config's)")
-    ap.add_argument("--orderings", help="comma-separated orderings of the multiplexed arm, each run side by side "
+    ap.add_argument("--orderings", help="comma-separated orderings of the multiplexed arm (NAME/nohold: lookahead "
+                    "never held back), each run side by side "
                     "in every repetition (default: the config's)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, 2 iterations, 1 rep, local (tests)")
     args = ap.parse_args(argv)

@@ -166,14 +166,21 @@ class ClusterRuntime(DaskNetwork):
         1.0, gt=0, le=64,
         description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this.",
     )  # fmt: skip
-    ordering: Literal["fifo", "hrrs", "slowdown", "deadline"] = Field(
+    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first"] = Field(
         "hrrs",
         description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware), "
-        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns) or "
-        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end).",
+        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns), "
+        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end) or "
+        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs).",
     )
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."
+    )
+    hold_ahead: bool | None = Field(
+        None,
+        description="with lookahead: send nothing ahead while a node the ordering prefers is due before the "
+        "running node ends (it goes ahead instead; planner/ahead.py). Default: as the ordering says (on for "
+        "io-first, off for the others).",
     )
     batch_rollouts: bool = Field(
         False, description="Co-schedule rollouts: LoRA jobs on one shared vLLM engine roll out in ONE engine call "
@@ -371,7 +378,7 @@ def make_runner(
     return build_runner(
         executor if executor is not None else make_executor(cfg), hooks, placement=cfg.placement,
         max_load=cfg.max_load, ordering=cfg.ordering, budgets=budgets, validate=cfg.validate_state,
-        dask=cfg.driver == "dask", lookahead=cfg.lookahead, fair_share=fair_share,
+        dask=cfg.driver == "dask", lookahead=cfg.lookahead, hold_ahead=cfg.hold_ahead, fair_share=fair_share,
         share_half_life_s=share_half_life_s, batch_rollouts=cfg.batch_rollouts, **options,
     )  # fmt: skip
 
@@ -404,8 +411,17 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     runner = make_runner(cfg, [*hooks, *extra])
     runs = runner.run(specs)
     p = runner.planner
-    counts = {"sent_ahead": p.sent_ahead, "groups_sent": p.groups_sent, "grouped_nodes": p.grouped_nodes}
-    log.info("planner: %(sent_ahead)d nodes sent ahead, %(groups_sent)d groups of %(grouped_nodes)d rollouts", counts)
+    counts = {
+        "sent_ahead": p.sent_ahead,
+        "held_ahead": p.held_ahead,
+        "groups_sent": p.groups_sent,
+        "grouped_nodes": p.grouped_nodes,
+    }
+    log.info(
+        "planner: %(sent_ahead)d nodes sent ahead (%(held_ahead)d times held back), %(groups_sent)d groups of "
+        "%(grouped_nodes)d rollouts",
+        counts,
+    )
     return ClusterResult(
         runs,
         accounting.report,

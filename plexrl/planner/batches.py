@@ -106,7 +106,7 @@ def worth_waiting(
 ) -> bool:  # fmt: skip
     """Whether `lead`, about to be sent ahead, should wait: it has a batch key, no other queued node of that key
     (of a job not `pinned`) could join it now, and another job on `svc` whose next service node has that key is
-    due (`OrderingView.due`) within `window` seconds (the running node's predicted time)."""
+    due (`OrderingView.due`) within `window` seconds (the running node's predicted rest)."""
     key = batch_key(jobs[lead.job_id], lead.node)
     if key is None:
         return False

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from plexrl.planner import checkpoints
-from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group, worth_waiting
+from plexrl.planner import ahead, checkpoints
+from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group
 from plexrl.planner.checks import any_violation, history
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
@@ -87,6 +87,7 @@ class Planner:
         validate: bool = False,
         costs: CostModel | None = None,
         lookahead: bool = False,
+        hold_ahead: bool | None = None,
         inline_below: float | None = None,
         usage: Usage | None = None,
         batch_rollouts: bool = False,
@@ -101,6 +102,11 @@ class Planner:
         # so a driver whose round trip is not free (Dask) can start it the moment the first one ends
         self.lookahead = lookahead
         self.sent_ahead = 0  # nodes sent by lookahead (a statistic)
+        # lookahead holds a pick back when a node the ordering prefers is due before the running one ends
+        # (`ahead.hold`); None: as the ordering says (its `hold_ahead`: io-first's job classes gain from it, HRRS's
+        # per-node ratios lose its early swaps and gain nothing)
+        self.hold_ahead = hold_ahead if hold_ahead is not None else bool(getattr(self.ordering, "hold_ahead", False))
+        self.held_ahead = 0  # times it did (a statistic)
         # a cpu node observed to take less than this (seconds) is marked `inline`: an executor whose pool
         # round trip costs more than the node itself may run it next to its inputs (None: never)
         self.inline_below = inline_below
@@ -225,6 +231,7 @@ class Planner:
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
             if not svc.group or member_finished(svc, key):
                 advance(svc)
+                svc.running_since = self.clock()
             self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
             retry = job.plan.retry
@@ -405,15 +412,11 @@ class Planner:
                 return  # the ordering waits for a job about to be ready (`Slowdown.hold_s`): the next event decides
             index = candidates[pick]
             q = svc.queue[index]
-            if (
-                busy
-                and self.batch_rollouts
-                and svc.running is not None
-                and worth_waiting(
-                    svc, self.jobs, q, pinned, view.due, self.costs.predict(svc.running[0], svc.running[2])
-                )
-            ):
-                return  # sent ahead alone it would miss a partner due soon: the group forms when the service frees
+            why = ahead.waits(svc, self.jobs, q, busy, pinned, view, now, self.costs.predict, self.ordering,
+                              partner=self.batch_rollouts, preferred=self.hold_ahead) if busy else None  # fmt: skip
+            if why is not None:  # a partner (the group forms when the service frees) or a preferred node is due
+                self.held_ahead += why == "preferred"
+                return
             try:
                 swaps = svc.state.make_resident(q.job_id, use_in, pinned)
                 break
@@ -437,7 +440,7 @@ class Planner:
         if members:
             self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
         if svc.running is None:
-            svc.running = (q.job_id, q.iteration, q.node)
+            svc.running, svc.running_since = (q.job_id, q.iteration, q.node), now
         else:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1

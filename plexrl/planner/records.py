@@ -102,6 +102,8 @@ class JobRecord:
 class ServiceRecord:
     service_id: str
     running: tuple[str, int, str] | None = None
+    # when `running` started, as the planner learnt it (a node sent ahead: when the one before it ended)
+    running_since: float = 0.0
     queue: list[QueuedNode] = field(default_factory=list)
     jobs: set[str] = field(default_factory=set)
     alive: bool = True

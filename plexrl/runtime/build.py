@@ -26,6 +26,7 @@ def build_runner(
     validate: bool = False,
     dask: bool = False,
     lookahead: bool = True,
+    hold_ahead: bool | None = None,
     fair_share: bool = False,
     share_half_life_s: float | None = None,
     batch_rollouts: bool = False,
@@ -34,7 +35,8 @@ def build_runner(
     """The `Runner` over `executor` with these policies: `placement` (capped at `max_load` where it is
     load-aware), `ordering` (by user first with `fair_share`: `FairShare`, service seconds decayed over
     `share_half_life_s`), `budgets` per tier. `dask`: the executor's round trip costs milliseconds, so each
-    service gets its next node early (`lookahead`) and cpu nodes shorter than a round trip run next to their
+    service gets its next node early (`lookahead`; held back while a node the ordering prefers is due before
+    the running one ends, `hold_ahead`) and cpu nodes shorter than a round trip run next to their
     inputs. `batch_rollouts`: co-scheduled rollouts (`planner/batches.py`: several LoRA jobs' rollouts in one
     vLLM call), on either driver but not on worker groups (`ranks` > 1). `options` (`forget_ended`, `on_closed`,
     `checkpoint_at`, `poll`) go to the `Runner` as they are."""
@@ -47,8 +49,8 @@ def build_runner(
     usage = Usage(share_half_life_s) if share_half_life_s is not None else None
     return Runner(
         executor, hooks=hooks, placement=placement_policy(placement, max_load), ordering=order, budgets=budgets,
-        validate=validate, usage=usage, lookahead=dask and lookahead, inline_below=0.01 if dask else None,
-        batch_rollouts=batch_rollouts, **options,
+        validate=validate, usage=usage, lookahead=dask and lookahead, hold_ahead=hold_ahead,
+        inline_below=0.01 if dask else None, batch_rollouts=batch_rollouts, **options,
     )  # fmt: skip
 
 

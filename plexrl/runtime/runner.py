@@ -66,6 +66,7 @@ class Runner:
         costs: CostModel | None = None,
         budgets: Budgets | None = None,
         lookahead: bool = False,
+        hold_ahead: bool | None = None,
         inline_below: float | None = None,
         validate: bool = False,
         poll: float | None = None,
@@ -82,7 +83,8 @@ class Runner:
         self.budgets = budgets or Budgets()
         self.planner = Planner(
             clock=self.clock, placement=placement, ordering=ordering, validate=validate, costs=costs,
-            lookahead=lookahead, inline_below=inline_below, usage=usage, batch_rollouts=batch_rollouts,
+            lookahead=lookahead, hold_ahead=hold_ahead, inline_below=inline_below, usage=usage,
+            batch_rollouts=batch_rollouts,
         )  # fmt: skip
         self.poll: float = poll if poll is not None else getattr(executor, "poll", 0.5)
         self.services: list[str] = []

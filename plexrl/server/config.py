@@ -55,11 +55,12 @@ class ServerConfig(DaskNetwork):
         "spread+backfill", description="Placement policy."
     )
     max_load: float = Field(1.0, gt=0, le=64, description="Load cap of pack and spread+backfill.")
-    ordering: Literal["fifo", "hrrs", "slowdown", "deadline"] = Field(
+    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first"] = Field(
         "hrrs",
         description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware), "
-        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns) or "
-        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end).",
+        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns), "
+        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end) or "
+        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs).",
     )
     lookahead: bool = Field(True, description="dask: send a service its next node while one runs.")
     validate_state: bool = Field(False, description="Planner invariants after every event (tests).")
