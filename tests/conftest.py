@@ -47,6 +47,17 @@ def _no_env_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+class Clock:
+    """A settable clock for the pure planner tests: `t` is the time now; `step` > 0 moves it on at every read."""
+
+    def __init__(self, step: float = 0.0) -> None:
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
 def local_runner(services: int = 1, *, validate: bool = True, **kwargs: Any) -> Any:
     """The one Runner over an in-process executor, with the planner's invariants and the services' state
     checksums checked after every event (what the tests want; production runs leave them off)."""

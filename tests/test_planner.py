@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import Clock
 
 from plexrl.planner import (
     FailJob,
@@ -38,17 +39,8 @@ GRPO = JobPlan(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-
 def planner(**kw: object) -> Planner:
-    return Planner(clock=Clock(), validate=True, **kw)  # type: ignore[arg-type]
+    return Planner(clock=Clock(1.0), validate=True, **kw)  # type: ignore[arg-type]
 
 
 def finish(p: Planner, ins: RunNode, ok: bool = True) -> list[object]:

@@ -8,20 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from conftest import Clock
 
 from plexrl.planner import JobPlan, JobSubmitted, NodeFinished, NodePlan, PlaceJob, Planner, RunNode, ServiceJoined
 from plexrl.planner.batches import shares
 
 ENGINE = ("base+lora", 1000)
 NODES = {"rollout": NodePlan("service", batchable=True), "train": NodePlan("service", ("rollout",))}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def plan(batch: int = 4, engine: tuple[str, int] | None = ENGINE, nodes: dict[str, NodePlan] = NODES) -> JobPlan:

@@ -6,18 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from conftest import Clock
+
 from plexrl.planner import JobCancelled, JobPlan, JobSubmitted, NodeFinished, NodePlan, Planner, RunNode, ServiceJoined
 
 ENGINE = ("base+lora", 1000)
 NODES = {"rollout": NodePlan("service", batchable=True), "train": NodePlan("service", ("rollout",))}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def runs(out: Sequence[object]) -> list[RunNode]:

@@ -5,6 +5,7 @@ free; nothing else is sent there meanwhile, lookahead included. Pure: events in,
 from __future__ import annotations
 
 import pytest
+from conftest import Clock
 
 from plexrl.planner import (
     CheckpointFinished,
@@ -27,14 +28,6 @@ from plexrl.planner.gaps import next_use
 
 # a[service] -> b[cpu]
 NODES = {"a": NodePlan("service"), "b": NodePlan("cpu", ("a",))}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def plan(every: int, iterations: int = 5) -> JobPlan:

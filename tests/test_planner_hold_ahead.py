@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 
 import pytest
+from conftest import Clock
 
 from plexrl.planner import (
     FairShare,
@@ -31,14 +32,6 @@ JUDGED = {
 COMPUTE = {"rollout": NodePlan("service"), "train": NodePlan("service", ("rollout",))}
 JUDGED_PLAN = JobPlan(JUDGED, 3, tuple(JUDGED), state_bytes=100)
 COMPUTE_PLAN = JobPlan(COMPUTE, 3, tuple(COMPUTE), state_bytes=100)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def runs(out: Sequence[object]) -> list[RunNode]:

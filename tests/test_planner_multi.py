@@ -8,6 +8,7 @@ import random
 from dataclasses import replace
 
 import pytest
+from conftest import Clock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,14 +45,6 @@ GRPO = JobPlan(
     order=("prompts", "rollout", "verify", "advantage", "train"),
     state_bytes=100,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_placements_isolate_pack_and_spread() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from conftest import Clock
+
 from plexrl.planner import (
     FailJob,
     JobCancelled,
@@ -25,14 +27,6 @@ from plexrl.planner.gaps import due, next_use
 # a[service] -> b[cpu] -> c[service]
 NODES = {"a": NodePlan("service"), "b": NodePlan("cpu", ("a",)), "c": NodePlan("service", ("b",))}
 RETRY = RetryPlan(attempts=3, delays=(10.0, 30.0))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def started(retry: RetryPlan | None = RETRY) -> tuple[Planner, Clock, list[object]]:

@@ -7,6 +7,7 @@ a node in `SimJob.slice_s` runs as slices through the real runner."""
 from __future__ import annotations
 
 import pytest
+from conftest import Clock
 
 from plexrl.planner import (
     FailJob,
@@ -38,17 +39,8 @@ PLAN = JobPlan(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-
 def planner(device: int | None = None) -> tuple[Planner, Clock]:
-    clock = Clock()
+    clock = Clock(1.0)
     p = Planner(clock=clock, validate=True)
     p.handle(ServiceJoined("s0", device_bytes=device))
     return p, clock
