@@ -80,13 +80,19 @@ GAPPY = {
 }
 
 
-def test_a_rollout_waits_to_go_ahead_when_a_partner_of_its_engine_is_due_before_the_running_node_ends() -> None:
+def train_running(iterations: int) -> tuple[Planner, JobPlan, list[object]]:
+    """Job c's rollout and verify have run: its train runs (what that last event sent is returned)."""
     p = Planner(clock=Clock(), validate=True, batch_rollouts=True, lookahead=True)
     p.handle(ServiceJoined("s0"))
-    plan = JobPlan(GAPPY, iterations=2, order=tuple(GAPPY), state_bytes=100, engine=ENGINE, batch=4)
+    plan = JobPlan(GAPPY, iterations=iterations, order=tuple(GAPPY), state_bytes=100, engine=ENGINE, batch=4)
     p.handle(JobSubmitted("c", plan))
     p.handle(NodeFinished("c", 0, "rollout", duration=1.0))
-    (train,) = runs(p.handle(NodeFinished("c", 0, "verify", duration=0.5)))
+    return p, plan, p.handle(NodeFinished("c", 0, "verify", duration=0.5))
+
+
+def test_a_rollout_waits_to_go_ahead_when_a_partner_of_its_engine_is_due_before_the_running_node_ends() -> None:
+    p, plan, out = train_running(iterations=2)
+    (train,) = runs(out)
     assert (train.job_id, train.node) == ("c", "train")  # c's train runs; c's next service node is a rollout
     assert runs(p.handle(JobSubmitted("b", plan))) == []  # b's rollout is held, not sent ahead alone
     assert p.services["s0"].next is None
@@ -95,11 +101,6 @@ def test_a_rollout_waits_to_go_ahead_when_a_partner_of_its_engine_is_due_before_
 
 
 def test_a_rollout_with_no_partner_due_still_goes_ahead_alone() -> None:
-    p = Planner(clock=Clock(), validate=True, batch_rollouts=True, lookahead=True)
-    p.handle(ServiceJoined("s0"))
-    plan = JobPlan(GAPPY, iterations=1, order=tuple(GAPPY), state_bytes=100, engine=ENGINE, batch=4)
-    p.handle(JobSubmitted("c", plan))
-    p.handle(NodeFinished("c", 0, "rollout", duration=1.0))
-    p.handle(NodeFinished("c", 0, "verify", duration=0.5))  # c's train runs: its last service node
+    p, plan, _ = train_running(iterations=1)  # c's train runs: its last service node
     (ahead,) = runs(p.handle(JobSubmitted("b", plan)))
     assert (ahead.job_id, ahead.node, ahead.group) == ("b", "rollout", ())

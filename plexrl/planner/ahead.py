@@ -28,7 +28,7 @@ def waits(
     """Why `pick`, about to be sent ahead of the node running on `svc`, should not go yet: `partner` (with
     co-scheduled rollouts, `batches.worth_waiting`: a job of its engine is due, the group forms when the
     service frees) or `preferred` (`hold`); None: send it. Both look as far as the running node's rest."""
-    if svc.running is None:
+    if svc.running is None or not (partner or preferred):
         return None
     window = rest_of(predict, svc.running, svc.running_since, now)
     if partner and worth_waiting(svc, jobs, pick, pinned, view.due, window):

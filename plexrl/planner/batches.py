@@ -140,13 +140,13 @@ def grouped_jobs(svc: ServiceRecord) -> set[str]:
     return {k[0] for k in svc.group} | {k[0] for k in svc.next_group}
 
 
-def advance(svc: ServiceRecord) -> None:
+def advance(svc: ServiceRecord, now: float) -> None:
     """What ran ended (a node, or a group's last member): what was sent ahead, a node or a group, runs now."""
-    svc.running, svc.next = svc.next, None
+    svc.running, svc.next, svc.running_since = svc.next, None, now
     svc.group, svc.next_group = svc.next_group, set()
 
 
-def leave_groups(svc: ServiceRecord, job_id: str) -> None:
+def leave_groups(svc: ServiceRecord, job_id: str, now: float) -> None:
     """An ended job's members of the running group and of the one sent ahead: dropped (`next` or `running`
     passes to another member; an emptied running group frees the service)."""
     for key in sorted(k for k in svc.next_group if k[0] == job_id):
@@ -155,7 +155,7 @@ def leave_groups(svc: ServiceRecord, job_id: str) -> None:
             svc.next = min(svc.next_group) if svc.next_group else None
     for key in sorted(k for k in svc.group if k[0] == job_id):
         if member_finished(svc, key):
-            advance(svc)
+            advance(svc, now)
 
 
 def member_finished(svc: ServiceRecord, key: Key) -> bool:

@@ -230,8 +230,7 @@ class Planner:
             if svc is None or (svc.running != key and key not in svc.group):
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
             if not svc.group or member_finished(svc, key):
-                advance(svc)
-                svc.running_since = self.clock()
+                advance(svc, self.clock())
             self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
             retry = job.plan.retry
@@ -482,7 +481,7 @@ class Planner:
         if job_id in self.pending and not keep_pending:
             self.pending.remove(job_id)
         if job.service is not None:
-            leave(self.services[job.service], job_id)
+            leave(self.services[job.service], job_id, self.clock())
         if status == "done":
             out.append(JobDone(job_id, job.service))
         else:

@@ -68,15 +68,15 @@ def admissions(
         views.clear()  # the target's jobs, load and free memory changed
 
 
-def leave(svc: ServiceRecord, job_id: str) -> None:
+def leave(svc: ServiceRecord, job_id: str, now: float) -> None:
     """Drop an ended job from `svc`: its queued nodes, its running or sent-ahead node (the driver abandons
     their results; the service runs `next` once an abandoned running node ends), its state and pointers."""
     svc.queue = [q for q in svc.queue if q.job_id != job_id]
     if svc.next is not None and svc.next[0] == job_id and not svc.next_group:
         svc.next = None
-    leave_groups(svc, job_id)  # a member of a co-scheduled group, running or sent ahead
+    leave_groups(svc, job_id, now)  # a member of a co-scheduled group, running or sent ahead
     if svc.running is not None and svc.running[0] == job_id:
-        advance(svc)
+        advance(svc, now)
     checkpoints.leave(svc, job_id)
     svc.jobs.discard(job_id)
     svc.state.release(job_id)
