@@ -266,6 +266,32 @@ def test_a_rank_killed_inside_a_jobs_node_fails_that_node_in_bounded_time_and_no
     assert runs[1].status == "done" or "GroupBroken" in runs[1].error or "re-formed" in runs[1].error, runs[1].error
 
 
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_closing_an_executor_whose_rank_died_outside_any_node_returns_in_bounded_time(scheduler: str) -> None:
+    """Rank 1's worker dies while no task of the group is running, so nothing re-forms the group: closing the
+    executor stops the ranks still there and returns (a stop pinned to the gone address would wait for ever)."""
+    import threading
+
+    ex = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=10)
+    ex.start()
+    g = ex.groups.groups["service-0"]
+    gone = g.addrs[1]
+    ex.client.submit(_die, workers=[gone], pure=False)
+    deadline = time.monotonic() + 60
+    while gone in ex._alive():
+        assert time.monotonic() < deadline, "the killed worker never left the scheduler"
+        time.sleep(0.05)
+    reports: list[dict[str, Any]] = []
+    closing = threading.Thread(target=lambda: reports.append(ex.close()), daemon=True)
+    closing.start()
+    closing.join(timeout=120)
+    assert not closing.is_alive(), "close() hung on the rank whose worker died"
+    assert "service-0" in reports[0]  # rank 0, still there, was stopped and reported
+
+
 class _Rows(Hook):
     """Each iteration's stable metrics by iteration, and every checkpoint's outcome."""
 

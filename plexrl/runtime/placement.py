@@ -10,7 +10,6 @@ Nothing here decides what runs where or when (that is the planner's); this only 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -298,10 +297,17 @@ class WorkerGroupPlacement:
 
         ex, reports = self.ex, {}
         for sid, g in (self.groups.groups if self.groups is not None else {}).items():
-            stops = [ex.client.submit(stop_rank, ex._key(sid), workers=[a], pure=False) for a in g.addrs]
-            with contextlib.suppress(Exception):
-                reports[sid] = ex._fetch(stops[0], timeout=60)
-                ex.client.gather(stops[1:])
+            # a rank whose worker died is not asked: a task pinned to a gone address would wait for ever
+            stops = [(r, ex.client.submit(stop_rank, ex._key(sid), workers=[a], pure=False))
+                     for r, a in enumerate(g.addrs) if a in alive]  # fmt: skip
+            for rank, fut in stops:
+                try:
+                    report = ex._fetch(fut, timeout=60)
+                except Exception:
+                    log.exception("could not stop rank %d of service %s cleanly", rank, sid)
+                    continue
+                if rank == 0:
+                    reports[sid] = report
         return reports
 
     def why_cancelled(self, fut: Any) -> str:
