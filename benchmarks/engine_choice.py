@@ -11,6 +11,15 @@ vLLM / torch per size and the smallest size at which vLLM was faster: `engine: a
     .venv/bin/python benchmarks/engine_choice.py [--tokens 6] [--repeats 3] [--threads 1] [--smoke]
 
 `--smoke`: the smallest size, 1 repeat, 4 prompts (the test suite runs it when vLLM is installed).
+
+`--lora R` instead: the real SmolLM2-135M-Instruct (or its first `--layers` decoder layers,
+`benchmarks/_smol_short.py`) on four engines, the full model and a rank-R LoRA adapter on q/k/v/o each on torch
+(`TorchEngine`, `LoRAEngine` over a `SharedBase`) and on vLLM (`VLLMEngine`, `VLLMLoRAEngine` on a LoRA-enabled
+engine), the real job's prompts (its chat template over addition questions), `--prompts` x `--n` samples of at
+most `--tokens` tokens. The model stops at its end-of-turn token, so lengths differ between engines: printed
+as generated tokens per second beside the seconds. The evidence for what `engine: auto` picks for LoRA jobs.
+
+    .venv/bin/python benchmarks/engine_choice.py --lora 16 [--layers 30] [--prompts 8 --n 8 --tokens 24]
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,9 +64,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--smoke", action="store_true", help="smallest size, 1 repeat, 4 prompts (for the tests)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank: SmolLM2 with and without an adapter instead")
+    ap.add_argument("--layers", type=int, default=30, help="with --lora: SmolLM2's first LAYERS layers (30: all)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.sizes, args.repeats, args.prompts = ["0.5M"], 1, 4
+    if args.lora:
+        return lora_rows(args)
     from plexrl.config import ModelConfig
     from plexrl.engines.torch_engine import TorchEngine
     from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
@@ -97,6 +111,69 @@ def main(argv: Sequence[str] | None = None) -> None:
     wins = [params for _, params, t_torch, t_vllm in rows if t_vllm < t_torch]
     print(f"smallest model where vLLM was faster: {min(wins) / 1e6:.2f}M parameters" if wins else
           "vLLM was faster for none of these sizes")  # fmt: skip
+
+
+def lora_rows(args: argparse.Namespace) -> None:
+    """SmolLM2 on torch and vLLM, without and with a rank-`args.lora` adapter (see the module docstring)."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from plexrl.engines.lora import LoRAEngine, SharedBase
+    from plexrl.engines.torch_engine import TorchEngine
+    from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
+    from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine
+    from plexrl.pretrained import pretrained_path
+
+    if not vllm_installed():
+        raise SystemExit("vLLM is not installed: make setup-vllm")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _smol_short import NAME, short_copy
+
+    model = pretrained_path(NAME) if args.layers >= 30 else short_copy(args.layers)
+    tok = AutoTokenizer.from_pretrained(model)
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    question = "What is {} + {}? Answer with the number only."
+    pairs = [(10 + 37 * i % 90, 55 - 13 * i % 40) for i in range(args.prompts)]
+    chats = [[{"role": "user", "content": question.format(a, b)}] for a, b in pairs]
+    prompts = [tok.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+    kw = {"n": args.n, "temperature": 1.0, "max_new_tokens": args.tokens}
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    lora = {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "targets": targets}
+    torch.set_num_threads(args.threads)
+    rows: list[tuple[str, float, float]] = []
+
+    def timed(name: str, engine: Any) -> None:
+        tokens: list[int] = []
+
+        def call(seed: int) -> None:
+            tokens.append(int(engine.generate(prompts, seed=seed, **kw).response_mask.sum()))
+
+        seconds = median_seconds(call, args.repeats)
+        rows.append((name, seconds, statistics.median(tokens[1:]) / seconds))
+        print(f"{name:<14} {seconds:8.3f} s  {rows[-1][2]:8.1f} tokens/s", flush=True)
+
+    full = TorchEngine(model, eos_id=eos, pad_id=pad)
+    timed("torch", full)
+    shared = SharedLLM(model, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20)
+    torch.set_num_threads(args.threads)  # building an LLM may change it
+    timed("vLLM", VLLMEngine(full, shared, "bench"))
+    shared.shutdown()
+    del full
+    base = SharedBase(model, torch.device("cpu"), "eager")
+    trainer = LoRAEngine(base, "bench", eos_id=eos, pad_id=pad, seed=0, **lora)  # type: ignore[arg-type]
+    timed("torch + LoRA", trainer)
+    llm = SharedLoRALLM(model, r=args.lora, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20)
+    torch.set_num_threads(args.threads)
+    timed("vLLM + LoRA", VLLMLoRAEngine(trainer, llm, "bench"))
+    llm.shutdown()
+    print(
+        f"\n{model.name} ({args.layers} layers), LoRA r {args.lora} on q/k/v/o; {args.prompts} prompts x "
+        f"{args.n} samples, <= {args.tokens} new tokens, {args.threads} torch thread(s), median of {args.repeats}"
+    )
+    print(f"{'engine':<14}{'seconds':>9}{'tokens/s':>10}{'x torch (same weights)':>24}")
+    for i, (name, seconds, rate) in enumerate(rows):
+        print(f"{name:<14}{seconds:>9.3f}{rate:>10.1f}{rate / rows[i - i % 2][2]:>24.2f}")
 
 
 if __name__ == "__main__":
