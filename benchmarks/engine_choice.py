@@ -119,6 +119,7 @@ def lora_rows(args: argparse.Namespace) -> None:
 
     from transformers import AutoTokenizer
 
+    from plexrl.data.prompts import prompt_ids, render_prompt
     from plexrl.engines.lora import LoRAEngine, SharedBase
     from plexrl.engines.torch_engine import TorchEngine
     from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
@@ -133,10 +134,9 @@ def lora_rows(args: argparse.Namespace) -> None:
     model = pretrained_path(NAME) if args.layers >= 30 else short_copy(args.layers)
     tok = AutoTokenizer.from_pretrained(model)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    question = "What is {} + {}? Answer with the number only."
     pairs = [(10 + 37 * i % 90, 55 - 13 * i % 40) for i in range(args.prompts)]
-    chats = [[{"role": "user", "content": question.format(a, b)}] for a, b in pairs]
-    prompts = [tok.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+    questions = [f"What is {a} + {b}? Answer with the number only." for a, b in pairs]
+    prompts = [prompt_ids(tok, render_prompt(tok, q)) for q in questions]  # as the job renders them
     kw = {"n": args.n, "temperature": 1.0, "max_new_tokens": args.tokens}
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     lora = {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "targets": targets}
@@ -155,7 +155,7 @@ def lora_rows(args: argparse.Namespace) -> None:
 
     full = TorchEngine(model, eos_id=eos, pad_id=pad)
     timed("torch", full)
-    shared = SharedLLM(model, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20)
+    shared = SharedLLM(model, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20, max_model_len=512)
     torch.set_num_threads(args.threads)  # building an LLM may change it
     timed("vLLM", VLLMEngine(full, shared, "bench"))
     shared.shutdown()
@@ -163,7 +163,7 @@ def lora_rows(args: argparse.Namespace) -> None:
     base = SharedBase(model, torch.device("cpu"), "eager")
     trainer = LoRAEngine(base, "bench", eos_id=eos, pad_id=pad, seed=0, **lora)  # type: ignore[arg-type]
     timed("torch + LoRA", trainer)
-    llm = SharedLoRALLM(model, r=args.lora, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20)
+    llm = SharedLoRALLM(model, r=args.lora, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20, max_model_len=512)
     torch.set_num_threads(args.threads)
     timed("vLLM + LoRA", VLLMLoRAEngine(trainer, llm, "bench"))
     llm.shutdown()

@@ -309,14 +309,21 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
     )
 
 
+LORA_ON_VLLM_CPU = (
+    "vLLM's CPU build generates with a LoRA adapter ~3x slower than the torch engine (SmolLM2-135M, r 16: 13.5 "
+    "vs 43.3 tokens/s; benchmarks/engine_choice.py --lora 16); `engine: vllm` uses it anyway"
+)
+
+
 def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     """The rollout engine for `engine: auto | vllm | torch`, with the reason: auto picks the torch engine for
     models under `vllm.auto_min_params` parameters (the faster one there; vLLM is not even imported), else
-    vLLM when it is installed and can serve the model (and a LoRA job's adapter), else torch."""
+    vLLM when it is installed and can serve the model (and a LoRA job's adapter), else torch; a LoRA job stays
+    on torch where vLLM is its CPU build (`LORA_ON_VLLM_CPU`)."""
     if cfg.engine == "torch":
         return "torch", "engine: torch"
     from plexrl.config import auto_engine_rule
-    from plexrl.engines.vllm_engine import model_problem
+    from plexrl.engines.vllm_engine import model_problem, vllm_cpu_build
 
     if cfg.engine == "auto":  # a LoRA job by the same rule, on its base's size
         small = auto_engine_rule(count_parameters(model_path), cfg.vllm.auto_min_params)
@@ -335,4 +342,6 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
         return "vllm", "engine: vllm"
     if why:
         return "torch", f"engine: auto, and {why}"
+    if lora is not None and vllm_cpu_build():
+        return "torch", f"engine: auto, and {LORA_ON_VLLM_CPU}"
     return "vllm", "engine: auto, vLLM is installed and supports the model, which is large enough to gain from it"

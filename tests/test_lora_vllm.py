@@ -24,7 +24,7 @@ from test_lora import lora_job
 
 from plexrl.config import load_job
 from plexrl.engines.lora import LoRAEngine, SharedBase
-from plexrl.engines.vllm_engine import vllm_installed
+from plexrl.engines.vllm_engine import vllm_cpu_build, vllm_installed
 from plexrl.errors import ConfigError
 from plexrl.job import JobRun, model_bytes, prepare_job
 
@@ -232,6 +232,10 @@ def test_engine_choice_and_budgets_of_a_lora_job_on_vllm(smol32: Path, tmp_path:
     assert alone is not None and alone[1] == model_bytes(smol32)  # the base alone, no vLLM engine
     cfg["vllm"] = {"auto_min_params": 0}
     spec = prepare_job(load_job(cfg))
+    if vllm_cpu_build():  # vLLM's CPU build applies adapters ~3x slower than torch (benchmarks/engine_choice.py)
+        assert spec.generation == "torch" and "CPU build" in spec.generation_reason, spec.generation_reason
+        cfg["engine"] = "vllm"  # asked for: it is used
+        spec = prepare_job(load_job(cfg))
     assert spec.generation == "vllm", spec.generation_reason
     for bad, why in ((600, "LoRA ranks up to 512"), ("lm_head", "vLLM applies adapters to")):
         wrong = vllm_lora_job(smol32, tmp_path / "runs", "bad", 0)

