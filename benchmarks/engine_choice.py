@@ -138,8 +138,6 @@ def lora_rows(args: argparse.Namespace) -> None:
     questions = [f"What is {a} + {b}? Answer with the number only." for a, b in pairs]
     prompts = [prompt_ids(tok, render_prompt(tok, q)) for q in questions]  # as the job renders them
     kw = {"n": args.n, "temperature": 1.0, "max_new_tokens": args.tokens}
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    lora = {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "targets": targets}
     torch.set_num_threads(args.threads)
     rows: list[tuple[str, float, float]] = []
 
@@ -161,7 +159,8 @@ def lora_rows(args: argparse.Namespace) -> None:
     shared.shutdown()
     del full
     base = SharedBase(model, torch.device("cpu"), "eager")
-    trainer = LoRAEngine(base, "bench", eos_id=eos, pad_id=pad, seed=0, **lora)  # type: ignore[arg-type]
+    trainer = LoRAEngine(base, "bench", eos_id=eos, pad_id=pad, seed=0, r=args.lora, alpha=2.0 * args.lora,
+                         dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
     timed("torch + LoRA", trainer)
     llm = SharedLoRALLM(model, r=args.lora, eos_id=eos, pad_id=pad, kv_cache_bytes=256 * 2**20, max_model_len=512)
     torch.set_num_threads(args.threads)
