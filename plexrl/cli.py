@@ -57,15 +57,23 @@ def run(
     from plexrl.server.signals import sigterm_stops_runs
 
     sigterm_stops_runs()  # SIGTERM: a graceful stop that closes every MLflow run (KILLED); see the module
-    from plexrl.cluster import is_cluster_file
+    from plexrl.config_kinds import read_config, runnable
 
-    if is_cluster_file(config):
+    try:
+        file = read_config(config)  # the one parse and the one kind detector, `plexrl validate`'s too
+        runnable(file)
+    except PlexRLError as exc:
+        _fail(exc)
+        return
+    if file.kind == "cluster":
         assert config is not None
-        _run_cluster(config, (set_ or []) + ([f"scheduler={scheduler}"] if scheduler else []), progress)
+        _run_cluster(file, (set_ or []) + ([f"scheduler={scheduler}"] if scheduler else []), progress)
         return
     try:
-        loaded = _load(config, set_)
+        from plexrl.job.load import load_job
         from plexrl.runtime.jobs import run_jobs
+
+        loaded = load_job(config, set_ or [], parsed=file.raw)
 
         if progress is None:
             progress = loaded.config.tracking.progress and sys.stderr.isatty()
@@ -110,12 +118,12 @@ def _summarise(jobs: list[Any]) -> int:
     return 1 if failed else 0
 
 
-def _run_cluster(config: Path, overrides: list[str], progress: bool | None) -> None:
+def _run_cluster(file: Any, overrides: list[str], progress: bool | None) -> None:
     from plexrl.accounting import format_report
     from plexrl.cluster import load_cluster, run_cluster
 
     try:
-        loaded = load_cluster(config, overrides)
+        loaded = load_cluster(file.path, overrides, raw=file.raw)
         if progress is None:
             progress = loaded.config.progress and sys.stderr.isatty()
         result = run_cluster(loaded, progress=progress)
@@ -250,7 +258,7 @@ def serve(
     overrides = list(set_ or [])
     overrides += [f"host={json.dumps(host)}"] if host is not None else []
     overrides += [f"port={port}"] if port is not None else []
-    overrides += ["driver=dask", f"scheduler={json.dumps(scheduler)}"] if scheduler is not None else []
+    overrides += ["cluster.driver=dask", f"cluster.scheduler={json.dumps(scheduler)}"] if scheduler is not None else []
     try:
         cfg = load_server_config(config, overrides, token=os.environ.get("PLEXRL_TOKEN"))
         stop = stop_event()

@@ -23,6 +23,7 @@ from plexrl.engines.vllm_engine import vllm_installed
 from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import prepare_job
+from plexrl.planner import Planner
 from plexrl.runtime import InlineExecutor, Runner
 from plexrl.runtime.executor import Handle, NodeTask
 
@@ -80,7 +81,7 @@ def unbatched(smol32: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[l
     """The reference: the three jobs multiplexed in process, one engine call per rollout (runs, executor,
     planner)."""
     record = Recording()
-    runner = Runner(record, validate=True)
+    runner = Runner(record, Planner(clock=record.clock, validate=True))
     runs = runner.run(specs(smol32, tmp_path_factory.mktemp("unbatched") / "runs"))
     assert [r.status for r in runs] == ["done"] * 3, [r.error for r in runs]
     return runs, record, runner.planner
@@ -103,7 +104,7 @@ def test_two_lora_jobs_rollouts_batched_in_one_vllm_call_sample_what_each_sample
     spans = Spans()
     planners = {False: unbatched[2]}
     record[True] = Recording()
-    runner = Runner(record[True], validate=True, batch_rollouts=True, hooks=[spans])
+    runner = Runner(record[True], Planner(clock=record[True].clock, validate=True, batch_rollouts=True), hooks=[spans])
     runs_of[True] = runner.run(specs(smol32, tmp_path / "runs"))
     planners[True] = runner.planner
     assert [r.status for r in runs_of[True]] == ["done"] * 3, [r.error for r in runs_of[True]]
@@ -131,13 +132,15 @@ def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatch
     one task on the service's worker, each member's output stays there as the input of its job's next nodes):
     groups form, every job completes, and each job's metrics equal the unbatched run within 1e-5."""
     from plexrl.runtime.build import build_runner
+    from plexrl.runtime.config import RuntimeConfig
     from plexrl.runtime.dask import DaskExecutor
 
     executor = DaskExecutor(services=1, cpu_threads=1)
     # all three jobs on the service at once (spread, as the in-process runs; spread+backfill admits two), so
     # rollouts queue while one runs (the first builds the vLLM engine); no lookahead (a node sent ahead runs alone)
-    runner = build_runner(executor, [], validate=True, dask=True, lookahead=False, batch_rollouts=True,
-                          placement="spread")  # fmt: skip
+    section = {"driver": "dask", "validate_state": True, "lookahead": False, "batch_rollouts": True}
+    section["placement"] = "spread"
+    runner = build_runner(RuntimeConfig.model_validate(section), [], executor)
     runs = runner.run(specs(smol32, tmp_path / "runs"))
     assert [r.status for r in runs] == ["done"] * 3, [r.error for r in runs]
     assert runner.planner.groups_sent >= 1 and runner.planner.grouped_nodes >= 2

@@ -27,6 +27,7 @@ from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.operator import OpContext, operator, resolve_operator
+from plexrl.planner import Planner
 from plexrl.runtime import Budgets, NodeTask, Runner
 
 PAD = 9
@@ -325,7 +326,9 @@ def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alo
     cfgs = [job_config(run_dir, "a", 0, {"rollout": 3}), job_config(run_dir, "b", 1, {})]
     size = max(prepare_job(load_job(c)).state_bytes() for c in cfgs)
     executor = DaskExecutor(services=1, cpu_threads=1, validate=True)
-    runner = Runner(executor, validate=True, lookahead=True, budgets=Budgets(device=size))
+    runner = Runner(
+        executor, Planner(clock=executor.clock, validate=True, lookahead=True), budgets=Budgets(device=size)
+    )
     (a, _b), watch = run_jobs(cfgs, "a", runner=runner)
     assert stable(a.history) == stable(alone[0].history)
     assert watch.leaks == []

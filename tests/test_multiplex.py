@@ -26,7 +26,7 @@ from conftest import TINY, local_runner, stable
 from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, JobSpec, prepare_job
-from plexrl.planner import Hrrs
+from plexrl.planner import Hrrs, Planner
 from plexrl.runtime import Budgets, NodeTask, Runner
 
 
@@ -159,11 +159,14 @@ def external_cluster() -> Any:
         )
 
 
-def dask_runner(scheduler: str | None = None, **kwargs: Any) -> Runner:
+def dask_runner(scheduler: str | None = None, *, ordering: Any = None, **kwargs: Any) -> Runner:
+    """A Runner over a Dask executor (`executor`: its arguments), the planner as on Dask (lookahead, inline cpu
+    nodes) with `ordering`; the other `kwargs` are the runner's."""
     from plexrl.runtime.dask import DaskExecutor
 
     executor = DaskExecutor(scheduler=scheduler, validate=True, **kwargs.pop("executor", {}))
-    return Runner(executor, validate=True, lookahead=True, inline_below=0.01, **kwargs)
+    planner = Planner(clock=executor.clock, validate=True, lookahead=True, inline_below=0.01, ordering=ordering)
+    return Runner(executor, planner, **kwargs)
 
 
 def test_dask_multiplexed_fidelity_and_cancel_leave_the_other_jobs_running(

@@ -163,12 +163,12 @@ def test_a_member_cancelled_mid_group_leaves_it_and_the_others_finish() -> None:
 def test_batch_rollouts_runs_on_either_driver_and_is_refused_on_worker_groups_naming_the_fix() -> None:
     from pydantic import ValidationError
 
-    from plexrl.cluster import ClusterRuntime
     from plexrl.runtime import InlineExecutor
     from plexrl.runtime.build import build_runner
+    from plexrl.runtime.config import RuntimeConfig
 
     for driver in ("dask", "local"):
-        assert ClusterRuntime.model_validate({"driver": driver, "batch_rollouts": True}).batch_rollouts
+        section = RuntimeConfig.model_validate({"driver": driver, "batch_rollouts": True})
+        assert build_runner(section, [], InlineExecutor()).planner.batch_rollouts
     with pytest.raises(ValidationError, match=r"services\.ranks: 1 or batch_rollouts: false"):
-        ClusterRuntime.model_validate({"driver": "dask", "batch_rollouts": True, "services": {"ranks": 2}})
-    assert build_runner(InlineExecutor(), [], dask=True, batch_rollouts=True).planner.batch_rollouts
+        RuntimeConfig.model_validate({"driver": "dask", "batch_rollouts": True, "services": {"ranks": 2}})

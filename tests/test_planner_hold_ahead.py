@@ -141,7 +141,9 @@ def test_io_first_with_the_hold_shortens_the_default_mix_in_the_simulator() -> N
 
     def ends(specs: list[SimJob], ordering: object, hold: bool, seed: int) -> dict[str, float]:
         ex = SimExecutor(1, SeededCosts(seed=seed, jitter=0.1), dispatch=(0.03, 0.03))
-        runner = Runner(ex, placement=Pack(math.inf), ordering=ordering, lookahead=True, hold_ahead=hold)  # type: ignore[arg-type]
+        runner = Runner(
+            ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering, lookahead=True, hold_ahead=hold)
+        )  # type: ignore[arg-type]
         done = runner.run(specs)
         assert all(r.status == "done" and r.finished_at is not None for r in done)
         return {r.job_id: r.finished_at for r in done}  # type: ignore[misc]

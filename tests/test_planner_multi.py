@@ -313,7 +313,8 @@ def test_one_users_twenty_jobs_cannot_starve_another_users_single_job() -> None:
     bob = [replace(j, user="bob") for j in jobs[1:]]
 
     def completion(specs: list, ordering: object) -> dict[str, float]:  # type: ignore[type-arg]
-        runner = Runner(SimExecutor(1, SeededCosts(seed=0)), placement=Pack(math.inf), ordering=ordering)
+        ex = SimExecutor(1, SeededCosts(seed=0))
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering))  # type: ignore[arg-type]
         runs = runner.run(specs)  # type: ignore[arg-type]
         assert all(r.status == "done" for r in runs)
         return {r.job_id: r.finished_at - r.submitted_at for r in runs}  # type: ignore[operator]
@@ -358,7 +359,8 @@ def test_chunked_service_nodes_let_another_job_in_between_chunks() -> None:
     def run(chunks: int) -> tuple[list[float], dict[str, float], float]:
         waits = Waits()
         costs = SeededCosts(seed=2, jitter=0.0)
-        runner = Runner(SimExecutor(1, costs), hooks=[waits], placement=Pack(math.inf), validate=True)
+        ex = SimExecutor(1, costs)
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), validate=True), hooks=[waits])
         runs = runner.run(jobs(chunks))
         assert [r.status for r in runs] == ["done", "done"]
         a_busy = sum(row["time/rollout"] for row in runs[0].history)
@@ -421,7 +423,8 @@ def test_slowdown_ordering_lowers_the_worst_slowdown_of_a_mix_at_the_same_makesp
     jobs = [job("compute", 0.001), job("judge", 0.5), job("judge-slow", 0.8)]
 
     def completion(specs: list[SimJob], ordering: object) -> dict[str, float]:
-        runner = Runner(SimExecutor(1, SeededCosts(seed=1)), placement=Pack(math.inf), ordering=ordering)
+        ex = SimExecutor(1, SeededCosts(seed=1))
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering))  # type: ignore[arg-type]
         runs = runner.run(specs)  # type: ignore[arg-type]
         assert all(r.status == "done" for r in runs)
         return {r.job_id: r.finished_at - r.submitted_at for r in runs}  # type: ignore[operator]

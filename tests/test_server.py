@@ -45,8 +45,7 @@ def sim_runner(*hooks: Hook) -> RunnerFactory:
     return runner_of(
         SimExecutor(2, SeededCosts(seed=0)),
         hooks=list(hooks),
-        validate=True,
-        ordering=FairShare(Fifo()),
+        planner={"validate": True, "ordering": FairShare(Fifo())},
         forget_ended=True,
     )
 
@@ -160,7 +159,7 @@ def test_token_required_off_loopback_and_checked(tmp_path: Path, job_yaml: Path)
         load_server_config(None, ["host=0.0.0.0"])
     assert load_server_config(None, ["host=0.0.0.0"], token=TOKEN).token == TOKEN
     with pytest.raises(ConfigError, match="`scheduler` needs `driver: dask`"):
-        load_server_config(None, ["scheduler=tcp://x:1", "driver=local"])
+        load_server_config(None, ["cluster.scheduler=tcp://x:1", "cluster.driver=local"])
     with serving(tmp_path, token=TOKEN) as srv:
         for bad in (None, "wrong-token-wrong-token"):
             with pytest.raises(ServerError, match="missing or wrong token") as err:
@@ -342,7 +341,9 @@ class CheckpointingSim(SimExecutor):
 
 
 def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_path: Path, job_yaml: Path) -> None:
-    runner = runner_of(CheckpointingSim(fail={2}), validate=True, ordering=FairShare(Fifo()), forget_ended=True)
+    runner = runner_of(
+        CheckpointingSim(fail={2}), planner={"validate": True, "ordering": FairShare(Fifo())}, forget_ended=True
+    )
     with serving(tmp_path, runner=runner, checkpoint_every=1) as srv:
         c = Client(srv.url)
         job_id = c.submit(job_yaml, ["iterations=4", "pipeline.params.eval_every=1"])["job_id"]
@@ -379,8 +380,10 @@ def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Pa
     """service-0 is lost (virtual t=30) while job A runs on it: A is placed again on service-1 and resumes after
     its latest checkpoint; job B on service-1 is untouched; nothing before the checkpoint is run again."""
     sim = SimExecutor(2, SeededCosts(seed=0), failures={"service-0": 30.0})
-    runner = runner_of(sim, validate=True, ordering=FairShare(Fifo()), forget_ended=True)
-    with serving(tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, placement="spread") as srv:
+    runner = runner_of(sim, planner={"validate": True, "ordering": FairShare(Fifo())}, forget_ended=True)
+    with serving(
+        tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, cluster={"placement": "spread"}
+    ) as srv:
         c = Client(srv.url)
         a = c.submit(job_yaml, ["iterations=200"])["job_id"]
         b = c.submit(job_yaml, ["iterations=200", "seed=1"])["job_id"]

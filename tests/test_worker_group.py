@@ -33,6 +33,7 @@ from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.operator import OpContext
+from plexrl.planner import Planner
 from plexrl.runtime import Budgets, Runner
 from plexrl.runtime.dask import DaskExecutor
 from plexrl.runtime.group import GroupBroken, GroupSpec
@@ -80,7 +81,11 @@ def job(run_dir: Path, name: str, seed: int) -> JobSpec:
 def on_group(scheduler: str, specs: list[JobSpec], budgets: Budgets | None = None) -> list[JobRun]:
     """Run `specs` on ONE 2-rank service (the planner sees one service) with every check on."""
     executor = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=60, validate=True)
-    runner = Runner(executor, validate=True, lookahead=True, inline_below=0.01, budgets=budgets or Budgets())
+    runner = Runner(
+        executor,
+        Planner(clock=executor.clock, validate=True, lookahead=True, inline_below=0.01),
+        budgets=budgets or Budgets(),
+    )
     runs = runner.run(specs)
     assert runner.services == ["service-0"]
     assert [r.status for r in runs] == ["done"] * len(specs), [r.error for r in runs]
@@ -257,7 +262,7 @@ def test_a_rank_killed_inside_a_jobs_node_fails_that_node_in_bounded_time_and_no
     timeout = 10.0
     executor = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=timeout)
     t0 = time.monotonic()
-    runs = Runner(executor, lookahead=True, inline_below=0.01).run([victim, other])
+    runs = Runner(executor, Planner(clock=executor.clock, lookahead=True, inline_below=0.01)).run([victim, other])
     assert time.monotonic() - t0 < 600
     assert runs[0].status == "failed" and "GroupBroken" in runs[0].error and "kill" in runs[0].error, runs[0].error
     seconds = float(runs[0].error.split(" after ")[1].split(" s")[0])
@@ -318,8 +323,9 @@ def test_a_group_checkpoint_holds_every_ranks_part_and_resumes_to_the_same_next_
     spec, path = job(run_dir, "ckpt", 0), tmp_path / "ckpt" / "job.pt"
     first = _Rows()
     executor = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=60, validate=True)
-    (run,) = Runner(executor, hooks=[first], validate=True, checkpoint_every=1, checkpoint_at=lambda r, it: path
-                    ).run([spec])  # fmt: skip
+    (run,) = Runner(
+        executor, Planner(clock=executor.clock, validate=True), hooks=[first], checkpoint_at=lambda r, it: path
+    ).run([dataclasses.replace(spec, checkpoint_every=1)])
     assert run.status == "done", run.error
     assert first.checkpoints == [(0, None)]
     manifest = sw.load_checkpoint(path)
@@ -333,7 +339,7 @@ def test_a_group_checkpoint_holds_every_ranks_part_and_resumes_to_the_same_next_
 
     resumed = _Rows()
     again = DaskExecutor(scheduler=scheduler, ranks=2, group_timeout=60, validate=True)
-    (run2,) = Runner(again, hooks=[resumed], validate=True).run(
+    (run2,) = Runner(again, Planner(clock=again.clock, validate=True), hooks=[resumed]).run(
         [dataclasses.replace(spec, first_iteration=1, resume_state=path)]
     )
     assert run2.status == "done", run2.error

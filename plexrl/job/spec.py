@@ -15,7 +15,7 @@ from plexrl.job.checks import chunk_problems
 from plexrl.job.config import JobConfig
 from plexrl.job.load import LoadedJob
 from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
-from plexrl.planner.events import JobPlan, NodePlan
+from plexrl.planner.events import JobPlan, NodePlan, RetryPlan
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,13 @@ class JobSpec:
     resume_run_id: str | None = None
     user: str = ""  # who submitted it (a server's fair-share ordering)
     resume_costs: dict[str, float] = field(default_factory=dict)  # the cost model's node times at the checkpoint
+    checkpoint_every: int = 0  # checkpoint it on its service after every k-th iteration (a server's; 0: never)
 
     def plan(self) -> JobPlan:
-        """The planner's view of this job's pipeline. Iterations keep their real numbers everywhere (planner,
-        operators' `OpContext.iteration`, hooks, journal): a resumed job's plan starts at `first_iteration`,
-        with no baseline pass, so a periodic node (`every`) stays in phase."""
+        """The planner's view of this job's pipeline (`JobPlan.of`, the one construction of a plan). Iterations
+        keep their real numbers everywhere (planner, operators' `OpContext.iteration`, hooks, journal): a resumed
+        job's plan starts at `first_iteration`, with no baseline pass, so a periodic node (`every`) stays in phase.
+        Its config's `retry` becomes the delays after each failed run of a cpu node."""
         chunks, sliced = self.config.chunks, self.config.slices
         nodes = {
             n.name: NodePlan(
@@ -61,11 +63,14 @@ class JobSpec:
             )
             for n in self.graph.nodes
         }
-        order = tuple(self.graph.order)
-        baseline = () if self.first_iteration else tuple(self.baseline_nodes())
-        costs = tuple(sorted(self.resume_costs.items()))
-        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine(), self.user,
-                       costs, first_iteration=self.first_iteration, batch=self.batch_limit())  # fmt: skip
+        policy = self.config.retry
+        retry = RetryPlan(policy.attempts, tuple(policy.delay(k) for k in range(1, policy.attempts)))
+        return JobPlan.of(
+            nodes, self.config.iterations, order=tuple(self.graph.order), baseline=tuple(self.baseline_nodes()),
+            first_iteration=self.first_iteration, state_bytes=self.state_bytes(), engine=self.engine(),
+            user=self.user, costs=self.resume_costs, retry=retry, batch=self.batch_limit(),
+            checkpoint_every=self.checkpoint_every,
+        )  # fmt: skip
 
     def batch_limit(self) -> int:
         """How many jobs' rollouts its engine runs in one call (`JobPlan.batch`): a LoRA job on vLLM, the

@@ -69,6 +69,7 @@ from plexrl.planner.records import (
     ServiceRecord,
 )
 from plexrl.planner.retries import Backoffs
+from plexrl.planner.settings import PlannerSettings, policies_of
 from plexrl.planner.shares import Usage
 from plexrl.planner.slices import paused_jobs, record_slice, slices_done
 from plexrl.planner.state import Move, NoRoom, StateManager
@@ -141,6 +142,19 @@ class Planner:
             CheckpointFinished: self._checkpoint_finished,
             Tick: lambda ev, out: self._tick(out),
         }
+
+    @classmethod
+    def from_config(
+        cls, section: PlannerSettings, clock: Callable[[], float], costs: CostModel | None = None
+    ) -> Planner:
+        """The planner of a runtime section (`plexrl.runtime.config.RuntimeConfig`: its policies, resolved by
+        `settings.policies_of`), on `clock` (the executor's)."""
+        p = policies_of(section)
+        return cls(
+            clock=clock, placement=p.placement, ordering=p.ordering, validate=p.validate, costs=costs,
+            lookahead=p.lookahead, hold_ahead=p.hold_ahead, inline_below=p.inline_below, usage=p.usage,
+            batch_rollouts=p.batch_rollouts,
+        )  # fmt: skip
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:

@@ -5,6 +5,7 @@ The planner never performs I/O; a driver turns instructions into work and report
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,6 +75,21 @@ class JobPlan:
     batch: int = 0
     # checkpoint the job on its service after every k-th iteration but its last (0: never; `checkpoints.py`)
     checkpoint_every: int = 0
+
+    @classmethod
+    def of(
+        cls, nodes: Mapping[str, NodePlan], iterations: int, *, order: tuple[str, ...] = (),
+        baseline: tuple[str, ...] = (), first_iteration: int = 0, state_bytes: int = 0,
+        engine: tuple[str, int] | None = None, user: str = "", costs: Mapping[str, float] | None = None,
+        retry: RetryPlan | None = None, batch: int = 0, checkpoint_every: int = 0,
+    ) -> JobPlan:  # fmt: skip
+        """THE construction of a job's plan, for every kind of spec (a prepared job's `JobSpec.plan`, a simulated
+        one's `SimJob.plan`): a job resumed at `first_iteration` > 0 has no baseline pass (its periodic nodes stay
+        in phase), and `costs` (node -> seconds an earlier attempt learned) are kept in node order."""
+        return cls(
+            dict(nodes), iterations, tuple(order), () if first_iteration else tuple(baseline), state_bytes, engine,
+            user, tuple(sorted((costs or {}).items())), retry, first_iteration, batch, checkpoint_every,
+        )  # fmt: skip
 
 
 # -- events -------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ The loop thread's alone: no lock (other threads reach the loop through its inbox
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +36,11 @@ from plexrl.planner import (
     PlaceJob,
     Planner,
     RetryNode,
-    RetryPlan,
     RunCheckpoint,
     RunNode,
     StateMeasured,
 )
-from plexrl.planner.events import Event, Instruction, JobPlan
+from plexrl.planner.events import Event, Instruction
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, LoadReport, NodeTask
 from plexrl.runtime.inbox import Inbox
 from plexrl.runtime.ledger import Ledger
@@ -54,9 +52,9 @@ log = logging.getLogger(__name__)
 class Carrier:
     """See the module docstring. `forget_ended`: drop an ended job's record, planner entry and spec once the
     hooks and `on_closed` have seen it (a server's weeks of jobs); `on_closed`: called for every ended job,
-    placed or not (the server's journal); `checkpoint_every`: every job's plan gets it (`JobPlan.checkpoint_every`:
-    the planner sends `RunCheckpoint` after every k-th iteration but the last), and `checkpoint_at(run, iteration)`
-    says where that checkpoint goes (required with it)."""
+    placed or not (the server's journal); `checkpoint_at(run, iteration)`: where a job's checkpoint goes (required
+    for a job whose plan has a `checkpoint_every`: the planner sends `RunCheckpoint` after every k-th iteration
+    but the last)."""
 
     def __init__(
         self,
@@ -67,14 +65,9 @@ class Carrier:
         *,
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
-        checkpoint_every: int = 0,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
     ) -> None:
-        if checkpoint_every < 0 or (checkpoint_every > 0) != (checkpoint_at is not None):
-            raise ValueError(f"checkpoint_every={checkpoint_every} with checkpoint_at={checkpoint_at!r}: give both "
-                             "(how often, k >= 1, and where) or neither")  # fmt: skip
         self.executor, self.hooks, self.planner, self.inbox = executor, hooks, planner, inbox
-        self.checkpoint_every = checkpoint_every
         self.clock = executor.clock
         self.forget_ended, self.on_closed, self.checkpoint_at = forget_ended, on_closed, checkpoint_at
         self.runs: dict[str, JobRun] = {}
@@ -190,7 +183,7 @@ class Carrier:
     def _checkpoint(self, run: JobRun, ins: RunCheckpoint) -> list[Event]:
         """Have the executor write the job's checkpoint after `ins.iteration` where `checkpoint_at` says, on its
         service (`Executor.checkpoint`); one that cannot even be sent ends at once, failed (the job goes on)."""
-        assert self.checkpoint_at is not None  # (a plan has `checkpoint_every` only from this carrier)
+        assert self.checkpoint_at is not None  # (`ship` refused a plan with checkpoints and nowhere to put them)
         try:
             path = self.checkpoint_at(run, ins.iteration)
             handle = self.executor.checkpoint(run.job_id, ins.service_id, path, {"iteration": ins.iteration})
@@ -265,15 +258,21 @@ class Carrier:
         return run
 
     def ship(self, run: JobRun) -> list[Event]:
-        """A job is submitted: ship its spec to the executor, and tell the planner (`JobSubmitted`, with
-        `plan_of`). A job that cannot be shipped fails alone."""
+        """A job is submitted: ship its spec to the executor, and tell the planner (`JobSubmitted` with the
+        spec's own plan). A job that cannot be shipped, or asks for checkpoints with nowhere to put them, fails
+        alone."""
         run.submitted_at = self.clock()
+        plan = run.spec.plan()
+        if plan.checkpoint_every and self.checkpoint_at is None:
+            why = f"its plan checkpoints every {plan.checkpoint_every} iterations but this runner has no checkpoint_at"
+            self.close(run, "failed", f"{why}: give the runner where checkpoints go, or set checkpoint_every: 0")
+            return []
         try:
             self.executor.ship(run.spec)
         except Exception as exc:
             self.close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
             return []
-        return [JobSubmitted(run.job_id, plan_of(run.spec, self.checkpoint_every))]
+        return [JobSubmitted(run.job_id, plan)]
 
     def drop_attempt(self, job_id: str) -> None:
         """A job submitted again: forget what its previous attempt still has in flight or waiting."""
@@ -336,18 +335,4 @@ class Carrier:
                 self.close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
-def plan_of(spec: Any, checkpoint_every: int = 0) -> JobPlan:
-    """The job's plan as the planner gets it: `spec.plan()` with the checkpoint cadence (`checkpoint_every`,
-    the runner's) and the retry policy of its config (`retry`), as the delays after each failed run; a spec
-    without a config (the simulator's) has none."""
-    plan: JobPlan = spec.plan()
-    if checkpoint_every:
-        plan = dataclasses.replace(plan, checkpoint_every=checkpoint_every)
-    policy = getattr(getattr(spec, "config", None), "retry", None)
-    if policy is None or plan.retry is not None:
-        return plan
-    delays = tuple(policy.delay(k) for k in range(1, policy.attempts))
-    return dataclasses.replace(plan, retry=RetryPlan(policy.attempts, delays))
-
-
-__all__ = ["Carrier", "plan_of"]
+__all__ = ["Carrier"]

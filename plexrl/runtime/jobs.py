@@ -41,8 +41,9 @@ def standard_hooks(
 
 def run_jobs(loaded: list[LoadedJob], *, progress: bool | None = None, services: int = 1) -> list[JobRun]:
     """Prepare each job (task, model, warm start; cached) and run them all to completion, in this process, on
-    the one runner builder's defaults (`runtime.build.build_runner`, as a cluster config's)."""
+    the runtime section's defaults (`RuntimeConfig`, as a cluster config's) with the in-process driver."""
     from plexrl.runtime.build import build_runner
+    from plexrl.runtime.config import RuntimeConfig
     from plexrl.runtime.inline import InlineExecutor
 
     first = loaded[0].config
@@ -52,4 +53,5 @@ def run_jobs(loaded: list[LoadedJob], *, progress: bool | None = None, services:
     hooks = standard_hooks(
         Path(first.run_dir).resolve(), progress=show, mlflow=any(j.config.tracking.mlflow for j in loaded)
     )
-    return build_runner(InlineExecutor(services=services), hooks).run(specs)
+    section = RuntimeConfig.model_validate({"driver": "local"})
+    return build_runner(section, hooks, InlineExecutor(services=services)).run(specs)

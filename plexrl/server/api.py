@@ -255,20 +255,18 @@ def server_runner(
     cfg: ServerConfig, executor: Any = None, hooks: list[Any] | None = None, *, more_hooks: Sequence[Any] = (),
     **parts: Any,
 ) -> Any:  # fmt: skip
-    """The server's `Runner`, built whole from its config (over `executor`, default the config's): it forgets
-    ended jobs (weeks of them live on in the journal and MLflow, not in memory), its timeline drops each job's
-    spans once written, and it orders by user first (`fair_share`) with service seconds decayed over
-    `share_half_life_s`. `hooks`, then `more_hooks`: after the standard ones (tests; the controller's journal
-    hook); `parts` (`on_closed`, `checkpoint_at`): the controller's (`controller.RunnerFactory`)."""
-    from plexrl.cluster import make_runner
+    """The server's `Runner`, built whole from its `cluster:` section (`runtime.build.build_runner`; over
+    `executor`, default the section's): it forgets ended jobs (weeks of them live on in the journal and MLflow,
+    not in memory) and its timeline drops each job's spans once written. `hooks`, then `more_hooks`: after the
+    standard ones (tests; the controller's journal hook); `parts` (`on_closed`, `checkpoint_at`): the
+    controller's (`controller.RunnerFactory`)."""
+    from plexrl.runtime.build import build_runner
     from plexrl.runtime.jobs import standard_hooks
 
     run_dir = Path(cfg.run_dir).resolve()
     standard = standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow, keep_ended=False)
-    return make_runner(
-        cfg.cluster(), [*standard, *(hooks or []), *more_hooks], executor, fair_share=cfg.fair_share,
-        share_half_life_s=cfg.share_half_life_s, forget_ended=True, **parts,
-    )  # fmt: skip
+    hooks = [*standard, *(hooks or []), *more_hooks]
+    return build_runner(cfg.cluster, hooks, executor, forget_ended=True, **parts)
 
 
 def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any = None) -> RunningServer:

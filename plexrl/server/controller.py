@@ -50,6 +50,7 @@ from typing import Any
 
 from plexrl.hooks.base import Hook
 from plexrl.job.spec import JobRun
+from plexrl.planner import Planner
 from plexrl.runtime.runner import Runner
 from plexrl.server.admission import Admission
 from plexrl.server.journal import JobEntry, Journal
@@ -121,16 +122,20 @@ class JournalHook(Hook):
 
 RunnerFactory = Callable[..., Runner]
 """Builds the server's runner, whole: the controller calls it once, as `factory(more_hooks=[...],
-on_closed=..., checkpoint_every=..., checkpoint_at=...)` (the last two with checkpoints only), and gets a
+on_closed=..., checkpoint_at=...)` (the last with checkpoints only; how often is each job's plan's), and gets a
 `Runner` with those hooks after its own and those callbacks (`api.server_runner` is the server's; `runner_of`
 makes one from `Runner`'s arguments)."""
 
 
-def runner_of(executor: Any, *, hooks: list[Hook] | None = None, **options: Any) -> RunnerFactory:
-    """The factory of `Runner(executor, hooks=[*hooks, *more_hooks], **options, on_closed=..., checkpoint_at=...)`."""
+def runner_of(
+    executor: Any, *, planner: dict[str, Any] | None = None, hooks: list[Hook] | None = None, **options: Any
+) -> RunnerFactory:
+    """The factory of `Runner(executor, Planner(clock=executor.clock, **planner), hooks=[*hooks, *more_hooks],
+    **options, on_closed=..., checkpoint_at=...)` (tests: a runner over any executor with any policies)."""
 
     def build(more_hooks: Sequence[Hook] = (), **parts: Any) -> Runner:
-        return Runner(executor, hooks=[*(hooks or []), *more_hooks], **options, **parts)
+        plan = Planner(clock=executor.clock, **(planner or {}))
+        return Runner(executor, plan, hooks=[*(hooks or []), *more_hooks], **options, **parts)
 
     return build
 
@@ -166,8 +171,9 @@ class Controller:
         self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
         hook = JournalHook(journal, self._cancel_in_runner, self._costs, checkpoint_every, checkpoint_dir, self._lock)
-        ckpt: dict[str, Any] = {"checkpoint_every": checkpoint_every, "checkpoint_at": hook.checkpoint_path}
-        self.runner = runner(more_hooks=[hook], on_closed=self._closed, **(ckpt if checkpoint_every else {}))
+        self.checkpoint_every = checkpoint_every or 0  # every job's plan gets it (`JobSpec.checkpoint_every`)
+        ckpt: dict[str, Any] = {"checkpoint_at": hook.checkpoint_path} if checkpoint_every else {}
+        self.runner = runner(more_hooks=[hook], on_closed=self._closed, **ckpt)
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
         self._wake = threading.Condition(self._lock)  # the preparation threads wait on it for work
@@ -323,7 +329,10 @@ class Controller:
         job_id = entry.job_id
         try:
             spec = self.prepare(entry, cancel=cancel) if self._takes_cancel else self.prepare(entry)
-            if entry.checkpoint is not None and "resume_costs" in getattr(spec, "__dataclass_fields__", {}):
+            fields = getattr(spec, "__dataclass_fields__", {})
+            if self.checkpoint_every and "checkpoint_every" in fields:  # the server's cadence, in the job's plan
+                spec = dataclasses.replace(spec, checkpoint_every=self.checkpoint_every)
+            if entry.checkpoint is not None and "resume_costs" in fields:
                 spec = dataclasses.replace(spec, resume_costs=self.journal.checkpoint_costs(job_id))
         except Exception as exc:
             if cancel.is_set():  # cancelled (the journal says so) or the server stops (the job stays queued)

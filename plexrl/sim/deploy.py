@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.planner import ORDERINGS, NodePlan, placement_policy
+from plexrl.planner import ORDERINGS, NodePlan, Planner, placement_policy
 from plexrl.planner.events import Placement
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
@@ -322,10 +322,8 @@ def run_deployment(
     # commits a service's next node before the running one ends, so a node that becomes ready meanwhile
     # (a 5 s weight sync that would free its job for a 500 s rollout) cannot overtake it
     spans = _TailSpans()
-    runner = Runner(
-        ex, hooks=[spans], placement=placement, ordering=ordering,
-        budgets=Budgets(device=device_budget(acc, eff, dep.kind)),
-    )  # fmt: skip
+    planner = Planner(clock=ex.clock, placement=placement, ordering=ordering)
+    runner = Runner(ex, planner, hooks=[spans], budgets=Budgets(device=device_budget(acc, eff, dep.kind)))
     runs = runner.run(jobs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
     if bad:
