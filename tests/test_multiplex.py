@@ -43,7 +43,7 @@ def learning_job(run_dir: Path, name: str, seed: int, iterations: int = 3) -> di
          "inputs": {"rollouts": "rollout", "rewards": "verify"}},
         {"name": "advantage", "op": "grpo_advantage", "inputs": {"rollouts": "rollout", "rewards": "shaped"}},
         {"name": "ref", "op": "logprob", "inputs": {"rollouts": "rollout"}, "params": {"which": "reference"}},
-        {"name": "train", "op": "train", "params": {"kl_coef": 0.05},
+        {"name": "train", "op": "train", "params": {"kl": {"coef": 0.05}},
          "inputs": {"rollouts": "rollout", "advantages": "advantage", "ref_logprobs": "ref"}},
         {"name": "evaluate", "op": "evaluate", "after": ["train"], "every": 2, "params": {"size": 16}},
     ]}  # fmt: skip

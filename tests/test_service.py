@@ -26,7 +26,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> JobSpec:
     cfg: dict[str, Any] = copy.deepcopy(TINY)
     cfg["run_dir"] = str(tmp_path_factory.mktemp("svc") / "runs")
     cfg["tracking"]["mlflow"] = False
-    cfg["pipeline"]["params"]["kl_coef"] = 0.05  # a reference copy is part of the state too
+    cfg["pipeline"]["params"]["kl"] = {"coef": 0.05}  # a reference copy is part of the state too
     return prepare_job(load_job(cfg))
 
 
