@@ -165,13 +165,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
         hooks.append(tracker)
     runner = build_runner(cfg, [*hooks, *extra])
     runs = runner.run(specs)
-    p = runner.planner
-    counts = {
-        "sent_ahead": p.sent_ahead,
-        "held_ahead": p.held_ahead,
-        "groups_sent": p.groups_sent,
-        "grouped_nodes": p.grouped_nodes,
-    }
+    counts = runner.planner.counts()
     log.info(
         "planner: %(sent_ahead)d nodes sent ahead (%(held_ahead)d times held back), %(groups_sent)d groups of "
         "%(grouped_nodes)d rollouts",

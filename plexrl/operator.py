@@ -48,7 +48,7 @@ class OpContext:
 
     `engine` is the job's `Engine` on its service; None for cpu nodes. `seed(*keys)` derives a stable
     seed from the job seed, the iteration, the node and any extra keys, so that results do not depend on
-    what other jobs run in between (DESIGN.md invariant 4). A chunked node runs chunk `chunk` of `chunks`
+    what other jobs run in between (docs invariant 4). A chunked node runs chunk `chunk` of `chunks`
     (then the chunk is part of every seed: each chunk samples with its own stream; chunks == 1 leaves the
     seeds of an unchunked node unchanged).
     """
@@ -97,6 +97,8 @@ def _operator_at(module: str, attr: str) -> Operator:
 
 class Operator:
     """A typed operator; call `run(ctx, inputs, params)` to execute it."""
+
+    __plexrl_role__ = "operator"  # its instances are declared operators (`plexrl.roles.is_declared`)
 
     def __init__(
         self,

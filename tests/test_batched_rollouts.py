@@ -108,8 +108,10 @@ def test_two_lora_jobs_rollouts_batched_in_one_vllm_call_sample_what_each_sample
     runs_of[True] = runner.run(specs(smol32, tmp_path / "runs"))
     planners[True] = runner.planner
     assert [r.status for r in runs_of[True]] == ["done"] * 3, [r.error for r in runs_of[True]]
-    assert planners[False].groups_sent == 0
-    assert planners[True].groups_sent >= 1 and planners[True].grouped_nodes >= 2  # rollouts ran as one call
+    assert planners[False].counts()["groups_sent"] == 0
+    assert (
+        planners[True].counts()["groups_sent"] >= 1 and planners[True].counts()["grouped_nodes"] >= 2
+    )  # rollouts ran as one call
     alone, grouped = record[False].rollouts, record[True].rollouts
     assert alone.keys() == grouped.keys() and len(alone) == 6
     for key, (ids, logprobs) in alone.items():
@@ -120,7 +122,7 @@ def test_two_lora_jobs_rollouts_batched_in_one_vllm_call_sample_what_each_sample
     # a group's members were reported consecutive shares of one call: spans that touch, not one span each
     starts = sorted(spans.spans.values())
     touching = sum(1 for (s0, e0), (s1, e1) in itertools.pairwise(starts) if e0 == s1 and e1 > s1 >= s0)
-    assert touching >= planners[True].grouped_nodes - planners[True].groups_sent
+    assert touching >= planners[True].counts()["grouped_nodes"] - planners[True].counts()["groups_sent"]
 
 
 def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatched(
@@ -143,5 +145,5 @@ def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatch
     runner = build_runner(RuntimeConfig.model_validate(section), [], executor)
     runs = runner.run(specs(smol32, tmp_path / "runs"))
     assert [r.status for r in runs] == ["done"] * 3, [r.error for r in runs]
-    assert runner.planner.groups_sent >= 1 and runner.planner.grouped_nodes >= 2
+    assert runner.planner.counts()["groups_sent"] >= 1 and runner.planner.counts()["grouped_nodes"] >= 2
     same_metrics(runs, unbatched[0])

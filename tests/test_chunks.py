@@ -5,7 +5,7 @@
   drops empty ones;
 - a job with `chunks: {rollout: 3}` runs its rollout 3 times per iteration, hands downstream nodes the whole
   batch in prompt order, forgets the parts, and logs the same metrics in two runs;
-- fidelity (DESIGN.md invariant 4): the chunked job multiplexed with another job on one service (every switch
+- fidelity (docs invariant 4): the chunked job multiplexed with another job on one service (every switch
   swaps) logs exactly what it logs alone, and the other job's node runs between two of its chunks;
 - config errors name the field and the fix.
 """

@@ -1,6 +1,6 @@
 """Many jobs on shared services, on the real stack (torch engines, real swaps, a real Dask cluster, MLflow).
 
-- fidelity (DESIGN.md invariant 4): a job that earns real rewards, multiplexed with two others on ONE
+- fidelity (docs invariant 4): a job that earns real rewards, multiplexed with two others on ONE
   service whose device memory holds a single job state (so every switch swaps, and the host budget forces
   spills to disk), produces the same per-iteration metrics AND bit-identical final weights as the job
   alone, in-process and on Dask; its own state is counted moving between tiers;

@@ -83,7 +83,7 @@ def test_spread_backfill_queues_until_predicted_load_leaves_room() -> None:
     for node in ("rollout", "verify", "advantage"):
         assert not any(isinstance(i, PlaceJob) for i in p.handle(NodeFinished("a", 0, node, duration=0.01)))
     out = p.handle(NodeFinished("a", 0, "train", duration=0.01))
-    assert PlaceJob("c", "s0", "device") in out and p.jobs["c"].status == "placed"
+    assert PlaceJob("c", "s0", "device") in out and p.jobs["c"].status == "running"
 
 
 def test_swaps_and_prefetch_follow_the_device_budget() -> None:

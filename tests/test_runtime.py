@@ -139,5 +139,5 @@ def test_state_measured_frees_room_for_a_queued_job() -> None:
     out = p.handle(JobSubmitted("b", JobPlan(nodes, 1, ("s",), state_bytes=40)))
     assert p.jobs["b"].status == "queued"
     out = p.handle(StateMeasured("s0", "a", 50))  # the estimate was an upper bound
-    assert p.jobs["b"].status == "placed" and any(getattr(i, "job_id", "") == "b" for i in out)
+    assert p.jobs["b"].status == "running" and any(getattr(i, "job_id", "") == "b" for i in out)
     assert p.handle(StateMeasured("s0", "a", 90)) == [] and p.services["s0"].state.size["a"] == 50  # no room

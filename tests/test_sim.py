@@ -73,7 +73,7 @@ def test_a_service_runs_one_thing_at_a_time_and_cpu_slots_bound_the_pool(tmp_pat
     )
     runs = runner.run(grpo_like_jobs(6, (3, 5), seed=1))
     assert all(r.status == "done" for r in runs)
-    assert runner.planner.sent_ahead > 0  # nodes were sent to busy services
+    assert runner.planner.counts()["sent_ahead"] > 0  # nodes were sent to busy services
     lanes = service_spans(timeline.spans)
     assert {s.kind for spans in lanes.values() for s in spans} == {"node", "swap", "load"}
     for lane, spans in lanes.items():  # nodes, swaps and loads of one service never overlap

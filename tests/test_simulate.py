@@ -23,7 +23,8 @@ from plexrl.runtime.sim import GB, SeededCosts, SimExecutor, SimJob
 from plexrl.sim.calibrate import fit, predict
 from plexrl.sim.config import LengthDist, Scenario, Trace, load_sim, parse_sim
 from plexrl.sim.costs import Decoder, SampledCosts, draw_lengths, rollout_samples, train_seconds, train_state_bytes
-from plexrl.sim.deploy import job_graph, run_deployment, run_scenario
+from plexrl.sim.deploy import job_graph, run_deployment
+from plexrl.sim.scenario import run_scenario
 from plexrl.sim.trace import alone_seconds, arrivals, class_tables, run_policy, trace_jobs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -133,7 +133,7 @@ def test_on_dask_a_sliced_job_multiplexed_logs_what_it_logs_alone_and_lets_the_o
     executor = DaskExecutor(services=1, cpu_threads=1, validate=True)
     runner = Runner(executor, Planner(clock=executor.clock, validate=True, lookahead=True), budgets=Budgets())
     (a, _b), starts = run_jobs(cfgs, runner)
-    assert stable(a.history) == stable(alone.history)  # DESIGN.md invariant 4, with slices
+    assert stable(a.history) == stable(alone.history)  # docs invariant 4, with slices
     assert other_job_between_slices(starts), starts.starts
 
 

@@ -86,7 +86,8 @@ def begin(
 ) -> Decoding:
     """Left-pad the `n` copies of each prompt, run the prefill on `engine.policy` and return the generation
     before its first decode step (arguments as `Engine.generate`)."""
-    from plexrl.engines.torch_engine import _cache_kw, positions
+    from plexrl.engines.steps import cache_kw as _cache_kw
+    from plexrl.engines.steps import positions
 
     rows = [p for p in prompts for _ in range(n)]
     N, Lp = len(rows), max(len(p) for p in prompts)
@@ -112,7 +113,8 @@ def begin(
 @torch.no_grad()
 def advance(engine: Any, d: Decoding, max_steps: int | None = None) -> Decoding:
     """Run at most `max_steps` decode steps of `d` (None: until it is finished) on `engine`; returns `d`."""
-    from plexrl.engines.torch_engine import _cache_kw, nucleus
+    from plexrl.engines.steps import cache_kw as _cache_kw
+    from plexrl.engines.steps import nucleus
 
     kw = _cache_kw(engine.policy)
     taken = 0

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plexrl.engines.base import GenerationOutput
+from plexrl.engines.steps import row_seed as row_seed
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -145,11 +146,6 @@ def generator_key(model_dir: str | Path, max_model_len: int | None = None, block
         + ("" if max_model_len is None else f"-len{max_model_len}")
         + ("" if block_size is None else f"-block{block_size}")
     )
-
-
-def row_seed(seed: int, row: int) -> int:
-    """The vLLM seed of row `row` of a generate call seeded with `seed` (rows of one prompt are consecutive)."""
-    return (seed * 1_000_003) % (2**31 - 2**20) + row
 
 
 @contextlib.contextmanager

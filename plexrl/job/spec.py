@@ -7,7 +7,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from plexrl.errors import ConfigError
 from plexrl.graph import PipelineGraph
@@ -16,6 +16,7 @@ from plexrl.job.config import JobConfig
 from plexrl.job.load import LoadedJob
 from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
 from plexrl.planner.events import JobPlan, NodePlan, RetryPlan
+from plexrl.planner.records import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class JobSpec:
     user: str = ""  # who submitted it (a server's fair-share ordering)
     resume_costs: dict[str, float] = field(default_factory=dict)  # the cost model's node times at the checkpoint
     checkpoint_every: int = 0  # checkpoint it on its service after every k-th iteration (a server's; 0: never)
+    attempt: int = 1  # its placement count with this one (a server's journal: a resumed job's is > 1)
+    attempts: int = 1  # placements in all: a job of a lost service is placed again while attempt < attempts
 
     def plan(self) -> JobPlan:
         """The planner's view of this job's pipeline (`JobPlan.of`, the one construction of a plan). Iterations
@@ -69,7 +72,7 @@ class JobSpec:
             nodes, self.config.iterations, order=tuple(self.graph.order), baseline=tuple(self.baseline_nodes()),
             first_iteration=self.first_iteration, state_bytes=self.state_bytes(), engine=self.engine(),
             user=self.user, costs=self.resume_costs, retry=retry, batch=self.batch_limit(),
-            checkpoint_every=self.checkpoint_every,
+            checkpoint_every=self.checkpoint_every, attempt=self.attempt, attempts=self.attempts,
         )  # fmt: skip
 
     def batch_limit(self) -> int:
@@ -143,10 +146,6 @@ class JobSpec:
         return None
 
 
-# a job's status, one vocabulary for its record (`JobRun`) and the server's journal (`journal_records.JobState`)
-JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
-
-
 @dataclass(slots=True, eq=False)
 class JobRun:
     """What happened to one job: the client's record, owned by the runner (hooks may read it and add their
@@ -163,7 +162,9 @@ class JobRun:
     submitted_at: float | None = None
     started_at: float | None = None  # placed on a service
     finished_at: float | None = None
-    service_lost: bool = False  # it failed because its service was lost (a server may resume it elsewhere)
+    service_lost: bool = False  # it failed because its service was lost
+    again: bool = False  # ... and the planner places it again (`FailJob.again`): its server resumes it elsewhere
+    held: str = ""  # why the planner holds it queued for its user's limits ("" : it does not)
 
     @property
     def job_id(self) -> str:

@@ -1,9 +1,10 @@
 """A job joining and leaving its service, as pure helpers of `core.Planner`:
 
-- `admissions`: for each queued job in order, whether it can never be placed (its state and engine exceed
-  every service's device budget), stays queued (the placement policy said no), or goes to a service, whose
-  `StateManager` has admitted its state (the tier it landed in). A generator: the planner places each job
-  before the next one is weighed, so later views see the jobs, loads and free memory that placement changed;
+- `admissions`: for each queued job in order, whether it is held by its user's limits (`admission.py`), can
+  never be placed (its state and engine exceed every service's device budget), stays queued (the placement
+  policy said no), or goes to a service, whose `StateManager` has admitted its state (the tier it landed in).
+  A generator: the planner places each job before the next one is weighed, so later views (and the users'
+  running counts) see the jobs, loads and free memory that placement changed;
 - `leave`: drop an ended job from its service's queue, running, group and sent-ahead slots, states and pointers.
 """
 
@@ -26,6 +27,7 @@ class Admission:
     target: str | None = None  # None: stays queued (or `problem`)
     tier: Tier | None = None  # where the target's StateManager put its state (None there: it did not fit)
     problem: str = ""  # why it can never be placed (it fails)
+    held: str = ""  # why its user's limits hold it (it stays queued, `admission.held`)
 
 
 def admissions(
@@ -34,13 +36,21 @@ def admissions(
     alive: Sequence[ServiceRecord],
     placement: PlacementPolicy,
     job_load: Callable[[str], float],
+    hold: Callable[[str], str | None] = lambda job_id: None,
+    squeeze: Callable[[str], bool] = lambda job_id: False,
 ) -> Iterator[Admission]:
-    """Weigh every job of `pending` in order (see the module docstring); `alive` is not empty."""
+    """Weigh every job of `pending` in order (see the module docstring); `alive` is not empty. `hold(job)`: why
+    its user's limits hold it now (None: they do not); `squeeze(job)`: the placement's no does not keep it out,
+    it goes to the least loaded service that holds its state (`admission.squeeze`)."""
     load = {s.service_id: sum(job_load(j) for j in s.jobs) for s in alive}
     by_id = {s.service_id: s for s in alive}
     views: dict[tuple[int, tuple[str, int] | None], list[ServiceView]] = {}  # `fits` depends only on these
     largest = max(math.inf if s.state.budgets["device"] is None else s.state.budgets["device"] for s in alive)
     for job_id in pending:
+        why = hold(job_id)
+        if why is not None:
+            yield Admission(job_id, held=why)
+            continue
         job = jobs[job_id]
         nbytes, engine = job.plan.state_bytes, job.plan.engine
         need = nbytes + (engine[1] if engine else 0)
@@ -59,6 +69,9 @@ def admissions(
             ]
         mine = job_load(job_id)
         target = placement.place(job_id, mine, views[nbytes, engine])
+        if target is None and squeeze(job_id):
+            room = [v for v in views[nbytes, engine] if v.fits]
+            target = min(room, key=lambda v: (v.load, v.jobs, v.service_id)).service_id if room else None
         if target is None:
             yield Admission(job_id)
             continue

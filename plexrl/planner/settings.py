@@ -5,10 +5,10 @@ one such section: the runner receives the planner built, nothing is copied field
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from plexrl.planner.policies import ORDERINGS, FairShare, OrderingPolicy, PlacementPolicy, placement_policy
+from plexrl.planner.admission import UserLimits
+from plexrl.planner.policies import ORDERINGS, FairShare, placement_policy
 from plexrl.planner.shares import Usage
 
 INLINE_BELOW_S = 0.01  # on Dask, a cpu node observed shorter than this runs next to its inputs (a round trip)
@@ -47,31 +47,26 @@ class PlannerSettings(Protocol):
     @property
     def validate_state(self) -> bool: ...
 
+    @property
+    def max_jobs_per_user(self) -> int | None: ...
 
-@dataclass(frozen=True, slots=True)
-class Policies:
-    """A planner's policies, resolved from settings (the keyword arguments of `Planner`)."""
-
-    placement: PlacementPolicy
-    ordering: OrderingPolicy
-    usage: Usage
-    lookahead: bool
-    hold_ahead: bool | None
-    inline_below: float | None
-    batch_rollouts: bool
-    validate: bool
+    @property
+    def max_share_per_user(self) -> float | None: ...
 
 
-def policies_of(section: PlannerSettings) -> Policies:
-    """`placement` (capped at `max_load` where it is load-aware), `ordering` (by user first with `fair_share`,
-    service seconds decayed over `share_half_life_s`); on Dask, where the round trip costs milliseconds, each
-    service gets its next node early (`lookahead`, held back as `hold_ahead` says) and cpu nodes shorter than
-    a round trip run next to their inputs. On the in-process driver neither: nothing is gained."""
+def policies_of(section: PlannerSettings) -> dict[str, Any]:
+    """The keyword arguments of `Planner` for a runtime section: `placement` (capped at `max_load` where it is
+    load-aware), `ordering` (by user first with `fair_share`, service seconds decayed over `share_half_life_s`);
+    on Dask, where the round trip costs milliseconds, each service gets its next node early (`lookahead`, held
+    back as `hold_ahead` says) and cpu nodes shorter than a round trip run next to their inputs (on the
+    in-process driver neither: nothing is gained). Per user (`admission.py`): `max_jobs_per_user` and
+    `max_share_per_user` hold a user's further queued jobs; with `fair_share` the queued jobs are weighed users
+    first."""
     order = ORDERINGS[section.ordering]()
     if section.fair_share:
         order = FairShare(order)
     dask = section.driver == "dask"
-    return Policies(
+    return dict(
         placement=placement_policy(section.placement, section.max_load),
         ordering=order,
         usage=Usage(section.share_half_life_s),
@@ -80,7 +75,9 @@ def policies_of(section: PlannerSettings) -> Policies:
         inline_below=INLINE_BELOW_S if dask else None,
         batch_rollouts=section.batch_rollouts,
         validate=section.validate_state,
+        user_limits=UserLimits(section.max_jobs_per_user, section.max_share_per_user),
+        fair_admission=section.fair_share,
     )
 
 
-__all__ = ["INLINE_BELOW_S", "PlannerSettings", "Policies", "policies_of"]
+__all__ = ["INLINE_BELOW_S", "PlannerSettings", "policies_of"]

@@ -11,7 +11,7 @@ metrics and durations); when the planner closes an iteration, the carrier assemb
 the hooks and tells the executor to drop the outputs. A checkpoint is the planner's work too (`RunCheckpoint`,
 `JobPlan.checkpoint_every`): the carrier asks `checkpoint_at` where it goes, has the executor write it on the
 job's service, and reports its end (`CheckpointFinished`). Anything that goes wrong with one job (its load, a
-node's submission, a swap) fails that job only (DESIGN.md invariant 5): `fail` returns the `JobFailed` event
+node's submission, a swap) fails that job only (docs invariant 5): `fail` returns the `JobFailed` event
 for the planner, and the job's later instructions are dropped until the planner's `FailJob` comes back.
 
 The loop thread's alone: no lock (other threads reach the loop through its inbox).
@@ -32,6 +32,7 @@ from plexrl.planner import (
     IterationDone,
     JobDone,
     JobFailed,
+    JobHeld,
     JobSubmitted,
     PlaceJob,
     Planner,
@@ -82,6 +83,7 @@ class Carrier:
             RunCheckpoint: self._checkpoint,
             JobDone: self._job_done,
             FailJob: self._job_failed,
+            JobHeld: self._job_held,
         }
 
     # -- instructions in ------------------------------------------------------------------------------
@@ -198,9 +200,14 @@ class Carrier:
         self._end_job(run, "done", "", ins.service_id)
         return []
 
+    def _job_held(self, run: JobRun, ins: JobHeld) -> list[Event]:
+        run.held = ins.reason
+        self.hooks.on_job_held(run, ins.reason)
+        return []
+
     def _job_failed(self, run: JobRun, ins: FailJob) -> list[Event]:
         self.failing.discard(run.job_id)
-        run.service_lost = ins.service_lost
+        run.service_lost, run.again = ins.service_lost, ins.again
         self._end_job(run, "cancelled" if ins.cancelled else "failed", ins.reason, ins.service_id)
         return []
 

@@ -162,6 +162,16 @@ class RuntimeConfig(DaskNetwork):
     share_half_life_s: float = Field(
         3600.0, gt=0, description="Half-life of the service seconds counted for fair share and quotas."
     )
+    max_jobs_per_user: int | None = Field(
+        None, ge=1, description="Jobs of one user running at once; more wait queued, with the reason shown."
+    )
+    max_share_per_user: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Quota: a user whose jobs use this share (0-1] of the cluster's accelerator-seconds (recent, "
+        "decayed with `share_half_life_s`) gets no further job in until it falls; one job always goes in.",
+    )
     validate_state: bool = Field(False, description="Planner invariants after every event and state checksums.")
 
     @model_validator(mode="after")

@@ -84,12 +84,15 @@ class SimJob:
     first_iteration: int = 0
     user: str = ""  # who submitted it (fair-share ordering)
     checkpoint_every: int = 0  # checkpoint it on its service after every k-th iteration (a server's; 0: never)
+    attempt: int = 1  # its placement count with this one (a server's)
+    attempts: int = 1  # placements in all (a job of a lost service is placed again while attempt < attempts)
 
     def plan(self) -> JobPlan:
         """Its plan, built as every spec's is (`JobPlan.of`)."""
         return JobPlan.of(
             self.nodes, self.iterations, order=self.order, baseline=self.baseline, state_bytes=self.state_bytes,
             user=self.user, first_iteration=self.first_iteration, checkpoint_every=self.checkpoint_every,
+            attempt=self.attempt, attempts=self.attempts,
         )  # fmt: skip
 
     def inputs(self, node: str) -> dict[str, str]:

@@ -292,8 +292,7 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         )
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
-        max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,
-        max_share_per_user=cfg.max_share_per_user, prepare_workers=cfg.prepare_workers,
+        max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,
     )  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -57,16 +57,6 @@ class ServerConfig(StrictModel):
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest request body accepted.")
     mlflow: bool = Field(True, description="Track every job in MLflow (a run per job, per attempt).")
-    max_jobs_per_user: int | None = Field(
-        None, ge=1, description="Jobs of one user handed to the runner at once; more wait, with the reason shown."
-    )
-    max_share_per_user: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="Quota: a user whose jobs use this share (0-1] of the cluster's accelerator-seconds (recent, "
-        "decayed with `share_half_life_s`) gets no further job in until it falls; one job always goes in.",
-    )
     checkpoint_every: int | None = Field(
         None,
         ge=1,
@@ -78,8 +68,8 @@ class ServerConfig(StrictModel):
         3,
         ge=1,
         le=100,
-        description="Placements of one job in all: a job whose service is lost is placed again (from its latest "
-        "checkpoint) until it has had this many.",
+        description="Placements of one job in all (every job's plan carries it): the planner places a job whose "
+        "service is lost again (from its latest checkpoint) until it has had this many.",
     )
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go (default: a `checkpoints` folder next to the journal)."

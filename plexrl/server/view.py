@@ -211,12 +211,13 @@ class ClusterView(Hook):
         return float(self._runner().clock())
 
     def _copy_planner(self) -> None:
-        """Copy each service's waiting nodes and the jobs waiting for room (the runner's thread: safe)."""
+        """Copy each service's waiting nodes and the jobs waiting for room, through the planner's read API
+        (`Planner.view`, on the runner's thread)."""
         planner = getattr(self._runner(), "planner", None)
         if planner is None:
             return
-        waiting = {sid: tuple((q.job_id, q.node) for q in rec.queue) for sid, rec in planner.services.items()}
-        unplaced = frozenset(j for j, rec in planner.jobs.items() if rec.status == "queued")
+        view = planner.view()
+        waiting, unplaced = view.waiting(), view.unplaced()
         with self._lock:
             self._waiting, self._unplaced = waiting, unplaced
 
