@@ -38,9 +38,9 @@ def test_an_nccl_group_aborts_its_communicator_instead_of_killing_the_worker_and
     nccl = group_plan("nccl")
     # torch's default (3) tears the whole Dask worker down at a collective timeout: every job on it is lost
     assert nccl.env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-    assert nccl.side == "gloo" and nccl.broken_teardown == "abort"
+    assert nccl.side == "gloo" and nccl.broken_teardown == "abort" and nccl.bind_device
     gloo = group_plan("gloo")
-    assert gloo.env == {} and gloo.side == "gloo" and gloo.broken_teardown == "destroy"
+    assert gloo.env == {} and gloo.side == "gloo" and gloo.broken_teardown == "destroy" and not gloo.bind_device
 
 
 def test_the_error_exchange_runs_over_the_gloo_side_group(rank: RankState) -> None:

@@ -82,13 +82,14 @@ class GroupPlan:
     env: Mapping[str, str] = field(default_factory=dict)
     side: str = "gloo"
     broken_teardown: Literal["abort", "destroy"] = "destroy"
+    bind_device: bool = False  # init_process_group(device_id=...): the communicator made at once, on this GPU
 
 
 def group_plan(backend: str) -> GroupPlan:
     """The choices a worker group makes for `backend` (a plain function: a CPU test checks what an NCCL group
     would get)."""
     if backend == "nccl":
-        return GroupPlan(env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, broken_teardown="abort")
+        return GroupPlan(env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, broken_teardown="abort", bind_device=True)
     return GroupPlan()
 
 
@@ -125,6 +126,15 @@ def reset_distributed(abort: bool = False) -> None:
         c10d._world.group_count = 0
 
 
+def rank_device(device: str) -> Any:
+    """The CUDA device a rank binds its communicator to: `device`'s index, else the current one (a rank's
+    worker sees one GPU, `CUDA_VISIBLE_DEVICES`: cuda:0)."""
+    import torch
+
+    d = torch.device(device)
+    return d if d.index is not None else torch.device(d.type, torch.cuda.current_device())
+
+
 def join(spec: GroupSpec, rank: int, device: str) -> RankState:
     """Form (this rank's side of) the group: blocks until all `spec.world` ranks joined, or raises
     `GroupBroken` after `spec.timeout_s`. Any earlier membership of this process is left first."""
@@ -138,10 +148,11 @@ def join(spec: GroupSpec, rank: int, device: str) -> RankState:
     os.environ.update(plan.env)  # read when the process group is made
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     start = time.monotonic()
+    bound: dict[str, Any] = {"device_id": rank_device(device)} if plan.bind_device else {}
     try:
         dist.init_process_group(
             spec.backend, init_method=f"tcp://{spec.host}:{spec.port}", rank=rank, world_size=spec.world,
-            timeout=timeout,
+            timeout=timeout, **bound,
         )  # fmt: skip
         side = dist.new_group(backend=plan.side, timeout=timeout)  # every rank makes it, in the same order
         mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (spec.world,))
