@@ -265,10 +265,10 @@ def race(model: Path, cpu: bool, repeats: int, control: int) -> None:
         train(svc.engines["b"], 10_000)  # b's AdamW moments exist, then it leaves the device
         svc.node_end(["b"], None)
         svc.apply([Move("b", "device", "host", 0)])
-        state = sw_nbytes(svc, "a")
         t0 = time.perf_counter()
         results[label] = race_rounds(svc, rounds, 0)
         seconds = time.perf_counter() - t0
+        state = sw_nbytes(svc, "a")  # with its AdamW moments
         rep = svc.report()
         print(f"{label}: {rounds} rounds, state {size(state)} (loaded {size(nbytes)}), "
               f"torn host copies of a: {results[label][0]}, rounds where b's state changed: {results[label][1]}, "
