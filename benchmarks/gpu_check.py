@@ -80,7 +80,7 @@ def build(out: Path, cpu: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from plexrl.models import build_tokenizer
+    from plexrl.job.models import build_tokenizer
 
     hf_logging.disable_progress_bar()
     shape = TINY if cpu else SMOL
@@ -149,8 +149,8 @@ def job_config(model: Path, name: str, run_dir: Path, **model_opts: Any) -> dict
 
 
 def job_spec(cfg: dict[str, Any]) -> Any:
-    from plexrl.config import load_job
-    from plexrl.job import prepare_job
+    from plexrl.job.load import load_job
+    from plexrl.job.spec import prepare_job
 
     return prepare_job(load_job(cfg))
 

@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    from plexrl.config import ModelConfig
-    from plexrl.models import build_model, build_tokenizer
+    from plexrl.job.model_config import ModelConfig
+    from plexrl.job.models import build_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("gpu-model")
     tok = build_tokenizer(path)
@@ -38,8 +38,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
 
 def spec(tmp_path: Path, name: str, **model: Any) -> Any:
-    from plexrl.config import load_job
-    from plexrl.job import prepare_job
+    from plexrl.job.load import load_job
+    from plexrl.job.spec import prepare_job
 
     cfg: dict[str, Any] = copy.deepcopy(TINY)
     cfg.update(name=name, run_dir=str(tmp_path / "runs"), engine="torch")

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from conftest import TINY, Clock
 
-from plexrl.config import load_job
-from plexrl.job import JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobSpec, prepare_job
 from plexrl.planner.state import Move
 from plexrl.services.service import Service
 from plexrl.services.streams import HostOrder, RecordingOrder, stream_order
