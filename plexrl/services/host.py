@@ -131,6 +131,7 @@ class HostPool:
         self._idle: list[Tensor] = []  # freed buffers kept for reuse
         self._held: dict[int, int] = {}  # data_ptr -> bytes held for it (pages covered)
         self._largest = 0
+        self._warned = False
         self.held_bytes = 0  # host bytes held: buffers in use + kept
         self.peak_bytes = 0
         self.made = 0  # buffers allocated (each one page-locking when pinned)
@@ -162,7 +163,8 @@ class HostPool:
             self.held_bytes += held
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self.made += 1
-            if self.limit is not None and self.held_bytes > self.limit:
+            if self.limit is not None and self.held_bytes > self.limit and not self._warned:
+                self._warned = True  # once: the planner budgets data bytes, the pool holds pages and padding
                 log.warning("host buffers hold %d bytes, over the host budget of %d (alignment padding or a "
                             "state larger than planned)", self.held_bytes, self.limit)  # fmt: skip
         return buf
