@@ -411,7 +411,7 @@ def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=["build", "env", "race", "iteration", "nccl1", "mux"])
+    ap.add_argument("part", nargs="?", choices=["build", "env", "race", "iteration", "nccl1", "mux"])
     ap.add_argument("model", nargs="?", type=Path, help="the model directory (`build` writes it)")
     ap.add_argument("--cpu", action="store_true", help="on the CPU with the tiny model (a dry run)")
     ap.add_argument("--repeats", type=int, default=20, help="race: rounds with the service's order")
@@ -420,10 +420,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--lora", action="store_true", help="iteration: a LoRA job (r 16)")
     ap.add_argument("--jobs", type=int, default=3, help="mux: jobs on the one service")
     ap.add_argument("--iterations", type=int, default=2, help="mux: iterations per job")
+    ap.add_argument("--smoke", action="store_true", help="build a tiny model and run the race on the CPU (tests)")
     args = ap.parse_intermixed_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if args.smoke:  # the whole check's dry run is tests/test_gpu_check.py's (gpu_check.sh run --cpu)
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="plexrl-gpu-check-") as tmp:
+            os.environ.setdefault("GPU_CHECK_WORK", tmp)
+            build(Path(tmp) / "model", cpu=True)
+            race(Path(tmp) / "model", cpu=True, repeats=2, control=1)
+        return
+    if args.part is None:
+        ap.error("name a part (or --smoke)")
     if args.part not in ("env",) and args.model is None:
         ap.error(f"{args.part} needs the model directory")
     if args.part == "build":
