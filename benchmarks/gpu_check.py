@@ -14,15 +14,16 @@ real shape with random weights, built here in seconds, stands in for the real on
 `--cpu` on any part: the same code on the CPU with a tiny model (the script's dry run, and the test suite's).
 Each part prints what it measured and exits 0, or names what failed and exits 1.
 
-race: two jobs' engines on one CUDA service. Repeated: a train step of job a (its optimizer kernels still
-queued when the step returns), a reference copy of a's state enqueued on the compute stream right after it
-(ordered after the step by the stream itself), the service's node end, then AT ONCE a background eviction of a
-and a background swap-in of b on the copy stream (the allocator may hand b a's freed blocks); then a full
-synchronize and two comparisons: a's host copy against the reference (a torn copy: B1's first effect) and b's
-swapped-in state against b's state when it was evicted (an overwritten block: B1's second). Then the swaps
-back. `--control N` first runs N rounds with the ordering switched off (the code before the fix: no event
-wait, no record_stream, no wait at the node's end) and reports how many were torn: the check's own control,
-informational (a race need not show in a few rounds).
+race: two jobs' engines on one CUDA service. Repeated: a train step of job a and a tail of device work that
+writes a's state after the step's last host sync (10 passes of +1/-1 over the 1.6 GB: a node whose kernels
+outlive its return), a reference copy of a's state enqueued on the compute stream after them (ordered by the
+stream itself), the service's node end, then AT ONCE a background eviction of a and a background swap-in of b
+on the copy stream (the allocator may hand b a's freed blocks); then a full synchronize and two comparisons:
+a's host copy against the reference (a torn copy: B1's first effect) and b's swapped-in state against its state
+when it left the device (an overwritten block: B1's second). Then the swaps back. `--control N` first runs N
+rounds with the ordering switched off (the code before the fix: no event wait, no record_stream, no wait at the
+node's end) and reports how many tore: the check's own control, informational (it shows that the comparison
+can see the race on this machine).
 """
 
 from __future__ import annotations
@@ -216,18 +217,31 @@ def differing(layout: Any, a: torch.Tensor, b: torch.Tensor) -> list[str]:
     return [k for k in va if not torch.equal(va[k], vb[k])]
 
 
-def race_rounds(svc: Any, rounds: int, seed: int) -> tuple[int, int]:
-    """`rounds` of: train a, reference copy, node end, background evict a + swap in b, compare. Returns (torn
-    copies of a, rounds where b's state changed)."""
+def tail(live: dict[str, torch.Tensor], passes: int) -> None:
+    """Device work that writes the state after the node's last host sync (a node whose kernels outlive it:
+    `TorchEngine.train_step` itself ends on a `.item()` that waits for its optimizer step, so the tail is made
+    explicit): `passes` times +1 then -1 over every tensor, values kept bounded."""
+    tensors = [t.detach() for t in live.values() if t.is_floating_point()]
+    for _ in range(passes):
+        torch._foreach_add_(tensors, 1.0)
+        torch._foreach_add_(tensors, -1.0)
+
+
+def race_rounds(svc: Any, rounds: int, seed: int, b_ref: tuple[Any, torch.Tensor], passes: int) -> tuple[int, int]:
+    """`rounds` of: train a and its tail, a reference copy (stream-ordered after both), the node's end, then at
+    once a background eviction of a and swap-in of b; after a full synchronize, a's host copy against the
+    reference and b's state against `b_ref` (its state when it left the device). Returns (torn copies of a,
+    rounds where b's state changed)."""
     from plexrl.planner.state import Move
 
     device = svc.device
     ea = svc.engines["a"]
     torn = clobbered = 0
-    b_layout, b_ref = None, None
+    b_layout, b_flat = b_ref
     for r in range(rounds):
-        train(ea, seed + r)  # returns with the optimizer step still queued on CUDA
-        layout, ref = flat_copy(ea.state_tensors())  # compute stream: after the step
+        train(ea, seed + r)
+        tail(ea.state_tensors(), passes)  # still running on CUDA when the node "returns"
+        layout, ref = flat_copy(ea.state_tensors())  # compute stream: after the step and the tail
         svc.node_end(["a"], None)  # what run_node does when the node returns
         svc.background.queue([Move("a", "device", "host", 0), Move("b", "host", "device", 0)]).result()
         sync(device)
@@ -235,10 +249,7 @@ def race_rounds(svc: Any, rounds: int, seed: int) -> tuple[int, int]:
         assert host is not None and host.layout == layout
         torn += bool(differing(layout, host.buffer.to(device), ref))
         live_b = svc.engines["b"].state_tensors()
-        if b_ref is None:
-            b_layout, b_ref = flat_copy(live_b)
-        else:
-            clobbered += bool(differing(b_layout, flat_copy(live_b)[1], b_ref))
+        clobbered += bool(differing(b_layout, flat_copy(live_b)[1], b_flat))
         svc.background.queue([Move("b", "device", "host", 0), Move("a", "host", "device", 0)]).result()
         sync(device)
     return torn, clobbered
@@ -254,6 +265,7 @@ def race(model: Path, cpu: bool, repeats: int, control: int) -> None:
     device = device_of(cpu)
     spec = job_spec(job_config(model, "race", work_dir() / "race-runs"))
     a, b = (dataclasses.replace(spec, job_id=n) for n in ("a", "b"))
+    passes = 1 if cpu else 10
     results = {}
     for label, rounds in (("control (unordered)", control), ("service order", repeats)):
         if rounds == 0:
@@ -265,8 +277,11 @@ def race(model: Path, cpu: bool, repeats: int, control: int) -> None:
         train(svc.engines["b"], 10_000)  # b's AdamW moments exist, then it leaves the device
         svc.node_end(["b"], None)
         svc.apply([Move("b", "device", "host", 0)])
+        host_b = svc.states["b"].host
+        assert host_b is not None
+        b_ref = (host_b.layout, host_b.buffer.to(device, copy=True))
         t0 = time.perf_counter()
-        results[label] = race_rounds(svc, rounds, 0)
+        results[label] = race_rounds(svc, rounds, 0, b_ref, passes)
         seconds = time.perf_counter() - t0
         state = sw_nbytes(svc, "a")  # with its AdamW moments
         rep = svc.report()

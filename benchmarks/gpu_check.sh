@@ -15,9 +15,10 @@
 # logging to $OUT/<part>.log and one line per part to $OUT/summary.txt:
 #   build    the SmolLM2-shaped model with random weights, and a tokenizer                   (45 s)
 #   env      nvidia-smi: the GPU, PCIe generation and width (the swap bound); mem_get_info    (15 s)
-#   race     B1: 20 rounds of a train step then at once a background eviction and swap-in of another
-#            job through the service's moves (1.6 GB AdamW state); host copies and the other job's
-#            state compared after a full synchronize; 5 control rounds with the ordering off first (75 s)
+#   race     B1: 20 rounds of a train step and a tail of device work on its state, then at once a
+#            background eviction and another job's swap-in through the service's moves (1.6 GB AdamW
+#            state); host copies and the other job's state compared after a full synchronize; 5 control
+#            rounds with the ordering off first (they should tear)                               (75 s)
 #   bf16     one GRPO iteration in bf16: peak memory next to the planner's estimate          (45 s)
 #   lora     one GRPO iteration of a LoRA job, the same figures                               (45 s)
 #   nccl1    a 1-rank NCCL worker group: init, fully_shard, train, agree, broadcast, swaps    (45 s)

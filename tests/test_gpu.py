@@ -103,7 +103,11 @@ def test_background_moves_on_cuda_neither_tear_nor_overwrite_a_state(model: tupl
     assert host_b is not None and host_b.buffer.is_pinned()
     want_b = {k: v.clone() for k, v in host_b.tensors().items()}
     for r in range(5):
-        step(svc.engines["a"], batch(tok))  # its optimizer step may still run when this returns
+        step(svc.engines["a"], batch(tok))
+        state = [t.detach() for t in svc.engines["a"].state_tensors().values()]
+        for _ in range(20):  # device work on a's state still queued when the "node" returns
+            torch._foreach_add_(state, 1.0)
+            torch._foreach_add_(state, -1.0)
         ref = {k: v.detach().clone() for k, v in svc.engines["a"].state_tensors().items()}  # after it, in stream order
         svc.node_end(["a"], None)
         svc.background.queue([Move("a", "device", "host", 0), Move("b", "host", "device", 0)]).result()
