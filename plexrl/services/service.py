@@ -327,9 +327,9 @@ class Service:
         paused = paused and failed is None
         report = NodeReport(job_id, iteration, node_name, failed, start, self.clock(), swap_start, swap_end, moved,
                             self._weight_loads(job_id), measured=measured, paused=paused)  # fmt: skip
-        if failed is not None or paused or chunk < chunks - 1:
-            return NodeResult(report, None if failed or paused else out)  # a part: the last chunk
-        result = _finish(report, out)  # reports the whole node's metrics
+        if failed is not None or paused or chunk < chunks - 1:  # a part: the last chunk reports the node's metrics
+            return NodeResult(report, None if failed or paused else out)
+        result = _finish(report, out)
         if slot is not None and result.report.ok:
             result.report.metrics["slices"] = float(slot.slices)
         return result
