@@ -192,6 +192,8 @@ class FSDPEngine:
         model.train()
         bounds = torch.linspace(0, batch["input_ids"].shape[0], minibatches + 1).long().tolist()
         totals: dict[str, float] = {}
+        # the loss and grad norm summed on the device (float64: the same sums as Python floats) and read once
+        summed = torch.zeros(2, dtype=torch.float64, device=self.device)
         steps = 0
         for _ in range(epochs):
             for a, b in itertools.pairwise(bounds):
@@ -206,11 +208,15 @@ class FSDPEngine:
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
                 gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
                 self.optimizer.step()
-                for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm.detach())}.items():
-                    totals[k] = totals.get(k, 0.0) + v
+                summed += torch.stack([loss.detach().double(), _local(gnorm.detach()).double().to(self.device)])
+                for k, v in stats.items():
+                    if k not in ("loss", "grad_norm"):  # the engine's own win, as before
+                        totals[k] = totals.get(k, 0.0) + v
                 steps += 1
         self.optimizer.zero_grad(set_to_none=True)  # the sharded grads are not state: free them
         model.eval()
+        if steps:
+            totals["loss"], totals["grad_norm"] = summed.tolist()
         return {**{k: v / max(steps, 1) for k, v in totals.items()}, "steps": float(steps)}
 
     def _sync_full(self) -> None:
