@@ -110,6 +110,12 @@ def begin(
     )  # fmt: skip
 
 
+def _counts(done: Tensor, finished: Tensor) -> tuple[int, int]:
+    """(1 if every row is done else 0, finished rows still in the batch), read in ONE transfer."""
+    both: list[int] = torch.stack([done.all().long(), finished.sum()]).tolist()
+    return both[0], both[1]
+
+
 @torch.no_grad()
 def advance(engine: Any, d: Decoding, max_steps: int | None = None) -> Decoding:
     """Run at most `max_steps` decode steps of `d` (None: until it is finished) on `engine`; returns `d`."""
@@ -140,11 +146,13 @@ def advance(engine: Any, d: Decoding, max_steps: int | None = None) -> Decoding:
             d.done = d.done | engine._stopped(torch.stack(d.tokens, 1), d.done, d.stop)
         d.steps += 1
         taken += 1
-        if bool(d.done.all()) or d.steps >= d.max_new_tokens:
+        finished = d.done[d.rows]
+        # one host sync per step for both questions (on CUDA each `.item()` waits for the step's kernels)
+        all_done, n_finished = (0, 0) if d.steps >= d.max_new_tokens else _counts(d.done, finished)
+        if all_done or d.steps >= d.max_new_tokens:
             d.finished, d.past = True, None  # the KV cache is freed with the last step
             break
-        finished = d.done[d.rows]
-        if int(finished.sum()) >= max(1, len(d.rows) // 4):  # drop finished rows from the batch
+        if n_finished >= max(1, len(d.rows) // 4):  # drop finished rows from the batch
             keep = (~finished).nonzero().squeeze(-1)
             d.past.batch_select_indices(keep)
             d.rows, d.mask, d.next_pos = d.rows[keep], d.mask[keep], d.next_pos[keep]

@@ -5,8 +5,11 @@ Before a node it applies the blocking moves the planner attached (evictions, the
 starts the attached prefetch in a background thread (a separate CUDA stream on GPU) so that the next job's
 state arrives while this node computes, and runs the node. It reports the node's own run time and the time
 it spent moving state (blocking swaps plus any wait for unfinished background moves) separately: the first
-is `busy`, the second `swap` in the accounting. In validate mode it checksums a job's state at swap-out and
-checks it at swap-in.
+is `busy`, the second `swap` in the accounting. A node ends when its device work does (`StreamOrder.node_end`,
+`plexrl/services/streams.py`): on CUDA its queued kernels count as its own time, and no copy of its jobs'
+tensors starts before them. In validate mode it checksums a job's state at swap-out and checks it at
+swap-in. Host copies are flat per-job buffers from the service's `HostPool` (pinned on CUDA, counted in
+`report()`).
 
 Early swaps (lookahead): an executor that sends a service's next node while one runs may start that node's
 swaps at once (`start_early`); they run on the background thread once the node before has applied its own
@@ -34,7 +37,9 @@ from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.host import HostPool
 from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
+from plexrl.services.streams import StreamOrder, stream_order
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
@@ -102,7 +107,11 @@ class Service:
         spill_dir: str | Path | None = None,
         validate: bool = False,
         clock: Callable[[], float] = time.time,
+        host_memory: int | None = None,
+        order: StreamOrder | None = None,
     ) -> None:
+        """`host_memory`: the host tier's budget (the host pool stays within it); `order`: the stream order
+        (None: the device's, `stream_order`; tests pass a `RecordingOrder`)."""
         import torch
 
         self.service_id = service_id
@@ -121,9 +130,10 @@ class Service:
         self._released: set[str] = set()
         # (job, iteration, node, chunk) -> the SliceSlot of a sliced node whose generation is paused here
         self.paused: dict[tuple[str, int, str, int], Any] = {}
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.order = order if order is not None else stream_order(self.device)
+        self.host_pool = HostPool(pin=self.device.type == "cuda", limit=host_memory)
         # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
-        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, stream)
+        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, self.order)
 
     # -- jobs ---------------------------------------------------------------------------------------
     def load_job(self, job: JobSpec, tier: str = "device") -> int:
@@ -153,6 +163,7 @@ class Service:
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
         self._released.discard(job.job_id)
         self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
+        self.order.node_end([job.job_id])  # its build's kernels come before any move of it
         if tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
@@ -288,6 +299,9 @@ class Service:
         node = job.graph.node(node_name)
         start = self.clock()
         slot = self._slice_slot(job, (job_id, iteration, node_name, chunk))
+        out: Any = None
+        failed: str | None = None
+        paused = False
         try:
             if chunks > 1:
                 inputs = chunk_inputs(node.operator, inputs, chunk, chunks, len(parts))
@@ -299,28 +313,36 @@ class Service:
                 out = node.operator.output.concat([*parts, out], pad_id)  # type: ignore[attr-defined]
         except SlicePaused:  # its slice of decode steps ran; the generation waits here for the next slice
             self.paused[slot.key] = slot
-            report = NodeReport(job_id, iteration, node_name, None, start, self.clock(), swap_start, swap_end, moved,
-                                self._weight_loads(job_id), measured=measured, paused=True)  # fmt: skip
-            return NodeResult(report)
+            paused = True
         except Exception as exc:
             log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
                       exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
             self._drop_generators(only_broken=True)
-            error = f"{type(exc).__name__}: {exc}"
-            report = NodeReport(job_id, iteration, node_name, error, start, self.clock(), swap_start, swap_end, moved,
-                                self._weight_loads(job_id), measured=measured)  # fmt: skip
-            return NodeResult(report)
+            failed = f"{type(exc).__name__}: {exc}"
         finally:
             self.background.computing = None
-        end = self.clock()
-        report = NodeReport(job_id, iteration, node_name, None, start, end, swap_start, swap_end, moved,
-                            self._weight_loads(job_id), measured=measured)  # fmt: skip
-        if chunk < chunks - 1:
-            return NodeResult(report, out)  # a part: the last chunk reports the whole node's metrics
+        failed = self.node_end([job_id], failed)
+        if paused and failed is not None:
+            self.paused.pop(slot.key, None)
+        paused = paused and failed is None
+        report = NodeReport(job_id, iteration, node_name, failed, start, self.clock(), swap_start, swap_end, moved,
+                            self._weight_loads(job_id), measured=measured, paused=paused)  # fmt: skip
+        if failed is not None or paused or chunk < chunks - 1:  # a part: the last chunk reports the node's metrics
+            return NodeResult(report, None if failed or paused else out)
         result = _finish(report, out)
         if slot is not None and result.report.ok:
             result.report.metrics["slices"] = float(slot.slices)
         return result
+
+    def node_end(self, job_ids: Sequence[str], error: str | None) -> str | None:
+        """A node of `job_ids` returned: wait for its device work (`StreamOrder.node_end`), so that the caller's
+        clock reads its real end; returns the node's error, or the device's if the wait raised one."""
+        try:
+            self.order.node_end(job_ids)
+        except Exception as exc:  # an asynchronous device error surfaces here
+            log.error("jobs %s: the node's device work failed: %s", list(job_ids), exc)
+            return error or f"{type(exc).__name__}: {exc}"
+        return error
 
     def _slice_slot(self, job: JobSpec, key: tuple[str, int, str, int]) -> Any:
         """The SliceSlot of node `key` (job, iteration, node, chunk) if its job slices that node
@@ -355,8 +377,7 @@ class Service:
         if place.tier == "device":
             yield
             return
-        tensors = place.host if place.tier == "host" else sw.read_spill(place.disk)
-        assert tensors is not None
+        tensors = place.host.tensors() if place.host is not None else sw.read_spill(place.disk, place.layout)
         live = self.engines[job_id].state_tensors()
         kept = {k: t.data for k, t in live.items()}
         try:
@@ -392,6 +413,8 @@ class Service:
         state = self.states.pop(job_id, None)
         if state is not None and state.disk is not None:
             state.disk.unlink(missing_ok=True)
+        if state is not None and state.host is not None:
+            self.host_pool.give(state.host.buffer)
         engine = self.engines.pop(job_id, None)
         self.jobs.pop(job_id, None)
         if engine is not None and hasattr(engine, "shared"):  # a LoRA job: its adapter leaves the shared base
@@ -408,6 +431,7 @@ class Service:
         for llm in self.generators.values():
             llm.shutdown()
         self.generators.clear()
+        self.host_pool.clear()
         if self._own_spill:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
@@ -425,6 +449,10 @@ class Service:
             "hidden_share": hidden_share(s.blocking_seconds, s.prefetch_seconds, s.prefetch_wait_seconds),
             "bytes_moved": s.bytes_moved,
             "moves": s.moves,
+            "copies": s.copies,  # copy calls of those moves (one each way per state once it is flat)
+            "host_bytes_held": self.host_pool.held_bytes,  # host buffers' pages, in use and kept
+            "pinned_bytes": self.host_pool.pinned_bytes,
+            "pinned_peak_bytes": self.host_pool.peak_bytes if self.host_pool.pin else 0,
             "bytes_to_tier": dict(s.per_tier),
             "generation_engines": len(self.generators),
             "weight_loads": sum(g.loads for g in self.generators.values()),
@@ -470,31 +498,11 @@ class Service:
         if move.src == move.dst:
             return 0
         live = self.engines[move.job_id].state_tensors()
-        pin = self.device.type == "cuda"
-        if move.src == "device":
-            state.nbytes = sw.nbytes(live)  # grows once the optimizer has state
-            state.host = sw.device_to_host(live, self.device)
-            if self.validate:
-                state.checksum = sw.checksum(state.host)
-        elif move.src == "disk":
-            assert state.disk is not None
-            state.host, state.disk = sw.disk_to_host(state.disk, pin), None
-        if move.dst == "disk":
-            assert state.host is not None
-            path = self.spill_dir / f"{move.job_id}.safetensors"
-            sw.host_to_disk(state.host, path)
-            state.disk, state.host = path, None
-        elif move.dst == "device":
-            assert state.host is not None
-            sw.host_to_device(live, state.host, self.device)
-            state.host = None
-            if self.validate and state.checksum is not None:
-                now = sw.checksum(live)
-                if now != state.checksum:
-                    raise sw.StateCorrupted(f"job {move.job_id}: state checksum changed between swap-out and swap-in")
-        state.tier = move.dst
+        copies = sw.carry_out(move.job_id, move.src, move.dst, state, live, device=self.device, pool=self.host_pool,
+                              order=self.order, spill_dir=self.spill_dir, validate=self.validate)  # fmt: skip
         with self._lock:
             self.stats.bytes_moved += state.nbytes
             self.stats.moves += 1
+            self.stats.copies += copies
             self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
         return state.nbytes
