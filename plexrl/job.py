@@ -85,6 +85,7 @@ class JobSpec:
 
         model, budget = self.config.model, generation_budget(self.config, self.graph)
         kv = self.config.vllm.kv_cache_mb * 2**20
+        block = self.config.vllm.block_size
         if model.lora is not None:  # a LoRA job shares its base: one copy per service
             from plexrl.engines.lora import base_key
 
@@ -94,14 +95,15 @@ class JobSpec:
                 return base, base_bytes
             from plexrl.engines.vllm_lora import lora_engine_bytes, lora_generator_key
 
-            key = lora_generator_key(self.model_path, model.lora.r, budget, self.config.vllm.block_size)
-            return f"{base}+{key}", base_bytes + lora_engine_bytes(self.model_path, model.lora.r, kv)
+            key = lora_generator_key(self.model_path, model.lora.r, budget, block, model.dtype)
+            vllm = lora_engine_bytes(self.model_path, model.lora.r, kv, vllm_weight_dtype(model.dtype))
+            return f"{base}+{key}", base_bytes + vllm
         if self.generation != "vllm":
             return None
         from plexrl.engines.vllm_engine import generator_key
 
-        key = generator_key(self.model_path, budget, self.config.vllm.block_size)
-        return key, model_bytes(self.model_path) + kv
+        key = generator_key(self.model_path, budget, block, model.dtype)
+        return key, model_bytes(self.model_path, vllm_weight_dtype(model.dtype)) + kv
 
     def state_bytes(self) -> int:
         """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`; a LoRA
@@ -199,6 +201,14 @@ def state_parts(graph: PipelineGraph) -> list[str]:
     if uses_critic(graph):
         parts.append("critic with its moments")
     return parts
+
+
+def vllm_weight_dtype(model_dtype: str) -> str:
+    """The dtype a vLLM engine holds a job's weights in (`plexrl.devices.engine_dtype`): the job's on CUDA,
+    fp32 where the installed vLLM is its CPU build."""
+    from plexrl.engines.vllm_engine import vllm_cpu_build
+
+    return "float32" if vllm_cpu_build() else model_dtype
 
 
 def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph, dtype: str = "float32") -> int:
@@ -335,7 +345,8 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     if lora is not None and not why:  # vLLM applies the job's adapter (plexrl/engines/vllm_lora.py)
         from plexrl.engines.vllm_lora import lora_vllm_problem
 
-        why = lora_vllm_problem(lora.r, lora.target_modules)
+        # on CUDA in the job's dtype, where vLLM's LoRA kernels refuse fp32 (plexrl.devices.vllm_problem)
+        why = lora_vllm_problem(lora.r, lora.target_modules, cfg.model.dtype, cuda=not vllm_cpu_build())
     if cfg.engine == "vllm":
         if why:
             raise ValueError(f"engine: vllm cannot serve {model_path}: {why}; or set `engine: torch`")

@@ -172,7 +172,11 @@ class TorchEngine:
         attention: str = "sdpa",
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
+        load_on: str | None = None,
     ) -> None:
+        """`device`: where the engine computes; `load_on`: where its tensors are made (None: `device`). A
+        service builds a job admitted to host or disk on "cpu" and hands its tensors to that tier: they reach
+        `device` only when the planner brings the job in (`plexrl.devices.build_device`)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -187,7 +191,7 @@ class TorchEngine:
             raise ValueError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[dtype]
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation=attention)
-        self.policy = model.to(self.device)  # type: ignore[arg-type]
+        self.policy = model.to(torch.device(load_on) if load_on is not None else self.device)  # type: ignore[arg-type]
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.eval()
