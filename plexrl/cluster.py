@@ -15,11 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
-from plexrl.config import JobConfig, LoadedJob, StrictModel, load_job
+from plexrl.config import LoadedJob, StrictModel, load_job
+from plexrl.devices.mix import device_jobs, estimate_engine_bytes, estimate_weight_bytes
 from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.job import estimate_state_bytes, state_parts
 from plexrl.runtime.tls import is_loopback
@@ -37,8 +38,37 @@ class ServicesConfig(StrictModel):
     """The shared LLM services: one per accelerator (here: per Dask worker with a GPU resource)."""
 
     count: int = Field(1, ge=1, le=4096, description="Number of services (accelerators).")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the device tier lives.")
-    device_memory: ByteSize | None = Field(None, description="Device-tier budget per service, e.g. '24MB'.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="Where the device tier lives. cuda: each service rank on a GPU of its own (`devices`); jobs "
+        "that leave model.dtype and model.attention unset train in bfloat16 with sdpa there (docs/gpu.md).",
+    )
+    devices: list[Annotated[str, Field(pattern=r"^(\d{1,3}|GPU-[0-9a-fA-F-]{8,}|MIG-[0-9A-Za-z/-]{8,})$")]] | None = (
+        Field(
+            None,
+            description="device: cuda: the GPUs of the services, as CUDA_VISIBLE_DEVICES names them (indices or "
+            "UUIDs); service i rank r gets devices[i * ranks + r], and its worker sees only that GPU. None: the "
+            "visible GPUs in order. Fewer GPUs than count x ranks is refused.",
+        )
+    )
+    device_memory: ByteSize | None = Field(
+        None,
+        description="Device-tier budget per service rank, e.g. '24MB'. None: unlimited on cpu; on cuda the free "
+        "memory of the smallest service GPU minus headroom for the CUDA context, activations, optimizer "
+        "temporaries, vLLM's working memory and paused KV caches (plexrl.devices.device_split; docs/gpu.md).",
+    )
+    reserve: ByteSize | None = Field(
+        None,
+        description="device: cuda with device_memory unset: bytes of each GPU kept out of the budget for "
+        "activations and temporaries, instead of the headroom computed from the jobs (a server, whose jobs come "
+        "later: 10% of the GPU).",
+    )
+    deterministic: bool = Field(
+        False,
+        description="cuda: deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, "
+        "vLLM's batch-invariant kernels, Hopper or newer). Slower; equal runs give equal bits on one GPU model. "
+        "Without it CUDA runs are equal in distribution, not in bits (docs/gpu.md).",
+    )
     host_memory: ByteSize | None = Field(None, description="Host-tier budget per service (None: unlimited).")
     disk: ByteSize | None = Field(None, description="Disk-tier budget per service (None: unlimited).")
     threads: int | None = Field(None, ge=1, description="torch threads per service worker (default: torch's).")
@@ -51,6 +81,16 @@ class ServicesConfig(StrictModel):
         60.0, gt=0, le=3600,
         description="Seconds a worker group waits for a rank to join or a collective to finish before the node fails.",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _gpus(self) -> ServicesConfig:
+        if self.devices is not None:
+            from plexrl.devices import service_gpus
+
+            if self.device != "cuda":
+                raise ValueError("services.devices names GPUs: set services.device: cuda, or remove devices")
+            service_gpus(self.count, self.ranks, self.devices, [])  # raises (a ValueError) with the fix
+        return self
 
 
 class DaskTLS(StrictModel):
@@ -215,36 +255,6 @@ class LoadedCluster:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def estimate_engine_bytes(cfg: JobConfig) -> int:
-    """Device bytes of the vLLM engine the job's rollouts will use (one weight copy + KV cache; shared by the
-    same-architecture jobs of a service), 0 when they run on the torch engine."""
-    from plexrl.config import auto_engine_rule, vllm_problem
-
-    small = cfg.engine == "auto" and auto_engine_rule(estimate_weight_bytes(cfg) // 4, cfg.vllm.auto_min_params)
-    if cfg.engine == "torch" or small or (cfg.engine == "auto" and vllm_problem(cfg.model)):
-        return 0
-    return estimate_weight_bytes(cfg) + cfg.vllm.kv_cache_mb * 2**20
-
-
-def estimate_weight_bytes(cfg: JobConfig) -> int:
-    """fp32 bytes of the job's model weights (for `model.path`: its parameters, whatever dtype the files hold)."""
-    from plexrl.job import model_bytes
-    from plexrl.tasks import tokenizer_size
-
-    m = cfg.model
-    if m.path is not None:
-        try:
-            weights = model_bytes(Path(m.path))
-        except FileNotFoundError:  # no safetensors weights: preparing the job says so
-            weights = 0
-    else:
-        vocab = tokenizer_size(cfg.task.name)  # a model built for the job's task
-        per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
-        params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
-        weights = params * 4
-    return weights
-
-
 def load_cluster(source: str | Path, overrides: list[str] | None = None) -> LoadedCluster:
     """Read and validate a cluster YAML and every job in it; one `ConfigError` lists all problems."""
     from plexrl.config import apply_overrides
@@ -276,13 +286,19 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
             problems += [Problem(f"{where}.{p.where}" if p.where else where, p.message) for p in exc.problems]
             continue
         jobs.append(loaded)
+    jobs = device_jobs(cfg.services.device, cfg.services.ranks > 1, jobs)
+    for i, job in enumerate(jobs):
+        if cfg.services.ranks > 1:
+            from plexrl.devices.mix import group_problems
+
+            problems += [Problem(f"jobs[{i}]", f"job {job.config.name!r}: {why}") for why in group_problems(job.config)]
     names = [j.config.name for j in jobs]
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(Problem("jobs", f"two jobs are named {name!r}; give each a unique `name` (set: {{name: ...}})"))
     budget = cfg.services.device_memory
     if budget is not None:
         for i, job in enumerate(jobs):
-            need = estimate_state_bytes(estimate_weight_bytes(job.config), job.graph)
+            need = estimate_state_bytes(estimate_weight_bytes(job.config), job.graph, job.config.model.dtype)
             engine = estimate_engine_bytes(job.config)
             holds = ", ".join(state_parts(job.graph))
             shared = "its vLLM engine"
@@ -313,6 +329,32 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     return LoadedCluster(cfg, jobs, str(path), raw)
 
 
+def device_budget(cfg: ClusterRuntime, jobs: Sequence[LoadedJob] | None = None) -> int | None:
+    """Each service rank's device budget: `services.device_memory` when set; None (unlimited) on CPU; on CUDA
+    the default of `plexrl.devices.services_budget`, from this machine's GPUs (described without a CUDA context)
+    and the headroom `jobs` need (None: a server's, `services.reserve`, or 10% of each GPU). A cluster on an
+    external scheduler runs on GPUs this process cannot see: its budget must be given."""
+    s = cfg.services
+    if s.device_memory is not None:
+        return int(s.device_memory)
+    if s.device != "cuda":
+        return None
+    if cfg.driver == "dask" and cfg.scheduler is not None:
+        why = "a cluster on an external scheduler runs on GPUs this process cannot measure: set it (bytes per GPU)"
+        raise ConfigError([Problem("services.device_memory", why)])
+    from plexrl.devices import query_gpus, visible_gpus
+    from plexrl.devices.mix import headroom_of, services_budget
+
+    heads = None
+    if jobs is not None:
+        heads = [headroom_of(j.config, j.graph, vllm=estimate_engine_bytes(j.config) > 0) for j in jobs]
+    reserve = int(s.reserve) if s.reserve is not None else None
+    budget = services_budget(query_gpus(), services=s.count, ranks=s.ranks, named=s.devices, visible=visible_gpus(),
+                             jobs=heads, reserve=reserve)  # fmt: skip
+    log.info("services.device_memory: %.2f GiB per service GPU (free memory minus headroom)", budget / 2**30)
+    return budget
+
+
 def is_cluster_file(path: Path | None) -> bool:
     """A YAML with a top-level `jobs` list is a cluster config; anything else is a job."""
     if path is None or not path.is_file():
@@ -341,27 +383,37 @@ class ClusterResult:
 
 def make_executor(cfg: ClusterRuntime) -> Executor:
     """The executor a cluster config asks for: in-process (`driver: local`) or a Dask cluster."""
+    from plexrl.devices import configure_process, inline_devices, visible_gpus, worker_envs
+
     s = cfg.services
+    cuda = s.device == "cuda"
     if cfg.driver == "local":
         from plexrl.runtime.inline import InlineExecutor
 
-        return InlineExecutor(services=s.count, device=s.device, validate=cfg.validate_state, clock=time.time)
+        configure_process(s.device, s.deterministic)  # this process runs the services
+        devices = inline_devices(s.device, s.count, s.devices, visible_gpus() if cuda else [])
+        return InlineExecutor(services=s.count, devices=devices, validate=cfg.validate_state, clock=time.time)
     from plexrl.runtime.dask import DaskExecutor, TLSFiles
 
+    env: dict[str, dict[str, str]] = {}  # a local cluster's workers: one GPU each, the CPU pool none
+    if cfg.scheduler is None:
+        visible = visible_gpus() if cuda else []
+        env = worker_envs(s.device, s.count, s.ranks, s.devices, visible, deterministic=s.deterministic)
     t = cfg.dask_tls
     return DaskExecutor(
         services=s.count, cpu_threads=cfg.cpu_threads, service_threads=s.threads, scheduler=cfg.scheduler,
         device=s.device, validate=cfg.validate_state, ranks=s.ranks, group_timeout=s.group_timeout,
         host=cfg.dask_host, tls=TLSFiles(t.ca_file, t.cert, t.key) if t is not None else None,
-        pin_cores=cfg.pin_cores,
+        pin_cores=cfg.pin_cores, worker_env=env, deterministic=s.deterministic,
     )  # fmt: skip
 
 
 def make_runner(
     cfg: ClusterRuntime, hooks: list[Hook], executor: Executor | None = None, *, fair_share: bool = False,
-    share_half_life_s: float | None = None, **options: Any,
+    share_half_life_s: float | None = None, jobs: Sequence[LoadedJob] | None = None, **options: Any,
 ) -> Runner:  # fmt: skip
-    """The one `Runner` (`runtime.build.build_runner`), with the config's policies and budgets, over
+    """The one `Runner` (`runtime.build.build_runner`), with the config's policies and budgets (`device_budget`:
+    on CUDA from `jobs`' headroom when they are known), over
     `executor` (default: `make_executor`), built whole: `fair_share` orders by user first (`FairShare` over the
     config's ordering), with service seconds decayed over `share_half_life_s`; `options` (`forget_ended`,
     `on_closed`, `checkpoint_at`) go to the `Runner` as they are. Used by `plexrl run CLUSTER.yaml` and the
@@ -371,7 +423,7 @@ def make_runner(
 
     s = cfg.services
     budgets = Budgets(
-        int(s.device_memory) if s.device_memory is not None else None,
+        device_budget(cfg, jobs),
         int(s.host_memory) if s.host_memory is not None else None,
         int(s.disk) if s.disk is not None else None,
     )
@@ -387,6 +439,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     """Prepare every job (warm starts cached), run them on the shared services, account, track. Every output
     (timeline, accounting, the cluster MLflow run) is a hook; `hooks`: more of them, after those, given to the
     runner when it is built (nothing is set on it afterwards). The result carries the timeline's spans."""
+    from plexrl.devices import visible_gpus
     from plexrl.hooks.cluster import Accounting, ClusterMlflow
     from plexrl.hooks.timeline import TimelineRecorder
     from plexrl.job import prepare_job
@@ -394,7 +447,8 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
 
     cfg = loaded.config
     run_dir = Path(cfg.run_dir).resolve()
-    specs = [prepare_job(job) for job in loaded.jobs]
+    warm = "cuda" if cfg.services.device == "cuda" and visible_gpus() else "cpu"  # where warm starts train
+    specs = [prepare_job(job, device=warm) for job in loaded.jobs]
     extra = list(hooks)
     hooks = standard_hooks(run_dir, progress=progress, mlflow=any(j.config.tracking.mlflow for j in loaded.jobs))
     out_dir = run_dir / "clusters" / f"{cfg.name}-{int(time.time())}"
@@ -408,7 +462,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
             accounting, run_dir, cfg.name, cfg.experiment, cfg.model_dump(mode="json", exclude={"jobs"})
         )
         hooks.append(tracker)
-    runner = make_runner(cfg, [*hooks, *extra])
+    runner = make_runner(cfg, [*hooks, *extra], jobs=loaded.jobs)
     runs = runner.run(specs)
     p = runner.planner
     counts = {

@@ -264,10 +264,13 @@ def count_parameters(model_dir: Path) -> int:
     return total
 
 
-def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None) -> JobSpec:
+def prepare_job(
+    loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None, device: str = "cpu"
+) -> JobSpec:
     """Generate the task and build (or load from cache) the warm-started model of a validated job.
     `cancel` (a server's: set when the job is cancelled or the server stops) is checked between the stages and
-    between warm-start steps; once set, `plexrl.models.PreparationCancelled` is raised."""
+    between warm-start steps; once set, `plexrl.models.PreparationCancelled` is raised. `device`: where a warm
+    start trains (the job's device)."""
     from plexrl.models import check_cancelled, prepare_model
     from plexrl.tasks import make_task
 
@@ -281,14 +284,14 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
     if cfg.data is not None:  # data from files: the model (pretrained or a path) first, its tokenizer renders
         from plexrl.tasks.dataset import make_dataset_task
 
-        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel)
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel, device)
         check_cancelled(cancel, "the preparation (after the model)")
         cache = Path(cfg.data.cache_dir).resolve() if cfg.data.cache_dir else run_dir / "cache" / "data"
         task = make_dataset_task(cfg.data, prepared.tokenizer, tokenizer_dir=prepared.path, cache_dir=cache)
     else:
         task = make_task(cfg.task)
         check_cancelled(cancel, "the preparation (after the task's data)")
-        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel)
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel, device)
     log.info(
         "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
         prepared.path,

@@ -32,9 +32,15 @@ class InlineExecutor:
         validate: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         spill_dir: str | Path | None = None,
+        devices: list[str] | None = None,
     ) -> None:
+        """`devices`: the torch device of each service (`plexrl.devices.inline_devices`: one GPU each on CUDA);
+        None: every service on `device`."""
         self.clock = clock
         self.n_services, self.device, self.validate, self.spill_dir = services, device, validate, spill_dir
+        self.devices = list(devices) if devices is not None else [device] * services
+        if len(self.devices) != services:
+            raise ValueError(f"{services} services need {services} devices, got {self.devices}")
         self.services: dict[str, Any] = {}
         self.specs: dict[str, Any] = {}
         self.outputs: dict[Handle, Any] = {}
@@ -48,7 +54,8 @@ class InlineExecutor:
         for i in range(self.n_services):
             sid = f"service-{i}"
             spill = Path(self.spill_dir) / sid if self.spill_dir is not None else None
-            self.services[sid] = Service(sid, self.device, spill_dir=spill, validate=self.validate, clock=self.clock)
+            dev = self.devices[i]
+            self.services[sid] = Service(sid, dev, spill_dir=spill, validate=self.validate, clock=self.clock)
         return list(self.services)
 
     def ship(self, spec: Any) -> None:
