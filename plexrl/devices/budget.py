@@ -79,16 +79,20 @@ class Headroom:
 def job_headroom(
     cfg: JobConfig, graph: PipelineGraph, shape: Shape, length: int, *, vllm: bool, vllm_key: str = ""
 ) -> Headroom:
-    """The `Headroom` of a job whose model has `shape` and whose sequences reach `length` tokens; `vllm`: its
-    rollouts run on vLLM. A LoRA job's optimizer steps megabytes (its adapter): counted 0."""
+    """The `Headroom` of a job whose model has `shape` and whose sequences reach `length` tokens (the scored
+    response: its largest `max_new_tokens`); `vllm`: its rollouts run on vLLM. A LoRA job's optimizer steps
+    megabytes (its adapter): counted 0."""
+    from plexrl.config_checks import response_budget
     from plexrl.devices.engines import engine_dtype, vllm_headroom
 
     m = cfg.model
+    response = response_budget(graph)
     rows, generation = minibatch_rows(graph)
     optimizer = 0 if m.lora is not None else optimizer_temp_bytes(shape, m.dtype)
     paused = generation * length * 2 * shape.layers * shape.hidden * dtype_bytes(m.dtype) if cfg.slices else 0
     engine = vllm_headroom(shape, engine_dtype(Device("cuda"), m.dtype), max(length, 4096)) if vllm else 0
-    activations = train_activation_bytes(shape, rows, length, m.dtype, m.gradient_checkpointing)
+    scored = response[0] if response is not None else None
+    activations = train_activation_bytes(shape, rows, length, m.dtype, m.gradient_checkpointing, scored)
     return Headroom(activations, optimizer, paused, engine, vllm_key if vllm else "")
 
 
@@ -105,13 +109,16 @@ def mix_headroom(jobs: list[Headroom]) -> dict[str, int]:
     }
 
 
-def train_activation_bytes(shape: Shape, rows: int, length: int, dtype: str, checkpointing: bool = False) -> int:
-    """Peak activations of one train minibatch of `rows` x `length` tokens: the logits [rows, L, vocab] in the
+def train_activation_bytes(
+    shape: Shape, rows: int, length: int, dtype: str, checkpointing: bool = False, scored: int | None = None
+) -> int:
+    """Peak activations of one train minibatch of `rows` x `length` tokens: the logits [rows, scored, vocab] of
+    the `scored` columns (the response: `scored_logprobs` runs the head there only; None: all `length`) in the
     model's dtype plus `LOGIT_COPIES` fp32 copies (the upcast, log_softmax and its exp for the entropy in
     `token_logprobs`), and the layers' saved activations (~(8 hidden + 3 intermediate) values a token a layer;
     one layer with gradient checkpointing)."""
     tokens = rows * length
-    logits = tokens * shape.vocab * (dtype_bytes(dtype) + LOGIT_COPIES * 4)
+    logits = rows * min(scored or length, length) * shape.vocab * (dtype_bytes(dtype) + LOGIT_COPIES * 4)
     layers = 1 if checkpointing else shape.layers
     return logits + layers * tokens * (8 * shape.hidden + 3 * shape.intermediate) * dtype_bytes(dtype)
 
