@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
-from plexrl.config import LoadedJob, StrictModel, load_job
-from plexrl.devices.mix import device_jobs, estimate_engine_bytes, estimate_weight_bytes
+from plexrl.devices.mix import device_jobs
 from plexrl.errors import ConfigError, Problem, pydantic_problem
-from plexrl.job import estimate_state_bytes, state_parts
+from plexrl.job.budget import device_need
+from plexrl.job.load import LoadedJob, load_job
+from plexrl.job.model_config import StrictModel
 from plexrl.runtime.tls import is_loopback
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ class LoadedCluster:
 
 def load_cluster(source: str | Path, overrides: list[str] | None = None) -> LoadedCluster:
     """Read and validate a cluster YAML and every job in it; one `ConfigError` lists all problems."""
-    from plexrl.config import apply_overrides
+    from plexrl.job.load import apply_overrides
     from plexrl.yamlio import load_yaml_file
 
     path = Path(source)
@@ -298,21 +299,8 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     budget = cfg.services.device_memory
     if budget is not None:
         for i, job in enumerate(jobs):
-            need = estimate_state_bytes(estimate_weight_bytes(job.config), job.graph, job.config.model.dtype)
-            engine = estimate_engine_bytes(job.config)
-            holds = ", ".join(state_parts(job.graph))
-            shared = "its vLLM engine"
-            lora = job.config.model.lora
-            if lora is not None and job.config.model.path is not None:  # adapter + moments, and the shared base
-                from plexrl.engines.lora import lora_state_bytes
-                from plexrl.engines.vllm_lora import lora_engine_bytes
-                from plexrl.job import model_bytes
-
-                path, kv = Path(job.config.model.path), job.config.vllm.kv_cache_mb * 2**20
-                need = lora_state_bytes(path, lora.r, list(lora.target_modules))
-                shared = "its base" + (" and its vLLM engine" if engine else "")  # as JobSpec.engine() counts them
-                vllm = lora_engine_bytes(path, lora.r, kv) if engine else 0
-                engine, holds = model_bytes(path, job.config.model.dtype) + vllm, "adapter, 2 AdamW moments"
+            size = device_need(job)
+            need, engine, holds, shared = size.state, size.engine, size.holds, size.shared
             if need + engine > budget:
                 with_engine = f" plus {engine / 2**20:.1f} MiB for {shared}" if engine else ""
                 fix = "; or lower vllm.kv_cache_mb, or set engine: torch" if engine else ""
@@ -347,6 +335,8 @@ def device_budget(cfg: ClusterRuntime, jobs: Sequence[LoadedJob] | None = None) 
 
     heads = None
     if jobs is not None:
+        from plexrl.job.budget import estimate_engine_bytes
+
         heads = [headroom_of(j.config, j.graph, vllm=estimate_engine_bytes(j.config) > 0) for j in jobs]
     reserve = int(s.reserve) if s.reserve is not None else None
     budget = services_budget(query_gpus(), services=s.count, ranks=s.ranks, named=s.devices, visible=visible_gpus(),
@@ -442,7 +432,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     from plexrl.devices import visible_gpus
     from plexrl.hooks.cluster import Accounting, ClusterMlflow
     from plexrl.hooks.timeline import TimelineRecorder
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
     from plexrl.runtime.jobs import standard_hooks
 
     cfg = loaded.config

@@ -21,10 +21,11 @@ import torch
 import yaml
 from conftest import TINY
 
-from plexrl.config import ModelConfig, load_job
 from plexrl.devices import Device, GiB
 from plexrl.errors import ConfigError
-from plexrl.models import build_model, build_tokenizer
+from plexrl.job.load import load_job
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer
 from plexrl.planner.state import Move
 
 H100 = Device("cuda", 0, 80 * GiB, 80 * GiB - 50 * GiB, (9, 0), "NVIDIA H100")  # a trainer holds 50 GiB
@@ -166,7 +167,7 @@ def test_a_job_admitted_to_host_is_never_made_on_the_device(
 
     from plexrl.devices import build_device
     from plexrl.engines.torch_engine import TorchEngine
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
     from plexrl.services.service import Service
 
     assert build_device("cuda:0", "host") == build_device("cuda:0", "disk") == "cpu"
@@ -209,8 +210,9 @@ def write_cluster(tmp_path: Path, services: dict[str, Any], jobs: list[dict[str,
 def test_a_bf16_job_is_sized_at_bf16_size_by_the_cluster_check(tmp_path: Path) -> None:
     """B4: bf16 policy 2 + fp32 masters 4 + moments 8 = 14 bytes a parameter, not fp32's 12: a budget between
     the two refuses the bf16 job (the planner sizes it so too)."""
-    from plexrl.cluster import estimate_weight_bytes, load_cluster
-    from plexrl.job import estimate_state_bytes
+    from plexrl.cluster import load_cluster
+    from plexrl.job.budget import estimate_weight_bytes
+    from plexrl.job.sizes import estimate_state_bytes
 
     job = {**copy.deepcopy(TINY), "engine": "torch", "model": {**TINY["model"], "dtype": "bfloat16"}}
     loaded = load_job(job)

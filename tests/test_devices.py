@@ -17,7 +17,6 @@ import pytest
 import plexrl.devices.base
 import plexrl.devices.engines
 import plexrl.devices.placement
-from plexrl.config import JobConfig, load_job
 from plexrl.devices import (
     CPU,
     Device,
@@ -37,6 +36,8 @@ from plexrl.devices import (
     worker_envs,
 )
 from plexrl.devices.mix import services_budget
+from plexrl.job.config import JobConfig
+from plexrl.job.load import load_job
 
 H200 = Device("cuda", 0, 141 * GiB, 141 * GiB, (9, 0), "NVIDIA H200")
 T4 = Device("cuda", 0, 15 * GiB, 15 * GiB, (7, 5), "Tesla T4")

@@ -19,8 +19,8 @@ from plexrl.devices.base import (
 )
 
 if TYPE_CHECKING:
-    from plexrl.config import JobConfig
     from plexrl.graph import PipelineGraph
+    from plexrl.job.config import JobConfig
 
 
 def job_defaults(cfg: JobConfig, kind: str, *, group: bool = False) -> JobConfig:
@@ -82,8 +82,8 @@ def job_headroom(
     """The `Headroom` of a job whose model has `shape` and whose sequences reach `length` tokens (the scored
     response: its largest `max_new_tokens`); `vllm`: its rollouts run on vLLM. A LoRA job's optimizer steps
     megabytes (its adapter): counted 0."""
-    from plexrl.config_checks import response_budget
     from plexrl.devices.engines import engine_dtype, vllm_headroom
+    from plexrl.job.checks import response_budget
 
     m = cfg.model
     response = response_budget(graph)

@@ -9,13 +9,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plexrl.devices.base import Device, DeviceError, Shape, dtype_bytes
+from plexrl.devices.base import Device, DeviceError, Shape
 from plexrl.devices.budget import Headroom, device_split, job_defaults, job_headroom, mix_headroom
 from plexrl.devices.placement import service_gpus
 
 if TYPE_CHECKING:
-    from plexrl.config import JobConfig, LoadedJob
     from plexrl.graph import PipelineGraph
+    from plexrl.job.config import JobConfig
+    from plexrl.job.load import LoadedJob
 
 SERVER_HEADROOM_SHARE = 0.10  # of the total: what a server (its jobs unknown at start) keeps beside the budget
 
@@ -25,7 +26,7 @@ def model_dir(cfg: JobConfig) -> Path | None:
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     if cfg.model.pretrained is not None:
-        from plexrl.pretrained import pretrained_path
+        from plexrl.job.pretrained import pretrained_path
 
         try:
             return pretrained_path(cfg.model.pretrained, convert=False)
@@ -39,7 +40,7 @@ def job_shape(cfg: JobConfig) -> Shape:
     the job builds (`model.layers`, `hidden`, ...; the vocabulary of its task's tokenizer)."""
     path = model_dir(cfg)
     if path is not None and (path / "config.json").is_file():
-        from plexrl.job import count_parameters
+        from plexrl.job.sizes import count_parameters
 
         config = json.loads((path / "config.json").read_text())
         try:
@@ -47,19 +48,19 @@ def job_shape(cfg: JobConfig) -> Shape:
         except (FileNotFoundError, ValueError):
             params = 0
         return Shape.of(config, params)
-    from plexrl.tasks import tokenizer_size
+    from plexrl.job.sizes import built_weight_bytes
+    from plexrl.job.tasks import tokenizer_size
 
     m = cfg.model
     vocab = tokenizer_size(cfg.task.name)
-    per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
-    params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
+    params = built_weight_bytes(vocab, m.layers, m.hidden, m.intermediate, m.tie_embeddings) // 4
     return Shape(params, m.hidden, m.intermediate, m.layers, vocab)
 
 
 def job_length(cfg: JobConfig, graph: PipelineGraph) -> int:
     """The longest sequence (prompt + response) a job's nodes compute on: its generation budget, else the
     model's positions."""
-    from plexrl.config_checks import generation_budget
+    from plexrl.job.checks import generation_budget
 
     budget = generation_budget(cfg, graph)
     if budget is not None:
@@ -108,38 +109,6 @@ def services_budget(
     return min(budgets)
 
 
-def estimate_engine_bytes(cfg: JobConfig) -> int:
-    """Device bytes of the vLLM engine the job's rollouts will use (one weight copy in the engine's dtype + KV
-    cache; shared by the same-architecture jobs of a service), 0 when they run on the torch engine."""
-    from plexrl.config import auto_engine_rule, vllm_problem
-    from plexrl.job import vllm_weight_dtype
-
-    small = cfg.engine == "auto" and auto_engine_rule(estimate_weight_bytes(cfg) // 4, cfg.vllm.auto_min_params)
-    if cfg.engine == "torch" or small or (cfg.engine == "auto" and vllm_problem(cfg.model)):
-        return 0
-    weights = estimate_weight_bytes(cfg) * dtype_bytes(vllm_weight_dtype(cfg.model.dtype)) // 4
-    return weights + cfg.vllm.kv_cache_mb * 2**20
-
-
-def estimate_weight_bytes(cfg: JobConfig) -> int:
-    """fp32 bytes of the job's model weights (for `model.path`: its parameters, whatever dtype the files hold)."""
-    from plexrl.job import model_bytes
-    from plexrl.tasks import tokenizer_size
-
-    m = cfg.model
-    if m.path is not None:
-        try:
-            weights = model_bytes(Path(m.path))
-        except FileNotFoundError:  # no safetensors weights: preparing the job says so
-            weights = 0
-    else:
-        vocab = tokenizer_size(cfg.task.name)  # a model built for the job's task
-        per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
-        params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
-        weights = params * 4
-    return weights
-
-
 def device_jobs(kind: str, group: bool, jobs: list[LoadedJob]) -> list[LoadedJob]:
     """The jobs with the defaults of the services' device (`job_defaults`: bfloat16 and sdpa on CUDA where a
     job leaves them unset; float32 kept on worker groups, `group`)."""
@@ -164,8 +133,6 @@ def group_problems(cfg: JobConfig) -> list[str]:
 
 __all__ = [
     "device_jobs",
-    "estimate_engine_bytes",
-    "estimate_weight_bytes",
     "group_problems",
     "headroom_of",
     "job_length",

@@ -193,7 +193,7 @@ _LIVE: weakref.WeakSet[SharedLLM] = weakref.WeakSet()  # engines not shut down, 
 
 def model_shape(model_dir: str | Path) -> Shape:
     """The sizes of the model saved in `model_dir` that an engine's memory depends on."""
-    from plexrl.job import count_parameters
+    from plexrl.job.sizes import count_parameters
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return Shape.of(config, count_parameters(Path(model_dir)))
@@ -217,7 +217,7 @@ class SharedLLM:
     time. Calls are serialised by a lock (a service runs one node at a time anyway).
 
     `max_model_len`: the longest prompt + response it serves (default: the model's positions). A job's
-    prompt + response budget (`plexrl.config_checks.generation_budget`: `data.max_prompt_tokens` + the largest
+    prompt + response budget (`plexrl.job.checks.generation_budget`: `data.max_prompt_tokens` + the largest
     `max_new_tokens`) is enough, and the smaller it is, the more sequences a small KV cache admits at once.
     A response ends at any eos id of the model's generation config (`eos_ids`). Prefix caching is on."""
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from plexrl.devices import Device
-    from plexrl.job import JobSpec
+    from plexrl.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ class Generators:
         """The job's VLLMEngine on the shared engine of its key (built on first use, woken if asleep); a LoRA
         job's VLLMLoRAEngine on the LoRA-enabled engine of its base (plexrl/engines/vllm_lora.py: the base loaded
         once, each job's adapter under its own LoRARequest)."""
-        from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
+        from plexrl.job.checks import generation_budget
 
         cfg = job.config
         budget = generation_budget(cfg, job.graph)  # None: the model's positions
@@ -113,7 +113,7 @@ class Generators:
         """An engine no job uses: asleep on CUDA (`plexrl.devices.idle_engine`), at most `MAX_ASLEEP` of them;
         shut down on CPU."""
         from plexrl.devices import MAX_ASLEEP, host_available, idle_engine
-        from plexrl.job import model_bytes
+        from plexrl.job.sizes import model_bytes
 
         llm = self._engines[key]
         weights = model_bytes(llm.model_dir, llm.dtype)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plexrl.engines.slicing import SlicePaused
-from plexrl.job import uses_reference
+from plexrl.job.sizes import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
@@ -39,7 +39,7 @@ from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
-    from plexrl.job import JobSpec
+    from plexrl.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Service:
         which the planner reserved on the device, and moved out)."""
         from plexrl.devices import build_device
         from plexrl.engines.torch_engine import TorchEngine
-        from plexrl.models import engine_options
+        from plexrl.job.models import engine_options
 
         tok = job.tokenizer
         engine: Any
@@ -190,7 +190,7 @@ class Service:
         """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
         freed with the last LoRA job on it; plexrl/engines/lora.py)."""
         from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
-        from plexrl.models import engine_options
+        from plexrl.job.models import engine_options
 
         lora = job.config.model.lora
         assert lora is not None
