@@ -68,6 +68,7 @@ from plexrl.devices.engines import (
 from plexrl.devices.placement import (
     build_device,
     configure_process,
+    cores_per_service,
     cuda_env,
     deterministic_env,
     inline_devices,
@@ -90,6 +91,7 @@ __all__ = [
     "Split",
     "build_device",
     "configure_process",
+    "cores_per_service",
     "cuda_env",
     "describe",
     "deterministic_env",

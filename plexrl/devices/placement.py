@@ -72,6 +72,17 @@ def resolve_device(name: str, visible: Sequence[str]) -> str:
     return name
 
 
+def cores_per_service(kind: str, threads: int | None) -> int:
+    """Cores a pinned service worker gets (`pin_cores`): its torch threads (`services.threads`, default 1); on
+    CUDA at least 2, since the thread that launches kernels shares them with the background moves, Dask's event
+    loop and the driver's own threads (one core made background swaps steal launch time).
+
+    >>> cores_per_service("cpu", None), cores_per_service("cuda", None), cores_per_service("cuda", 4)
+    (1, 2, 4)
+    """
+    return max(threads or 1, 2 if kind == "cuda" else 1)
+
+
 def cuda_env(deterministic: bool = False) -> dict[str, str]:
     """The CUDA settings of every process that uses a GPU (set before CUDA starts in it):
     - `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`: states of different sizes come and go all the time;

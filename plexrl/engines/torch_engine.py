@@ -3,7 +3,8 @@
 Generation is a hand-written sampling loop with a KV cache (left-padded prompts, explicit position ids),
 seeded by a `torch.Generator` per call so results depend only on the seed, never on what ran before. It can
 stop between two decode steps and resume later (`begin_generation` / `resume`; plexrl/engines/decoding.py),
-with finished rows dropped from the batch, sampling the same tokens as without the pause.
+with finished rows dropped from the batch, running the same computation as without the pause (on CPU the same
+tokens bit for bit; on CUDA the same distribution: docs/gpu.md).
 Training runs a caller-supplied loss (`LossFn`) over minibatches with AdamW and gradient clipping; the
 algorithm (GRPO, PPO, ...) lives in the operator, not here.
 

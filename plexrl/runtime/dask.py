@@ -221,7 +221,9 @@ class DaskExecutor:
         from plexrl.runtime.affinity import available_cores, core_plan, pin_process
 
         cores = available_cores()
-        plan = core_plan(cores, len(service_workers), max(1, self.service_threads or 1))
+        from plexrl.devices import cores_per_service
+
+        plan = core_plan(cores, len(service_workers), cores_per_service(self.device, self.service_threads))
         if plan is None:
             log.warning("pin_cores: %d cores cannot give %d services their own and the CPU pool one; not pinned",
                         len(cores), len(service_workers))  # fmt: skip
