@@ -285,3 +285,14 @@ def test_a_local_dask_clusters_workers_see_their_own_gpus(tmp_path: Path) -> Non
         assert os.environ.get("CUDA_VISIBLE_DEVICES") != "5"  # this process is untouched
     finally:
         ex.close()
+
+
+def test_a_servers_worker_group_refuses_a_bf16_job() -> None:
+    """B5 on the server's path (a job submitted later, not in a cluster file): refused before anything is built."""
+    from plexrl.server.api import prepare_entry
+    from plexrl.server.journal_records import JobEntry
+
+    job = {**copy.deepcopy(TINY), "model": {**TINY["model"], "dtype": "bfloat16"}}
+    entry = JobEntry(1, "j1", "j", "u", job, "queued", "", None, 2, 0, 1, 0.0, None, None, {})
+    with pytest.raises(ConfigError, match=r"model.dtype bfloat16: worker groups train in float32"):
+        prepare_entry(entry, device="cuda", group=True)

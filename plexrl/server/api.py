@@ -221,9 +221,11 @@ def prepare_entry(
 
     with allowed_modules(modules) if modules is not None else contextlib.nullcontext():
         loaded = load_job(entry.config)
-        from plexrl.devices.mix import device_jobs
+        from plexrl.devices.mix import device_jobs, group_problems
 
         loaded = device_jobs(device, group, [loaded])[0]
+        if group and group_problems(loaded.config):  # what a worker group would silently ignore (B5)
+            raise ConfigError([Problem("model", why) for why in group_problems(loaded.config)], entry.job_id)
         warm = loaded.config.warm_start
         if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:
             why = f"{warm.max_steps} steps; this server allows at most {max_warm_start_steps} (max_warm_start_steps)"
