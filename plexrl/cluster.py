@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
-from plexrl.devices.mix import device_jobs
 from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.job.budget import device_need
+from plexrl.job.devices import device_jobs
 from plexrl.job.load import LoadedJob, load_job
 from plexrl.job.model_config import StrictModel
 from plexrl.runtime.tls import is_loopback
@@ -290,7 +290,7 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     jobs = device_jobs(cfg.services.device, cfg.services.ranks > 1, jobs)
     for i, job in enumerate(jobs):
         if cfg.services.ranks > 1:
-            from plexrl.devices.mix import group_problems
+            from plexrl.job.devices import group_problems
 
             problems += [Problem(f"jobs[{i}]", f"job {job.config.name!r}: {why}") for why in group_problems(job.config)]
     names = [j.config.name for j in jobs]
@@ -330,8 +330,8 @@ def device_budget(cfg: ClusterRuntime, jobs: Sequence[LoadedJob] | None = None) 
     if cfg.driver == "dask" and cfg.scheduler is not None:
         why = "a cluster on an external scheduler runs on GPUs this process cannot measure: set it (bytes per GPU)"
         raise ConfigError([Problem("services.device_memory", why)])
-    from plexrl.devices import query_gpus, visible_gpus
-    from plexrl.devices.mix import headroom_of, services_budget
+    from plexrl.devices import query_gpus, services_budget, visible_gpus
+    from plexrl.job.devices import headroom_of
 
     heads = None
     if jobs is not None:

@@ -28,15 +28,15 @@ from plexrl.devices import (
     gpu_memory_utilization,
     idle_engine,
     inline_devices,
-    job_defaults,
     resolve_device,
     service_gpus,
+    services_budget,
     vllm_args,
     vllm_need,
     worker_envs,
 )
-from plexrl.devices.mix import services_budget
 from plexrl.job.config import JobConfig
+from plexrl.job.devices import job_defaults
 from plexrl.job.load import load_job
 
 H200 = Device("cuda", 0, 141 * GiB, 141 * GiB, (9, 0), "NVIDIA H200")
@@ -220,7 +220,8 @@ def test_the_default_budget_leaves_the_headroom_a_job_needs() -> None:
     """D3: a CUDA service with no services.device_memory gets free memory minus the context, the job's largest
     minibatch activations, its optimizer temporaries, vLLM's working memory and a fragmentation margin: the
     budget plus all of it never exceeds what is free."""
-    from plexrl.devices.budget import job_headroom, mix_headroom
+    from plexrl.devices.budget import mix_headroom
+    from plexrl.job.devices import job_headroom
 
     params = {"batch_size": 16, "n": 8, "max_new_tokens": 256}
     loaded = load_job({"model": {"max_position": 1024}, "pipeline": {"name": "grpo", "params": params}})

@@ -21,8 +21,11 @@ What is decided here (docs/gpu.md has the arithmetic and the reasons):
 - the default device budget of a CUDA service (`device_split`): the free memory minus the CUDA context, the
   activations of the largest minibatch, the optimizer's temporaries, each vLLM engine's working memory, paused
   KV caches and a fragmentation margin;
-- the job defaults a device implies (`job_defaults`: bf16 and sdpa on CUDA where the job left them unset), the
-  CUDA environment (`cuda_env`) and the opt-in deterministic mode (`deterministic_env`, `configure_process`).
+- the CUDA environment (`cuda_env`) and the opt-in deterministic mode (`deterministic_env`, `configure_process`).
+
+What a job becomes on a device, read from its config (the defaults a device implies: bf16 and sdpa on CUDA; the
+headroom it needs; what a worker group refuses), is `plexrl.job.devices`, one layer up: this package imports
+nothing of PlexRL but itself, so the engines and services below the job can use it.
 """
 
 from __future__ import annotations
@@ -47,11 +50,9 @@ from plexrl.devices.budget import (
     Headroom,
     Split,
     device_split,
-    job_defaults,
-    job_headroom,
-    minibatch_rows,
     mix_headroom,
     optimizer_temp_bytes,
+    services_budget,
     train_activation_bytes,
 )
 from plexrl.devices.engines import (
@@ -103,15 +104,13 @@ __all__ = [
     "host_available",
     "idle_engine",
     "inline_devices",
-    "job_defaults",
-    "job_headroom",
-    "minibatch_rows",
     "mix_headroom",
     "optimizer_temp_bytes",
     "parse_gpu_query",
     "query_gpus",
     "resolve_device",
     "service_gpus",
+    "services_budget",
     "train_activation_bytes",
     "visible_gpus",
     "vllm_activation_bytes",

@@ -1,14 +1,14 @@
-"""The default device budget of a CUDA service and the headroom a job mix needs beside it. Part of
-`plexrl.devices`."""
+"""The default device budget of a CUDA service and the headroom a job mix needs beside it: arithmetic over
+described devices and per-job `Headroom`s (what a job needs is read from its config by `plexrl.job.devices`).
+Part of `plexrl.devices`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from plexrl.devices.base import (
     CUDA_CONTEXT_BYTES,
-    DEFAULT_MINIBATCH_ROWS,
     FRAGMENTATION_SHARE,
     LOGIT_COPIES,
     Device,
@@ -17,50 +17,9 @@ from plexrl.devices.base import (
     Shape,
     dtype_bytes,
 )
+from plexrl.devices.placement import service_gpus
 
-if TYPE_CHECKING:
-    from plexrl.graph import PipelineGraph
-    from plexrl.job.config import JobConfig
-
-
-def job_defaults(cfg: JobConfig, kind: str, *, group: bool = False) -> JobConfig:
-    """`cfg` with the defaults of a device where the job left them unset: on CUDA `model.dtype: bfloat16`
-    (fp32 masters and moments: the optimizer never steps bf16 weights; not on a worker group, `group`, whose
-    FSDP engine trains in fp32) and `model.attention: sdpa` (eager materialises [N, heads, L, L]); on CPU the
-    config as it is. A value the job sets is kept."""
-    if kind != "cuda":
-        return cfg
-    update: dict[str, Any] = {}
-    if "dtype" not in cfg.model.model_fields_set and not group:
-        update["dtype"] = "bfloat16"
-    if "attention" not in cfg.model.model_fields_set:
-        update["attention"] = "sdpa"
-    if not update:
-        return cfg
-    model = cfg.model.model_copy(update=update)
-    return cfg.model_copy(update={"model": model})
-
-
-def minibatch_rows(graph: PipelineGraph) -> tuple[int, int]:
-    """(rows of the largest train minibatch, rows of one generation) of a pipeline, from its nodes' parameters:
-    prompts drawn (`batch_size`) x samples each (`n`), over the fewest `minibatches` of a train node;
-    `DEFAULT_MINIBATCH_ROWS` where the pipeline does not say."""
-
-    def ints(name: str) -> list[int]:
-        out = []
-        for n in graph.nodes:
-            v = getattr(n.params, name, None)
-            if v is None and name == "minibatches":
-                v = getattr(getattr(n.params, "optimiser", None), "minibatches", None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                out.append(v)
-        return out
-
-    prompts, samples, minibatches = ints("batch_size"), ints("n"), ints("minibatches")
-    if not prompts:
-        return DEFAULT_MINIBATCH_ROWS, DEFAULT_MINIBATCH_ROWS
-    generation = max(prompts) * max(samples, default=1)
-    return -(-generation // min(minibatches, default=1)), generation
+SERVER_HEADROOM_SHARE = 0.10  # of the total: what a server (its jobs unknown at start) keeps beside the budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,26 +33,6 @@ class Headroom:
     paused_kv: int = 0
     vllm: int = 0
     vllm_key: str = ""
-
-
-def job_headroom(
-    cfg: JobConfig, graph: PipelineGraph, shape: Shape, length: int, *, vllm: bool, vllm_key: str = ""
-) -> Headroom:
-    """The `Headroom` of a job whose model has `shape` and whose sequences reach `length` tokens (the scored
-    response: its largest `max_new_tokens`); `vllm`: its rollouts run on vLLM. A LoRA job's optimizer steps
-    megabytes (its adapter): counted 0."""
-    from plexrl.devices.engines import engine_dtype, vllm_headroom
-    from plexrl.job.checks import response_budget
-
-    m = cfg.model
-    response = response_budget(graph)
-    rows, generation = minibatch_rows(graph)
-    optimizer = 0 if m.lora is not None else optimizer_temp_bytes(shape, m.dtype)
-    paused = generation * length * 2 * shape.layers * shape.hidden * dtype_bytes(m.dtype) if cfg.slices else 0
-    engine = vllm_headroom(shape, engine_dtype(Device("cuda"), m.dtype), max(length, 4096)) if vllm else 0
-    scored = response[0] if response is not None else None
-    activations = train_activation_bytes(shape, rows, length, m.dtype, m.gradient_checkpointing, scored)
-    return Headroom(activations, optimizer, paused, engine, vllm_key if vllm else "")
 
 
 def mix_headroom(jobs: list[Headroom]) -> dict[str, int]:
@@ -185,3 +124,34 @@ def device_split(
             "minibatches or models, or set services.device_memory yourself"
         )
     return split
+
+
+def services_budget(
+    gpus: Mapping[str, Device],
+    *,
+    services: int,
+    ranks: int,
+    named: Sequence[str] | None,
+    visible: Sequence[str],
+    jobs: Sequence[Headroom] | None,
+    reserve: int | None = None,
+) -> int:
+    """The device budget (bytes) of every rank of every CUDA service: the smallest `device_split` budget over
+    the GPUs they get (`service_gpus`), each described in `gpus` (by the name `CUDA_VISIBLE_DEVICES` uses).
+    The headroom: `reserve` when given, else what `jobs` need together (`mix_headroom`), else (a server, whose
+    jobs come later) `SERVER_HEADROOM_SHARE` of each GPU."""
+    budgets = []
+    for gpu in (g for ranks_of in service_gpus(services, ranks, named, visible) for g in ranks_of):
+        if gpu not in gpus:
+            raise DeviceError(
+                f"GPU {gpu} is not on this machine (nvidia-smi lists {', '.join(sorted(gpus)) or 'none'})"
+            )
+        dev = gpus[gpu]
+        if reserve is not None:
+            split = device_split(dev, activations=reserve)
+        elif jobs is not None:
+            split = device_split(dev, **mix_headroom(list(jobs)))
+        else:
+            split = device_split(dev, activations=int(dev.total * SERVER_HEADROOM_SHARE))
+        budgets.append(split.budget)
+    return min(budgets)

@@ -30,7 +30,7 @@ class DeviceNeed:
 def estimate_engine_bytes(cfg: JobConfig) -> int:
     """Device bytes of the vLLM engine the job's rollouts will use (one weight copy in the engine's dtype + KV
     cache; shared by the same-architecture jobs of a service), 0 when they run on the torch engine."""
-    from plexrl.job.spec import vllm_weight_dtype
+    from plexrl.job.devices import vllm_weight_dtype
 
     small = cfg.engine == "auto" and auto_engine_rule(estimate_weight_bytes(cfg) // 4, cfg.vllm.auto_min_params)
     if cfg.engine == "torch" or small or (cfg.engine == "auto" and vllm_problem(cfg.model)):
@@ -65,7 +65,7 @@ def device_need(job: LoadedJob) -> DeviceNeed:
         return DeviceNeed(state, engine, ", ".join(state_parts(job.graph)), "its vLLM engine")
     path, kv = Path(cfg.model.path), cfg.vllm.kv_cache_mb * 2**20
     shared = "its base" + (" and its vLLM engine" if engine else "")  # as JobSpec.engine() counts them
-    from plexrl.job.spec import vllm_weight_dtype
+    from plexrl.job.devices import vllm_weight_dtype
 
     vllm = lora_engine_bytes(path, lora.r, kv, vllm_weight_dtype(cfg.model.dtype)) if engine else 0
     return DeviceNeed(

@@ -85,6 +85,7 @@ class JobSpec:
         both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
         two keys: the planner counts that base twice, an over-estimate.)"""
         from plexrl.job.checks import generation_budget
+        from plexrl.job.devices import vllm_weight_dtype
 
         model, budget = self.config.model, generation_budget(self.config, self.graph)
         kv = self.config.vllm.kv_cache_mb * 2**20
@@ -183,14 +184,6 @@ class JobRun:
             if name in row:
                 return row[name]
         return None
-
-
-def vllm_weight_dtype(model_dtype: str) -> str:
-    """The dtype a vLLM engine holds a job's weights in (`plexrl.devices.engine_dtype`): the job's on CUDA,
-    fp32 where the installed vLLM is its CPU build."""
-    from plexrl.engines.vllm_engine import vllm_cpu_build
-
-    return "float32" if vllm_cpu_build() else model_dtype
 
 
 def prepare_job(

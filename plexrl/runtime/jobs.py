@@ -53,7 +53,7 @@ def run_jobs(
     CUDA where they leave them unset), warm-start and train there (several services: one GPU each);
     `deterministic`: `plexrl.devices.configure_process`."""
     from plexrl.devices import configure_process, inline_devices, visible_gpus
-    from plexrl.devices.mix import device_jobs
+    from plexrl.job.devices import device_jobs
     from plexrl.runtime.build import build_runner
     from plexrl.runtime.inline import InlineExecutor
 

@@ -221,7 +221,7 @@ def prepare_entry(
 
     with allowed_modules(modules) if modules is not None else contextlib.nullcontext():
         loaded = load_job(entry.config)
-        from plexrl.devices.mix import device_jobs, group_problems
+        from plexrl.job.devices import device_jobs, group_problems
 
         loaded = device_jobs(device, group, [loaded])[0]
         if group and group_problems(loaded.config):  # what a worker group would silently ignore (B5)
