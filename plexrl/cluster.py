@@ -339,10 +339,10 @@ def device_budget(cfg: ClusterRuntime, jobs: Sequence[LoadedJob] | None = None) 
 
         heads = [headroom_of(j.config, j.graph, vllm=estimate_engine_bytes(j.config) > 0) for j in jobs]
     reserve = int(s.reserve) if s.reserve is not None else None
-    budget = services_budget(query_gpus(), services=s.count, ranks=s.ranks, named=s.devices, visible=visible_gpus(),
-                             jobs=heads, reserve=reserve)  # fmt: skip
-    log.info("services.device_memory: %.2f GiB per service GPU (free memory minus headroom)", budget / 2**30)
-    return budget
+    split = services_budget(query_gpus(), services=s.count, ranks=s.ranks, named=s.devices, visible=visible_gpus(),
+                            jobs=heads, reserve=reserve)  # fmt: skip
+    log.info("services.device_memory unset on CUDA: %s", split.describe())  # the split, stated once
+    return split.budget
 
 
 def is_cluster_file(path: Path | None) -> bool:

@@ -232,8 +232,7 @@ def test_the_default_budget_leaves_the_headroom_a_job_needs() -> None:
     split = device_split(dev, **mix_headroom([head]))
     assert split.budget + split.context + split.activations + split.optimizer + split.vllm <= dev.free
     assert split.budget < dev.free - head.activations
-    budget = services_budget({"0": dev}, services=1, ranks=1, named=None, visible=["0"], jobs=[head])
-    assert budget == split.budget
+    assert services_budget({"0": dev}, services=1, ranks=1, named=None, visible=["0"], jobs=[head]) == split
 
 
 def test_a_budget_with_nothing_left_is_refused() -> None:
@@ -243,8 +242,8 @@ def test_a_budget_with_nothing_left_is_refused() -> None:
 
 def test_a_server_keeps_a_share_of_each_gpu_and_uses_the_smallest() -> None:
     small = Device("cuda", 1, 80 * GiB, 70 * GiB, (9, 0), "H100")
-    budget = services_budget({"0": H200, "1": small}, services=2, ranks=1, named=None, visible=["0", "1"], jobs=None)
-    assert budget == device_split(small, activations=8 * GiB).budget
+    split = services_budget({"0": H200, "1": small}, services=2, ranks=1, named=None, visible=["0", "1"], jobs=None)
+    assert split == device_split(small, activations=8 * GiB)
 
 
 # -- a job's defaults on a device ------------------------------------------------------------------------------

@@ -135,12 +135,12 @@ def services_budget(
     visible: Sequence[str],
     jobs: Sequence[Headroom] | None,
     reserve: int | None = None,
-) -> int:
-    """The device budget (bytes) of every rank of every CUDA service: the smallest `device_split` budget over
-    the GPUs they get (`service_gpus`), each described in `gpus` (by the name `CUDA_VISIBLE_DEVICES` uses).
-    The headroom: `reserve` when given, else what `jobs` need together (`mix_headroom`), else (a server, whose
-    jobs come later) `SERVER_HEADROOM_SHARE` of each GPU."""
-    budgets = []
+) -> Split:
+    """The device split of every rank of every CUDA service: the one with the smallest budget among the
+    `device_split`s of the GPUs they get (`service_gpus`), each described in `gpus` (by the name
+    `CUDA_VISIBLE_DEVICES` uses). The headroom: `reserve` when given, else what `jobs` need together
+    (`mix_headroom`), else (a server, whose jobs come later) `SERVER_HEADROOM_SHARE` of each GPU."""
+    splits = []
     for gpu in (g for ranks_of in service_gpus(services, ranks, named, visible) for g in ranks_of):
         if gpu not in gpus:
             raise DeviceError(
@@ -153,5 +153,5 @@ def services_budget(
             split = device_split(dev, **mix_headroom(list(jobs)))
         else:
             split = device_split(dev, activations=int(dev.total * SERVER_HEADROOM_SHARE))
-        budgets.append(split.budget)
-    return min(budgets)
+        splits.append(split)
+    return min(splits, key=lambda sp: sp.budget)
