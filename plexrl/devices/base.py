@@ -104,11 +104,22 @@ def parse_gpu_query(text: str) -> dict[str, Device]:
 
 
 def query_gpus() -> dict[str, Device]:
-    """This machine's GPUs as they are now, by index and UUID, without creating a CUDA context (`nvidia-smi`);
-    {} where there is none. `index` is the machine's numbering (a service's process sees its one GPU as 0)."""
+    """This machine's GPUs as they are now, by index and UUID, without creating a CUDA context (`nvidia-smi`;
+    where it is missing, torch's device properties, by index, free taken as total); {} where there is none.
+    `index` is the machine's numbering (a service's process sees its one GPU as 0)."""
     fields = "index,uuid,name,memory.total,memory.free,compute_cap"
     text = _nvidia_smi(f"--query-gpu={fields}", "--format=csv,noheader,nounits")
-    return parse_gpu_query(text) if text else {}
+    if text:
+        return parse_gpu_query(text)
+    import torch  # no nvidia-smi: torch's device properties; the free memory is then taken as the total
+
+    if not torch.cuda.is_available():
+        return {}
+    out = {}
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out[str(i)] = Device("cuda", i, int(p.total_memory), int(p.total_memory), (p.major, p.minor), p.name)
+    return out
 
 
 def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -120,8 +131,10 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     if own is not None:
         return [g.strip() for g in own.split(",") if g.strip() and not g.strip().startswith("-")]
     out = _nvidia_smi("-L")
-    if out is None:
-        return []
+    if out is None:  # no nvidia-smi: torch's count (no CUDA context is made for it)
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
 
 
