@@ -48,6 +48,17 @@ def run(
     scheduler: Annotated[
         str | None, typer.Option("--scheduler", help="Cluster configs: run on this Dask scheduler address.")
     ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="A job: where it runs: auto (the first GPU when there is one, else cpu; the default), cpu, cuda, "
+            "cuda:N. A cluster config names its own (services.device).",
+        ),
+    ] = None,
+    deterministic: Annotated[
+        bool, typer.Option("--deterministic", help="A job on CUDA: deterministic kernels (slower; docs/gpu.md).")
+    ] = False,
 ) -> None:
     """Run a job, or a cluster config (a YAML with `jobs:`) of many jobs on shared services; track them in
     MLflow; print the summary (and, for a cluster, the accounting table)."""
@@ -67,9 +78,12 @@ def run(
         return
     if file.kind == "cluster":
         assert config is not None
+        if device is not None or deterministic:
+            _fail(ValueError("a cluster config names its device: set services.device (and services.deterministic)"))
         _run_cluster(file, (set_ or []) + ([f"scheduler={scheduler}"] if scheduler else []), progress)
         return
     try:
+        from plexrl.devices import resolve_device, visible_gpus
         from plexrl.job.load import load_job
         from plexrl.runtime.jobs import run_jobs
 
@@ -77,7 +91,8 @@ def run(
 
         if progress is None:
             progress = loaded.config.tracking.progress and sys.stderr.isatty()
-        jobs = run_jobs([loaded], progress=progress)
+        where = resolve_device(device or "auto", visible_gpus())
+        jobs = run_jobs([loaded], progress=progress, device=where, deterministic=deterministic)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
         return

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.job.budget import device_need
+from plexrl.job.devices import device_jobs
 from plexrl.job.load import LoadedJob, load_job
 from plexrl.job.model_config import StrictModel
 from plexrl.runtime.config import RuntimeConfig
@@ -100,6 +101,12 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None, *, raw:
             problems += [Problem(f"{where}.{p.where}" if p.where else where, p.message) for p in exc.problems]
             continue
         jobs.append(loaded)
+    jobs = device_jobs(cfg.services.device, cfg.services.ranks > 1, jobs)
+    for i, job in enumerate(jobs):
+        if cfg.services.ranks > 1:
+            from plexrl.job.devices import group_problems
+
+            problems += [Problem(f"jobs[{i}]", f"job {job.config.name!r}: {why}") for why in group_problems(job.config)]
     names = [j.config.name for j in jobs]
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(Problem("jobs", f"two jobs are named {name!r}; give each a unique `name` (set: {{name: ...}})"))
@@ -141,6 +148,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     """Prepare every job (warm starts cached), run them on the shared services, account, track. Every output
     (timeline, accounting, the cluster MLflow run) is a hook; `hooks`: more of them, after those, given to the
     runner when it is built (nothing is set on it afterwards). The result carries the timeline's spans."""
+    from plexrl.devices import visible_gpus
     from plexrl.hooks.cluster import Accounting, ClusterMlflow
     from plexrl.hooks.timeline import TimelineRecorder
     from plexrl.job.spec import prepare_job
@@ -149,7 +157,8 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
 
     cfg = loaded.config
     run_dir = Path(cfg.run_dir).resolve()
-    specs = [prepare_job(job) for job in loaded.jobs]
+    warm = "cuda" if cfg.services.device == "cuda" and visible_gpus() else "cpu"  # where warm starts train
+    specs = [prepare_job(job, device=warm) for job in loaded.jobs]
     extra = list(hooks)
     hooks = standard_hooks(run_dir, progress=progress, mlflow=any(j.config.tracking.mlflow for j in loaded.jobs))
     out_dir = run_dir / "clusters" / f"{cfg.name}-{int(time.time())}"
@@ -163,7 +172,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
             accounting, run_dir, cfg.name, cfg.experiment, cfg.model_dump(mode="json", exclude={"jobs"})
         )
         hooks.append(tracker)
-    runner = build_runner(cfg, [*hooks, *extra])
+    runner = build_runner(cfg, [*hooks, *extra], jobs=loaded.jobs)
     runs = runner.run(specs)
     counts = runner.planner.counts()
     log.info(

@@ -1,6 +1,7 @@
 """Co-scheduled rollouts end to end (`batch_rollouts`, `plexrl/planner/batches.py`, `services/batched.py`): two
 tiny LoRA jobs rolling out on one shared vLLM engine on one local service, their rollouts run as ONE engine
-call. Every job completes; each rollout's tokens equal the job's rollout without batching and its log-probs
+call (on the CPU build: on CUDA the equality is in distribution, docs/gpu.md). Every job completes; each
+rollout's tokens equal the job's rollout without batching and its log-probs
 agree within 1e-5; each job's metrics equal its unbatched run within that tolerance; the planner records the
 groups, and each member is accounted a share of the call (the shares tile it). Skipped without vLLM.
 

@@ -30,8 +30,9 @@ def packages() -> dict[str, Path]:
 # and in the package map (docs/architecture.md) on purpose.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves: import nothing of plexrl above themselves
-    ("leaves", ("plexrl.errors", "plexrl.yamlio", "plexrl.batch", "plexrl.reports", "plexrl.accounting",
-                "plexrl.job.sizes", "plexrl.job.construction", "plexrl.services.ranks", "plexrl.services.swap")),
+    ("leaves", ("plexrl.devices", "plexrl.errors", "plexrl.yamlio", "plexrl.batch", "plexrl.reports",
+                "plexrl.accounting", "plexrl.job.sizes", "plexrl.job.construction", "plexrl.services.ranks",
+                "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams")),
     ("planner", ("plexrl.planner",)),  # pure: events in, instructions out
     # what a config may name, and the typed pieces it is made of: roles, operators' model, tools, data, rewards
     ("declared", ("plexrl", "plexrl.roles", "plexrl.operator", "plexrl.graph", "plexrl.tools", "plexrl.verifiers",

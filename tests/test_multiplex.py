@@ -3,7 +3,8 @@
 - fidelity (docs invariant 4): a job that earns real rewards, multiplexed with two others on ONE
   service whose device memory holds a single job state (so every switch swaps, and the host budget forces
   spills to disk), produces the same per-iteration metrics AND bit-identical final weights as the job
-  alone, in-process and on Dask; its own state is counted moving between tiers;
+  alone, in-process and on Dask, on CPU in fp32 (on CUDA: the same distribution, docs/gpu.md); its own state
+  is counted moving between tiers;
 - batches stay on the workers: on Dask, the bytes that reach the client per iteration do not grow with
   the batch (metrics only);
 - isolation (invariant 5): a lost service worker fails only the jobs placed on it; a cancelled job ends as

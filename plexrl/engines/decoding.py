@@ -3,8 +3,10 @@
 `begin(engine, prompts, ...)` runs the prompts' prefill and returns a `Decoding`; `advance(engine, d,
 max_steps)` runs at most `max_steps` decode steps (None: to the end) and returns; `d.output()` is the
 `GenerationOutput` once `d.finished`. `TorchEngine.generate` is exactly begin + advance(None) + output, so a
-generation paused any number of times (and other generations run on the same engine meanwhile) samples the
-same tokens, with the same log-probs, as one that never paused:
+generation paused any number of times (and other generations run on the same engine meanwhile) runs the same
+computation as one that never paused: on CPU the same tokens with the same log-probs (bit for bit); on CUDA the
+same distribution (its kernels are free to reduce in another order from one run to the next unless
+`deterministic: true`, docs/gpu.md), because:
 
 - each `Decoding` owns its `torch.Generator`, seeded once, and every step draws from it for ALL N rows
   (rows already finished sample from a one-hot at pad), so the random stream never depends on when rows

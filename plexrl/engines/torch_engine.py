@@ -3,7 +3,8 @@
 Generation is a hand-written sampling loop with a KV cache (left-padded prompts, explicit position ids),
 seeded by a `torch.Generator` per call so results depend only on the seed, never on what ran before. It can
 stop between two decode steps and resume later (`begin_generation` / `resume`; plexrl/engines/decoding.py),
-with finished rows dropped from the batch, sampling the same tokens as without the pause.
+with finished rows dropped from the batch, running the same computation as without the pause (on CPU the same
+tokens bit for bit; on CUDA the same distribution: docs/gpu.md).
 Training runs a caller-supplied loss (`LossFn`) over minibatches with AdamW and gradient clipping; the
 algorithm (GRPO, PPO, ...) lives in the operator, not here.
 
@@ -153,7 +154,11 @@ class TorchEngine:
         attention: str = "sdpa",
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
+        load_on: str | None = None,
     ) -> None:
+        """`device`: where the engine computes; `load_on`: where its tensors are made (None: `device`). A
+        service builds a job admitted to host or disk on "cpu" and hands its tensors to that tier: they reach
+        `device` only when the planner brings the job in (`plexrl.devices.build_device`)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -168,7 +173,7 @@ class TorchEngine:
             raise ValueError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[dtype]
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation=attention)
-        self.policy = model.to(self.device)  # type: ignore[arg-type]
+        self.policy = model.to(torch.device(load_on) if load_on is not None else self.device)  # type: ignore[arg-type]
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.eval()

@@ -28,12 +28,15 @@ class DeviceNeed:
 
 
 def estimate_engine_bytes(cfg: JobConfig) -> int:
-    """Device bytes of the vLLM engine the job's rollouts will use (one weight copy + KV cache; shared by the
-    same-architecture jobs of a service), 0 when they run on the torch engine."""
+    """Device bytes of the vLLM engine the job's rollouts will use (one weight copy in the engine's dtype + KV
+    cache; shared by the same-architecture jobs of a service), 0 when they run on the torch engine."""
+    from plexrl.job.devices import vllm_weight_dtype
+
     small = cfg.engine == "auto" and auto_engine_rule(estimate_weight_bytes(cfg) // 4, cfg.vllm.auto_min_params)
     if cfg.engine == "torch" or small or (cfg.engine == "auto" and vllm_problem(cfg.model)):
         return 0
-    return estimate_weight_bytes(cfg) + cfg.vllm.kv_cache_mb * 2**20
+    half = vllm_weight_dtype(cfg.model.dtype) != "float32"
+    return estimate_weight_bytes(cfg) // (2 if half else 1) + cfg.vllm.kv_cache_mb * 2**20
 
 
 def estimate_weight_bytes(cfg: JobConfig) -> int:
@@ -55,14 +58,16 @@ def device_need(job: LoadedJob) -> DeviceNeed:
     from plexrl.engines.vllm_lora import lora_engine_bytes
 
     cfg = job.config
-    state = estimate_state_bytes(estimate_weight_bytes(cfg), job.graph)
+    state = estimate_state_bytes(estimate_weight_bytes(cfg), job.graph, cfg.model.dtype)  # bf16: 14 B a parameter
     engine = estimate_engine_bytes(cfg)
     lora = cfg.model.lora
     if lora is None or cfg.model.path is None:
         return DeviceNeed(state, engine, ", ".join(state_parts(job.graph)), "its vLLM engine")
     path, kv = Path(cfg.model.path), cfg.vllm.kv_cache_mb * 2**20
     shared = "its base" + (" and its vLLM engine" if engine else "")  # as JobSpec.engine() counts them
-    vllm = lora_engine_bytes(path, lora.r, kv) if engine else 0
+    from plexrl.job.devices import vllm_weight_dtype
+
+    vllm = lora_engine_bytes(path, lora.r, kv, vllm_weight_dtype(cfg.model.dtype)) if engine else 0
     return DeviceNeed(
         lora_state_bytes(path, lora.r, list(lora.target_modules)),
         model_bytes(path, cfg.model.dtype) + vllm,

@@ -168,11 +168,13 @@ def prepare_model(
     seed: int,
     run_dir: Path,
     cancel: threading.Event | None = None,
+    device: str = "cpu",
 ) -> PreparedModel:
     """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train.
     An existing model (`model.path`, or `model.pretrained`: converted into the cache on first use,
     plexrl/job/pretrained.py) is used as it is, with its own tokenizer; `task` may then be None.
-    `cancel`: see the module docstring (raises `PreparationCancelled`)."""
+    `cancel`: see the module docstring (raises `PreparationCancelled`). `device`: where the warm start trains
+    (the job's device; its cached result serves every device)."""
     with model_construction():  # transformers' lazy first imports are not thread-safe either
         from transformers import PreTrainedTokenizerFast
 
@@ -206,7 +208,11 @@ def prepare_model(
         acc, steps = None, 0
         if warm.enabled:
             final.mkdir(parents=True, exist_ok=True)
-            acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg, cancel)
+            acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg, cancel, device)
+            if device.startswith("cuda"):  # its blocks go back before the services measure the GPU
+                import torch
+
+                torch.cuda.empty_cache()
             tok.save_pretrained(str(final))
         seconds = time.perf_counter() - start
         info_file.write_text(json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds}))
@@ -302,20 +308,22 @@ def warm_start(
     seed: int,
     model_cfg: ModelConfig,
     cancel: threading.Event | None = None,
+    device: str = "cpu",
 ) -> tuple[float, int]:
     """Supervised fine-tuning on the train split until held-out greedy accuracy reaches
     `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`. The targets are the task's
     demonstrations (a `task.tool_demo_frac` share of them tool calls), cross-entropy on model-written tokens
     only: tool output is context, never a label. `cancel` is checked before every step: once set, raises
-    `PreparationCancelled` and saves nothing."""
+    `PreparationCancelled` and saves nothing. It trains in fp32 on `device`."""
     import torch
 
     from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions
 
     with model_construction():
         engine = TorchEngine(
-            base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention
-        )
+            base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention,
+            device=device,
+        )  # fmt: skip
     model = engine.policy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=0.0)
     rng = random.Random(seed)
@@ -343,6 +351,7 @@ def warm_start(
             labels[i, off + len(p) :] = torch.tensor([t if keep else -100 for t, keep in zip(a, trained, strict=True)])
             mask[i, off:] = 1
         model.train()
+        ids, labels, mask = ids.to(engine.device), labels.to(engine.device), mask.to(engine.device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
@@ -361,5 +370,5 @@ def warm_start(
                 decay_from = step
     model.save_pretrained(str(out))
     if cfg.keep_optimizer:
-        torch.save(opt.state_dict(), out / OPTIMIZER_FILE)
+        torch.save(opt.state_dict(), out / OPTIMIZER_FILE)  # loaded back onto whatever device trains it
     return acc, step

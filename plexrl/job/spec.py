@@ -93,9 +93,11 @@ class JobSpec:
         both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
         two keys: the planner counts that base twice, an over-estimate.)"""
         from plexrl.job.checks import generation_budget
+        from plexrl.job.devices import vllm_weight_dtype
 
         model, budget = self.config.model, generation_budget(self.config, self.graph)
         kv = self.config.vllm.kv_cache_mb * 2**20
+        block = self.config.vllm.block_size
         if model.lora is not None:  # a LoRA job shares its base: one copy per service
             from plexrl.engines.lora import base_key
 
@@ -105,14 +107,15 @@ class JobSpec:
                 return base, base_bytes
             from plexrl.engines.vllm_lora import lora_engine_bytes, lora_generator_key
 
-            key = lora_generator_key(self.model_path, model.lora.r, budget, self.config.vllm.block_size)
-            return f"{base}+{key}", base_bytes + lora_engine_bytes(self.model_path, model.lora.r, kv)
+            key = lora_generator_key(self.model_path, model.lora.r, budget, block, model.dtype)
+            vllm = lora_engine_bytes(self.model_path, model.lora.r, kv, vllm_weight_dtype(model.dtype))
+            return f"{base}+{key}", base_bytes + vllm
         if self.generation != "vllm":
             return None
         from plexrl.engines.vllm_engine import generator_key
 
-        key = generator_key(self.model_path, budget, self.config.vllm.block_size)
-        return key, model_bytes(self.model_path) + kv
+        key = generator_key(self.model_path, budget, block, model.dtype)
+        return key, model_bytes(self.model_path, vllm_weight_dtype(model.dtype)) + kv
 
     def state_bytes(self) -> int:
         """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`; a LoRA
@@ -189,10 +192,13 @@ class JobRun:
         return None
 
 
-def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None) -> JobSpec:
+def prepare_job(
+    loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None, device: str = "cpu"
+) -> JobSpec:
     """Generate the task and build (or load from cache) the warm-started model of a validated job.
     `cancel` (a server's: set when the job is cancelled or the server stops) is checked between the stages and
-    between warm-start steps; once set, `plexrl.job.models.PreparationCancelled` is raised."""
+    between warm-start steps; once set, `plexrl.job.models.PreparationCancelled` is raised. `device`: where a
+    warm start trains (the job's device)."""
     from plexrl.job.models import check_cancelled, prepare_model
     from plexrl.job.tasks import make_task
 
@@ -206,14 +212,14 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
     if cfg.data is not None:  # data from files: the model (pretrained or a path) first, its tokenizer renders
         from plexrl.job.tasks.dataset import make_dataset_task
 
-        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel)
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel, device)
         check_cancelled(cancel, "the preparation (after the model)")
         cache = Path(cfg.data.cache_dir).resolve() if cfg.data.cache_dir else run_dir / "cache" / "data"
         task = make_dataset_task(cfg.data, prepared.tokenizer, tokenizer_dir=prepared.path, cache_dir=cache)
     else:
         task = make_task(cfg.task)
         check_cancelled(cancel, "the preparation (after the task's data)")
-        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel)
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel, device)
     log.info(
         "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
         prepared.path,
@@ -270,7 +276,8 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     if lora is not None and not why:  # vLLM applies the job's adapter (plexrl/engines/vllm_lora.py)
         from plexrl.engines.vllm_lora import lora_vllm_problem
 
-        why = lora_vllm_problem(lora.r, lora.target_modules)
+        # on CUDA in the job's dtype, where vLLM's LoRA kernels refuse fp32 (plexrl.devices.vllm_problem)
+        why = lora_vllm_problem(lora.r, lora.target_modules, cfg.model.dtype, cuda=not vllm_cpu_build())
     if cfg.engine == "vllm":
         if why:
             raise ValueError(f"engine: vllm cannot serve {model_path}: {why}; or set `engine: torch`")

@@ -6,7 +6,7 @@ from it whole (`plexrl.runtime.build`, `plexrl.planner.Planner.from_config`), ne
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, model_validator
 
@@ -18,8 +18,37 @@ class ServicesConfig(StrictModel):
     """The shared LLM services: one per accelerator (here: per Dask worker with a GPU resource)."""
 
     count: int = Field(1, ge=1, le=4096, description="Number of services (accelerators).")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the device tier lives.")
-    device_memory: ByteSize | None = Field(None, description="Device-tier budget per service, e.g. '24MB'.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="Where the device tier lives. cuda: each service rank on a GPU of its own (`devices`); jobs "
+        "that leave model.dtype and model.attention unset train in bfloat16 with sdpa there (docs/gpu.md).",
+    )
+    devices: list[Annotated[str, Field(pattern=r"^(\d{1,3}|GPU-[0-9a-fA-F-]{8,}|MIG-[0-9A-Za-z/-]{8,})$")]] | None = (
+        Field(
+            None,
+            description="device: cuda: the GPUs of the services, as CUDA_VISIBLE_DEVICES names them (indices or "
+            "UUIDs); service i rank r gets devices[i * ranks + r], and its worker sees only that GPU. None: the "
+            "visible GPUs in order. Fewer GPUs than count x ranks is refused.",
+        )
+    )
+    device_memory: ByteSize | None = Field(
+        None,
+        description="Device-tier budget per service rank, e.g. '24MB'. None: unlimited on cpu; on cuda the free "
+        "memory of the smallest service GPU minus headroom for the CUDA context, activations, optimizer "
+        "temporaries, vLLM's working memory and paused KV caches (plexrl.devices.device_split; docs/gpu.md).",
+    )
+    reserve: ByteSize | None = Field(
+        None,
+        description="device: cuda with device_memory unset: bytes of each GPU kept out of the budget for "
+        "activations and temporaries, instead of the headroom computed from the jobs (a server, whose jobs come "
+        "later: 10% of the GPU).",
+    )
+    deterministic: bool = Field(
+        False,
+        description="cuda: deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, "
+        "vLLM's batch-invariant kernels, Hopper or newer). Slower; equal runs give equal bits on one GPU model. "
+        "Without it CUDA runs are equal in distribution, not in bits (docs/gpu.md).",
+    )
     host_memory: ByteSize | None = Field(None, description="Host-tier budget per service (None: unlimited).")
     disk: ByteSize | None = Field(None, description="Disk-tier budget per service (None: unlimited).")
     threads: int | None = Field(None, ge=1, description="torch threads per service worker (default: torch's).")
@@ -32,6 +61,16 @@ class ServicesConfig(StrictModel):
         60.0, gt=0, le=3600,
         description="Seconds a worker group waits for a rank to join or a collective to finish before the node fails.",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _gpus(self) -> ServicesConfig:
+        if self.devices is not None:
+            from plexrl.devices import service_gpus
+
+            if self.device != "cuda":
+                raise ValueError("services.devices names GPUs: set services.device: cuda, or remove devices")
+            service_gpus(self.count, self.ranks, self.devices, [])  # raises (a ValueError) with the fix
+        return self
 
 
 class DaskTLS(StrictModel):

@@ -95,8 +95,17 @@ class DaskExecutor:
         host: str = LOOPBACK,
         tls: TLSFiles | None = None,
         pin_cores: bool = False,
+        worker_env: dict[str, dict[str, str]] | None = None,
+        deterministic: bool = False,
+        host_memory: int | None = None,
     ) -> None:
+        """`worker_env`: a local cluster's worker environments by worker name (`plexrl.devices.worker_envs`:
+        each service rank's `CUDA_VISIBLE_DEVICES` and CUDA settings, the CPU pool's empty GPU list);
+        `deterministic`: torch's deterministic algorithms in every service worker (`devices.configure_process`)."""
         self.clock = time.time
+        self.worker_env = worker_env or {}
+        self.deterministic = deterministic
+        self.host_memory = host_memory  # each service's host tier (its pinned pool stays within it)
         self.pin_cores = pin_cores  # a local cluster: services on cores of their own (runtime/affinity.py)
         self.pinned: dict[str, list[int]] = {}  # worker address -> its cores, when pinned
         self.host, self.tls = host, tls  # the local cluster's interface; mutual TLS (see the module docstring)
@@ -168,11 +177,14 @@ class DaskExecutor:
             names = [
                 f"service-{i}" + (f"-rank{r}" if r else "") for i in range(self.n_services) for r in range(self.ranks)
             ]
+            env = self.worker_env  # one GPU per service worker (CUDA_VISIBLE_DEVICES), none for the CPU pool
             workers: dict[str, Any] = {
-                name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name, **opts}}
+                name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name,
+                                                 "env": dict(env.get(name, {})), **opts}}
                 for name in names
-            }
-            workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0", **opts}}
+            }  # fmt: skip
+            workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0",
+                                                          "env": dict(env.get("cpu-0", {})), **opts}}  # fmt: skip
             scheduler = {"cls": Scheduler, "options": {"dashboard_address": http, **net}}
             self.cluster = SpecCluster(
                 workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, security=security
@@ -195,6 +207,10 @@ class DaskExecutor:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
         if self.pin_cores and self.scheduler is None:
             self._pin([a for _, a in gpu])
+        if self.deterministic:
+            from plexrl.devices import configure_process
+
+            self.client.run(configure_process, self.device, True, workers=[a for _, a in gpu])
         self.topology.form(gpu)
         self.client.run(_warm_up)
         self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
@@ -207,7 +223,9 @@ class DaskExecutor:
         from plexrl.runtime.affinity import available_cores, core_plan, pin_process
 
         cores = available_cores()
-        plan = core_plan(cores, len(service_workers), max(1, self.service_threads or 1))
+        from plexrl.devices import cores_per_service
+
+        plan = core_plan(cores, len(service_workers), cores_per_service(self.device, self.service_threads))
         if plan is None:
             log.warning("pin_cores: %d cores cannot give %d services their own and the CPU pool one; not pinned",
                         len(cores), len(service_workers))  # fmt: skip
@@ -219,7 +237,7 @@ class DaskExecutor:
         log.info("pinned: %s", {a: c for a, c in self.pinned.items()})
 
     def _start_args(self) -> tuple[Any, ...]:
-        return self.device, self.validate, self.spill_dir, self.service_threads
+        return self.device, self.validate, self.spill_dir, self.service_threads, self.host_memory
 
     def close(self) -> dict[str, dict[str, Any]]:
         reports: dict[str, dict[str, Any]] = {}

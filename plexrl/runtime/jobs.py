@@ -39,19 +39,37 @@ def standard_hooks(
     return hooks
 
 
-def run_jobs(loaded: list[LoadedJob], *, progress: bool | None = None, services: int = 1) -> list[JobRun]:
+def run_jobs(
+    loaded: list[LoadedJob],
+    *,
+    progress: bool | None = None,
+    services: int = 1,
+    device: str = "cpu",
+    deterministic: bool = False,
+) -> list[JobRun]:
     """Prepare each job (task, model, warm start; cached) and run them all to completion, in this process, on
-    the runtime section's defaults (`RuntimeConfig`, as a cluster config's) with the in-process driver."""
+    the runtime section's defaults (`RuntimeConfig`, as a cluster config's) with the in-process driver.
+    `device`: "cpu" or "cuda:N" (`plexrl.devices.resolve_device`): the jobs take its defaults (`job_defaults`:
+    bfloat16 and sdpa on CUDA where they leave them unset), warm-start and train there (several services: one
+    GPU each); `deterministic`: `plexrl.devices.configure_process`."""
+    from plexrl.devices import configure_process, inline_devices, visible_gpus
+    from plexrl.job.devices import device_jobs
     from plexrl.runtime.build import build_runner
     from plexrl.runtime.config import RuntimeConfig
     from plexrl.runtime.inline import InlineExecutor
 
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    configure_process(kind, deterministic)  # before CUDA starts here
+    loaded = device_jobs(kind, False, loaded)
     first = loaded[0].config
     configure_torch(first.threads)
-    specs = [prepare_job(job) for job in loaded]
+    specs = [prepare_job(job, device=device) for job in loaded]
     show = first.tracking.progress if progress is None else progress
     hooks = standard_hooks(
         Path(first.run_dir).resolve(), progress=show, mlflow=any(j.config.tracking.mlflow for j in loaded)
     )
+    devices = [device] * services if services == 1 or kind == "cpu" else inline_devices(
+        kind, services, None, visible_gpus()
+    )  # fmt: skip
     section = RuntimeConfig.model_validate({"driver": "local"})
-    return build_runner(section, hooks, InlineExecutor(services=services)).run(specs)
+    return build_runner(section, hooks, InlineExecutor(services=services, devices=devices)).run(specs)

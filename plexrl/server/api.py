@@ -202,12 +202,16 @@ def prepare_entry(
     cancel: threading.Event | None = None,
     max_warm_start_steps: int | None = None,
     modules: list[str] | None = None,
+    device: str = "cpu",
+    group: bool = False,
 ) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
     with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
     (`plexrl.job.models.PreparationCancelled` soon after it is set); `max_warm_start_steps`: the server's cap
     (a ConfigError above it, before any work); `modules`: the server's allow-list, in force while the job is
-    compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since)."""
+    compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since);
+    `device` ("cpu" or "cuda") and `group` (services.ranks > 1): the services', whose defaults the job takes
+    (`plexrl.devices.job_defaults`) and where its warm start trains."""
     import contextlib
     import dataclasses
 
@@ -217,11 +221,17 @@ def prepare_entry(
 
     with allowed_modules(modules) if modules is not None else contextlib.nullcontext():
         loaded = load_job(entry.config)
+        from plexrl.job.devices import device_jobs, group_problems
+
+        loaded = device_jobs(device, group, [loaded])[0]
+        if group and group_problems(loaded.config):  # what a worker group would silently ignore (B5)
+            raise ConfigError([Problem("model", why) for why in group_problems(loaded.config)], entry.job_id)
         warm = loaded.config.warm_start
         if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:
             why = f"{warm.max_steps} steps; this server allows at most {max_warm_start_steps} (max_warm_start_steps)"
             raise ConfigError([Problem("warm_start.max_steps", f"{why}: lower it")], entry.job_id)
-        spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel), user=entry.user)
+        spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel, device=device),
+                                   user=entry.user)  # fmt: skip
     if entry.checkpoint is None or entry.checkpoint_iteration is None:
         return spec
     return dataclasses.replace(
@@ -287,9 +297,11 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         return make(more_hooks=[view, *more_hooks], **parts)
 
     if prepare is prepare_entry:
+        services = cfg.cluster.services
         prepare = functools.partial(
-            prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules)
-        )
+            prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
+            device=services.device, group=services.ranks > 1,
+        )  # fmt: skip
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,

@@ -271,7 +271,14 @@ def _rank_service(key: str) -> RankService:
 
 
 def start_rank(
-    key: str, rank: int, spec: GroupSpec, device: str, validate: bool, spill_dir: str | None, threads: int | None
+    key: str,
+    rank: int,
+    spec: GroupSpec,
+    device: str,
+    validate: bool,
+    spill_dir: str | None,
+    threads: int | None,
+    host_memory: int | None = None,
 ) -> int:
     """Join the group (`spec`) and create this rank's service, dropping an earlier one and its jobs (their
     shards belong to the old process group). Raises `GroupBroken` when the group does not form in time."""
@@ -285,7 +292,9 @@ def start_rank(
             log.warning("group %s re-formed: the state of jobs %s on it is gone", key, lost)
     state = join(spec, rank, device)
     service_id = key.rpartition("/")[2]
-    _registry()[key] = RankService(service_id, state, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    _registry()[key] = RankService(
+        service_id, state, device, spill_dir=spill_dir, validate=validate, clock=time.time, host_memory=host_memory
+    )
     return os.getpid()
 
 

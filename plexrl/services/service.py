@@ -37,6 +37,7 @@ from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.generators import Generators
 from plexrl.services.host import HostPool
 from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 from plexrl.services.streams import StreamOrder, stream_order
@@ -116,13 +117,15 @@ class Service:
 
         self.service_id = service_id
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # one GPU per worker: its cuda:0
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.clock = clock
         self.validate = validate
         self._own_spill = spill_dir is None
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="plexrl-spill-"))
         self.jobs: dict[str, JobSpec] = {}
         self.engines: dict[str, Any] = {}
-        self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
+        self.generators = Generators(self.device, clock)  # shared vLLM engines by generator key
         self.bases: dict[str, Any] = {}  # shared LoRA bases by base key (plexrl/engines/lora.py)
         self.states: dict[str, sw.Placement] = {}
         self.stats = SwapStats()
@@ -138,15 +141,21 @@ class Service:
     # -- jobs ---------------------------------------------------------------------------------------
     def load_job(self, job: JobSpec, tier: str = "device") -> int:
         """Create the job's engine from its starting model and put its state in `tier` (strict affinity: it
-        stays on this service). Returns the state's size in bytes."""
+        stays on this service). Returns the state's size in bytes. A job admitted to host or disk is built on
+        the host and its tensors go straight to that tier: the device never holds them before the planner
+        brings the job in (`plexrl.devices.build_device`; a LoRA job's adapter is made beside its shared base,
+        which the planner reserved on the device, and moved out)."""
+        from plexrl.devices import build_device
         from plexrl.engines.torch_engine import TorchEngine
         from plexrl.job.models import engine_options
 
         tok = job.tokenizer
         engine: Any
+        built_on = str(self.device)
         if job.config.model.lora is not None:
             engine = self._lora_engine(job)
         else:
+            built_on = build_device(str(self.device), tier)
             engine = TorchEngine(
                 job.model_path,
                 eos_id=tok.eos_token_id,
@@ -154,6 +163,7 @@ class Service:
                 device=str(self.device),
                 with_reference=uses_reference(job.graph),
                 attention=job.config.model.attention,
+                load_on=built_on,
                 **engine_options(job.config.model),  # dtype, gradient_checkpointing
             )
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
@@ -164,9 +174,23 @@ class Service:
         self._released.discard(job.job_id)
         self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
         self.order.node_end([job.job_id])  # its build's kernels come before any move of it
-        if tier != "device":
+        if tier != "device" and built_on != str(self.device):
+            self._adopt(job.job_id, tier)
+        elif tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
+
+    def _adopt(self, job_id: str, tier: str) -> None:
+        """The state of a job built on the host becomes its host copy (pinned on CUDA, as a swap-out's), then
+        goes on to `tier`; its live tensors are left empty on the device until the planner brings it in."""
+        state = self.states[job_id]
+        live = self.engines[job_id].state_tensors()
+        state.host, _ = sw.device_to_host(job_id, live, self.device, self.host_pool, self.order)
+        if self.validate:
+            state.checksum = sw.checksum(state.host.tensors())
+        state.tier = "host"
+        if tier != "host":
+            self._move(Move(job_id, "host", tier, 0))  # type: ignore[arg-type]
 
     def _lora_engine(self, job: JobSpec) -> Any:
         """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
@@ -187,50 +211,13 @@ class Service:
         )  # fmt: skip
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
-        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use);
-        a LoRA job's VLLMLoRAEngine on the shared LoRA-enabled engine for its base (plexrl/engines/vllm_lora.py:
-        the base loaded once, each job's adapter under its own LoRARequest)."""
-        from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
-        from plexrl.job.checks import generation_budget
-
-        budget = generation_budget(job.config, job.graph)  # None: the model's positions
-        lora = job.config.model.lora
-        if lora is not None:
-            from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine, lora_generator_key
-
-            key = lora_generator_key(job.model_path, lora.r, budget, job.config.vllm.block_size)
-            if key not in self.generators:
-                self.generators[key] = SharedLoRALLM(
-                    job.model_path, r=lora.r, eos_id=job.tokenizer.eos_token_id, pad_id=job.tokenizer.pad_token_id,
-                    kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20, max_model_len=budget,
-                    block_size=job.config.vllm.block_size, clock=self.clock,
-                )  # fmt: skip
-            return VLLMLoRAEngine(trainer, self.generators[key], job.job_id)
-        # jobs share an engine only at one max_model_len and block size
-        key = generator_key(job.model_path, budget, job.config.vllm.block_size)
-        if key not in self.generators:
-            self.generators[key] = SharedLLM(
-                job.model_path,
-                eos_id=job.tokenizer.eos_token_id,
-                pad_id=job.tokenizer.pad_token_id,
-                kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20,
-                max_model_len=budget,
-                block_size=job.config.vllm.block_size,
-                clock=self.clock,
-            )
-        return VLLMEngine(trainer, self.generators[key], job.job_id)
+        """The job's engine on the service's shared vLLM engine for it (`Generators.engine_for`)."""
+        return self.generators.engine_for(job, trainer)
 
     def _drop_generators(self, *, only_broken: bool = False) -> None:
-        """Shut down shared vLLM engines no job uses any more (or that failed); a job whose engine failed
-        gets a fresh one on its next generation."""
-        used = {id(e.llm) for e in self.engines.values() if hasattr(e, "llm")}
-        for key, llm in list(self.generators.items()):
-            if llm.broken or (not only_broken and id(llm) not in used):
-                llm.shutdown()
-                del self.generators[key]
-                for job_id, engine in self.engines.items():
-                    if getattr(engine, "llm", None) is llm:
-                        self.engines[job_id] = self._vllm_engine(self.jobs[job_id], engine.trainer)
+        """Retire the shared vLLM engines no job uses any more, shut down those that failed and give their jobs
+        fresh ones (`Generators.drop`)."""
+        self.generators.drop(self.engines, self.jobs, only_broken=only_broken)
 
     def tier(self, job_id: str) -> str:
         return self.states[job_id].tier
@@ -428,9 +415,7 @@ class Service:
         self.background.shutdown()
         for job_id in list(self.states):
             self.release(job_id)
-        for llm in self.generators.values():
-            llm.shutdown()
-        self.generators.clear()
+        self.generators.close()
         self.host_pool.clear()
         if self._own_spill:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
@@ -454,8 +439,9 @@ class Service:
             "pinned_bytes": self.host_pool.pinned_bytes,
             "pinned_peak_bytes": self.host_pool.peak_bytes if self.host_pool.pin else 0,
             "bytes_to_tier": dict(s.per_tier),
-            "generation_engines": len(self.generators),
-            "weight_loads": sum(g.loads for g in self.generators.values()),
+            "generation_engines": self.generators.awake(),
+            "sleeping_engines": len(self.generators) - self.generators.awake(),
+            "weight_loads": self.generators.loads(),
         }
 
     # -- moves --------------------------------------------------------------------------------------
