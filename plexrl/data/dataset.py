@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexrl.cache_files import key_lock
 from plexrl.data.config import DataConfig
 from plexrl.data.files import open_rows
 from plexrl.data.rows import DataError, Row, RowSource, data_problem, file_key, save_npy
@@ -108,8 +109,9 @@ def open_dataset(
         perm = np.random.default_rng(cfg.split_seed).permutation(n)
         stem = f"{train_src.path.stem}-{file_key(train_src.path)}-split{cfg.split_seed}-{cfg.held_out_fraction!r}"
         held_idx, train_idx = cache_dir / f"{stem}.held_out.npy", cache_dir / f"{stem}.train.npy"
-        save_npy(held_idx, np.sort(perm[:k]).astype(np.int64))
-        save_npy(train_idx, np.sort(perm[k:]).astype(np.int64))
+        for out, part in ((held_idx, perm[:k]), (train_idx, perm[k:])):
+            if not out.is_file():  # (the same rows for every writer: a rename over another's is harmless)
+                save_npy(out, np.sort(part).astype(np.int64))
         train, held = Split(train_src, train_idx), Split(train_src, held_idx)
     else:
         train, held = Split(train_src), Split(train_src, _empty_index(cache_dir))
@@ -159,8 +161,10 @@ def _filter(split: Split, cache_dir: Path, limit: int, count: Callable[[Row], in
     what = f"{file_key(src)}|{split.index_path.name if split.index_path else 'all'}|{limit}|{key}"
     out = cache_dir / f"{src.stem}-{hashlib.sha256(what.encode()).hexdigest()[:16]}.kept.npy"
     if not out.is_file():
-        kept = [split.position(i) for i in range(len(split)) if count(split[i]) <= limit]
-        save_npy(out, np.asarray(kept, dtype=np.int64))
+        with key_lock(out):  # one count per key; the others wait and read it (plexrl/cache_files.py)
+            if not out.is_file():
+                kept = [split.position(i) for i in range(len(split)) if count(split[i]) <= limit]
+                save_npy(out, np.asarray(kept, dtype=np.int64))
     kept_split = Split(split.source, out)
     return kept_split, len(split) - len(kept_split)
 
