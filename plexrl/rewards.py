@@ -161,6 +161,11 @@ class Reward:
     def labels(self) -> list[str]:
         return [t.key for t in self.terms]
 
+    @property
+    def batched(self) -> list[bool]:
+        """Per term: whether it is a batched user reward (one call per batch)."""
+        return list(self._batched)
+
     def __call__(
         self,
         prompts: Sequence[str],
