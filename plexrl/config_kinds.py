@@ -183,7 +183,7 @@ def _job_lines(path: Path | None, overrides: list[str]) -> tuple[str, ...]:
 
         tokenizer_dir = Path(cfg.model.path) if cfg.model.path is not None else None
         if cfg.model.pretrained is not None:
-            from plexrl.pretrained import pretrained_path
+            from plexrl.job.pretrained import pretrained_path
 
             try:
                 tokenizer_dir = pretrained_path(cfg.model.pretrained, convert=False)

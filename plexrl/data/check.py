@@ -37,7 +37,7 @@ def check_data(cfg: DataConfig, cache_dir: Path, tokenizer_dir: Path | None) -> 
     reward = build_reward(cfg.rewards)
     renderer = None
     if tokenizer_dir is not None:
-        from plexrl.tasks.dataset import PromptRenderer
+        from plexrl.job.tasks.dataset import PromptRenderer
 
         renderer = PromptRenderer(None, str(tokenizer_dir), cfg.system_prompt, cfg.format_instruction)
     count = None if renderer is None else (lambda row: len(renderer.render(row)[1]))
