@@ -70,7 +70,7 @@ def key_lock(path: Path, poll: Callable[[], None] | None = None) -> Iterator[Non
         lock.release()
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)` into a fresh temporary file beside `path`, then renamed over `path` (see the module
     docstring); returns `path`."""
     path = Path(path)

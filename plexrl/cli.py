@@ -42,7 +42,10 @@ def run(
     set_: SetOpt = None,
     progress: Annotated[
         bool | None,
-        typer.Option("--progress/--no-progress", help="Progress bar (default: tracking.progress on a TTY)."),
+        typer.Option(
+            "--progress/--no-progress",
+            help="Progress (default: tracking.progress): a bar on a terminal, else a line per job every 30 s.",
+        ),
     ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
     scheduler: Annotated[
@@ -68,7 +71,7 @@ def run(
         from plexrl.runtime.jobs import run_jobs
 
         if progress is None:
-            progress = loaded.config.tracking.progress and sys.stderr.isatty()
+            progress = loaded.config.tracking.progress
         jobs = run_jobs([loaded], progress=progress)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
@@ -117,7 +120,7 @@ def _run_cluster(config: Path, overrides: list[str], progress: bool | None) -> N
     try:
         loaded = load_cluster(config, overrides)
         if progress is None:
-            progress = loaded.config.progress and sys.stderr.isatty()
+            progress = loaded.config.progress
         result = run_cluster(loaded, progress=progress)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)

@@ -190,7 +190,9 @@ class ClusterRuntime(DaskNetwork):
     validate_state: bool = Field(False, description="Planner invariants after every event and state checksums.")
     mlflow: bool = Field(True, description="Log a cluster-level MLflow run (jobs log their own runs).")
     experiment: str = Field("plexrl", description="MLflow experiment of the cluster run.")
-    progress: bool = Field(True, description="Progress bars on a terminal.")
+    progress: bool = Field(
+        True, description="Progress: bars on a terminal, else a line per job every 30 s (a log, CI, tmux)."
+    )
 
     @model_validator(mode="after")
     def _groups_on_dask(self) -> ClusterRuntime:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plexrl.cache_files import key_lock
+from plexrl.cache_files import key_lock, write_atomic
 from plexrl.data.config import DataConfig
 from plexrl.data.files import open_rows
 from plexrl.data.rows import DataError, Row, RowSource, data_problem, file_key, save_npy
@@ -141,6 +141,24 @@ def open_dataset(
     return FileDataset(train, held, dropped)
 
 
+def longest_prompt(splits: list[Split], cache_dir: Path, count: Callable[[Row], int], key: str) -> int:
+    """The most tokens any row of `splits` renders to (`count`), measured once per file version and `key`
+    (the renderer's fingerprint) and kept in a small file under `cache_dir` (written under the key's lock)."""
+    import json
+
+    what = (
+        "|".join(f"{file_key(s.source.path)}:{s.index_path.name if s.index_path else 'all'}" for s in splits)
+        + f"|{key}"
+    )
+    out = cache_dir / f"longest-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+    if not out.is_file():
+        with key_lock(out):
+            if not out.is_file():
+                most = max((count(s[i]) for s in splits for i in range(len(s))), default=0)
+                write_atomic(out, lambda tmp: tmp.write_text(json.dumps({"longest_prompt": most})))
+    return int(json.loads(out.read_text())["longest_prompt"])
+
+
 def _empty_index(cache_dir: Path) -> Path:
     import numpy as np
 
@@ -169,4 +187,4 @@ def _filter(split: Split, cache_dir: Path, limit: int, count: Callable[[Row], in
     return kept_split, len(split) - len(kept_split)
 
 
-__all__ = ["FileDataset", "Split", "open_dataset"]
+__all__ = ["FileDataset", "Split", "longest_prompt", "open_dataset"]

@@ -280,12 +280,13 @@ class Planner:
                 continue
             if a.target is None:
                 still.append(a.job_id)
+                self.jobs[a.job_id].reason = a.reason  # (shown to users: the server's page and status)
                 continue
             if a.tier is None:
                 raise InvalidTransition(self._history(f"placement chose {a.target} for {a.job_id} but it does not fit"))
             job, svc = self.jobs[a.job_id], self.services[a.target]
             self._set_job(job, "placed")
-            job.service, job.placed_at = a.target, self.clock()
+            job.service, job.placed_at, job.reason = a.target, self.clock(), ""
             svc.jobs.add(a.job_id)
             self._dirty.add(a.target)
             out.append(PlaceJob(a.job_id, a.target, a.tier))

@@ -180,9 +180,9 @@ class Service:
         a LoRA job's VLLMLoRAEngine on the shared LoRA-enabled engine for its base (plexrl/engines/vllm_lora.py:
         the base loaded once, each job's adapter under its own LoRARequest)."""
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
-        from plexrl.job.checks import generation_budget
 
-        budget = generation_budget(job.config, job.graph)  # None: the model's positions
+        sizes = job.generation_sizes()  # from the job: its prompts + generation, its rollout batch
+        budget, kv_bytes = sizes.max_model_len, sizes.kv_cache_bytes  # budget None: the model's positions
         lora = job.config.model.lora
         if lora is not None:
             from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine, lora_generator_key
@@ -191,7 +191,7 @@ class Service:
             if key not in self.generators:
                 self.generators[key] = SharedLoRALLM(
                     job.model_path, r=lora.r, eos_id=job.tokenizer.eos_token_id, pad_id=job.tokenizer.pad_token_id,
-                    kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20, max_model_len=budget,
+                    kv_cache_bytes=kv_bytes, max_model_len=budget,
                     block_size=job.config.vllm.block_size, clock=self.clock,
                 )  # fmt: skip
             return VLLMLoRAEngine(trainer, self.generators[key], job.job_id)
@@ -202,7 +202,7 @@ class Service:
                 job.model_path,
                 eos_id=job.tokenizer.eos_token_id,
                 pad_id=job.tokenizer.pad_token_id,
-                kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20,
+                kv_cache_bytes=kv_bytes,
                 max_model_len=budget,
                 block_size=job.config.vllm.block_size,
                 clock=self.clock,
