@@ -163,3 +163,32 @@ def test_two_users_one_data_file_submitted_together_to_a_server(tmp_path: Path, 
             entry = wait_for(lambda j=job_id: (e := srv.journal.get(j)) and e.status in ("done", "failed") and e, who)
             assert entry.status == "done", f"{who}'s job: {entry.reason}"
     assert sorted(prepared) == ["ann", "ann", "bob", "bob"]
+
+
+def test_a_model_preparation_waits_for_another_process_preparing_the_same_cache_entry(tmp_path: Path) -> None:
+    """The warm-start cache (plexrl/job/models.py) is locked across processes too: while another process
+    holds a cache entry's lock, a preparation of the same entry waits (and a cancel ends the wait); it
+    used to lock threads of one process only."""
+    from plexrl.job.models import PreparationCancelled, _cache_lock
+
+    root, held, release = tmp_path / "cache" / "abc", tmp_path / "held", tmp_path / "release"
+    script = (
+        "import os, time\n"
+        "from pathlib import Path\n"
+        "from plexrl.cache_files import key_lock\n"
+        f"with key_lock(Path({str(root)!r})):\n"
+        f"    Path({str(held)!r}).touch()\n"
+        f"    while not os.path.exists({str(release)!r}): time.sleep(0.01)\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_for(held.exists, "the other process holds the lock")
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(PreparationCancelled, match="the wait for another preparation"), _cache_lock(root, cancel):
+            pass
+    finally:
+        release.touch()
+        assert other.wait(60) == 0
+    with _cache_lock(root, threading.Event()):  # free again
+        pass
