@@ -179,7 +179,7 @@ def _job_lines(path: Path | None, overrides: list[str]) -> tuple[str, ...]:
         lines.append(f"  {node['name']:<12} {node['placement']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")
     cfg = loaded.config
     if cfg.data is not None:  # open the files as run would (same errors), resolve the rewards
-        from plexrl.data.check import check_data, data_cache_dir
+        from plexrl.job.data_check import check_data, data_cache_dir
 
         tokenizer_dir = Path(cfg.model.path) if cfg.model.path is not None else None
         if cfg.model.pretrained is not None:

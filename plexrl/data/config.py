@@ -82,7 +82,7 @@ class RewardTerm(_Strict):
         if self.ref is not None and parse_ref(self.ref) is None:
             raise ValueError(f"ref {self.ref!r} is not a dotted path of the form 'pkg.module:fn' (no spaces)")
         if self.name is not None:
-            from plexrl.rewards import check_params  # the built-ins' parameter models: no user code runs
+            from plexrl.reward_builtins import check_params  # the built-ins' parameter models: no user code runs
 
             check_params(self.name, self.params)
         return self

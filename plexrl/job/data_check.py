@@ -19,6 +19,7 @@ from pathlib import Path
 
 from plexrl.data.config import DataConfig
 from plexrl.data.rows import Row
+from plexrl.job.tasks.dataset import PromptRenderer
 
 
 def data_cache_dir(cfg: DataConfig, run_dir: str | Path) -> Path:
@@ -37,8 +38,6 @@ def check_data(cfg: DataConfig, cache_dir: Path, tokenizer_dir: Path | None) -> 
     reward = build_reward(cfg.rewards)
     renderer = None
     if tokenizer_dir is not None:
-        from plexrl.job.tasks.dataset import PromptRenderer
-
         renderer = PromptRenderer(None, str(tokenizer_dir), cfg.system_prompt, cfg.format_instruction)
     count = None if renderer is None else (lambda row: len(renderer.render(row)[1]))
     if cfg.max_prompt_tokens is not None and renderer is None:
