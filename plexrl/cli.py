@@ -42,7 +42,10 @@ def run(
     set_: SetOpt = None,
     progress: Annotated[
         bool | None,
-        typer.Option("--progress/--no-progress", help="Progress bar (default: tracking.progress on a TTY)."),
+        typer.Option(
+            "--progress/--no-progress",
+            help="Progress (default: tracking.progress): a bar on a terminal, else a line per job every 30 s.",
+        ),
     ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
     scheduler: Annotated[
@@ -90,7 +93,7 @@ def run(
         loaded = load_job(config, set_ or [], parsed=file.raw)
 
         if progress is None:
-            progress = loaded.config.tracking.progress and sys.stderr.isatty()
+            progress = loaded.config.tracking.progress
         where = resolve_device(device or "auto", visible_gpus())
         jobs = run_jobs([loaded], progress=progress, device=where, deterministic=deterministic)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
@@ -140,7 +143,7 @@ def _run_cluster(file: Any, overrides: list[str], progress: bool | None) -> None
     try:
         loaded = load_cluster(file.path, overrides, raw=file.raw)
         if progress is None:
-            progress = loaded.config.progress and sys.stderr.isatty()
+            progress = loaded.config.progress
         result = run_cluster(loaded, progress=progress)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)

@@ -56,7 +56,9 @@ class ClusterConfig(RuntimeConfig):
     run_dir: str = Field("runs", description="Directory for the cluster's timeline, report and MLflow store.")
     mlflow: bool = Field(True, description="Log a cluster-level MLflow run (jobs log their own runs).")
     experiment: str = Field("plexrl", description="MLflow experiment of the cluster run.")
-    progress: bool = Field(True, description="Progress bars on a terminal.")
+    progress: bool = Field(
+        True, description="Progress: bars on a terminal, else a line per job every 30 s (a log, CI, tmux)."
+    )
     jobs: list[ClusterJob] = Field(description="The jobs that share the services.", min_length=1)
 
 

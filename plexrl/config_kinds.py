@@ -213,6 +213,19 @@ def _job_lines(path: Path | None, overrides: list[str], raw: Any) -> tuple[str, 
     lines = [f"pipeline {loaded.graph.name!r} with {len(loaded.graph.order)} nodes"]
     for node in loaded.graph.describe():
         lines.append(f"  {node['name']:<12} {node['placement']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")
+    cfg = loaded.config
+    if cfg.data is not None:  # open the files as run would (same errors), resolve the rewards
+        from plexrl.job.data_check import check_data, data_cache_dir
+
+        tokenizer_dir = Path(cfg.model.path) if cfg.model.path is not None else None
+        if cfg.model.pretrained is not None:
+            from plexrl.job.pretrained import pretrained_path
+
+            try:
+                tokenizer_dir = pretrained_path(cfg.model.pretrained, convert=False)
+            except LookupError:
+                tokenizer_dir = None
+        lines += check_data(cfg.data, data_cache_dir(cfg.data, cfg.run_dir), tokenizer_dir)
     return tuple(lines)
 
 

@@ -30,13 +30,14 @@ def packages() -> dict[str, Path]:
 # and in the package map (docs/architecture.md) on purpose.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves: import nothing of plexrl above themselves
-    ("leaves", ("plexrl.devices", "plexrl.errors", "plexrl.yamlio", "plexrl.batch", "plexrl.reports",
-                "plexrl.accounting", "plexrl.job.sizes", "plexrl.job.construction", "plexrl.services.ranks",
-                "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams")),
+    ("leaves", ("plexrl.devices", "plexrl.cache_files", "plexrl.errors", "plexrl.yamlio", "plexrl.batch",
+                "plexrl.reports", "plexrl.accounting", "plexrl.job.sizes", "plexrl.job.construction",
+                "plexrl.services.ranks", "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams")),
     ("planner", ("plexrl.planner",)),  # pure: events in, instructions out
     # what a config may name, and the typed pieces it is made of: roles, operators' model, tools, data, rewards
     ("declared", ("plexrl", "plexrl.roles", "plexrl.operator", "plexrl.graph", "plexrl.tools", "plexrl.verifiers",
-                  "plexrl.reward_builtins", "plexrl.rewards", "plexrl.data", "plexrl.episodes", "plexrl.viz")),
+                  "plexrl.reward_builtins", "plexrl.rewards", "plexrl.reward_workers", "plexrl._reward_worker",
+                  "plexrl.data", "plexrl.episodes", "plexrl.viz")),
     ("engines", ("plexrl.engines",)),
     ("job", ("plexrl.job",)),
     ("services", ("plexrl.services",)),

@@ -438,3 +438,19 @@ def test_slowdown_ordering_lowers_the_worst_slowdown_of_a_mix_at_the_same_makesp
     assert worst["slowdown"] < 0.8 * worst["hrrs"], worst
     assert worst["slowdown"] < 0.9 * worst["no-hold"] < worst["hrrs"], worst
     assert makespan["slowdown"] < 1.12 * makespan["hrrs"], makespan
+
+
+def test_a_waiting_job_is_told_which_service_its_load_and_what_lets_it_in() -> None:
+    """Issue 37: "waiting for room on a service" while one user's two jobs held the only service said nothing
+    a user could act on."""
+    p = Planner(clock=Clock(), placement=SpreadBackfill(max_load=1.0), validate=True)
+    p.handle(ServiceJoined("s0"))
+    p.handle(JobSubmitted("a", GRPO))
+    p.handle(JobSubmitted("b", GRPO))
+    assert p.handle(JobSubmitted("c", GRPO)) == []
+    why = p.jobs["c"].reason
+    assert "s0 holds 2 jobs at a predicted load of 0.80; this job adds 0.40" in why
+    assert "spread+backfill admits up to max_load 1.00: it goes in when that load falls to 0.60 or below" in why
+    for node in GRPO.order:  # a's iteration ends, the loads settle lower, c goes in and its reason is gone
+        p.handle(NodeFinished("a", 0, node, duration=5.0 if node == "prompts" else 0.01))
+    assert p.jobs["c"].status == "placed" and p.jobs["c"].reason == ""

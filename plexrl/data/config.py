@@ -67,7 +67,12 @@ class RewardTerm(_Strict):
         "keyword arguments to a user reward.",
     )
     timeout_s: float = Field(
-        5.0, gt=0, le=600, description="A user reward's time limit per call (per row, or per batch when batched)."
+        5.0,
+        gt=0,
+        le=600,
+        description="The term's time limit per call (a row; a whole batch for a batched user reward), built-in or "
+        "user: the call runs in the term's worker process, which is killed when it passes the limit (the call "
+        "scores 0 and is counted in reward_timeouts; 5 in a row fail the job).",
     )
 
     @model_validator(mode="after")

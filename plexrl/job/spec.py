@@ -13,6 +13,7 @@ from plexrl.errors import ConfigError
 from plexrl.graph import PipelineGraph
 from plexrl.job.checks import chunk_problems
 from plexrl.job.config import JobConfig
+from plexrl.job.generation import GenerationSizes, generation_sizes, sizing_problems
 from plexrl.job.load import LoadedJob
 from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
 from plexrl.planner.events import JobPlan, NodePlan, RetryPlan
@@ -92,11 +93,10 @@ class JobSpec:
         `vllm_lora.lora_engine_bytes`): one key for the pair, so the jobs of one base and one vLLM setting count
         both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
         two keys: the planner counts that base twice, an over-estimate.)"""
-        from plexrl.job.checks import generation_budget
         from plexrl.job.devices import vllm_weight_dtype
 
-        model, budget = self.config.model, generation_budget(self.config, self.graph)
-        kv = self.config.vllm.kv_cache_mb * 2**20
+        sizes = self.generation_sizes()
+        model, budget, kv = self.config.model, sizes.max_model_len, sizes.kv_cache_bytes
         block = self.config.vllm.block_size
         if model.lora is not None:  # a LoRA job shares its base: one copy per service
             from plexrl.engines.lora import base_key
@@ -116,6 +116,13 @@ class JobSpec:
 
         key = generator_key(self.model_path, budget, block, model.dtype)
         return key, model_bytes(self.model_path, vllm_weight_dtype(model.dtype)) + kv
+
+    def generation_sizes(self) -> GenerationSizes:
+        """The vLLM engine's context and KV cache for this job (`plexrl.job.generation`): the prompt bound
+        (`data.max_prompt_tokens`, else the data's longest rendered prompt) + the longest generation, and a
+        cache that holds the rollout batch (unless `vllm.kv_cache_mb` is set)."""
+        longest = getattr(self.task, "longest_prompt", None)
+        return generation_sizes(self.config, self.graph, self.model_path, longest)
 
     def state_bytes(self) -> int:
         """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`; a LoRA
@@ -230,6 +237,10 @@ def prepare_job(
     )
     generation, reason = resolve_engine(cfg, prepared.path)
     log.info("job %s: rollouts on %s (%s)", job_id or cfg.name, generation, reason)
+    if generation == "vllm":  # PlexRL's sentence, before vLLM says it its own way
+        problems = sizing_problems(cfg, loaded.graph, prepared.path, getattr(task, "longest_prompt", None))
+        if problems:
+            raise ConfigError(problems, loaded.source)
     return JobSpec(
         generation=generation,
         generation_reason=reason,

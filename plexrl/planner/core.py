@@ -323,6 +323,7 @@ class Planner:
         for a in admissions(pending, self.jobs, alive, self.placement, self.job_load, hold, squeezed):
             if a.held or (a.target is None and not a.problem):
                 still.add(a.job_id)
+                self.jobs[a.job_id].reason = a.held or a.reason  # (shown to users: the server's page and status)
                 if a.held:
                     held[a.job_id] = a.held
             elif a.problem:
@@ -333,7 +334,7 @@ class Planner:
                 job, svc = self.jobs[a.job_id], self.services[a.target]  # type: ignore[index]
                 self._set_job(job, "running")
                 running[job.plan.user] += 1
-                job.service, job.placed_at = a.target, now
+                job.service, job.placed_at, job.reason = a.target, now, ""
                 svc.jobs.add(a.job_id)
                 self._dirty.add(svc.service_id)
                 out.append(PlaceJob(a.job_id, svc.service_id, a.tier))

@@ -72,8 +72,8 @@ class QueueView:
 
 @dataclass(frozen=True, slots=True)
 class JobView:
-    """A job as the planner sees it: its user, status (`records.JobStatus`), service, iteration, why it ended,
-    and why its user's limits hold it (`held`, "" when they do not)."""
+    """A job as the planner sees it: its user, status (`records.JobStatus`), service, iteration, why it ended
+    (while queued: why it waits), and why its user's limits hold it (`held`, "" when they do not)."""
 
     job_id: str
     user: str
@@ -95,9 +95,10 @@ class PlannerView:
         """Service -> the (job, node) waiting for it."""
         return {s.service_id: s.waiting for s in self.services}
 
-    def unplaced(self) -> frozenset[str]:
-        """The jobs waiting for a service (queued: no room yet, or held by their user's limits)."""
-        return frozenset(j.job_id for j in self.jobs if j.status == "queued")
+    def unplaced(self) -> dict[str, str]:
+        """The jobs waiting for a service (queued: no room yet, or held by their user's limits) -> why, in words
+        (the services, their predicted loads and what would let the job in; or the limit that holds it)."""
+        return {j.job_id: j.reason for j in self.jobs if j.status == "queued"}
 
 
 def planner_view(

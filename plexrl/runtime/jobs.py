@@ -24,14 +24,15 @@ def standard_hooks(
     run_dir: Path, *, progress: bool, mlflow: bool, required_timeline: bool = False, keep_ended: bool = True
 ) -> list[Hook]:
     """The timeline (first: the accounting reads it; `keep_ended` False: it drops an ended job's spans once
-    written, as a long-running server must), a progress bar, per-job MLflow runs."""
+    written, as a long-running server must), progress (a rich bar on a terminal, else a line per job every
+    30 s: `plexrl.hooks.progress.progress_hook`), per-job MLflow runs."""
     from plexrl.hooks.timeline import TimelineRecorder
 
     hooks: list[Hook] = [TimelineRecorder(run_dir / "timelines", required=required_timeline, keep_ended=keep_ended)]
     if progress:
-        from plexrl.hooks.progress import ProgressBar
+        from plexrl.hooks.progress import progress_hook
 
-        hooks.append(ProgressBar())
+        hooks.append(progress_hook())
     if mlflow:
         from plexrl.hooks.mlflow_hook import MlflowHook
 

@@ -101,7 +101,7 @@ class Snapshot:
     services: list[ServiceView]
     jobs: dict[str, JobView]
     spans: list[LiveSpan]
-    unplaced: frozenset[str]  # jobs the planner holds, waiting for room on a service
+    unplaced: dict[str, str]  # jobs the planner holds, waiting for room on a service -> why, in words
 
 
 class ClusterView(Hook):
@@ -119,7 +119,7 @@ class ClusterView(Hook):
         self._residence_done: dict[str, float] = {}  # service -> seconds of ended attempts placed there
         self._jobs: OrderedDict[str, LiveJob] = OrderedDict()  # ended jobs in the order they ended, last
         self._waiting: dict[str, tuple[tuple[str, str], ...]] = {}
-        self._unplaced: frozenset[str] = frozenset()
+        self._unplaced: dict[str, str] = {}
 
     # -- callbacks (the runner's thread) -----------------------------------------------------------------
     def on_start(self, time: float) -> None:
@@ -233,7 +233,7 @@ class ClusterView(Hook):
             residence_done = dict(self._residence_done)
             jobs = [dataclasses.replace(j, seconds=dict(j.seconds), residence=dict(j.residence))
                     for j in self._jobs.values()]  # fmt: skip
-            waiting, unplaced = dict(self._waiting), self._unplaced
+            waiting, unplaced = dict(self._waiting), dict(self._unplaced)
         services = sorted(set(service_ids) | set(totals) | set(waiting))
         wall = max(now - start, 0.0)
         residence_total = dict(residence_done)

@@ -65,7 +65,9 @@ def cluster_payload(
         waiting = ""
         if e.status == "queued":
             waiting = e.reason or (
-                "waiting for room on a service" if e.job_id in snap.unplaced else "being prepared, or about to go in"
+                (snap.unplaced[e.job_id] or "waiting for room on a service")
+                if e.job_id in snap.unplaced
+                else "being prepared, or about to go in"
             )
         jobs.append(
             {

@@ -71,14 +71,14 @@ class Generators:
         job's VLLMLoRAEngine on the LoRA-enabled engine of its base (plexrl/engines/vllm_lora.py: the base loaded
         once, each job's adapter under its own LoRARequest)."""
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
-        from plexrl.job.checks import generation_budget
 
         cfg = job.config
-        budget = generation_budget(cfg, job.graph)  # None: the model's positions
+        sizes = job.generation_sizes()  # from the job: its prompts + generation, its rollout batch
+        budget = sizes.max_model_len  # None: the model's positions
         lora, dtype, block = cfg.model.lora, cfg.model.dtype, cfg.vllm.block_size
         common: dict[str, Any] = {
             "eos_id": job.tokenizer.eos_token_id, "pad_id": job.tokenizer.pad_token_id,
-            "kv_cache_bytes": cfg.vllm.kv_cache_mb * 2**20, "max_model_len": budget, "block_size": block,
+            "kv_cache_bytes": sizes.kv_cache_bytes, "max_model_len": budget, "block_size": block,
             "clock": self.clock, "dtype": dtype,
         }  # fmt: skip
         if lora is not None:
