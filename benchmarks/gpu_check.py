@@ -144,7 +144,8 @@ def job_config(model: Path, name: str, run_dir: Path, **model_opts: Any) -> dict
         "task": {"digits": 2, "train_size": 64, "eval_size": 8},
         "warm_start": {"enabled": False},
         "pipeline": {"name": "grpo", "params": {"batch_size": 4, "n": 4, "max_new_tokens": 16, "eval_every": 1000,
-                                                "minibatches": 1, "skip_zero_advantage": False}},
+                                                "optimiser": {"minibatches": 1},
+                                                "normaliser": {"skip_zero_advantage": False}}},
         "tracking": {"mlflow": False, "progress": False, "log_model": False},
     }  # fmt: skip
 

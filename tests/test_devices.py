@@ -181,7 +181,7 @@ def test_fewer_gpus_than_services_times_ranks_is_refused() -> None:
 
 
 def test_the_cluster_config_refuses_too_few_named_gpus() -> None:
-    from plexrl.cluster import ServicesConfig
+    from plexrl.runtime.config import ServicesConfig
 
     with pytest.raises(ValueError, match="need 2 GPUs"):
         ServicesConfig(count=2, device="cuda", devices=["0"])

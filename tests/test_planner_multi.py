@@ -453,4 +453,4 @@ def test_a_waiting_job_is_told_which_service_its_load_and_what_lets_it_in() -> N
     assert "spread+backfill admits up to max_load 1.00: it goes in when that load falls to 0.60 or below" in why
     for node in GRPO.order:  # a's iteration ends, the loads settle lower, c goes in and its reason is gone
         p.handle(NodeFinished("a", 0, node, duration=5.0 if node == "prompts" else 0.01))
-    assert p.jobs["c"].status == "placed" and p.jobs["c"].reason == ""
+    assert p.jobs["c"].status == "running" and p.jobs["c"].reason == ""
