@@ -25,11 +25,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from plexrl.planner import ahead, checkpoints
+from plexrl.planner import ahead, checkpoints, sessions
 from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group
 from plexrl.planner.checks import any_violation, history
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
+    CallArrived,
     CheckpointFinished,
     Event,
     FailJob,
@@ -44,6 +45,7 @@ from plexrl.planner.events import (
     RunNode,
     ServiceJoined,
     ServiceLost,
+    SessionClosing,
     StateMeasured,
     Tick,
     Transition,
@@ -139,6 +141,8 @@ class Planner:
             JobCancelled: lambda ev, out: self._end_job(ev.job_id, "cancelled", ev.reason, out),
             JobFailed: lambda ev, out: self._end_job(ev.job_id, "failed", ev.reason, out),
             CheckpointFinished: self._checkpoint_finished,
+            CallArrived: self._call_arrived,
+            SessionClosing: self._session_closing,
             Tick: lambda ev, out: self._tick(out),
         }
 
@@ -222,6 +226,8 @@ class Planner:
             seconds = record_slice(job, ev.node, ev.duration, ev.paused)  # a sliced node's: all its slices
             if not ev.paused:
                 self.costs.observe(ev.job_id, ev.node, seconds)
+                if job.plan.open:
+                    sessions.observe_call(job, self.costs, seconds)
             self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
@@ -289,7 +295,8 @@ class Planner:
             svc.jobs.add(a.job_id)
             self._dirty.add(a.target)
             out.append(PlaceJob(a.job_id, a.target, a.tier))
-            job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
+            first = job.plan.first_iteration
+            job.iteration = first - 1 if job.plan.open else -1 if job.plan.baseline else first
             self._reset_nodes(job)
             self._advance(job, out)
         self.pending = still
@@ -300,7 +307,11 @@ class Planner:
 
     def _reset_nodes(self, job: JobRecord) -> None:
         """Node states for `job.iteration`: the baseline pass (-1) has only the baseline nodes, without their
-        deps; a normal iteration has every node, those inactive this iteration already done."""
+        deps; a normal iteration has every node, those inactive this iteration already done; a session's has the
+        node of its announced call, or none (`sessions.reset`)."""
+        if job.plan.open:
+            sessions.reset(job, self.clock())
+            return
         if job.iteration < 0:
             job.nodes = {name: "waiting" for name in job.plan.baseline}
             job.remaining = len(job.nodes)
@@ -318,16 +329,18 @@ class Planner:
         while True:
             # one pass is enough: a node made ready here is not done, so it cannot unblock another
             nodes, plan = job.nodes, job.plan.nodes
-            baseline = job.iteration < 0
-            for name in job.plan.baseline if baseline else (job.plan.order or tuple(plan)):
+            baseline = job.iteration < 0 and not job.plan.open
+            names = job.plan.baseline if baseline else tuple(nodes) if job.plan.open else job.plan.order or tuple(plan)
+            for name in names:
                 if nodes[name] == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
                     self._make_ready(job, name, out)
-            if job.remaining:
+            if job.remaining or (job.plan.open and not nodes):  # (an idle session: no call, no iteration)
                 return
             out.append(IterationDone(job.job_id, job.iteration))
             if getattr(self.placement, "uses_load", True):
                 self._admission_due = True  # its predicted load settled: a load-aware placement may change
-            if checkpoints.due(job.plan, job.iteration):  # held until `CheckpointFinished` (`checkpoints.py`)
+            due = sessions.checkpoint_due(job) if job.plan.open else checkpoints.due(job.plan, job.iteration)
+            if due:  # held until `CheckpointFinished` (`checkpoints.py`)
                 checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
                 self._dirty.add(job.service)  # type: ignore[arg-type]
                 return
@@ -335,7 +348,14 @@ class Planner:
                 return
 
     def _next_iteration(self, job: JobRecord, out: list[Instruction]) -> bool:
-        """Move a job whose iteration ended to its next one; False if that was its last (the job is done)."""
+        """Move a job whose iteration ended to its next one; False if that was its last (the job is done). A
+        session runs its announced call next, else it closes (when asked) or waits for one."""
+        if job.plan.open:
+            if job.call is None and job.closing is not None:
+                self._close_idle(job, out)
+                return False
+            self._reset_nodes(job)
+            return True
         job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
         if job.iteration >= job.plan.iterations:
             self._end_job(job.job_id, "done", "", out)
@@ -352,8 +372,41 @@ class Planner:
         if problem is not None:
             raise InvalidTransition(self._history(problem))
         self.usage.add(job.plan.user, ev.duration, self.clock())
+        job.last_checkpoint = ev.iteration
         if self._next_iteration(job, out):
             self._advance(job, out)
+
+    # -- sessions (`sessions.py`) ----------------------------------------------------------------------
+    def _call_arrived(self, ev: CallArrived, out: list[Instruction]) -> None:
+        job = self.jobs.get(ev.job_id)
+        if job is None or job.status in TERMINAL:
+            return  # a late call of a session that already ended (the runtime fails it)
+        problem = sessions.call_arrived(job, ev.node, self.costs, self.clock())
+        if problem is not None:
+            raise InvalidTransition(self._history(problem))
+        if job.status == "placed" and job.checkpoint is None:  # (queued, or held: it starts when that ends)
+            self._reset_nodes(job)
+            self._advance(job, out)
+
+    def _session_closing(self, ev: SessionClosing, out: list[Instruction]) -> None:
+        job = self.jobs.get(ev.job_id)
+        if job is None or job.status in TERMINAL:
+            return
+        if not job.plan.open:
+            raise InvalidTransition(self._history(f"{ev.job_id} is not a session; it cannot close"))
+        job.closing = "checkpoint" if ev.checkpoint else "done"
+        if job.status == "queued":
+            self._end_job(job.job_id, "cancelled", "the session closed before it was placed", out)
+        elif not job.nodes and job.call is None and job.checkpoint is None:
+            self._close_idle(job, out)
+
+    def _close_idle(self, job: JobRecord, out: list[Instruction]) -> None:
+        """An idle closing session: checkpointed first when it wants one (`sessions.wants_checkpoint`), else done."""
+        if sessions.wants_checkpoint(job):
+            checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
+            self._dirty.add(job.service)  # type: ignore[arg-type]
+            return
+        self._end_job(job.job_id, "done", "", out)
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")
@@ -524,3 +577,9 @@ class Planner:
     @property
     def finished(self) -> bool:
         return all(j.status in TERMINAL for j in self.jobs.values())
+
+    def idle_sessions(self) -> bool:
+        """Whether the only jobs left are idle sessions waiting for their clients' calls (and queued jobs)."""
+        left = [j for j in self.jobs.values() if j.status not in TERMINAL]
+        idle = [j for j in left if j.status == "placed" and sessions.idle(j)]
+        return bool(idle) and all(j.status == "queued" or j in idle for j in left)

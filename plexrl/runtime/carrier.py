@@ -28,6 +28,7 @@ from typing import Any
 from plexrl.hooks.base import HookList
 from plexrl.job import JobRun
 from plexrl.planner import (
+    CallArrived,
     CheckpointFinished,
     FailJob,
     IterationDone,
@@ -43,6 +44,7 @@ from plexrl.planner import (
     StateMeasured,
 )
 from plexrl.planner.events import Event, Instruction, JobPlan
+from plexrl.runtime.calls import CallBoard
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, LoadReport, NodeTask
 from plexrl.runtime.inbox import Inbox
 from plexrl.runtime.ledger import Ledger
@@ -56,7 +58,8 @@ class Carrier:
     hooks and `on_closed` have seen it (a server's weeks of jobs); `on_closed`: called for every ended job,
     placed or not (the server's journal); `checkpoint_every`: every job's plan gets it (`JobPlan.checkpoint_every`:
     the planner sends `RunCheckpoint` after every k-th iteration but the last), and `checkpoint_at(run, iteration)`
-    says where that checkpoint goes (required with it)."""
+    says where that checkpoint goes (required with it). `calls`: the sessions' calls (`calls.CallBoard`): a
+    session's node takes its call there and its report's reply goes back there."""
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class Carrier:
         on_closed: Callable[[JobRun], None] | None = None,
         checkpoint_every: int = 0,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
+        calls: CallBoard | None = None,
     ) -> None:
         if checkpoint_every < 0 or (checkpoint_every > 0) != (checkpoint_at is not None):
             raise ValueError(f"checkpoint_every={checkpoint_every} with checkpoint_at={checkpoint_at!r}: give both "
@@ -77,6 +81,7 @@ class Carrier:
         self.checkpoint_every = checkpoint_every
         self.clock = executor.clock
         self.forget_ended, self.on_closed, self.checkpoint_at = forget_ended, on_closed, checkpoint_at
+        self.calls = calls
         self.runs: dict[str, JobRun] = {}
         self.late: list[JobRun] = []  # records of the jobs that came through `Runner.submit`
         self.ledger = Ledger()  # what is in flight under each handle, and each job's current iteration
@@ -119,9 +124,15 @@ class Carrier:
         inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
         last = ins.chunks > 1 and ins.chunk == ins.chunks - 1
         parts = tuple(it.parts.get(ins.node, ())) if last else ()  # the earlier chunks, joined by the last
+        call = None
+        if self.calls is not None and self.calls.has(run.job_id):  # a session: its node runs its next call
+            ticket = self.calls.take(run.job_id, ins.node)
+            if ticket is None:
+                return [self.fail(run, f"starting call {ins.node!r}", "no such call is waiting (runtime bug)")]
+            call = ticket.call
         task = NodeTask(
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
-            ins.chunk, ins.chunks, parts,
+            ins.chunk, ins.chunks, parts, call,
         )  # fmt: skip
         try:
             handle = self.executor.submit(task)
@@ -245,6 +256,10 @@ class Carrier:
         if forget:
             self.executor.forget(forget)
         events.append(finished)
+        if self.calls is not None and self.calls.has(run.job_id):  # a session: the reply goes to its client
+            nxt = self.calls.finished(run.job_id, rep.reply, rep.error)
+            if nxt is not None:  # its next call is waiting: announced after this one's end
+                events.append(CallArrived(run.job_id, nxt))
         return events
 
     def fail(self, run: JobRun, what: str, error: str) -> JobFailed:
@@ -303,6 +318,8 @@ class Carrier:
         it = self.ledger.iters.pop(run.job_id, None)
         if it is not None:
             self.executor.forget(it.handles())
+        if self.calls is not None and self.runs.get(run.job_id) is run:  # a session's calls left fail with it
+            self.calls.drop(run.job_id, f"the session {status}" + (f": {reason}" if reason else ""))
         if run.started_at is not None:
             self.hooks.on_job_end(run)
         if self.on_closed is not None:  # every ended job, placed or not (the server's journal)

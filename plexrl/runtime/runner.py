@@ -34,6 +34,7 @@ from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Event
 from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
 from plexrl.planner.shares import Usage
+from plexrl.runtime.calls import CallBoard
 from plexrl.runtime.carrier import Carrier, plan_of
 from plexrl.runtime.executor import Executor
 from plexrl.runtime.inbox import Arrivals, Inbox
@@ -42,6 +43,7 @@ from plexrl.runtime.records import Budgets, RunnableSpec
 log = logging.getLogger(__name__)
 
 _RUNNING: weakref.WeakSet[Runner] = weakref.WeakSet()
+CALL_POLL = 0.02  # seconds: the longest a session's call waits for the loop while other work runs
 
 
 def running_runners() -> list[Runner]:
@@ -54,7 +56,9 @@ class Runner:
     checks run at least this often); default: the executor's `poll` attribute if it has one (the simulator's
     is infinite: its clock only moves to the next event), else 0.5 s. `usage`: the planner's fair-share
     account; `forget_ended`, `on_closed`, `checkpoint_every`, `checkpoint_at`: the carrier's (`Carrier`: a
-    server's memory, its journal, its checkpoints)."""
+    server's memory, its journal, its checkpoints). `calls`: the sessions' calls (`calls.CallBoard`; a server's
+    Tinker API puts them there): while a session is open the loop looks at its inbox at least every
+    `CALL_POLL` seconds, so a call waits at most that long for the planner."""
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class Runner:
         on_closed: Callable[[JobRun], None] | None = None,
         checkpoint_every: int = 0,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
+        calls: CallBoard | None = None,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -91,8 +96,12 @@ class Runner:
         self.service_reports: dict[str, dict[str, Any]] = {}
         self.events_handled, self._arrivals = 0, Arrivals()  # (arrivals: jobs not yet submitted, the loop's alone)
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
+        self.calls = calls
+        if calls is not None:
+            calls.bind(self._inbox.call_arrived)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
-                               on_closed, checkpoint_every=checkpoint_every, checkpoint_at=checkpoint_at)  # fmt: skip
+                               on_closed, checkpoint_every=checkpoint_every, checkpoint_at=checkpoint_at,
+                               calls=calls)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -107,6 +116,11 @@ class Runner:
         job failed or was cancelled (a lost service failed it, say): then it may come again under its name, its
         new record replaces the old one in `runs`, and nothing of the old attempt reaches it."""
         self._inbox.submit(spec)
+
+    def close_session(self, job_id: str, checkpoint: bool = False) -> None:
+        """A session gets no more calls (thread-safe): it ends (done) once its call in flight, if any, ended;
+        with `checkpoint`, after a checkpoint of its state on its service (`planner/sessions.py`)."""
+        self._inbox.close_session(job_id, checkpoint)
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop the loop at the top of its next turn (thread-safe; a node already running is not interrupted,
@@ -172,6 +186,7 @@ class Runner:
         while True:
             events.extend(self._take_submits())  # before the cancels: a job can be cancelled right after it came
             events.extend(self._take_cancels())
+            events.extend(self._inbox.take_calls())  # sessions' calls (after a cancel: one that ended drops it)
             events.extend(self._take_arrivals())
             if (wake := self.planner.wake_at) is not None and wake <= self.clock():
                 events.append(Tick())  # a retry's backoff ended: the planner sends the node again
@@ -195,6 +210,9 @@ class Runner:
                 if self.planner.pending and not any(s.alive for s in self.planner.services.values()):
                     events.extend(self._without_services(until_stopped))
                     continue
+                if self.planner.idle_sessions():
+                    self._inbox.wait()  # sessions wait for their clients' calls (or a close, a cancel, a stop)
+                    continue
                 raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
             timeout = self.poll
             if self._arrivals:  # wake up for the next arrival
@@ -202,6 +220,8 @@ class Runner:
             wake = self.planner.wake_at
             if wake is not None:  # and when the planner asks to be woken (the end of a retry's backoff)
                 timeout = min(timeout, max(wake - self.clock(), 0.0))
+            if self.calls is not None and self.calls.sessions():  # and often enough for a session's next call
+                timeout = min(timeout, CALL_POLL)
             finished = self.executor.wait(timeout)
             events.extend(self._services_changed())
             for f in finished:

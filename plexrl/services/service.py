@@ -53,13 +53,18 @@ class NodeResult:
 
 
 def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
-    """Attach the output's metrics to the report; a metrics() that raises fails the node."""
+    """Attach the output's metrics (and a session call's reply) to the report; a metrics() that raises fails
+    the node."""
+    from plexrl.sessions.operators import CallResult
+
     if out is not None:
         try:
             report.metrics = {k: float(v) for k, v in out.metrics().items()}
         except Exception as exc:
             report.error = f"metrics of node {report.node!r}: {type(exc).__name__}: {exc}"
             return NodeResult(report, None)
+        if isinstance(out, CallResult):
+            report.reply = out.payload()
     return NodeResult(report, out)
 
 
@@ -131,6 +136,8 @@ class Service:
         stays on this service). Returns the state's size in bytes."""
         from plexrl.engines.torch_engine import TorchEngine
         from plexrl.models import engine_options
+        from plexrl.sessions.engine import SessionEngine
+        from plexrl.sessions.spec import SessionSpec
 
         tok = job.tokenizer
         engine: Any
@@ -146,6 +153,8 @@ class Service:
                 attention=job.config.model.attention,
                 **engine_options(job.config.model),  # dtype, gradient_checkpointing
             )
+        if isinstance(job, SessionSpec):  # a session: gradients between calls, the calls themselves
+            engine = SessionEngine(engine)
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
         if job.generation == "vllm":
@@ -241,6 +250,7 @@ class Service:
         chunks: int = 1,
         parts: Sequence[Batch] = (),
         seq: int | None = None,
+        call: Any = None,
     ) -> NodeResult:
         """Apply `swaps`, start `prefetch` in the background, run the node. Errors are returned.
 
@@ -253,7 +263,10 @@ class Service:
         rows `chunk_rows(P, chunk, chunks)` of its chunk input, with per-chunk seeds. An earlier chunk's output
         is a part (its report carries no metrics); the last chunk gets the earlier parts (`parts`, in order,
         where they were made: this service) and its output is the concatenation of every chunk, the node's
-        output, with the whole node's metrics."""
+        output, with the whole node's metrics.
+
+        `call`: a session's call (`plexrl.sessions.calls`), which the node's operator runs (`OpContext.extra`);
+        its reply comes back in the report (`NodeReport.reply`)."""
         job = self.jobs[job_id]
         swap_start = self.clock()
         moved = 0
@@ -293,6 +306,8 @@ class Service:
                 inputs = chunk_inputs(node.operator, inputs, chunk, chunks, len(parts))
             ctx = self.context(job, iteration, node_name, chunk, chunks)
             ctx.slice = slot
+            if call is not None:
+                ctx.extra["call"] = call
             out = node.operator.run(ctx, inputs, node.params)
             if chunks > 1 and chunk == chunks - 1:
                 pad_id = getattr(job.tokenizer, "pad_token_id", None) or 0

@@ -1,0 +1,101 @@
+"""Sessions as planner work: a job whose plan is OPEN (`JobPlan.open`, DESIGN.md "Session"). Its nodes are the
+kinds of call its client may send (every one a service node, no edges); its iterations are its calls, numbered
+in the order they run: an iteration holds only the node of the call that came (`CallArrived`), and between two
+calls the job is idle (no node at all, no `IterationDone`). The runtime announces one call at a time, the next
+only after the previous call's node finished, so the calls of a session run in the order sent.
+
+While idle the job counts as away on its CPU, the client (`CLIENT` in `JobRecord.cpu_started`): eviction,
+prefetch and the ordering's due times see its predicted return (the cost model learns the client's time between
+a call's end and the next call's arrival), and that time adds to the work it did at its own pace
+(`work_done`: slowdowns compare like a DAG job's). Its predicted busy fraction is a call's time over a call's
+plus the client's (`CALL`: every call kind together).
+
+`SessionClosing` ends it once no call runs: at once when idle (a call announced before is run first), after
+a checkpoint on its service when asked and its state changed since the last one (`closing`, `last_checkpoint`).
+An open plan's `checkpoint_every = k` counts the calls that change the trained weights (`NodePlan.commits`): a
+checkpoint after every k-th. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from plexrl.planner.costs import CostModel
+from plexrl.planner.records import JobRecord
+
+CLIENT = "<client>"  # pseudo node: the client's time between a call's end and its next call
+CALL = "<call>"  # pseudo node: a call's time, every kind together
+
+
+def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str | None:
+    """Record a session's next call (its kind `node`); a problem, described, if it cannot come now."""
+    if not job.plan.open:
+        return f"a call arrived for {job.job_id}, which is not a session"
+    if node not in job.plan.nodes:
+        return f"{job.job_id} has no call kind {node!r} (its plan: {sorted(job.plan.nodes)})"
+    if job.call is not None or job.nodes:
+        return f"a call {node!r} arrived for {job.job_id} while another is pending or running"
+    away = job.cpu_started.pop(CLIENT, None)
+    if away is not None:
+        costs.observe(job.job_id, CLIENT, now - away)
+        job.work_done += now - away
+    job.call = node
+    return None
+
+
+def reset(job: JobRecord, now: float) -> None:
+    """A session's nodes for its next call: the announced call's node, waiting (its iteration is the next
+    number), or none when no call is announced (idle: the client is away from now on)."""
+    if job.call is None:
+        job.nodes, job.remaining = {}, 0
+        job.cpu_started[CLIENT] = now
+        return
+    job.iteration += 1
+    job.nodes, job.remaining = {job.call: "waiting"}, 1
+    job.call = None
+
+
+def observe_call(job: JobRecord, costs: CostModel, seconds: float) -> None:
+    """A session's call ended well: learn its time among all its calls (`CALL`)."""
+    costs.observe(job.job_id, CALL, seconds)
+
+
+def checkpoint_due(job: JobRecord) -> bool:
+    """A session's call is done: whether a checkpoint is due after it (it changed the trained weights and was
+    the k-th such call, `checkpoint_every = k`)."""
+    node = next(iter(job.nodes))
+    if not job.plan.nodes[node].commits:
+        return False
+    job.commits += 1
+    k = job.plan.checkpoint_every
+    return k > 0 and job.commits % k == 0
+
+
+def idle(job: JobRecord) -> bool:
+    """A session between two calls: nothing running, announced or being checkpointed."""
+    return job.plan.open and not job.nodes and job.call is None and job.checkpoint is None
+
+
+def wants_checkpoint(job: JobRecord) -> bool:
+    """A closing session is checkpointed first: asked to, it ran at least one call, and none since its last
+    checkpoint."""
+    ran = job.iteration >= job.plan.first_iteration
+    return job.closing == "checkpoint" and ran and job.last_checkpoint != job.iteration
+
+
+def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
+    """A session's predicted busy fraction: a call's time over a call's plus the client's."""
+    call, client = predict(job.job_id, CALL), predict(job.job_id, CLIENT)
+    return call / (call + client) if call + client > 0 else 0.0
+
+
+__all__ = [
+    "CALL",
+    "CLIENT",
+    "busy_fraction",
+    "call_arrived",
+    "checkpoint_due",
+    "idle",
+    "observe_call",
+    "reset",
+    "wants_checkpoint",
+]
