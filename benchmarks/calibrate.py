@@ -57,7 +57,7 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
     mux = _multiplex_module()
     cluster = mux.with_iterations(load_cluster(args.config), args.iterations, args.engine)
     cfg = cluster.config
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
 
     for job in cluster.jobs:  # warm starts first (cached)
         prepare_job(job)

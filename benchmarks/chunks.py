@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [j.config.name for j in cluster.jobs]
     if args.job not in names:
         ap.error(f"--job {args.job!r} is not in {args.config} (jobs: {', '.join(names)})")
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
 
     for job in cluster.jobs:
         prepare_job(job)  # warm starts first (cached), so no arm pays for them

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plexrl.config import load_job
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, prepare_job
 from plexrl.runtime import InlineExecutor, Runner
 from plexrl.runtime.dask import DaskExecutor
 from plexrl.runtime.jobs import configure_torch

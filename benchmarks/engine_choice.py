@@ -6,7 +6,7 @@ engine (`TorchEngine.generate`) and on vLLM (`VLLMEngine.generate` on an in-proc
 one process with `--threads` torch threads (1 = a service's default in the shipped mixes). Seconds per
 rollout: median over `--repeats` calls after one untimed warm-up; the same seeds on both. Prints the ratio
 vLLM / torch per size and the smallest size at which vLLM was faster: `engine: auto` picks vLLM from
-`vllm.auto_min_params` parameters on (plexrl/config.py), a threshold set from this table.
+`vllm.auto_min_params` parameters on (plexrl/job/config.py), a threshold set from this table.
 
     .venv/bin/python benchmarks/engine_choice.py [--tokens 6] [--repeats 3] [--threads 1] [--smoke]
 
@@ -71,10 +71,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.sizes, args.repeats, args.prompts = ["0.5M"], 1, 4
     if args.lora:
         return lora_rows(args)
-    from plexrl.config import ModelConfig
     from plexrl.engines.torch_engine import TorchEngine
     from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
-    from plexrl.models import build_model, build_tokenizer
+    from plexrl.job.model_config import ModelConfig
+    from plexrl.job.models import build_model, build_tokenizer
 
     if not vllm_installed():
         raise SystemExit("vLLM is not installed: make setup-vllm")
@@ -124,7 +124,7 @@ def lora_rows(args: argparse.Namespace) -> None:
     from plexrl.engines.torch_engine import TorchEngine
     from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
     from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.pretrained import pretrained_path
 
     if not vllm_installed():
         raise SystemExit("vLLM is not installed: make setup-vllm")

@@ -59,7 +59,7 @@ prepare() {  # here: download the wheels (and split the GGUF with --model)
     echo "wheels: $(ls "$dir" | wc -l) files, $(du -sh "$dir" | cut -f1) in $dir"
     if [ "$with_model" = 1 ]; then
         local gguf
-        gguf=$("$ROOT/.venv/bin/python" -c "from plexrl.pretrained import source_file; print(source_file('$MODEL_NAME'))") \
+        gguf=$("$ROOT/.venv/bin/python" -c "from plexrl.job.pretrained import source_file; print(source_file('$MODEL_NAME'))") \
             || die "the GGUF is not installed: make setup-pretrained"
         rm -rf "$CARRY/model-1" "$CARRY/model-2" && mkdir -p "$CARRY/model-1" "$CARRY/model-2"
         local half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))

@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         services = cluster.config.services.model_copy(update={"device": args.device})
         cluster = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"services": services}))
     driver = cluster.config.driver
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
 
     specs = [prepare_job(job) for job in cluster.jobs]  # warm starts first (cached), so no arm pays for them
     if any(s.generation == "vllm" for s in specs):

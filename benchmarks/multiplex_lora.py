@@ -92,8 +92,7 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         "jobs": jobs,
     }
     if args.resident > 0:  # the base once + `resident` adapter states (+ a quarter of one: estimates move)
-        from plexrl.engines.lora import lora_state_bytes
-        from plexrl.job import model_bytes
+        from plexrl.job.sizes import lora_state_bytes, model_bytes
 
         state = lora_state_bytes(model, args.rank, lora["target_modules"])  # type: ignore[arg-type]
         budget = model_bytes(model) + args.resident * state + state // 4
@@ -184,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cluster: LoadedCluster = with_iterations(
         load_cluster(lora_cluster_file(args, model, args.run_dir)), args.iterations
     )
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
     from plexrl.runtime.jobs import configure_torch
 
     for job in cluster.jobs:

@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from plexrl.config import load_job
-from plexrl.job import prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import prepare_job
 from plexrl.operator import OpContext
 from plexrl.runtime.jobs import configure_torch, run_jobs
 from plexrl.services.service import Service

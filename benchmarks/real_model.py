@@ -104,9 +104,9 @@ def matmul_gflops(seconds: float = 1.0) -> float:
 
 def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> dict[str, Any]:
     """One seed alone, stopped at `target` or after `minutes`; its curve and timings."""
-    from plexrl.config import load_job
     from plexrl.hooks.base import Hook
-    from plexrl.job import JobRun, prepare_job
+    from plexrl.job.load import load_job
+    from plexrl.job.spec import JobRun, prepare_job
     from plexrl.runtime.inline import InlineExecutor
     from plexrl.runtime.jobs import configure_torch, standard_hooks
     from plexrl.runtime.runner import Runner
@@ -155,7 +155,7 @@ def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> d
     # tokens only (the engine computes no prompt logits); attention and generation not counted
     import json
 
-    from plexrl.job import count_parameters
+    from plexrl.job.sizes import count_parameters
 
     params = count_parameters(spec.model_path)
     shape = json.loads((Path(spec.model_path) / "config.json").read_text())
@@ -197,7 +197,7 @@ def smoke_config(tmp: Path) -> dict[str, Any]:
     """A tiny random model with the real SmolLM2 tokenizer and chat template; data written into `tmp`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.pretrained import pretrained_path
 
     real = pretrained_path("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(str(real))
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from plexrl.yamlio import load_yaml_file
 
         cfg, seeds, out = load_yaml_file(args.config), [int(s) for s in args.seeds.split(",")], Path(args.out)
-        from plexrl.config import apply_overrides
+        from plexrl.job.load import apply_overrides
 
         problems = apply_overrides(cfg, args.set)  # the same `--set` as `plexrl run`
         if problems:

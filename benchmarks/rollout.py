@@ -43,8 +43,8 @@ MODELS = {
 
 
 def build(name: str, sizes: dict[str, int], root: Path) -> tuple[Path, Any]:
-    from plexrl.config import ModelConfig
-    from plexrl.models import build_model, build_tokenizer
+    from plexrl.job.model_config import ModelConfig
+    from plexrl.job.models import build_model, build_tokenizer
 
     d = root / name.split()[0]
     if not (d / "config.json").is_file():

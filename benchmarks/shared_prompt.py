@@ -49,7 +49,7 @@ def load_model(name: str, smoke: bool) -> Any:
             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
         )  # fmt: skip
         return LlamaForCausalLM(cfg).float()
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.pretrained import pretrained_path
 
     path = pretrained_path(name, convert=False)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")

@@ -5,7 +5,7 @@ process CPU seconds.
 The jump from ~1% to ~80% held-out accuracy on 3-digit addition comes after a plateau whose length depends
 on the seed and on the scale of the initial weights (`model.init_std`; at the Llama default of 0.02 one seed
 in six stayed on it for ~800 steps); a variant is judged by its slowest seed. Each run builds the seed's
-model and calls `plexrl.models.warm_start` with `stop_at_accuracy` 0.985, reading the accuracy checks from
+model and calls `plexrl.job.models.warm_start` with `stop_at_accuracy` 0.985, reading the accuracy checks from
 its log.
 
     .venv/bin/python benchmarks/warm_start.py [--seeds 0,1,2] [--schedules constant,cosine]
@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plexrl.config import ModelConfig, TaskConfig, WarmStartConfig
+from plexrl.job.config import TaskConfig, WarmStartConfig
+from plexrl.job.model_config import ModelConfig
 
 SCHEDULES: dict[str, dict[str, Any]] = {
     "constant": {"lr": 1e-3},
@@ -59,8 +60,8 @@ def run(
 ) -> tuple[list[tuple[int, float]], float]:
     import torch
 
-    from plexrl.models import build_model, build_tokenizer, warm_start
-    from plexrl.tasks import make_task
+    from plexrl.job.models import build_model, build_tokenizer, warm_start
+    from plexrl.job.tasks import make_task
 
     torch.set_num_threads(args.threads)
     model_cfg = ModelConfig(**args.model, init_std=init_std)
@@ -76,7 +77,7 @@ def run(
     tok = build_tokenizer(base, task.alphabet, task.special_tokens)
     build_model(model_cfg, tok, base, seed)
     checks = Checks()
-    logger = logging.getLogger("plexrl.models")
+    logger = logging.getLogger("plexrl.job.models")
     logger.addHandler(checks)
     logger.setLevel(logging.INFO)
     t0 = time.process_time()

@@ -20,8 +20,8 @@ def evaluate(
     """Greedy accuracy of the current policy on the first `size` held-out problems."""
     from functools import partial
 
-    from plexrl.models import greedy_accuracy
-    from plexrl.tasks.dataset import DatasetTask
+    from plexrl.job.models import greedy_accuracy
+    from plexrl.job.tasks.dataset import DatasetTask
 
     problems = ctx.task.held_out[:size]
     verify = ctx.task.verify

@@ -26,7 +26,7 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a fiel
 
 
 def _load(config: Path | None, overrides: list[str] | None):  # type: ignore[no-untyped-def]
-    from plexrl.config import load_job
+    from plexrl.job.load import load_job
 
     return load_job(config, overrides or [])
 
@@ -443,8 +443,8 @@ def pretrained(
     name: Annotated[str, typer.Argument(help="A pretrained model's short name, e.g. smollm2-135m-instruct.")],
 ) -> None:
     """Convert a pretrained model shipped in a package (installed by `make setup`) into the local cache, once,
-    and print its directory (plexrl/pretrained.py). A job names it as `model: {pretrained: NAME}`."""
-    from plexrl.pretrained import pretrained_path
+    and print its directory (plexrl/job/pretrained.py). A job names it as `model: {pretrained: NAME}`."""
+    from plexrl.job.pretrained import pretrained_path
 
     try:
         typer.echo(str(pretrained_path(name)))

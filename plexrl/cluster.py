@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError, model_validator
 
-from plexrl.config import JobConfig, LoadedJob, StrictModel, load_job
 from plexrl.errors import ConfigError, Problem, pydantic_problem
-from plexrl.job import estimate_state_bytes, state_parts
+from plexrl.job.budget import device_need
+from plexrl.job.load import LoadedJob, load_job
+from plexrl.job.model_config import StrictModel
 from plexrl.runtime.tls import is_loopback
 
 if TYPE_CHECKING:
@@ -215,39 +216,9 @@ class LoadedCluster:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def estimate_engine_bytes(cfg: JobConfig) -> int:
-    """Device bytes of the vLLM engine the job's rollouts will use (one weight copy + KV cache; shared by the
-    same-architecture jobs of a service), 0 when they run on the torch engine."""
-    from plexrl.config import auto_engine_rule, vllm_problem
-
-    small = cfg.engine == "auto" and auto_engine_rule(estimate_weight_bytes(cfg) // 4, cfg.vllm.auto_min_params)
-    if cfg.engine == "torch" or small or (cfg.engine == "auto" and vllm_problem(cfg.model)):
-        return 0
-    return estimate_weight_bytes(cfg) + cfg.vllm.kv_cache_mb * 2**20
-
-
-def estimate_weight_bytes(cfg: JobConfig) -> int:
-    """fp32 bytes of the job's model weights (for `model.path`: its parameters, whatever dtype the files hold)."""
-    from plexrl.job import model_bytes
-    from plexrl.tasks import tokenizer_size
-
-    m = cfg.model
-    if m.path is not None:
-        try:
-            weights = model_bytes(Path(m.path))
-        except FileNotFoundError:  # no safetensors weights: preparing the job says so
-            weights = 0
-    else:
-        vocab = tokenizer_size(cfg.task.name)  # a model built for the job's task
-        per_layer = 4 * m.hidden * m.hidden + 3 * m.hidden * m.intermediate + 2 * m.hidden
-        params = vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * per_layer + m.hidden
-        weights = params * 4
-    return weights
-
-
 def load_cluster(source: str | Path, overrides: list[str] | None = None) -> LoadedCluster:
     """Read and validate a cluster YAML and every job in it; one `ConfigError` lists all problems."""
-    from plexrl.config import apply_overrides
+    from plexrl.job.load import apply_overrides
     from plexrl.yamlio import load_yaml_file
 
     path = Path(source)
@@ -282,21 +253,8 @@ def load_cluster(source: str | Path, overrides: list[str] | None = None) -> Load
     budget = cfg.services.device_memory
     if budget is not None:
         for i, job in enumerate(jobs):
-            need = estimate_state_bytes(estimate_weight_bytes(job.config), job.graph)
-            engine = estimate_engine_bytes(job.config)
-            holds = ", ".join(state_parts(job.graph))
-            shared = "its vLLM engine"
-            lora = job.config.model.lora
-            if lora is not None and job.config.model.path is not None:  # adapter + moments, and the shared base
-                from plexrl.engines.lora import lora_state_bytes
-                from plexrl.engines.vllm_lora import lora_engine_bytes
-                from plexrl.job import model_bytes
-
-                path, kv = Path(job.config.model.path), job.config.vllm.kv_cache_mb * 2**20
-                need = lora_state_bytes(path, lora.r, list(lora.target_modules))
-                shared = "its base" + (" and its vLLM engine" if engine else "")  # as JobSpec.engine() counts them
-                vllm = lora_engine_bytes(path, lora.r, kv) if engine else 0
-                engine, holds = model_bytes(path, job.config.model.dtype) + vllm, "adapter, 2 AdamW moments"
+            size = device_need(job)
+            need, engine, holds, shared = size.state, size.engine, size.holds, size.shared
             if need + engine > budget:
                 with_engine = f" plus {engine / 2**20:.1f} MiB for {shared}" if engine else ""
                 fix = "; or lower vllm.kv_cache_mb, or set engine: torch" if engine else ""
@@ -389,7 +347,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     runner when it is built (nothing is set on it afterwards). The result carries the timeline's spans."""
     from plexrl.hooks.cluster import Accounting, ClusterMlflow
     from plexrl.hooks.timeline import TimelineRecorder
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
     from plexrl.runtime.jobs import standard_hooks
 
     cfg = loaded.config

@@ -44,7 +44,7 @@ def _keys(model: type[BaseModel]) -> set[str]:
 
 def _models() -> dict[Kind, type[BaseModel]]:
     from plexrl.cluster import ClusterConfig
-    from plexrl.config import JobConfig
+    from plexrl.job.config import JobConfig
     from plexrl.server.config import ServerConfig
     from plexrl.sim.config import Scenario, Trace
 
@@ -171,7 +171,7 @@ def check_config(path: Path | None, overrides: list[str] | None = None) -> Check
 def _job_lines(path: Path | None, overrides: list[str]) -> tuple[str, ...]:
     import json
 
-    from plexrl.config import load_job
+    from plexrl.job.load import load_job
 
     loaded = load_job(path, overrides)
     lines = [f"pipeline {loaded.graph.name!r} with {len(loaded.graph.order)} nodes"]

@@ -17,7 +17,7 @@ raise `ConfigError` (never a traceback-worthy exception) for:
   string, objects, sets) ever reaches validation or a policy check.
 
 Anchors, aliases and merge keys within the limits work as usual. This module does not validate what the
-document means; `plexrl.config` and `plexrl.cluster` do.
+document means; `plexrl.job.load` and `plexrl.cluster` do.
 """
 
 from __future__ import annotations

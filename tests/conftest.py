@@ -93,7 +93,7 @@ def smol_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (converted at set-up by `make setup`, or here on first use): a real tokenizer at test speed."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.pretrained import pretrained_path
 
     real = pretrained_path("smollm2-135m-instruct")
     out = tmp_path_factory.mktemp("smol-tiny")

@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from plexrl.batch import EpisodeRollouts, Episodes, Prompts
-from plexrl.config import ModelConfig, TaskConfig, load_job
 from plexrl.engines.base import GenerationOutput
 from plexrl.episodes import TAGS, finish_episodes, run_tools, start_episodes, take_turn
 from plexrl.errors import ConfigError
-from plexrl.models import build_model, build_tokenizer, demonstration_ids
+from plexrl.job.config import TaskConfig
+from plexrl.job.load import load_job
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer, demonstration_ids
+from plexrl.job.tasks import make_task
+from plexrl.job.tasks.tool_arithmetic import TOOL_ALPHABET
 from plexrl.operator import OpContext, resolve_operator
-from plexrl.tasks import make_task
-from plexrl.tasks.tool_arithmetic import TOOL_ALPHABET
 from plexrl.tools import ToolResult, get_tool
 
 

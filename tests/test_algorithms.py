@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexrl.config import BUILTIN_PIPELINES, load_job
+from plexrl.job.load import BUILTIN_PIPELINES, load_job
 from plexrl.operators.advantage import batch_normalized_advantages, group_advantages, leave_one_out_advantages
 from plexrl.operators.shaping import overlong_penalties
 from plexrl.operators.train import kl_penalty, masked_mean, policy_loss

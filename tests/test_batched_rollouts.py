@@ -19,10 +19,10 @@ import torch
 from conftest import stable
 from test_lora_vllm import smol32, vllm_lora_job  # noqa: F401  (smol32: a fixture)
 
-from plexrl.config import load_job
 from plexrl.engines.vllm_engine import vllm_installed
 from plexrl.hooks.base import Hook
-from plexrl.job import prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import prepare_job
 from plexrl.runtime import InlineExecutor, Runner
 from plexrl.runtime.executor import Handle, NodeTask
 

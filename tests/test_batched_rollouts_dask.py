@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from test_lora import lora_job
 
-from plexrl.config import load_job
-from plexrl.job import JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobSpec, prepare_job
 from plexrl.reports import LoadReport, NodeReport
 from plexrl.runtime.dask import DaskExecutor
 from plexrl.runtime.executor import Handle, NodeTask

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import local_runner
 
-from plexrl.config import load_job
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, prepare_job
 from plexrl.planner.state import Move
 from plexrl.services import swap as sw
 

@@ -22,10 +22,10 @@ import torch
 from conftest import TINY, local_runner, stable
 
 from plexrl.batch import Prompts, Rewards, Rollouts, chunk_rows
-from plexrl.config import load_job
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.operator import OpContext, operator, resolve_operator
 from plexrl.runtime import Budgets, NodeTask, Runner
 
@@ -335,7 +335,7 @@ def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alo
 
 
 def test_a_damaged_weight_file_is_named(tmp_path: Path) -> None:
-    from plexrl.job import count_parameters
+    from plexrl.job.sizes import count_parameters
 
     (tmp_path / "model.safetensors").write_bytes(b"0" * 64)
     with pytest.raises(ValueError, match=r"model\.safetensors is not a safetensors file"):

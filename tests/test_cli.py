@@ -60,7 +60,7 @@ def test_malformed_set_value_is_a_clear_error() -> None:
 
 def test_validate_does_not_import_heavy_libraries() -> None:
     code = (
-        "import sys; from plexrl.cli import app; from plexrl.config import load_job; load_job(None); "
+        "import sys; from plexrl.cli import app; from plexrl.job.load import load_job; load_job(None); "
         "heavy = [m for m in ('torch', 'transformers', 'mlflow', 'vllm') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from plexrl.config import TaskConfig, load_job
+from plexrl.job.config import TaskConfig
+from plexrl.job.load import load_job
+from plexrl.job.tasks import CodeTask, make_task
 from plexrl.runtime.jobs import run_jobs
-from plexrl.tasks import CodeTask, make_task
 from plexrl.tools import Sandbox
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo_code.yaml"
@@ -19,7 +20,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo_code.yaml"
 def test_code_task_doctests() -> None:
     import doctest
 
-    import plexrl.tasks.code as code
+    import plexrl.job.tasks.code as code
 
     result = doctest.testmod(code)
     assert result.attempted >= 2 and result.failed == 0

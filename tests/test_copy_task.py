@@ -1,5 +1,5 @@
-"""The long-tailed copy task (plexrl/tasks/copy.py), the sandboxed expression tool of the agentic mix job
-(plexrl/tasks/python_calls.py), and the paper-idle-sources mix config.
+"""The long-tailed copy task (plexrl/job/tasks/copy.py), the sandboxed expression tool of the agentic mix job
+(plexrl/job/tasks/python_calls.py), and the paper-idle-sources mix config.
 
 - lengths are heavy-tailed as documented (seeded): most short, a few near the cap, none above it;
 - the task is deterministic per seed and its verifier is exact match;
@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from plexrl.config import TaskConfig, load_job
 from plexrl.errors import ConfigError
-from plexrl.tasks import CopyTask, make_task
-from plexrl.tasks.copy import draw_length
+from plexrl.job.config import TaskConfig
+from plexrl.job.load import load_job
+from plexrl.job.tasks import CopyTask, make_task
+from plexrl.job.tasks.copy import draw_length
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +54,7 @@ def test_a_tiny_copy_job_runs_and_its_rollouts_are_as_wide_as_the_longest_row(
 ) -> None:
     from conftest import local_runner
 
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
 
     cfg = copy.deepcopy(tiny_config)
     cfg["task"] = {"name": "copy", "max_length": 16, "train_size": 200, "eval_size": 16}
@@ -81,10 +82,10 @@ def test_the_paper_mix_validates_with_every_idle_source() -> None:
 
 
 def test_python_expression_runs_in_the_sandbox_and_refuses_statements() -> None:
-    from plexrl.tasks.python_calls import PythonExpression
+    from plexrl.job.tasks.python_calls import PythonExpression
     from plexrl.tools import get_tool
 
-    tool = get_tool("plexrl.tasks.python_calls:PythonExpression", timeout_s=10)
+    tool = get_tool("plexrl.job.tasks.python_calls:PythonExpression", timeout_s=10)
     assert isinstance(tool, PythonExpression)
     ok = tool.execute("e", {"expression": "347*58"})
     assert ok.ok and ok.output == "20126", (ok.error, ok.output)
@@ -104,15 +105,15 @@ def test_an_agentic_episode_calls_the_sandboxed_expression_tool() -> None:
     from test_agentic import ScriptedEngine, prompts
 
     from plexrl.episodes import TAGS, run_tools, start_episodes, take_turn
-    from plexrl.models import build_tokenizer
-    from plexrl.tasks.tool_arithmetic import TOOL_ALPHABET
+    from plexrl.job.models import build_tokenizer
+    from plexrl.job.tasks.tool_arithmetic import TOOL_ALPHABET
     from plexrl.tools import get_tool
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = build_tokenizer(Path(tmp), TOOL_ALPHABET, TAGS)
     eps = start_episodes(prompts(tok, [("347*58=", "20126")]), n=1, temperature=1.0, token_budget=40, prefix="j/0")
     eps = take_turn(ScriptedEngine(tok, [["<call>347*58</call>"]]), tok, eps, max_new_tokens=16, seed=0)
-    tool = get_tool("plexrl.tasks.python_calls:PythonExpression", timeout_s=10)
+    tool = get_tool("plexrl.job.tasks.python_calls:PythonExpression", timeout_s=10)
     done = run_tools(eps, tool, tok, max_output_tokens=8)
     assert tok.decode(done.tokens[0][len(eps.tokens[0]) :]) == "<out>20126</out>"
     assert done.tool_calls == [1] and done.tool_errors == [0] and done.tool_latency_s[0] > 0.005

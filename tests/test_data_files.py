@@ -11,7 +11,7 @@ import pytest
 
 from plexrl.data import ColumnMap, DataConfig, DataError, open_dataset, render_prompt, special_ids
 from plexrl.data.prompts import prompt_ids
-from plexrl.tasks.dataset import DatasetTask, make_dataset_task
+from plexrl.job.tasks.dataset import DatasetTask, make_dataset_task
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -345,9 +345,9 @@ def test_special_ids_prefer_generation_config(tmp_path: Path, tok_dir: Path) -> 
 
 
 def test_dataset_task_feeds_the_operators(tmp_path: Path, tok_dir: Path) -> None:
+    from plexrl.job.tasks.dataset import load_tokenizer
     from plexrl.operator import OpContext
     from plexrl.operators.data import sample_prompts
-    from plexrl.tasks.dataset import load_tokenizer
 
     path = write_verl_parquet(tmp_path / "train.parquet", 10)
     cfg = DataConfig(train=str(path), held_out_fraction=0.2, format_instruction="the answer #")
@@ -376,13 +376,13 @@ def test_rollout_verify_and_evaluate_run_on_a_dataset_task(tmp_path: Path, tok_d
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from plexrl.engines.torch_engine import TorchEngine
-    from plexrl.models import model_construction
+    from plexrl.job.construction import model_construction
+    from plexrl.job.tasks.dataset import load_tokenizer
     from plexrl.operator import OpContext
     from plexrl.operators.data import sample_prompts
     from plexrl.operators.evaluate import evaluate
     from plexrl.operators.rollout import rollout
     from plexrl.operators.verify import verify
-    from plexrl.tasks.dataset import load_tokenizer
 
     tok = load_tokenizer(str(tok_dir))
     sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}

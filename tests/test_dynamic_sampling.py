@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from plexrl.batch import EvalStats, LogProbs, Prompts, Rewards, Rollouts
-from plexrl.config import load_job
+from plexrl.job.load import load_job
 from plexrl.operator import OpContext, operator
 from plexrl.operators.sampling import RolloutPool, keep_informative, pool_rewards, pool_rollouts, refill_prompts
 from plexrl.runtime.jobs import run_jobs

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import stable
 
-from plexrl.config import load_job
+from plexrl.job.load import load_job
 from plexrl.runtime.jobs import run_jobs
 
 
@@ -95,7 +95,7 @@ def test_multiplexed_job_learns_exactly_as_alone_and_failures_stay_isolated(
     it has alone; a job whose evaluation raises fails alone, and the others finish."""
     from conftest import local_runner
 
-    from plexrl.job import prepare_job
+    from plexrl.job.spec import prepare_job
 
     tiny_config["tracking"]["mlflow"] = False
     (tmp_path / "bad_eval.py").write_text(

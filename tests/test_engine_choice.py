@@ -1,6 +1,6 @@
 """`engine: auto` picks the faster rollout engine for the job's model, and says which and why.
 
-The rule (plexrl/config.py `auto_engine_rule`): models under `vllm.auto_min_params` parameters stay on the
+The rule (plexrl/job/config.py `auto_engine_rule`): models under `vllm.auto_min_params` parameters stay on the
 torch engine, which generates faster for them (measured: the main job's 0.53M-parameter model is 2.7x slower
 on vLLM); larger ones go to vLLM when it is installed and can serve them. The size check comes first, so a
 small model never imports vLLM. The cluster's device-budget estimate follows the same rule.
@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
-from plexrl.cluster import estimate_engine_bytes
-from plexrl.config import AUTO_MIN_PARAMS, auto_engine_rule, load_job
 from plexrl.engines.vllm_engine import vllm_installed
-from plexrl.job import count_parameters, prepare_job, resolve_engine
+from plexrl.job.budget import estimate_engine_bytes
+from plexrl.job.config import AUTO_MIN_PARAMS, auto_engine_rule
+from plexrl.job.load import load_job
+from plexrl.job.sizes import count_parameters
+from plexrl.job.spec import prepare_job, resolve_engine
 
 
 def test_the_rule_splits_at_the_threshold() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.planner import (
     FailJob,
     IterationDone,

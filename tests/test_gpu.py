@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plexrl.config import ModelConfig
 from plexrl.engines.torch_engine import TorchEngine
-from plexrl.models import build_model, build_tokenizer
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer
 
 pytestmark = pytest.mark.gpu
 

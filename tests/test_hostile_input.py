@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from plexrl.cli import app
 from plexrl.cluster import is_cluster_file, load_cluster
-from plexrl.config import load_job
 from plexrl.errors import ConfigError
+from plexrl.job.load import load_job
 from plexrl.yamlio import MAX_BYTES, MAX_NODES, load_yaml_text
 
 # 9 levels of 9 aliases each: 9^9 = 387 million strings once expanded, from 10 short lines

@@ -16,9 +16,10 @@ import pytest
 import torch
 from conftest import TINY, local_runner, stable
 
-from plexrl.config import load_job
 from plexrl.errors import ConfigError
-from plexrl.job import JobRun, JobSpec, model_bytes, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.sizes import model_bytes
+from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.planner.state import Move
 from plexrl.runtime import Budgets
 from plexrl.services.service import Service
@@ -141,8 +142,7 @@ def test_a_cluster_budget_counts_a_lora_job_as_its_adapter_state_beside_one_base
     import yaml
 
     from plexrl.cluster import load_cluster
-    from plexrl.engines.lora import lora_state_bytes
-    from plexrl.job import model_bytes
+    from plexrl.job.sizes import lora_state_bytes, model_bytes
 
     jobs = [{"job": lora_job(smol_tiny, tmp_path / "runs", n, s)} for n, s in (("la", 0), ("lb", 1))]
     state = lora_state_bytes(smol_tiny, 4, ["q_proj", "v_proj"])

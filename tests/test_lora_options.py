@@ -35,7 +35,7 @@ def step(engine: LoRAEngine) -> dict[str, float]:
 
 
 def test_a_bf16_base_trains_fp32_adapters_and_never_changes(smol_tiny: Path) -> None:
-    from plexrl.job import model_bytes
+    from plexrl.job.sizes import model_bytes
 
     base = SharedBase(smol_tiny, CPU, "eager", dtype="bfloat16")
     assert {t.dtype for t in base.base_tensors().values()} == {torch.bfloat16}
@@ -81,9 +81,9 @@ def test_gradient_checkpointing_of_a_shared_base_gives_the_same_step(smol_tiny: 
 def test_a_bf16_lora_job_shares_a_bf16_base_counted_at_its_size(smol_tiny: Path, tmp_path: Path) -> None:
     from test_lora import lora_job
 
-    from plexrl.config import load_job
-    from plexrl.engines.lora import lora_state_bytes
-    from plexrl.job import model_bytes, prepare_job
+    from plexrl.job.load import load_job
+    from plexrl.job.sizes import lora_state_bytes, model_bytes
+    from plexrl.job.spec import prepare_job
     from plexrl.services.service import Service
 
     cfg = lora_job(smol_tiny, tmp_path / "runs", "bf", 0)
@@ -108,7 +108,7 @@ def test_a_bf16_checkpoint_is_counted_at_its_fp32_size(smol_tiny: Path, tmp_path
 
     from transformers import AutoModelForCausalLM
 
-    from plexrl.job import count_parameters, model_bytes
+    from plexrl.job.sizes import count_parameters, model_bytes
 
     half = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(str(smol_tiny), dtype=torch.bfloat16).save_pretrained(half)

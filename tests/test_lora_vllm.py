@@ -22,11 +22,12 @@ import torch
 from conftest import local_runner, stable
 from test_lora import lora_job
 
-from plexrl.config import load_job
 from plexrl.engines.lora import LoRAEngine, SharedBase
 from plexrl.engines.vllm_engine import vllm_cpu_build, vllm_installed
 from plexrl.errors import ConfigError
-from plexrl.job import JobRun, model_bytes, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.sizes import model_bytes
+from plexrl.job.spec import JobRun, prepare_job
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make setup-vllm)")
 
@@ -36,7 +37,7 @@ def smol32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """conftest's smol_tiny with hidden 64 over 2 heads (head size 32, which vLLM's CPU attention serves)."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.pretrained import pretrained_path
 
     real = pretrained_path("smollm2-135m-instruct")
     out = tmp_path_factory.mktemp("smol32")
@@ -184,8 +185,8 @@ def vllm_lora_job(model: Path, run_dir: Path, name: str, seed: int, iterations: 
 def test_two_lora_jobs_on_one_service_with_vllm_rollouts_learn_exactly_as_alone(smol32: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from plexrl.engines.lora import lora_state_bytes
     from plexrl.engines.vllm_lora import lora_engine_bytes
+    from plexrl.job.sizes import lora_state_bytes
     from plexrl.runtime import Budgets
 
     specs = [prepare_job(load_job(vllm_lora_job(smol32, tmp_path / "runs", n, s))) for n, s in (("la", 0), ("lb", 1))]
@@ -221,8 +222,8 @@ def test_engine_choice_and_budgets_of_a_lora_job_on_vllm(smol32: Path, tmp_path:
     import yaml
 
     from plexrl.cluster import load_cluster
-    from plexrl.engines.lora import lora_state_bytes
     from plexrl.engines.vllm_lora import lora_engine_bytes
+    from plexrl.job.sizes import lora_state_bytes
 
     cfg = lora_job(smol32, tmp_path / "runs", "auto", 0)
     cfg["engine"] = "auto"  # a 3.2M-parameter base is under vllm.auto_min_params: torch, as for a full job

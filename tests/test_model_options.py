@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from plexrl.config import ModelConfig
 from plexrl.data.prompts import engine_special_ids
 from plexrl.engines.torch_engine import TorchEngine
-from plexrl.models import build_model, build_tokenizer
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ def budget_job(model: dict[str, Any], max_new_tokens: int, data: dict[str, Any] 
 def test_prompt_and_response_budget_is_checked_against_the_context_length(smol_tiny: Path, tmp_path: Path) -> None:
     from test_data_files import write_verl_parquet
 
-    from plexrl.config import load_job
-    from plexrl.config_checks import generation_budget
     from plexrl.errors import ConfigError
+    from plexrl.job.checks import generation_budget
+    from plexrl.job.load import load_job
 
     data = {"train": str(write_verl_parquet(tmp_path / "t.parquet", 4)), "max_prompt_tokens": 500}
     with pytest.raises(ConfigError) as err:  # smol_tiny has 512 positions
@@ -140,7 +140,7 @@ def step(engine: TorchEngine, batch: dict[str, torch.Tensor]) -> dict[str, float
 
 
 def test_a_bf16_engine_trains_fp32_masters_and_counts_their_bytes(model_dir: tuple[Path, Any]) -> None:
-    from plexrl.models import engine_options
+    from plexrl.job.models import engine_options
 
     d, tok = model_dir
     opts = engine_options(ModelConfig(dtype="bfloat16"))
@@ -237,8 +237,8 @@ def test_a_paused_generation_samples_exactly_what_an_unpaused_one_does(
 
 
 def test_the_state_estimate_bounds_a_bf16_engines_measured_state(model_dir: tuple[Path, Any]) -> None:
-    from plexrl.config import load_job
-    from plexrl.job import estimate_state_bytes, model_bytes
+    from plexrl.job.load import load_job
+    from plexrl.job.sizes import estimate_state_bytes, model_bytes
 
     d, tok = model_dir
     engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype="bfloat16")
@@ -252,9 +252,9 @@ def test_the_state_estimate_bounds_a_bf16_engines_measured_state(model_dir: tupl
 def test_the_budget_of_a_pretrained_model_reads_its_converted_config(tmp_path: Path) -> None:
     from test_data_files import write_verl_parquet
 
-    from plexrl.config import load_job
     from plexrl.errors import ConfigError
-    from plexrl.pretrained import pretrained_path
+    from plexrl.job.load import load_job
+    from plexrl.job.pretrained import pretrained_path
 
     try:
         path = pretrained_path("smollm2-135m-instruct", convert=False)

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from conftest import TINY, local_runner, stable
 
-from plexrl.config import load_job
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.planner import Hrrs
 from plexrl.runtime import Budgets, NodeTask, Runner
 

@@ -7,14 +7,14 @@ import math
 
 import torch
 
+import plexrl.job.tasks.arithmetic as arithmetic_mod
 import plexrl.operators.advantage as advantage_mod
 import plexrl.operators.critic as critic_mod
 import plexrl.operators.shaping as shaping_mod
 import plexrl.operators.train as train_mod
-import plexrl.tasks.arithmetic as arithmetic_mod
+from plexrl.job.tasks.arithmetic import verify_answers
 from plexrl.operators.advantage import group_advantages
 from plexrl.operators.train import policy_loss
-from plexrl.tasks.arithmetic import verify_answers
 
 
 def test_doctests() -> None:

@@ -331,7 +331,7 @@ def test_chunked_service_nodes_let_another_job_in_between_chunks() -> None:
     waits for most of A's rollout. Both finish (no starvation), and A's iterations do the same work. (The
     planner and the simulator only: the real services run every node whole, see docs/architecture.md.)"""
     from plexrl.hooks.base import Hook
-    from plexrl.job import JobRun
+    from plexrl.job.spec import JobRun
     from plexrl.runtime import Runner
     from plexrl.runtime.sim import GB, SeededCosts, SimExecutor, SimJob
 

@@ -11,8 +11,9 @@ import pytest
 from conftest import TINY
 from pydantic import ValidationError
 
-from plexrl.config import ModelConfig, load_job
-from plexrl.pretrained import DONE, PRETRAINED, pretrained_path, source_file
+from plexrl.job.load import load_job
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.pretrained import DONE, PRETRAINED, pretrained_path, source_file
 
 
 def test_unknown_missing_and_unconverted_models_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from conftest import TINY, local_runner, stable, wait_for
 
-from plexrl.config import load_job
-from plexrl.job import prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import prepare_job
 from plexrl.server.api import start_server
 from plexrl.server.client import Client
 from plexrl.server.config import ServerConfig

@@ -11,8 +11,8 @@ from typing import Any
 import user_ops
 from conftest import TINY, local_runner, stable
 
-from plexrl.config import load_job
-from plexrl.job import prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import prepare_job
 
 
 def job(run_dir: Path, name: str, op: str, retry: dict[str, Any] | None = None, fail_runs: int = 2) -> Any:

@@ -13,7 +13,7 @@ from conftest import TINY
 from test_data_files import write_verl_parquet
 
 from plexrl.batch import Prompts, Rollouts
-from plexrl.config import load_job
+from plexrl.job.load import load_job
 from plexrl.roles import declare
 
 
@@ -88,7 +88,7 @@ def test_score_without_positions_gives_an_empty_prompt(tmp_path: Path, positions
     from test_data_files import make_tokenizer
 
     from plexrl.data import DataConfig
-    from plexrl.tasks.dataset import make_dataset_task
+    from plexrl.job.tasks.dataset import make_dataset_task
 
     tok = make_tokenizer(tmp_path / "tok")
     train = str(write_verl_parquet(tmp_path / "t.parquet", 4))

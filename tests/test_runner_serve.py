@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from plexrl.hooks.base import Hook, RunSummary
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.planner.policies import placement_policy
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import SeededCosts, SimExecutor, grpo_like_jobs

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from conftest import TINY, local_runner
 
-from plexrl.config import load_job
 from plexrl.hooks.base import Hook, HookFailed
-from plexrl.job import JobRun, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, prepare_job
 from plexrl.planner import JobPlan, JobSubmitted, NodeFinished, NodePlan, Planner, RunNode, ServiceJoined, StateMeasured
 from plexrl.runtime import Runner
 

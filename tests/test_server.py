@@ -21,7 +21,7 @@ from conftest import TINY, wait_for
 
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.planner.policies import FairShare, Fifo
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
 from plexrl.server.api import RunningServer, start_server

@@ -1,5 +1,5 @@
 """A server with `driver: local` builds models on its preparation threads while its runner thread loads jobs onto
-in-process services: model construction is serialized (`plexrl.models.model_construction`), a job whose load
+in-process services: model construction is serialized (`plexrl.job.construction.model_construction`), a job whose load
 fails fails alone, and the runner's records are written by its own thread only."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from conftest import TINY, local_runner
 
-from plexrl.config import load_job
 from plexrl.hooks.base import Hook, HookFailed
-from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.runtime.inline import InlineExecutor
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_like_jobs, grpo_nodes

@@ -16,10 +16,13 @@ from typing import Any
 import pytest
 from conftest import TINY, local_runner, wait_for
 
-from plexrl.config import ModelConfig, TaskConfig, TrackingConfig, WarmStartConfig, load_job
 from plexrl.hooks.base import Hook, HookList
-from plexrl.job import JobRun, prepare_job
-from plexrl.models import PreparationCancelled, prepare_model
+from plexrl.job.config import TaskConfig, TrackingConfig, WarmStartConfig
+from plexrl.job.load import load_job
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import PreparationCancelled, prepare_model
+from plexrl.job.spec import JobRun, prepare_job
+from plexrl.job.tasks import make_task
 from plexrl.planner.policies import FairShare, Fifo
 from plexrl.runtime.inline import InlineExecutor
 from plexrl.runtime.runner import Runner
@@ -28,7 +31,6 @@ from plexrl.server.api import start_server
 from plexrl.server.config import ServerConfig
 from plexrl.server.controller import Controller, runner_of
 from plexrl.server.journal import JobEntry, Journal
-from plexrl.tasks import make_task
 
 
 def sim(job_id: str, iterations: int, user: str = "") -> SimJob:

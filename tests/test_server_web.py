@@ -20,7 +20,7 @@ from test_server import TOKEN, Gate, serving, sim_runner
 
 from plexrl.accounting import JobFacts, account
 from plexrl.hooks.timeline import Span
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.runtime.sim import GB, GRPO_ORDER, SimJob, grpo_nodes
 from plexrl.server.client import Client
 from plexrl.server.journal import Journal

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import TINY
 
-from plexrl.config import load_job
-from plexrl.job import JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobSpec, prepare_job
 from plexrl.planner.state import Move
 from plexrl.services.service import Service
 from plexrl.services.swap import StateCorrupted

@@ -20,10 +20,10 @@ import torch
 from conftest import TINY, local_runner, stable
 
 from plexrl.batch import Prompts, Rollouts
-from plexrl.config import load_job
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, prepare_job
 from plexrl.runtime import Budgets, Runner
 
 

@@ -143,7 +143,7 @@ def test_project_functions_are_not_builders(arena: dict[str, Any]) -> None:
         },
         # reading any file and echoing it in the 400
         "plexrl.yamlio:load_yaml_file": {"path": str(secret)},
-        "plexrl.config:load_job": {"source": str(secret)},
+        "plexrl.job.load:load_job": {"source": str(secret)},
         "plexrl.server.api:start_server": {},
     }
     for ref, params in cases.items():

@@ -1,5 +1,5 @@
 """Tasks cross process boundaries with their job's spec (Dask ships it to the workers): they pickle their
-problem lists column by column (`plexrl/tasks/_columns.py`), and come back equal."""
+problem lists column by column (`plexrl/job/tasks/_columns.py`), and come back equal."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from plexrl.config import TaskConfig
-from plexrl.tasks import make_task
-from plexrl.tasks._columns import _Columns, columnar_reduce
+from plexrl.job.config import TaskConfig
+from plexrl.job.tasks import make_task
+from plexrl.job.tasks._columns import _Columns, columnar_reduce
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "tool_arithmetic", "code", "copy"])
@@ -33,7 +33,7 @@ def test_a_task_round_trips_through_pickle_column_by_column(name: str) -> None:
 def test_a_list_of_mixed_types_is_kept_as_it_is() -> None:
     from dataclasses import dataclass
 
-    from plexrl.tasks.arithmetic import Problem
+    from plexrl.job.tasks.arithmetic import Problem
 
     @dataclass(frozen=True)
     class Other:
@@ -53,8 +53,8 @@ def test_a_built_in_jobs_spec_pickles_with_plain_pickle_and_operators_by_referen
     """PlexRL's operators and their params models pickle by reference: a spec no longer needs cloudpickle,
     which copied each operator's function and dynamic params model by value (and once failed with
     "dictionary changed size during iteration" while a worker sent a spec on)."""
-    from plexrl.config import load_job
-    from plexrl.job import prepare_job
+    from plexrl.job.load import load_job
+    from plexrl.job.spec import prepare_job
 
     spec = prepare_job(load_job(tiny_config))
     back = pickle.loads(pickle.dumps(spec))

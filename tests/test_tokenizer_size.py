@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from plexrl.config import TaskConfig
-from plexrl.models import build_tokenizer
-from plexrl.tasks import make_task, tokenizer_size
+from plexrl.job.config import TaskConfig
+from plexrl.job.models import build_tokenizer
+from plexrl.job.tasks import make_task, tokenizer_size
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "tool_arithmetic", "code", "copy"])

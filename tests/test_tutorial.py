@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from plexrl.config import load_job
+from plexrl.job.load import load_job
 from plexrl.runtime.jobs import run_jobs
 
 DOC = Path(__file__).parents[1] / "docs" / "tutorial-new-algorithm.md"

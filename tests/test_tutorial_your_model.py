@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plexrl.config import load_job
+from plexrl.job.load import load_job
 from plexrl.runtime.jobs import run_jobs
 from plexrl.yamlio import load_yaml_file
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from plexrl.cluster import is_cluster_file, load_cluster
-from plexrl.config import load_job
 from plexrl.errors import ConfigError
 from plexrl.graph import NodeSpec, Pipeline, compile_pipeline
+from plexrl.job.load import load_job
 from plexrl.sim.config import load_sim
 
 NODES: list[dict[str, Any]] = [

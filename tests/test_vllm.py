@@ -20,12 +20,13 @@ import pytest
 import torch
 from test_multiplex import learning_job, stable
 
-from plexrl.config import ModelConfig, load_job
 from plexrl.engines.torch_engine import TorchEngine
 from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key, vllm_installed
 from plexrl.errors import ConfigError
-from plexrl.job import prepare_job
-from plexrl.models import build_model, build_tokenizer
+from plexrl.job.load import load_job
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer
+from plexrl.job.spec import prepare_job
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make setup-vllm)")
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from plexrl.config import ModelConfig
 from plexrl.engines.vllm_engine import _import_vllm, _process_state_kept, _quiet, vllm_installed
-from plexrl.models import build_model, build_tokenizer
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make setup-vllm)")
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from plexrl.config import ModelConfig
 from plexrl.engines.torch_engine import TorchEngine
 from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, vllm_installed
-from plexrl.models import build_model, build_tokenizer
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.models import build_model, build_tokenizer
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make setup-vllm)")
 

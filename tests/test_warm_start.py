@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import plexrl.models as models_mod
-from plexrl.config import WarmStartConfig
-from plexrl.models import warm_start_lr
+import plexrl.job.models as models_mod
+from plexrl.job.config import WarmStartConfig
+from plexrl.job.models import warm_start_lr
 
 
 def test_models_doctests() -> None:
@@ -57,8 +57,8 @@ def test_init_std_sets_the_scale_of_the_initial_weights(tmp_path: Path, std: flo
     warm start's plateau on addition depends on it), and the same seed builds the same weights."""
     from safetensors.torch import load_file
 
-    from plexrl.config import ModelConfig
-    from plexrl.models import build_model, build_tokenizer
+    from plexrl.job.model_config import ModelConfig
+    from plexrl.job.models import build_model, build_tokenizer
 
     tok = build_tokenizer(tmp_path / "tok")
     cfg = ModelConfig(layers=1, hidden=64, heads=2, intermediate=128, init_std=std)

@@ -29,9 +29,9 @@ from test_multiplex import final_weights, learning_job, same_weights, stable
 
 from plexrl import operator
 from plexrl.batch import EvalStats, Rollouts
-from plexrl.config import load_job
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, JobSpec, prepare_job
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.operator import OpContext
 from plexrl.runtime import Budgets, Runner
 from plexrl.runtime.dask import DaskExecutor

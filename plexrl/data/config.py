@@ -3,7 +3,7 @@
 `DataConfig` names the files, their columns, the prompt's framing and the reward terms; it is plain data:
 validating it reads no file and calls no function (a user reward's dotted path is only checked for its
 form here; `plexrl.rewards.build_reward` resolves it through `plexrl.roles`). Kept free of heavy imports and
-of `plexrl.config` (which may hold a `data: DataConfig | None` field), so either module imports the other's
+of `plexrl.job.config` (which may hold a `data: DataConfig | None` field), so either module imports the other's
 names without a cycle.
 """
 

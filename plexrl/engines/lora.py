@@ -266,29 +266,4 @@ class LoRAEngine(TorchEngine):
         self.shared.remove(self.job_id)
 
 
-def lora_state_bytes(model_dir: str | Path, r: int, targets: list[str]) -> int:
-    """Estimated bytes of a LoRA job's state (fp32 adapter + 2 AdamW moments) for a Llama-family config:
-    each targeted projection of each layer adds r * (in + out) parameters. Unknown module names count as a
-    hidden x hidden projection. An estimate: the planner replaces it with the measured size after the first
-    swap-out."""
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    h, inter = cfg["hidden_size"], cfg.get("intermediate_size", 4 * cfg["hidden_size"])
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads)
-    hd = cfg.get("head_dim", h // heads)
-    dims = {
-        "q_proj": (h, heads * hd),
-        "k_proj": (h, kv * hd),
-        "v_proj": (h, kv * hd),
-        "o_proj": (heads * hd, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
-    per_layer = sum(r * sum(dims.get(t, (h, h))) for t in targets)
-    return per_layer * cfg["num_hidden_layers"] * 4 * 3
-
-
-__all__ = ["LoRAEngine", "SharedBase", "adapter_name", "base_key", "lora_state_bytes"]
+__all__ = ["LoRAEngine", "SharedBase", "adapter_name", "base_key"]

@@ -189,7 +189,7 @@ class SharedLLM:
     time. Calls are serialised by a lock (a service runs one node at a time anyway).
 
     `max_model_len`: the longest prompt + response it serves (default: the model's positions). A job's
-    prompt + response budget (`plexrl.config_checks.generation_budget`: `data.max_prompt_tokens` + the largest
+    prompt + response budget (`plexrl.job.checks.generation_budget`: `data.max_prompt_tokens` + the largest
     `max_new_tokens`) is enough, and the smaller it is, the more sequences a small KV cache admits at once.
     A response ends at any eos id of the model's generation config (`eos_ids`). Prefix caching is on."""
 

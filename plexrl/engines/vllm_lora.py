@@ -88,8 +88,7 @@ def lora_generator_key(
 def lora_engine_bytes(model_dir: str | Path, r: int, kv_cache_bytes: int) -> int:
     """Device bytes of a SharedLoRALLM: the fp32 base, the KV cache, and `MAX_LORAS` adapter slots of its rank
     on every projection (vLLM's LoRA buffers)."""
-    from plexrl.engines.lora import lora_state_bytes
-    from plexrl.job import model_bytes
+    from plexrl.job.sizes import lora_state_bytes, model_bytes
 
     slot = lora_state_bytes(model_dir, lora_rank_slot(r), list(VLLM_LORA_MODULES)) // 3  # weights, no moments
     return model_bytes(Path(model_dir)) + kv_cache_bytes + MAX_LORAS * slot

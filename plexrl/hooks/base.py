@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from plexrl.job import JobRun
+    from plexrl.job.spec import JobRun
 
 log = logging.getLogger(__name__)
 

@@ -80,8 +80,8 @@ class ClusterMlflow(Hook):
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
-        from plexrl.config import flatten
         from plexrl.hooks.mlflow_hook import tracking_uri
+        from plexrl.job.config import flatten
 
         rep = self.accounting.report
         if rep is None:

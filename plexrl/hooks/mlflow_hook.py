@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from plexrl.config import flatten
 from plexrl.hooks.base import Hook
+from plexrl.job.config import flatten
 
 if TYPE_CHECKING:
-    from plexrl.job import JobRun
+    from plexrl.job.spec import JobRun
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from plexrl.hooks.base import Hook
 
 if TYPE_CHECKING:
-    from plexrl.job import JobRun
+    from plexrl.job.spec import JobRun
 
 
 @dataclass(slots=True)

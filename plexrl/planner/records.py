@@ -20,7 +20,7 @@ from plexrl.planner.events import JobPlan
 from plexrl.planner.policies import QueuedNode
 from plexrl.planner.state import StateManager
 
-# the planner's job states; a job's record and the server's journal share one vocabulary (`plexrl.job.JobStatus`),
+# the planner's job states; a job's record and the server's journal share one vocabulary (`plexrl.job.spec.JobStatus`),
 # the same words but `running` for `placed` (the planner cannot import it: it imports nothing of plexrl)
 JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
 NodeStatus = Literal["waiting", "ready", "running", "paused", "backoff", "done"]

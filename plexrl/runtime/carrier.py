@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.hooks.base import HookList
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.planner import (
     CallArrived,
     CheckpointFinished,

@@ -5,7 +5,7 @@ fastest way to run one job alone: no scheduler, no round trips, no copies of a b
 
 Concurrency: the executor is driven by ONE thread (the runner's). A server also builds models on its
 preparation threads in the same process, so every load and every service node runs under
-`plexrl.models.model_construction()` (transformers' model init patches process-global state; a service node
+`plexrl.job.construction.model_construction()` (transformers' model init patches process-global state; a service node
 may build a model too: a critic, a vLLM engine). Errors are returned in reports, never raised: a job whose
 load failed gets an error report for each node sent to it, and nothing of it runs.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from plexrl.models import model_construction
+from plexrl.job.construction import model_construction
 from plexrl.planner.state import Tier
 from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
 

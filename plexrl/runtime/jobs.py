@@ -7,9 +7,9 @@ import logging
 import os
 from pathlib import Path
 
-from plexrl.config import LoadedJob
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun, prepare_job
+from plexrl.job.load import LoadedJob
+from plexrl.job.spec import JobRun, prepare_job
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.hooks.base import Hook, HookList, RunSummary
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.planner import JobCancelled, JobFailed, Planner, ServiceLost, Tick
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Event

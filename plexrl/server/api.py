@@ -205,14 +205,14 @@ def prepare_entry(
 ) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
     with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
-    (`plexrl.models.PreparationCancelled` soon after it is set); `max_warm_start_steps`: the server's cap
+    (`plexrl.job.models.PreparationCancelled` soon after it is set); `max_warm_start_steps`: the server's cap
     (a ConfigError above it, before any work); `modules`: the server's allow-list, in force while the job is
     compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since)."""
     import contextlib
     import dataclasses
 
-    from plexrl.config import load_job
-    from plexrl.job import prepare_job
+    from plexrl.job.load import load_job
+    from plexrl.job.spec import prepare_job
     from plexrl.roles import allowed_modules
 
     with allowed_modules(modules) if modules is not None else contextlib.nullcontext():

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from plexrl.cluster import ClusterRuntime, DaskNetwork, ServicesConfig
-from plexrl.config import apply_overrides
 from plexrl.errors import ConfigError, Problem, pydantic_problem
+from plexrl.job.load import apply_overrides
 from plexrl.runtime.tls import is_loopback
 
 

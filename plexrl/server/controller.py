@@ -23,7 +23,7 @@ Contract:
   the first user queued. Each preparation has a cancellation event, set by `cancel` (the journal says
   `cancelled`; nothing else is recorded) and by `stop` (the job stays `queued`; the next server prepares it
   again). A `prepare` that takes a `cancel` keyword gets the event and should raise soon after it is set
-  (`prepare_entry`: between warm-start steps, `plexrl.models.PreparationCancelled`); whatever a cancelled
+  (`prepare_entry`: between warm-start steps, `plexrl.job.models.PreparationCancelled`); whatever a cancelled
   preparation raises is not recorded as a failure. `stop` waits for every thread within ONE deadline.
 
 Per-user admission (`max_jobs_per_user`, `admission.py`): a user's jobs beyond the limit wait, prepared, with
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.runtime.runner import Runner
 from plexrl.server.admission import Admission
 from plexrl.server.journal import JobEntry, Journal

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from plexrl.job import JobStatus
+from plexrl.job.spec import JobStatus
 
-JobState = JobStatus  # the job record's vocabulary (`plexrl.job.JobStatus`): queued, running, done, failed, cancelled
+# the job record's vocabulary (`plexrl.job.spec.JobStatus`): queued, running, done, failed, cancelled
+JobState = JobStatus
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 
 # (from, to) -> the event kind recorded for that move; the only legal moves

@@ -67,8 +67,9 @@ def check_submission(
     job's supervised warm start (None: no cap)."""
     from pydantic import ValidationError
 
-    from plexrl.config import JobConfig, apply_overrides, load_job
     from plexrl.errors import pydantic_problem
+    from plexrl.job.config import JobConfig
+    from plexrl.job.load import apply_overrides, load_job
     from plexrl.roles import allowed_modules
     from plexrl.yamlio import load_yaml_text
 

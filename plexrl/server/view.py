@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 
 BUCKETS = ("busy", "swap", "startup")
 KIND_BUCKET = {"node": "busy", "swap": "swap", "load": "startup"}

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from plexrl.job import uses_reference
+from plexrl.job.sizes import uses_reference
 from plexrl.planner.state import Move
 from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services import swap as sw
@@ -43,7 +43,7 @@ from plexrl.services.registry import SERVICES, publish
 from plexrl.services.service import NodeResult, Service
 
 if TYPE_CHECKING:
-    from plexrl.job import JobSpec
+    from plexrl.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

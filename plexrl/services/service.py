@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plexrl.engines.slicing import SlicePaused
-from plexrl.job import uses_reference
+from plexrl.job.sizes import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
@@ -38,7 +38,7 @@ from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
-    from plexrl.job import JobSpec
+    from plexrl.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Service:
         """Create the job's engine from its starting model and put its state in `tier` (strict affinity: it
         stays on this service). Returns the state's size in bytes."""
         from plexrl.engines.torch_engine import TorchEngine
-        from plexrl.models import engine_options
+        from plexrl.job.models import engine_options
         from plexrl.sessions.engine import SessionEngine
         from plexrl.sessions.spec import SessionSpec
 
@@ -170,7 +170,7 @@ class Service:
         """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
         freed with the last LoRA job on it; plexrl/engines/lora.py)."""
         from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
-        from plexrl.models import engine_options
+        from plexrl.job.models import engine_options
 
         lora = job.config.model.lora
         assert lora is not None
@@ -188,8 +188,8 @@ class Service:
         """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use);
         a LoRA job's VLLMLoRAEngine on the shared LoRA-enabled engine for its base (plexrl/engines/vllm_lora.py:
         the base loaded once, each job's adapter under its own LoRARequest)."""
-        from plexrl.config_checks import generation_budget
         from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
+        from plexrl.job.checks import generation_budget
 
         budget = generation_budget(job.config, job.graph)  # None: the model's positions
         lora = job.config.model.lora

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plexrl.config import JobConfig, TrackingConfig, VLLMConfig
-from plexrl.job import JobSpec, resolve_engine
-from plexrl.model_config import ModelConfig
+from plexrl.job.config import JobConfig, TrackingConfig, VLLMConfig
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.spec import JobSpec, resolve_engine
 from plexrl.planner.events import JobPlan
 from plexrl.sessions.calls import CALL_KINDS
 
@@ -76,7 +76,7 @@ def prepare_session(
     """The spec of a session: its base model found (a pretrained one converted on first use), its generation
     engine resolved by the job rule; resumed from `resume_state` (a checkpoint) with its calls numbered from
     `first_call`."""
-    from plexrl.models import check_cancelled, prepare_model
+    from plexrl.job.models import check_cancelled, prepare_model
     from plexrl.sessions.operators import session_graph
 
     job = cfg.job_config()

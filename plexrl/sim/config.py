@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from plexrl.config import StrictModel
 from plexrl.errors import ConfigError, Problem
+from plexrl.job.model_config import StrictModel
 from plexrl.yamlio import load_yaml_file
 
 GB = 1e9

@@ -323,8 +323,8 @@ def log_mlflow(rep: SimReport, run_dir: Path) -> dict[str, str]:
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from plexrl.config import flatten
     from plexrl.hooks.mlflow_hook import tracking_uri
+    from plexrl.job.config import flatten
 
     uri = tracking_uri(run_dir)
     client = MlflowClient(tracking_uri=uri)

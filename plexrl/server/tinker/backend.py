@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.job import JobRun
+from plexrl.job.spec import JobRun
 from plexrl.runtime.calls import CallBoard
 from plexrl.sessions.calls import Call
 from plexrl.sessions.spec import SessionConfig, prepare_session

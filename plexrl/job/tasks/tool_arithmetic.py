@@ -19,10 +19,10 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from plexrl.config import TaskConfig
 from plexrl.episodes import CALL, CALL_END, OUT, OUT_END, TAGS
-from plexrl.tasks._columns import columnar_reduce
-from plexrl.tasks.arithmetic import Problem, verify_answers
+from plexrl.job.config import TaskConfig
+from plexrl.job.tasks._columns import columnar_reduce
+from plexrl.job.tasks.arithmetic import Problem, verify_answers
 
 TOOL_ALPHABET = "0123456789*+=?"
 
@@ -42,7 +42,7 @@ class ToolArithmeticTask:
     tool: ClassVar[str | None] = "calculator"  # what `call_tools` uses unless the pipeline names another
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return columnar_reduce(self)  # fast to ship to the workers: plexrl/tasks/_columns.py
+        return columnar_reduce(self)  # fast to ship to the workers: plexrl/job/tasks/_columns.py
 
     @property
     def max_answer_chars(self) -> int:

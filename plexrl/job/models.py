@@ -4,14 +4,10 @@ plus a supervised warm start. Both are cached under `<run_dir>/cache/<key>/` key
 
 Concurrency contract (a server prepares jobs on a pool of threads while its runner thread loads jobs onto
 in-process services):
-- `model_construction()` is THE process-wide lock around building or loading a torch model. transformers'
-  model init patches process-global state (the `torch.nn.init` functions, the init-empty-weights / meta-device
-  context, the default dtype) and restores it afterwards; two constructions overlapping in threads restore
-  each other's patches and leave the process building meta tensors for good ("Cannot copy out of meta
-  tensor"). Every construction in this process takes it: `build_model`, the warm start's engine, and the
-  in-process executor's loads and service nodes (`runtime/inline.py`). It is held for the construction only,
-  never for a warm start's training steps. This module's first imports of transformers take it too (two
-  threads resolving transformers' lazy attributes at once can fail with "cannot import name").
+- `model_construction()` (`plexrl.job.construction`) is THE process-wide lock around building or loading a
+  torch model: `build_model` and the warm start's engine take it, for the construction only, never for a warm
+  start's training steps. This module's first imports of transformers take it too (two threads resolving
+  transformers' lazy attributes at once can fail with "cannot import name").
 - One preparation at a time per cache directory (`_cache_lock`): two jobs with the same model, task, warm
   start and seed wait for each other, and the second finds the first's model in the cache.
 - A preparation can be cancelled: `prepare_model` and `warm_start` take `cancel` (an event, set by a user's
@@ -38,15 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexrl.config import ModelConfig, TaskConfig, WarmStartConfig
-from plexrl.tasks import Task
-from plexrl.tasks.arithmetic import ALPHABET, verify_answers
+from plexrl.job.config import TaskConfig, WarmStartConfig
+from plexrl.job.construction import model_construction
+from plexrl.job.model_config import ModelConfig
+from plexrl.job.tasks import SPECIALS, Task
+from plexrl.job.tasks.arithmetic import ALPHABET, verify_answers
 
 log = logging.getLogger(__name__)
 
-SPECIALS = ["<pad>", "<bos>", "<eos>"]
-
-_MODEL_LOCK = threading.RLock()  # see the module docstring; re-entrant: a construction may nest another
 _CACHE_LOCKS: dict[Path, threading.Lock] = {}  # cache directory -> its preparation lock
 _CACHE_LOCKS_GUARD = threading.Lock()
 _CANCEL_POLL_S = 0.1  # how often a preparation waiting for another one checks its cancel event
@@ -64,14 +59,6 @@ class PreparationCancelled(Exception):
     """A job's preparation (warm start, model build) stopped because its `cancel` event was set: the job was
     cancelled, or the server is stopping. Not a failure: the server records the cancel (or keeps the job
     queued for its next start)."""
-
-
-@contextmanager
-def model_construction() -> Iterator[None]:
-    """Hold THE process-wide model-construction lock (see the module docstring) while building or loading a
-    torch / transformers model. Re-entrant."""
-    with _MODEL_LOCK:
-        yield
 
 
 def check_cancelled(cancel: threading.Event | None, what: str) -> None:
@@ -184,13 +171,13 @@ def prepare_model(
 ) -> PreparedModel:
     """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train.
     An existing model (`model.path`, or `model.pretrained`: converted into the cache on first use,
-    plexrl/pretrained.py) is used as it is, with its own tokenizer; `task` may then be None.
+    plexrl/job/pretrained.py) is used as it is, with its own tokenizer; `task` may then be None.
     `cancel`: see the module docstring (raises `PreparationCancelled`)."""
     with model_construction():  # transformers' lazy first imports are not thread-safe either
         from transformers import PreTrainedTokenizerFast
 
     if model_cfg.pretrained is not None:
-        from plexrl.pretrained import pretrained_path
+        from plexrl.job.pretrained import pretrained_path
 
         path = pretrained_path(model_cfg.pretrained)
         return PreparedModel(path, PreTrainedTokenizerFast.from_pretrained(str(path)), None, 0, 0.0, True)
@@ -287,7 +274,7 @@ def warm_start_lr(cfg: WarmStartConfig, step: int, decay_from: int | None = None
     With `cfg.decay_from_accuracy`, the peak holds until `decay_from` (the step whose check reached it; None:
     not yet) and the decay starts there.
 
-    >>> from plexrl.config import WarmStartConfig
+    >>> from plexrl.job.config import WarmStartConfig
     >>> c = WarmStartConfig(lr=1e-3, warmup_steps=10, decay_steps=100, min_lr_ratio=0.1)
     >>> [round(warm_start_lr(c, s) * 1e4, 3) for s in (1, 10, 60, 110, 500)]
     [1.0, 10.0, 5.5, 1.0, 1.0]

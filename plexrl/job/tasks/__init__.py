@@ -4,27 +4,26 @@
 (multiplication solved with a calculator tool call, see `plexrl.episodes` for the tag format), `code` (a
 Python expression written from input/output examples, run in the sandbox by `code_unit_tests`) or `copy` (a
 digit sequence of heavy-tailed length copied: long-tailed rollouts). A job's data from files is a
-`DatasetTask` (`make_dataset_task(cfg.data, tokenizer, ...)`, plexrl/tasks/dataset.py).
+`DatasetTask` (`make_dataset_task(cfg.data, tokenizer, ...)`, plexrl/job/tasks/dataset.py).
 """
 
 from __future__ import annotations
 
-from plexrl.config import TaskConfig
-from plexrl.tasks.arithmetic import ArithmeticTask, Problem, verify_answers
-from plexrl.tasks.arithmetic import make_task as make_arithmetic_task
-from plexrl.tasks.code import CodeProblem, CodeTask, make_code_task
-from plexrl.tasks.copy import CopyTask, make_copy_task
-from plexrl.tasks.dataset import DatasetProblem, DatasetTask, make_dataset_task
-from plexrl.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
+from plexrl.job.config import TaskConfig
+from plexrl.job.tasks.arithmetic import ArithmeticTask, Problem, verify_answers
+from plexrl.job.tasks.arithmetic import make_task as make_arithmetic_task
+from plexrl.job.tasks.code import CodeProblem, CodeTask, make_code_task
+from plexrl.job.tasks.copy import CopyTask, make_copy_task
+from plexrl.job.tasks.dataset import DatasetProblem, DatasetTask, make_dataset_task
+from plexrl.job.tasks.tool_arithmetic import ToolArithmeticTask, make_tool_task
 
 Task = ArithmeticTask | ToolArithmeticTask | CodeTask | CopyTask
+SPECIALS = ["<pad>", "<bos>", "<eos>"]  # the first ids of every task's character tokenizer (`models.build_tokenizer`)
 
 
 def tokenizer_size(name: str) -> int:
     """Tokens of the character-level tokenizer built for the task named `name` (`models.build_tokenizer`): the
     specials (pad, bos, eos), the task's extra special tokens and its alphabet. No problem is generated."""
-    from plexrl.models import SPECIALS
-
     kinds: dict[str, type[Task]] = {"tool_arithmetic": ToolArithmeticTask, "code": CodeTask, "copy": CopyTask}
     kind = kinds.get(name, ArithmeticTask)
     return len(SPECIALS) + len(kind.special_tokens) + len(kind.alphabet)

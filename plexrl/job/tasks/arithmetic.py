@@ -10,8 +10,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from plexrl.config import TaskConfig
-from plexrl.tasks._columns import columnar_reduce
+from plexrl.job.config import TaskConfig
+from plexrl.job.tasks._columns import columnar_reduce
 
 ALPHABET = "0123456789+="
 
@@ -36,7 +36,7 @@ class ArithmeticTask:
     tool_demo_frac: ClassVar[float] = 0.0
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return columnar_reduce(self)  # fast to ship to the workers: plexrl/tasks/_columns.py
+        return columnar_reduce(self)  # fast to ship to the workers: plexrl/job/tasks/_columns.py
 
     @property
     def max_answer_chars(self) -> int:

@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from plexrl.config import JobConfig, LoadedJob, chunk_problems
 from plexrl.errors import ConfigError
 from plexrl.graph import PipelineGraph
+from plexrl.job.checks import chunk_problems
+from plexrl.job.config import JobConfig
+from plexrl.job.load import LoadedJob
+from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
 from plexrl.planner.events import JobPlan, NodePlan
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ class JobSpec:
         `vllm_lora.lora_engine_bytes`): one key for the pair, so the jobs of one base and one vLLM setting count
         both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
         two keys: the planner counts that base twice, an over-estimate.)"""
-        from plexrl.config_checks import generation_budget
+        from plexrl.job.checks import generation_budget
 
         model, budget = self.config.model, generation_budget(self.config, self.graph)
         kv = self.config.vllm.kv_cache_mb * 2**20
@@ -108,8 +111,6 @@ class JobSpec:
         job's: its adapter and two AdamW moments, `lora_state_bytes`)."""
         lora = self.config.model.lora
         if lora is not None:
-            from plexrl.engines.lora import lora_state_bytes
-
             return lora_state_bytes(self.model_path, lora.r, list(lora.target_modules))
         return estimate_state_bytes(model_bytes(self.model_path), self.graph, self.config.model.dtype)
 
@@ -182,84 +183,12 @@ class JobRun:
         return None
 
 
-def uses_reference(graph: PipelineGraph) -> bool:
-    """Whether the pipeline reads reference-policy log-probs (then the engine keeps a frozen copy)."""
-    return any(n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in graph.nodes)
-
-
-def uses_critic(graph: PipelineGraph) -> bool:
-    return any(n.operator.name in ("value_estimate", "train_critic") for n in graph.nodes)
-
-
-def state_parts(graph: PipelineGraph) -> list[str]:
-    """What a job's state holds, as the StateManager counts and moves it."""
-    parts = ["weights", "2 AdamW moments"]
-    if uses_reference(graph):
-        parts.append("reference weights")
-    if uses_critic(graph):
-        parts.append("critic with its moments")
-    return parts
-
-
-def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph, dtype: str = "float32") -> int:
-    """THE estimate of a job's state size, before it has run: fp32 weight bytes times the copies its
-    pipeline keeps. An upper bound (tied weights count twice, headers count); the planner replaces it with
-    the size a service measures at the first swap-out (`StateMeasured`). `dtype` bfloat16 (`model.dtype`):
-    the policy and reference at half size plus the policy's fp32 masters: half a copy more, half a copy
-    less for a reference."""
-    copies = state_copies(graph)
-    if dtype == "bfloat16":
-        return weight_bytes * (2 * copies + 1 - uses_reference(graph)) // 2
-    return weight_bytes * copies
-
-
-def state_copies(graph: PipelineGraph) -> int:
-    """The state's size in copies of the fp32 weights: policy + 2 AdamW moments, +1 for a reference,
-    +3 for a critic (its weights and moments)."""
-    return 3 + uses_reference(graph) + 3 * uses_critic(graph)
-
-
-def model_bytes(model_dir: Path, dtype: str = "float32") -> int:
-    """Bytes of the weights saved in a HF model directory once loaded in `dtype` (float32: 4 a parameter,
-    bfloat16: 2), whatever dtype the files hold: parameters counted from the safetensors headers
-    (`count_parameters`), so a bf16 checkpoint is not taken for half its fp32 size. A weights file whose header
-    cannot be read counts its size on disk: sizing a job's plan never fails on it, loading the job says what
-    is wrong."""
-    try:
-        return count_parameters(model_dir) * (2 if dtype == "bfloat16" else 4)
-    except ValueError:  # a damaged or foreign *.safetensors (not a missing one: FileNotFoundError)
-        return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-
-
-def count_parameters(model_dir: Path) -> int:
-    """Parameters (tensor elements) saved in a HF model directory, read from the safetensors headers (no
-    tensor is loaded; any dtype)."""
-    import json
-    import math
-    import struct
-
-    total = 0
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < size <= f.stat().st_size - 8:  # a damaged or foreign file: never read a bogus length
-                raise ValueError(
-                    f"{f} is not a safetensors file (no valid header); re-save the model with save_pretrained"
-                )
-            header = json.loads(fh.read(size))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    if not total:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return total
-
-
 def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None) -> JobSpec:
     """Generate the task and build (or load from cache) the warm-started model of a validated job.
     `cancel` (a server's: set when the job is cancelled or the server stops) is checked between the stages and
-    between warm-start steps; once set, `plexrl.models.PreparationCancelled` is raised."""
-    from plexrl.models import check_cancelled, prepare_model
-    from plexrl.tasks import make_task
+    between warm-start steps; once set, `plexrl.job.models.PreparationCancelled` is raised."""
+    from plexrl.job.models import check_cancelled, prepare_model
+    from plexrl.job.tasks import make_task
 
     cfg = loaded.config
     problems = chunk_problems(cfg.chunks, loaded.graph)
@@ -269,7 +198,7 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
     check_cancelled(cancel, "the preparation")
     task: Any
     if cfg.data is not None:  # data from files: the model (pretrained or a path) first, its tokenizer renders
-        from plexrl.tasks.dataset import make_dataset_task
+        from plexrl.job.tasks.dataset import make_dataset_task
 
         prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel)
         check_cancelled(cancel, "the preparation (after the model)")
@@ -322,8 +251,8 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     on torch where vLLM is its CPU build (`LORA_ON_VLLM_CPU`)."""
     if cfg.engine == "torch":
         return "torch", "engine: torch"
-    from plexrl.config import auto_engine_rule
     from plexrl.engines.vllm_engine import model_problem, vllm_cpu_build
+    from plexrl.job.config import auto_engine_rule
 
     if cfg.engine == "auto":  # a LoRA job by the same rule, on its base's size
         small = auto_engine_rule(count_parameters(model_path), cfg.vllm.auto_min_params)

@@ -124,7 +124,7 @@ def _convert(name: str, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from plexrl.models import model_construction
+    from plexrl.job.construction import model_construction
 
     src = source_file(name)
     log.info("converting pretrained model %s from %s into %s (once)", name, src, target)

@@ -53,7 +53,7 @@ class ModelConfig(StrictModel):
     pretrained: str | None = Field(
         None,
         description="A real pretrained model by short name, shipped in a package and converted once into a local "
-        "cache (plexrl/pretrained.py): smollm2-135m-instruct. Instead of `path` and the size fields.",
+        "cache (plexrl/job/pretrained.py): smollm2-135m-instruct. Instead of `path` and the size fields.",
     )
     lora: LoRAConfig | None = Field(
         None, description="Train a LoRA adapter over a shared, frozen base instead of the whole model (None: full)."
@@ -69,7 +69,7 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        from plexrl.pretrained import PRETRAINED
+        from plexrl.job.pretrained import PRETRAINED
 
         if self.pretrained is not None and self.pretrained not in PRETRAINED:
             raise ValueError(f"unknown pretrained model {self.pretrained!r}; known: {', '.join(sorted(PRETRAINED))}")

@@ -5,7 +5,7 @@ The `tool_arithmetic` task's calls carry a bare expression (`<call>347*58</call>
 what a program prints. This tool runs `print(<expression>)` in the sandbox, so every call is a real
 sandboxed Python process (~60-140 ms here) instead of an in-process AST walk (~0.01 ms): the tool stall of
 an agentic job that the PlexRL paper names as an idle source. Use it from YAML by dotted path:
-`pipeline: {name: grpo_tools, params: {tool: "plexrl.tasks.python_calls:PythonExpression"}}`.
+`pipeline: {name: grpo_tools, params: {tool: "plexrl.job.tasks.python_calls:PythonExpression"}}`.
 
 The expression is the only argument; anything but a single expression (statements, several lines) is
 refused before the sandbox runs, and so is one longer than `max_chars`. The sandbox still isolates whatever

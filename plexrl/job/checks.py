@@ -1,4 +1,4 @@
-"""Checks of a validated job against its compiled pipeline and the machine, run by `plexrl.config.load_job`
+"""Checks of a validated job against its compiled pipeline and the machine, run by `plexrl.job.load.load_job`
 (and `prepare_job` for a LoadedJob built otherwise): chunked nodes, what a LoRA job cannot do, whether
 vLLM can serve the model, and whether the prompt + response budget fits the model's context length. Each
 returns problems (or a reason); none raises or imports user code.
@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from plexrl.errors import Problem
 
 if TYPE_CHECKING:
-    from plexrl.config import JobConfig, ModelConfig
     from plexrl.graph import PipelineGraph
+    from plexrl.job.config import JobConfig
+    from plexrl.job.model_config import ModelConfig
 
 
 def lora_problems(config: JobConfig, graph: PipelineGraph | None) -> list[Problem]:
@@ -106,7 +107,7 @@ def context_length(model: ModelConfig) -> tuple[int, str] | None:
     if model.path is not None:
         path = Path(model.path)
     elif model.pretrained is not None:
-        from plexrl.pretrained import pretrained_path
+        from plexrl.job.pretrained import pretrained_path
 
         try:
             path = pretrained_path(model.pretrained, convert=False)
