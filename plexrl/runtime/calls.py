@@ -2,7 +2,9 @@
 the runner, per session in the order they came. The seam between whoever receives calls (the server's Tinker
 API, any thread) and the runner's loop:
 
-    put(job, kind, call, done) --(first waiting call of an idle session)--> notify(job, kind) --> CallArrived
+    open(job): calls may be put from now on; they wait, unannounced, until the runner submits the job
+    Carrier at the job's submission: started(job) --> the first waiting call's kind, if any --> CallArrived
+    put(job, kind, call, done) --(first waiting call of an idle, started session)--> notify(job, kind) --> CallArrived
     Carrier at RunNode: take(job, kind) --> the call rides with the node (NodeTask.call)
     Carrier at the node's report: finished(job, reply, error) --> done(...); the next waiting call's kind, if any,
                                                                 --> CallArrived (same loop turn)
@@ -45,6 +47,7 @@ class CallBoard:
         self._queues: dict[str, deque[Ticket]] = {}
         self._running: dict[str, Ticket] = {}
         self._announced: set[str] = set()
+        self._started: set[str] = set()  # sessions the runner has submitted (their calls may be announced)
         self._notify: Callable[[str, str], None] | None = None
 
     def bind(self, notify: Callable[[str, str], None]) -> None:
@@ -71,11 +74,24 @@ class CallBoard:
         with self._lock:
             queue = self._queues[job_id]
             queue.append(Ticket(job_id, kind, call, done))
-            if job_id not in self._announced:
+            if job_id in self._started and job_id not in self._announced:
                 self._announced.add(job_id)
                 announce = queue[0].kind
         if announce is not None and self._notify is not None:
             self._notify(job_id, announce)
+
+    def started(self, job_id: str) -> str | None:
+        """The runner submitted the session's job: its calls may be announced from now on; returns the kind of
+        the first one waiting (announced by the caller, after the job's submission), or None."""
+        with self._lock:
+            if job_id not in self._queues:
+                return None
+            self._started.add(job_id)
+            queue = self._queues[job_id]
+            if not queue or job_id in self._announced:
+                return None
+            self._announced.add(job_id)
+            return queue[0].kind
 
     def take(self, job_id: str, kind: str) -> Ticket | None:
         """The runner starts the session's announced call (of `kind`): it leaves the queue and runs; None if
@@ -107,6 +123,7 @@ class CallBoard:
             tickets = list(self._queues.pop(job_id, ()))
             running = self._running.pop(job_id, None)
             self._announced.discard(job_id)
+            self._started.discard(job_id)
         for ticket in ([running] if running is not None else []) + tickets:
             ticket.done(None, reason)
 

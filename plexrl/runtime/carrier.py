@@ -288,7 +288,11 @@ class Carrier:
         except Exception as exc:
             self.close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
             return []
-        return [JobSubmitted(run.job_id, plan_of(run.spec, self.checkpoint_every))]
+        events: list[Event] = [JobSubmitted(run.job_id, plan_of(run.spec, self.checkpoint_every))]
+        first = self.calls.started(run.job_id) if self.calls is not None else None
+        if first is not None:  # a session whose first call came before its job did
+            events.append(CallArrived(run.job_id, first))
+        return events
 
     def drop_attempt(self, job_id: str) -> None:
         """A job submitted again: forget what its previous attempt still has in flight or waiting."""

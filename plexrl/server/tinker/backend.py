@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 
 
 class _Watch(Hook):
-    """The runner's news of session jobs: loaded on a service (ready), ended."""
+    """The runner's news of session jobs: loaded on a service (ready)."""
 
     def __init__(self, backend: RunnerBackend) -> None:
         self.backend = backend
 
     def on_load(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
-        self.backend.loaded(run.job_id)
+        if self.backend.registry is not None:
+            self.backend.registry.job_ready(run.job_id)
 
 
 class RunnerBackend:
@@ -38,24 +39,28 @@ class RunnerBackend:
         self.board = CallBoard()
         self.hook = _Watch(self)
         self.runner: Any = None
-        self._lock = threading.Lock()
-        self._ready: dict[str, Callable[[], None]] = {}
-        self._ended: dict[str, Callable[[str, str], None]] = {}
+        self.registry: Any = None
 
     def attach(self, runner: Any) -> None:
         self.runner = runner
 
-    def open(self, cfg: SessionConfig, user: str, ready: Callable[[], None], ended: Callable[[str, str], None]) -> None:
-        with self._lock:
-            self._ready[cfg.name], self._ended[cfg.name] = ready, ended
+    def bind(self, registry: Any) -> None:
+        self.registry = registry
+
+    def open(self, cfg: SessionConfig, user: str) -> str:
         self.board.open(cfg.name)
+        threading.Thread(target=self._submit, args=(cfg, user), name=f"session-{cfg.name}", daemon=True).start()
+        return cfg.name
+
+    def _submit(self, cfg: SessionConfig, user: str) -> None:
         try:
-            spec = prepare_session(cfg, user=user)
-            self.runner.submit(spec)
+            self.runner.submit(prepare_session(cfg, user=user))
         except Exception as exc:
             log.exception("session %s could not be started", cfg.name)
-            self.board.drop(cfg.name, f"the session could not start: {type(exc).__name__}: {exc}")
-            self._end(cfg.name, "failed", f"{type(exc).__name__}: {exc}")
+            why = f"the session could not start: {type(exc).__name__}: {exc}"
+            self.board.drop(cfg.name, why)
+            if self.registry is not None:
+                self.registry.job_ended(cfg.name, "failed", why)
 
     def call(
         self, job_id: str, kind: str, call: Call, done: Callable[[dict[str, Any] | None, str | None], None]
@@ -71,22 +76,10 @@ class RunnerBackend:
     def reason(self, job_id: str) -> str:
         return ""
 
-    def loaded(self, job_id: str) -> None:
-        with self._lock:
-            ready = self._ready.pop(job_id, None)
-        if ready is not None:
-            ready()
-
     def closed(self, run: JobRun) -> None:
         """`Runner(on_closed=...)`: every ended job, placed or not."""
-        self._end(run.job_id, run.status, run.error)
-
-    def _end(self, job_id: str, status: str, reason: str) -> None:
-        with self._lock:
-            self._ready.pop(job_id, None)
-            ended = self._ended.pop(job_id, None)
-        if ended is not None:
-            ended(status, reason)
+        if self.registry is not None:
+            self.registry.job_ended(run.job_id, run.status, run.error)
 
 
 __all__ = ["RunnerBackend"]

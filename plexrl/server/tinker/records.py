@@ -48,7 +48,7 @@ class ModelRecord:
     """A training client (or a job that only serves samplers): one session job."""
 
     model_id: str
-    job_id: str
+    job_id: str  # the session job's id ("" until opened)
     session_id: str
     user: str
     base_model: str  # as the client named it
@@ -64,7 +64,8 @@ class ModelRecord:
     seen: dict[int, str] = field(default_factory=dict)  # seq id -> request id (a retried request)
     snapshots: list[Path] = field(default_factory=list)  # unnamed sampler snapshots, oldest first
     sampler_only: bool = False
-    waiting: list[str] = field(default_factory=list)  # futures that complete once it is ready (they fail if it ends)
+    # futures that complete (with their result) once its job is on its service; they fail if it ends first
+    waiting: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -119,7 +120,7 @@ def file_of(root: Path, model_id: str, kind: str, name: str) -> Path:
 
 
 def write_owner(root: Path, model: ModelRecord) -> None:
-    folder = root / model.job_id
+    folder = root / job_of(model.model_id)
     folder.mkdir(parents=True, exist_ok=True)
     facts = {"user": model.user, "model_id": model.model_id, "base_model": model.base_model,
              "lora_rank": model.lora_rank, "targets": list(model.targets)}  # fmt: skip

@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from plexrl.server.tinker import proto
+from plexrl.server.tinker import handlers, proto
 from plexrl.server.tinker.decode import Refused
 from plexrl.server.tinker.registry import Registry
 
@@ -152,30 +152,31 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
         return await guarded(go())
 
-    def posting(path: str, method: Any) -> None:
+    def posting(path: str, fn: Any, creates: bool = False) -> None:
+        """A JSON POST route to `fn(registry, user, body)`; `creates`: what it makes belongs to the caller."""
+
         async def handler(request: Request) -> Any:
             async def go() -> Any:
                 body = await json_of(request)
-                return await run(method, owner(request) if method in owned else who(request), body)
+                return await run(fn, registry, owner(request) if creates else who(request), body)
 
             return await guarded(go())
 
         router.post(path)(handler)
 
-    owned = {registry.create_model, registry.load_weights, registry.create_sampler}
-    posting("/create_model", registry.create_model)
-    posting("/optim_step", registry.optim_step)
-    posting("/save_weights", registry.save_weights)
-    posting("/save_weights_for_sampler", registry.save_for_sampler)
-    posting("/load_weights", registry.load_weights)
-    posting("/create_sampling_session", registry.create_sampler)
-    posting("/asample", registry.asample)
+    posting("/create_model", handlers.create_model, creates=True)
+    posting("/optim_step", handlers.optim_step)
+    posting("/save_weights", handlers.save_weights)
+    posting("/save_weights_for_sampler", handlers.save_for_sampler)
+    posting("/load_weights", handlers.load_weights, creates=True)
+    posting("/create_sampling_session", handlers.create_sampler, creates=True)
+    posting("/asample", handlers.asample)
 
     @router.post("/get_info")
     async def get_info(request: Request) -> Any:
         async def go() -> Any:
             body = await json_of(request)
-            return await run(registry.get_info, who(request), body.get("model_id"))
+            return await run(handlers.get_info, registry, who(request), body.get("model_id"))
 
         return await guarded(go())
 
@@ -189,14 +190,14 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
                 wire = await run(proto.decode_forward_backward, raw)
             except proto.WireError as exc:
                 raise Refused(400, f"malformed forward_backward body: {exc}") from None
-            return await run(registry.forward_backward, who(request), wire)
+            return await run(handlers.forward_backward, registry, who(request), wire)
 
         return await guarded(go())
 
     @router.get("/samplers/{sampler_id}")
     async def sampler(sampler_id: str, request: Request) -> Any:
         async def go() -> Any:
-            return await run(registry.get_sampler, who(request), sampler_id)
+            return await run(handlers.get_sampler, registry, who(request), sampler_id)
 
         return await guarded(go())
 
