@@ -351,8 +351,8 @@ class Planner:
         """Move a job whose iteration ended to its next one; False if that was its last (the job is done). A
         session runs its announced call next, else it closes (when asked) or waits for one."""
         if job.plan.open:
-            if job.call is None and job.closing is not None:
-                self._close_idle(job, out)
+            if job.call is None and job.closing:
+                self._end_job(job.job_id, "done", "", out)
                 return False
             self._reset_nodes(job)
             return True
@@ -372,7 +372,6 @@ class Planner:
         if problem is not None:
             raise InvalidTransition(self._history(problem))
         self.usage.add(job.plan.user, ev.duration, self.clock())
-        job.last_checkpoint = ev.iteration
         if self._next_iteration(job, out):
             self._advance(job, out)
 
@@ -394,19 +393,11 @@ class Planner:
             return
         if not job.plan.open:
             raise InvalidTransition(self._history(f"{ev.job_id} is not a session; it cannot close"))
-        job.closing = "checkpoint" if ev.checkpoint else "done"
+        job.closing = True
         if job.status == "queued":
             self._end_job(job.job_id, "cancelled", "the session closed before it was placed", out)
-        elif not job.nodes and job.call is None and job.checkpoint is None:
-            self._close_idle(job, out)
-
-    def _close_idle(self, job: JobRecord, out: list[Instruction]) -> None:
-        """An idle closing session: checkpointed first when it wants one (`sessions.wants_checkpoint`), else done."""
-        if sessions.wants_checkpoint(job):
-            checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
-            self._dirty.add(job.service)  # type: ignore[arg-type]
-            return
-        self._end_job(job.job_id, "done", "", out)
+        elif sessions.idle(job):
+            self._end_job(job.job_id, "done", "", out)
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")

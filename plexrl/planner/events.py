@@ -167,11 +167,9 @@ class CallArrived:
 
 @dataclass(frozen=True, slots=True)
 class SessionClosing:
-    """A session gets no more calls: it ends (done) once no call runs; with `checkpoint`, after a checkpoint of
-    its state on its service (skipped when nothing changed since the last one)."""
+    """A session gets no more calls: it ends (done) once no call runs (an announced one runs first)."""
 
     job_id: str
-    checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,12 +86,11 @@ class JobRecord:
     slices: dict[str, SliceProgress] = field(default_factory=dict)
     # the iteration whose checkpoint the job waits for (queued or running on its service; `checkpoints.py`)
     checkpoint: int | None = None
-    # a session (`sessions.py`): its announced call not started yet, whether it is closing ("done", or
-    # "checkpoint": checkpointed first), its calls that changed the weights, the iteration of its last checkpoint
+    # a session (`sessions.py`): its announced call not started yet, whether it is closing, its calls that
+    # changed the trained weights
     call: str | None = None
-    closing: str | None = None
+    closing: bool = False
     commits: int = 0
-    last_checkpoint: int | None = None
 
     @classmethod
     def of(cls, job_id: str, plan: JobPlan, now: float) -> JobRecord:

@@ -10,8 +10,7 @@ a call's end and the next call's arrival), and that time adds to the work it did
 (`work_done`: slowdowns compare like a DAG job's). Its predicted busy fraction is a call's time over a call's
 plus the client's (`CALL`: every call kind together).
 
-`SessionClosing` ends it once no call runs: at once when idle (a call announced before is run first), after
-a checkpoint on its service when asked and its state changed since the last one (`closing`, `last_checkpoint`).
+`SessionClosing` ends it (done) once no call runs: at once when idle (a call announced before is run first).
 An open plan's `checkpoint_every = k` counts the calls that change the trained weights (`NodePlan.commits`): a
 checkpoint after every k-th. Pure."""
 
@@ -75,13 +74,6 @@ def idle(job: JobRecord) -> bool:
     return job.plan.open and not job.nodes and job.call is None and job.checkpoint is None
 
 
-def wants_checkpoint(job: JobRecord) -> bool:
-    """A closing session is checkpointed first: asked to, it ran at least one call, and none since its last
-    checkpoint."""
-    ran = job.iteration >= job.plan.first_iteration
-    return job.closing == "checkpoint" and ran and job.last_checkpoint != job.iteration
-
-
 def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
     """A session's predicted busy fraction: a call's time over a call's plus the client's."""
     call, client = predict(job.job_id, CALL), predict(job.job_id, CLIENT)
@@ -97,5 +89,4 @@ __all__ = [
     "idle",
     "observe_call",
     "reset",
-    "wants_checkpoint",
 ]

@@ -52,10 +52,10 @@ class Inbox:
             self._calls.append(CallArrived(job_id, node))
             self._wake.notify_all()
 
-    def close_session(self, job_id: str, checkpoint: bool) -> None:
+    def close_session(self, job_id: str) -> None:
         """A session gets no more calls (`Runner.close_session`)."""
         with self._wake:
-            self._calls.append(SessionClosing(job_id, checkpoint))
+            self._calls.append(SessionClosing(job_id))
             self._wake.notify_all()
 
     def stop(self, reason: str) -> None:

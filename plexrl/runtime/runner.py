@@ -117,10 +117,10 @@ class Runner:
         new record replaces the old one in `runs`, and nothing of the old attempt reaches it."""
         self._inbox.submit(spec)
 
-    def close_session(self, job_id: str, checkpoint: bool = False) -> None:
-        """A session gets no more calls (thread-safe): it ends (done) once its call in flight, if any, ended;
-        with `checkpoint`, after a checkpoint of its state on its service (`planner/sessions.py`)."""
-        self._inbox.close_session(job_id, checkpoint)
+    def close_session(self, job_id: str) -> None:
+        """A session gets no more calls (thread-safe): it ends (done) once its call in flight, if any, ended
+        (`planner/sessions.py`); calls of it still waiting fail."""
+        self._inbox.close_session(job_id)
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop the loop at the top of its next turn (thread-safe; a node already running is not interrupted,

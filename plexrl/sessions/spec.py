@@ -67,15 +67,16 @@ class SessionSpec(JobSpec):
 def prepare_session(
     cfg: SessionConfig,
     *,
+    job_id: str | None = None,
     user: str = "",
     first_call: int = 0,
     resume_state: Path | None = None,
     resume_run_id: str | None = None,
     cancel: threading.Event | None = None,
 ) -> SessionSpec:
-    """The spec of a session: its base model found (a pretrained one converted on first use), its generation
-    engine resolved by the job rule; resumed from `resume_state` (a checkpoint) with its calls numbered from
-    `first_call`."""
+    """The spec of a session (job `job_id`, default its config's name): its base model found (a pretrained one
+    converted on first use), its generation engine resolved by the job rule; resumed from `resume_state` (a
+    checkpoint) with its calls numbered from `first_call`."""
     from plexrl.job.models import check_cancelled, prepare_model
     from plexrl.sessions.operators import session_graph
 
@@ -85,7 +86,7 @@ def prepare_session(
     prepared = prepare_model(job.model, job.task, job.warm_start, None, job.seed, run_dir, cancel)
     generation, reason = resolve_engine(job, prepared.path)
     return SessionSpec(
-        job_id=cfg.name, config=job, graph=session_graph(), raw=cfg.model_dump(mode="json"), task=None,
+        job_id=job_id or cfg.name, config=job, graph=session_graph(), raw=cfg.model_dump(mode="json"), task=None,
         tokenizer=prepared.tokenizer, model_path=prepared.path, run_dir=run_dir, generation=generation,
         generation_reason=reason, first_iteration=first_call, resume_state=resume_state, resume_run_id=resume_run_id,
         user=user,

@@ -70,11 +70,14 @@ class RunnerBackend:
         except KeyError:
             done(None, f"session job {job_id} has ended")
 
-    def close(self, job_id: str, checkpoint: bool) -> None:
-        self.runner.close_session(job_id, checkpoint)
+    def close(self, job_id: str) -> None:
+        self.runner.close_session(job_id)
 
     def reason(self, job_id: str) -> str:
         return ""
+
+    def status(self, job_id: str) -> tuple[str, str]:
+        return "", ""
 
     def closed(self, run: JobRun) -> None:
         """`Runner(on_closed=...)`: every ended job, placed or not."""

@@ -64,6 +64,7 @@ class ModelRecord:
     seen: dict[int, str] = field(default_factory=dict)  # seq id -> request id (a retried request)
     snapshots: list[Path] = field(default_factory=list)  # unnamed sampler snapshots, oldest first
     sampler_only: bool = False
+    saved: str | None = None  # where its state was saved as it ended (a session that timed out)
     # futures that complete (with their result) once its job is on its service; they fail if it ends first
     waiting: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 

@@ -31,8 +31,16 @@ from typing import Any, Protocol
 from plexrl.server.tinker import decode as dec
 from plexrl.server.tinker.config import TinkerConfig
 from plexrl.server.tinker.futures import Futures
-from plexrl.server.tinker.records import ClientSession, ModelRecord, SamplerRecord, job_of, write_owner
-from plexrl.sessions.calls import Call
+from plexrl.server.tinker.records import (
+    ClientSession,
+    ModelRecord,
+    SamplerRecord,
+    file_of,
+    job_of,
+    tinker_path,
+    write_owner,
+)
+from plexrl.sessions.calls import Call, Save
 from plexrl.sessions.spec import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -58,11 +66,15 @@ class Backend(Protocol):
     def call(self, job_id: str, kind: str, call: Call, done: Done) -> None:
         """Pass a call on to the job (in the order of these calls)."""
 
-    def close(self, job_id: str, checkpoint: bool) -> None:
-        """No more calls: the job ends once its call in flight did; `checkpoint`: its state is saved first."""
+    def close(self, job_id: str) -> None:
+        """No more calls: the job ends once its call in flight did (calls still waiting fail)."""
 
     def reason(self, job_id: str) -> str:
         """What the job waits for, if anything (admission, a service), in words."""
+        ...
+
+    def status(self, job_id: str) -> tuple[str, str]:
+        """The job's status and reason as the server records them ("" when unknown)."""
         ...
 
 
@@ -127,17 +139,34 @@ class Registry:
             self.session(user, session_id)
         return {"type": "session_heartbeat"}
 
-    def finish(self, user: str | None, session_id: Any, reason: str, checkpoint: bool = False) -> None:
-        """End a session: its models' and samplers' jobs close (checkpointed first with `checkpoint`)."""
+    def finish(self, user: str | None, session_id: Any, reason: str, save: bool = False) -> None:
+        """End a session: its models' and samplers' jobs close; with `save`, each training model saves its state
+        first (a call like any other: `tinker://<model>/weights/ended-<n>`, loadable by its owner later)."""
         with self.lock:
             s = self.session(user, session_id, live=False)
             if s.ended is not None:
                 return
             s.ended = reason
-            jobs = [self.models[m].job_id for m in s.models if self.models[m].status != "ended"]
-        for job_id in jobs:
-            if job_id:
-                self.backend.close(job_id, checkpoint)
+            models = [self.models[m] for m in s.models if self.models[m].status != "ended" and self.models[m].job_id]
+        for m in models:
+            if not save or m.sampler_only:
+                self.backend.close(m.job_id)
+                continue
+            name = f"ended-{secrets.token_hex(4)}"
+            target = file_of(self.root, m.model_id, "weights", name)
+            path = tinker_path(m.model_id, "weights", name)
+
+            def saved(reply: dict[str, Any] | None, error: str | None, m: ModelRecord = m, path: str = path) -> None:
+                why = error if reply is None else reply.get("error")
+                if why:
+                    log.error("session model %s: saving its state before it ends failed: %s", m.model_id, why)
+                else:
+                    log.warning("session model %s ended (%s); its state is at %s", m.model_id, reason, path)
+                    with self.lock:
+                        m.saved = path
+                self.backend.close(m.job_id)
+
+            self.backend.call(m.job_id, "save", Save(str(target), "state"), saved)
 
     def sweep(self) -> list[str]:
         """End the sessions whose client sent nothing for `session_timeout_s`, checkpointing their models;
@@ -151,6 +180,53 @@ class Registry:
                         s.session_id, s.user, now - s.last_seen)  # fmt: skip
             self.finish(None, s.session_id, f"no call or heartbeat for {limit:.0f} s", True)
         return [s.session_id for s in stale]
+
+    def tick(self) -> None:
+        """Once a second or so: end abandoned sessions (`sweep`); models still opening learn what their job
+        waits for (admission: shown in try_again), or that it ended before it came up."""
+        self.sweep()
+        with self.lock:
+            opening = [m for m in self.models.values() if m.status == "opening" and m.job_id]
+        for m in opening:
+            status, reason = self.backend.status(m.job_id)
+            if status in ("done", "failed", "cancelled"):
+                self.job_ended(m.job_id, status, reason)
+                continue
+            for rid, _ in list(m.waiting):
+                self.futures.set_reason(rid, reason or "waiting for a service")
+
+    def tick_until(self, stop: threading.Event, every: float = 1.0) -> None:
+        """`tick` every `every` seconds until `stop` is set (the server's sweeper thread)."""
+        while not stop.wait(every):
+            try:
+                self.tick()
+            except Exception:  # the sweeper must outlive a bad tick
+                log.exception("the Tinker API's sweep failed")
+
+    def recover(self, entries: list[Any]) -> None:
+        """At a server start, before the controller resubmits them: the journal's unfinished sessions, so their
+        clients' calls find their models again (their numbering goes on from what the client sends next)."""
+        for e in entries:
+            cfg = SessionConfig.model_validate(e.config)
+            client = cfg.client
+            sid, model_id = str(client.get("session_id", "")), str(client.get("model_id", ""))
+            if not sid or not model_id:
+                continue
+            s = self.sessions.setdefault(sid, ClientSession(sid, e.user, self.clock()))
+            s.models.append(model_id)
+            kind, seq = model_id.split(":")[1], model_id.split(":")[2]
+            s.seqs.add(f"{kind}:{seq}")
+            lora = cfg.model.lora
+            m = ModelRecord(model_id, e.job_id, sid, e.user, str(client.get("base_model", "")), seed=cfg.seed)
+            m.model_dir = Path(cfg.model.path) if cfg.model.path else None
+            m.lora_rank, m.targets = (lora.r, tuple(lora.target_modules)) if lora is not None else (None, ())
+            m.limits = _limits(m.model_dir) if m.model_dir is not None else None
+            m.next_seq, m.sampler_only = None, bool(client.get("sampler_only"))
+            self.models[model_id] = m
+            self.by_job[e.job_id] = m
+            if m.sampler_only:
+                self.samplers[model_id] = SamplerRecord(model_id, sid, e.user, model_id, m.base_model)
+            log.info("session model %s (job %s of %r) recovered from the journal", model_id, e.job_id, e.user)
 
     # -- models ----------------------------------------------------------------------------------------
     def base_dir(self, name: Any) -> Path:
@@ -265,7 +341,10 @@ class Registry:
                 return
             if m.status == "ended":
                 return
-            m.status, m.reason = "ended", reason or status
+            m.status, m.reason = (
+                "ended",
+                (reason or status) + (f"; its state was saved at {m.saved}" if m.saved else ""),
+            )
             waiting = [rid for _, _, rid, _ in m.held.values()] + [rid for rid, _ in m.waiting]
             m.held.clear()
             m.waiting = []

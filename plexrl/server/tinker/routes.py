@@ -162,7 +162,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
             return await guarded(go())
 
-        router.post(path)(handler)
+        router.post(path, operation_id="tinker" + path.replace("/", "_"))(handler)
 
     posting("/create_model", handlers.create_model, creates=True)
     posting("/optim_step", handlers.optim_step)
@@ -224,7 +224,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
         return await guarded(go())
 
-    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unserved(rest: str) -> Any:
         return _refused(
             404, f"PlexRL does not serve {PREFIX}/{rest} of the Tinker API (see docs/tutorial-your-loop.md)"
