@@ -353,7 +353,8 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         from plexrl.server.tinker.registry import Registry
 
         backend.attach(controller)
-        sessions = Registry(cfg.tinker, backend, where / "sessions", cfg.roots(), pretrained_path)
+        root, run_dir = where / "sessions", Path(cfg.run_dir).resolve()
+        sessions = Registry(cfg.tinker, backend, root, cfg.roots(), pretrained_path, run_dir=run_dir)
         sessions.recover([e for e in journal.jobs() if not e.finished and e.config.get("kind") == "session"])
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

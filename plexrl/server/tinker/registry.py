@@ -80,7 +80,8 @@ class Backend(Protocol):
 
 class Registry:
     """See the module docstring. `root`: where sessions' files go; `roots`: where a model may be named by path;
-    `resolve_pretrained`: a pretrained short name's directory (converting it on first use)."""
+    `resolve_pretrained`: a pretrained short name's directory (converting it on first use); `run_dir`: where
+    sessions keep their MLflow store (the server's)."""
 
     def __init__(
         self,
@@ -90,8 +91,10 @@ class Registry:
         roots: list[Path],
         resolve_pretrained: Callable[[str], Path],
         clock: Callable[[], float] = time.monotonic,
+        run_dir: Path | None = None,
     ) -> None:
         self.cfg, self.backend, self.root, self.roots = cfg, backend, root, roots
+        self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
         self.resolve_pretrained, self.clock = resolve_pretrained, clock
         self.futures = Futures()
         self.lock = threading.Lock()
@@ -313,7 +316,7 @@ class Registry:
         client = {"model_id": m.model_id, "session_id": m.session_id, "base_model": m.base_model,
                   "sampler_only": m.sampler_only}  # fmt: skip
         return SessionConfig.model_validate({
-            "kind": "session", "name": job_of(m.model_id), "seed": m.seed, "run_dir": str(self.root.parent),
+            "kind": "session", "name": job_of(m.model_id), "seed": m.seed, "run_dir": str(self.run_dir),
             "engine": self.cfg.engine, "model": model, "client": client,
         })  # fmt: skip
 

@@ -103,12 +103,13 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
     @router.post("/client/config")
     async def client_config() -> Any:
-        return {
+        # (the SDK fetches this with a client it never closes: closing the connection here leaves it nothing open)
+        return JSONResponse({
             "pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
             "proto_compress_fwdbwd": False, "fwdbwd_max_chunk_len": cfg.max_datums,
             "fwdbwd_max_chunk_bytes_count": cfg.max_body_bytes // 2, "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False, "sample_join_sampling_session": False,
-        }  # fmt: skip
+        }, headers={"connection": "close"})  # fmt: skip
 
     @router.post("/client/dynamic_config")
     async def dynamic_config() -> Any:
