@@ -104,7 +104,12 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
             # every secret is compared (constant time each), so the time taken does not say which one matched
             matches = [u for t, u in secrets if hmac.compare_digest(given, t)]
             if scheme.lower() != "bearer" or not matches:
-                return _problems(401, [Problem("authorization", "missing or wrong token (Authorization: Bearer ...)")])
+                refused = _problems(
+                    401, [Problem("authorization", "missing or wrong token (Authorization: Bearer ...)")]
+                )
+                if request.url.path.startswith(TINKER_PREFIX):  # (the SDK drops the client it asked with, unclosed)
+                    refused.headers["connection"] = "close"
+                return refused
             request.state.user = matches[0]
         return await call_next(request)
 

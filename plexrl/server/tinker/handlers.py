@@ -98,68 +98,71 @@ def _limits_of(m: Any) -> dec.ModelLimits:
 
 # -- training calls ----------------------------------------------------------------------------------
 def forward_backward(reg: Registry, user: str | None, wire: proto.WireForwardBackward) -> dict[str, Any]:
+    def finish(value: dict[str, Any]) -> tuple[str, Any]:
+        return "proto", proto.encode_forward_backward_output(value["outputs"], value["metrics"])
+
     with reg.lock:
         m = reg.model(user, wire.model_id)
-        call = dec.forward_backward(wire, _limits_of(m), reg.cfg)
-
-        def finish(value: dict[str, Any]) -> tuple[str, Any]:
-            return "proto", proto.encode_forward_backward_output(value["outputs"], value["metrics"])
-
-        return reg.ordered(m, wire.seq_id, call, finish)
+        with reg.turn(m, wire.seq_id):
+            call = dec.forward_backward(wire, _limits_of(m), reg.cfg)
+            return reg.ordered(m, wire.seq_id, call, finish)
 
 
 def optim_step(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
-    call = dec.optim_step(body.get("adam_params", body.get("optim_params", body.get("optimizer_params"))))
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        return reg.ordered(m, body.get("seq_id"), call, lambda v: ("json", {"metrics": v.get("metrics") or {}}))
+        with reg.turn(m, body.get("seq_id")):
+            call = dec.optim_step(body.get("adam_params", body.get("optim_params", body.get("optimizer_params"))))
+            return reg.ordered(m, body.get("seq_id"), call, lambda v: ("json", {"metrics": v.get("metrics") or {}}))
 
 
 def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """save_state: the model's state under a name (`tinker://<model>/weights/<name>`)."""
-    name = checked_name(body.get("path"), "the checkpoint name")
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        target = file_of(reg.root, m.model_id, "weights", name)
-        if target.exists() and not body.get("overwrite"):
-            raise Refused(400, f"checkpoint {name!r} exists; pass overwrite=True or another name")
-        answer = {"path": tinker_path(m.model_id, "weights", name), "type": "save_weights"}
-        return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"), lambda v: ("json", answer))
+        with reg.turn(m, body.get("seq_id")):
+            name = checked_name(body.get("path"), "the checkpoint name")
+            target = file_of(reg.root, m.model_id, "weights", name)
+            if target.exists() and not body.get("overwrite"):
+                raise Refused(400, f"checkpoint {name!r} exists; pass overwrite=True or another name")
+            answer = {"path": tinker_path(m.model_id, "weights", name), "type": "save_weights"}
+            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"), lambda v: ("json", answer))
 
 
 def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """The model's trained weights for sampling: under a name (`tinker://<model>/sampler_weights/<name>`), or
     as an unnamed snapshot bound to a new sampling client (`save_weights_and_get_sampling_client`; the latest
     `KEEP_SNAPSHOTS` of a model are kept)."""
-    if body.get("kind", "snapshot") != "snapshot":
-        raise Refused(400, "inflight sampling clients are not served by PlexRL; use kind='snapshot'")
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        name = body.get("path")
-        if name is not None:
-            target = file_of(reg.root, m.model_id, "sampler_weights", checked_name(name, "the sampler name"))
-            answer = {"path": tinker_path(m.model_id, "sampler_weights", name), "type": "save_weights_for_sampler"}
-            return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), lambda v: ("json", answer))
-        s = reg.session(user, m.session_id)
-        seq = body.get("sampling_session_seq_id")
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
-            raise Refused(400, "save_weights_for_sampler needs a new sampling_session_seq_id (or a path)")
-        s.seqs.add(f"sample:{seq}")
-        sampler_id = f"{s.session_id}:sample:{seq}"
-        target = reg.root / job_of(m.model_id) / "snapshots" / f"{seq}-{secrets.token_hex(4)}.safetensors"
+        with reg.turn(m, body.get("seq_id")):
+            if body.get("kind", "snapshot") != "snapshot":
+                raise Refused(400, "inflight sampling clients are not served by PlexRL; use kind='snapshot'")
+            name = body.get("path")
+            if name is not None:
+                target = file_of(reg.root, m.model_id, "sampler_weights", checked_name(name, "the sampler name"))
+                answer = {"path": tinker_path(m.model_id, "sampler_weights", name), "type": "save_weights_for_sampler"}
+                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), lambda v: ("json", answer))
+            s = reg.session(user, m.session_id)
+            seq = body.get("sampling_session_seq_id")
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
+                raise Refused(400, "save_weights_for_sampler needs a new sampling_session_seq_id (or a path)")
+            s.seqs.add(f"sample:{seq}")
+            sampler_id = f"{s.session_id}:sample:{seq}"
+            target = reg.root / job_of(m.model_id) / "snapshots" / f"{seq}-{secrets.token_hex(4)}.safetensors"
 
-        def bind(value: dict[str, Any]) -> tuple[str, Any]:
-            with reg.lock:
-                record = SamplerRecord(sampler_id, s.session_id, m.user, m.model_id, m.base_model)
-                record.weights, record.weights_id = target, value["weights_id"]
-                reg.samplers[sampler_id] = record
-                m.snapshots.append(target)
-                for old in m.snapshots[:-KEEP_SNAPSHOTS]:
-                    old.unlink(missing_ok=True)
-                m.snapshots = m.snapshots[-KEEP_SNAPSHOTS:]
-            return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+            def bind(value: dict[str, Any]) -> tuple[str, Any]:
+                with reg.lock:
+                    record = SamplerRecord(sampler_id, s.session_id, m.user, m.model_id, m.base_model)
+                    record.weights, record.weights_id = target, value["weights_id"]
+                    reg.samplers[sampler_id] = record
+                    m.snapshots.append(target)
+                    for old in m.snapshots[:-KEEP_SNAPSHOTS]:
+                        old.unlink(missing_ok=True)
+                    m.snapshots = m.snapshots[-KEEP_SNAPSHOTS:]
+                return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-        return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
+            return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
 
 
 def source(reg: Registry, user: str | None, path: Any) -> tuple[str, str, Path]:

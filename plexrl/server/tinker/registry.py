@@ -19,12 +19,13 @@ model's job that ends fails the requests still waiting for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -358,6 +359,25 @@ class Registry:
         return self.backend.reason(m.job_id) if m.job_id else "preparing the model"
 
     # -- calls -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def turn(self, m: ModelRecord, seq: Any) -> Iterator[None]:
+        """The checks of the owner's training request `seq` (lock held): one that refuses it still uses its turn,
+        as the SDK counts it sent (its next request carries the next seq id)."""
+        try:
+            yield
+        except Refused:
+            if isinstance(seq, int) and not isinstance(seq, bool) and seq == m.next_seq:
+                m.next_seq += 1
+                self._flush(m)
+            raise
+
+    def _flush(self, m: ModelRecord) -> None:
+        """Pass on the held requests whose turn has come (lock held)."""
+        while m.next_seq is not None and m.next_seq in m.held:
+            kind, c, rid, fin = m.held.pop(m.next_seq)
+            self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
+            m.next_seq += 1
+
     def ordered(self, m: ModelRecord, seq: Any, call: Call, finish: Finish) -> dict[str, Any]:
         """Pass a training request on in seq-id order (lock held); its future's answer."""
         if seq is None:
@@ -376,10 +396,7 @@ class Registry:
             for old in sorted(m.seen)[: len(m.seen) - 2 * MAX_AHEAD]:
                 del m.seen[old]
         m.held[seq] = (call.kind, call, fut.request_id, finish)
-        while m.next_seq in m.held:
-            kind, c, rid, fin = m.held.pop(m.next_seq)
-            self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
-            m.next_seq += 1
+        self._flush(m)
         return {"request_id": fut.request_id, "model_id": m.model_id}
 
 
