@@ -289,23 +289,42 @@ def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: np.
 
 
 def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
-    """A ForwardBackwardOutput: one ArrayRecord with every datum's outputs (each field a BatchedTensor: the
-    datums' values one after another, their byte offsets, the trailing shape), and the metrics."""
-    record = _bytes_field(1, b"ArrayRecord") + _varint_field(3, len(outputs))
-    names = sorted({k for o in outputs for k in o})
-    for name in names:
-        arrays = [np.asarray(o[name], dtype="<f4") for o in outputs]
-        trailing = list(arrays[0].shape[1:]) if arrays else []
-        offsets = np.cumsum([0, *[a.nbytes for a in arrays]]).astype("<i8")
-        bt = _bytes_field(1, b"".join(a.tobytes() for a in arrays)) + _bytes_field(2, offsets.tobytes())
-        bt += _varint_field(3, FLOAT32)
-        if trailing:
-            bt += _bytes_field(4, b"".join(_put_varint(x) for x in trailing))
-        record += _bytes_field(2, _bytes_field(1, name.encode()) + _bytes_field(2, bt))
-    out = _bytes_field(1, b"ArrayRecord") + _bytes_field(2, record)
+    """A ForwardBackwardOutput: the datums' outputs as ArrayRecords, one per run of datums whose fields have the
+    same trailing shape (each field a BatchedTensor: those datums' values one after another, their byte offsets,
+    the trailing shape), and the metrics."""
+    out = _bytes_field(1, b"ArrayRecord")
+    for run in _runs(outputs):
+        out += _bytes_field(2, _record(run))
     for k, v in sorted(metrics.items()):
         out += _bytes_field(3, _bytes_field(1, k.encode()) + _double_field(2, float(v)))
     return out
+
+
+def _runs(outputs: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarray]]]:
+    """Consecutive datums whose fields have the same names and trailing shapes."""
+    runs: list[list[dict[str, np.ndarray]]] = []
+    key = None
+    for o in outputs:
+        k = tuple(sorted((name, np.shape(a)[1:]) for name, a in o.items()))
+        if not runs or k != key:
+            runs.append([])
+            key = k
+        runs[-1].append(o)
+    return runs
+
+
+def _record(outputs: list[dict[str, np.ndarray]]) -> bytes:
+    record = _bytes_field(1, b"ArrayRecord") + _varint_field(3, len(outputs))
+    for name in sorted(outputs[0]):
+        arrays = [np.asarray(o[name], dtype="<f4") for o in outputs]
+        offsets = np.cumsum([0, *[a.nbytes for a in arrays]]).astype("<i8")
+        bt = _bytes_field(1, b"".join(a.tobytes() for a in arrays)) + _bytes_field(2, offsets.tobytes())
+        bt += _varint_field(3, FLOAT32)
+        trailing = list(arrays[0].shape[1:])
+        if trailing:
+            bt += _bytes_field(4, b"".join(_put_varint(x) for x in trailing))
+        record += _bytes_field(2, _bytes_field(1, name.encode()) + _bytes_field(2, bt))
+    return record
 
 
 __all__ = [
