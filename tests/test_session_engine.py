@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from plexrl.planner.state import Move
 from plexrl.services.service import Service
 from plexrl.sessions import engine as session_engine
-from plexrl.sessions.calls import Datum, ForwardBackward, Load, OptimStep, Sample, Save
+from plexrl.sessions.calls import Datum, ForwardBackward, Load, OptimStep, Sample, Save, unpack
 from plexrl.sessions.spec import SessionConfig, prepare_session
 
 
@@ -38,7 +39,10 @@ def call(svc: Service, job: str, it: int, c: Any) -> dict[str, Any]:
     res = svc.run_node(job, it, c.kind, {}, call=c)
     assert res.report.ok, res.report.error
     assert res.report.reply is not None
-    return res.report.reply
+    # what a Dask worker's event carries: msgpack (numpy arrays would not pass; lists may come back as tuples)
+    carried = msgpack.unpackb(msgpack.packb(res.report.reply), use_list=False)
+    reply: dict[str, Any] = unpack(carried)
+    return reply
 
 
 @pytest.fixture

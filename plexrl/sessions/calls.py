@@ -112,7 +112,38 @@ class Reply:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+ARRAY = "__ndarray__"  # the key of an array packed by `pack`
+
+
+def pack(obj: Any) -> Any:
+    """A reply as msgpack-able plain data (what a Dask worker's event may carry): every numpy array becomes
+    `{ARRAY: [dtype, shape, bytes]}`; dicts, lists, numbers, strings and None stay. `unpack` reverses it."""
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        return {ARRAY: [arr.dtype.str, list(arr.shape), arr.tobytes()]}
+    if isinstance(obj, dict):
+        return {k: pack(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [pack(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def unpack(obj: Any) -> Any:
+    """What `pack` packed, with its arrays back."""
+    if isinstance(obj, dict):
+        if set(obj) == {ARRAY}:
+            dtype, shape, data = obj[ARRAY]
+            return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+        return {k: unpack(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):  # (msgpack may give tuples back)
+        return [unpack(v) for v in obj]
+    return obj
+
+
 __all__ = [
+    "ARRAY",
     "CALL_KINDS",
     "LOSSES",
     "Call",
@@ -124,4 +155,6 @@ __all__ = [
     "Reply",
     "Sample",
     "Save",
+    "pack",
+    "unpack",
 ]

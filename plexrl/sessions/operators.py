@@ -13,7 +13,7 @@ from typing import Any
 from plexrl.batch import Batch
 from plexrl.graph import Pipeline, PipelineGraph
 from plexrl.operator import OpContext, operator
-from plexrl.sessions.calls import CALL_KINDS, Reply
+from plexrl.sessions.calls import CALL_KINDS, Reply, pack
 from plexrl.sessions.engine import session_engine
 
 SESSION_PIPELINE = "session"  # the graph name of every session's plan
@@ -29,8 +29,9 @@ class CallResult(Batch):
         return {**self.reply.metrics, "refused": float(self.reply.error is not None)}
 
     def payload(self) -> dict[str, Any]:
-        """The reply as plain data (what a report carries across processes)."""
-        return dataclasses.asdict(self.reply)
+        """The reply as plain, msgpack-able data (what a report carries across processes: `calls.pack`)."""
+        packed: dict[str, Any] = pack(dataclasses.asdict(self.reply))
+        return packed
 
 
 @operator(placement="service")

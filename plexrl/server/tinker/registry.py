@@ -41,7 +41,7 @@ from plexrl.server.tinker.records import (
     tinker_path,
     write_owner,
 )
-from plexrl.sessions.calls import Call, Save
+from plexrl.sessions.calls import Call, Save, unpack
 from plexrl.sessions.spec import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -411,7 +411,7 @@ def replying(futures: Futures, request_id: str, finish: Finish) -> Done:
             futures.fail(request_id, str(reply["error"]), "user")
         else:
             try:
-                kind, payload = finish(reply.get("value") or {})
+                kind, payload = finish(unpack(reply.get("value") or {}))
             except Exception as exc:  # a reply we cannot encode: the server's fault, said so
                 log.exception("encoding the reply of request %s failed", request_id)
                 futures.fail(request_id, f"encoding the reply failed: {type(exc).__name__}: {exc}", "server")
