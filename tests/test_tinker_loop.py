@@ -147,3 +147,37 @@ def test_a_grpo_loop_through_the_sdk_learns_what_it_learns_alone_beside_a_dag_jo
     tracking = sessions[1].tracking
     history = MlflowClient(tracking["uri"]).get_metric_history(tracking["run_id"], "forward_backward/loss")
     assert [m.value for m in history] == pytest.approx([row["loss"] for row in loop_together], rel=1e-6)
+
+
+def a_few_calls(url: str, base_model: str) -> dict[str, Any]:
+    service = tinker.ServiceClient(base_url=url, api_key="tml-ann")
+    try:
+        training = service.create_lora_training_client(base_model=base_model, rank=4, seed=3).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        got = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=4)).result()
+        datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+        fwd = training.forward_backward([datum], "cross_entropy").result()
+        step = training.optim_step(types.AdamParams(learning_rate=0.01)).result()
+        return {"tokens": [s.tokens for s in got.sequences], "logprobs": [s.logprobs for s in got.sequences],
+                "loss": fwd.metrics["loss:sum"], "grad_norm": step.metrics}  # fmt: skip
+    finally:
+        service.close("success").result()
+
+
+@pytest.mark.slow
+def test_sessions_run_on_dask_workers_and_compute_what_they_compute_in_process(tmp_path: Path, smol_tiny: Path) -> None:
+    """`driver: dask`, the server's default: a call rides with its node to the service worker and its reply comes
+    back in the node's report (msgpack); the numbers equal the in-process driver's."""
+    results = []
+    for driver in ("local", "dask"):
+        cfg = ServerConfig(
+            port=0, journal=str(tmp_path / driver / "journal.db"), run_dir=str(tmp_path / driver / "runs"),
+            driver=driver, services={"count": 1}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False,
+        )  # fmt: skip
+        srv = start_server(cfg)
+        try:
+            results.append(a_few_calls(srv.url, str(smol_tiny)))
+        finally:
+            srv.stop(120)
+    assert results[0] == results[1]
