@@ -363,6 +363,9 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         sessions.recover([e for e in journal.jobs() if not e.finished and e.config.get("kind") == "session"])
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # no Nagle on the connections (Linux: accepted sockets inherit it): a response written in two parts
+    # (headers, body) otherwise waits for the client's delayed ACK, 40 ms a request here
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((cfg.host, cfg.port))
     except OSError:
