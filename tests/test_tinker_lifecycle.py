@@ -95,3 +95,31 @@ def test_a_silent_session_is_ended_and_its_state_saved_for_its_owner(tmp_path: P
         other.close("success").result()
     finally:
         srv.stop(120)
+
+
+def test_a_full_fine_tuning_session_through_the_sdks_own_options(tmp_path: Path, smol_tiny: Path) -> None:
+    """The PlexRL extension: `user_metadata={"plexrl.full_finetune": "true"}` trains every weight; a server
+    may refuse it."""
+    srv = start_server(config(tmp_path, smol_tiny))
+    try:
+        service = tinker.ServiceClient(base_url=srv.url, api_key="tml-ann")
+        full = service.create_lora_training_client(
+            base_model=str(smol_tiny), user_metadata={"plexrl.full_finetune": "true"}
+        ).result()
+        assert full.get_info().is_lora is False
+        before = loss(full)
+        step(full)
+        assert loss(full) < before  # cross-entropy on the datum it trained on went down
+        service.close("success").result()
+    finally:
+        srv.stop(120)
+    srv = start_server(config(tmp_path / "no", smol_tiny, tinker={"full_finetuning": False}))
+    try:
+        service = tinker.ServiceClient(base_url=srv.url, api_key="tml-ann")
+        with pytest.raises(tinker.BadRequestError, match="does not allow full fine-tuning"):
+            service.create_lora_training_client(
+                base_model=str(smol_tiny), user_metadata={"plexrl.full_finetune": "true"}
+            ).result()
+        service.close("success").result()
+    finally:
+        srv.stop(120)
