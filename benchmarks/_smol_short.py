@@ -3,8 +3,8 @@ norm (tied head), with the real tokenizer and chat template, written once into `
 (ignored by git) and printed. Only the tensors kept are read from the converted model (safetensors' lazy
 `safe_open`), so building it never holds the whole model in memory. A stand-in for speed: its outputs are
 not the real model's (the later layers are gone), but its shapes, vocabulary (49,152), tokenizer and
-per-layer cost are, which is what the LoRA mix (benchmarks/multiplex_lora.py) and the CPU form of the GPU
-check (benchmarks/gpu_check.sh --cpu) need.
+per-layer cost are, which is what the LoRA mix (benchmarks/multiplex_lora.py) and benchmarks/engine_choice.py
+need.
 
     .venv/bin/python benchmarks/_smol_short.py [--layers 2] [--out DIR]
 """

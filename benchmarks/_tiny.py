@@ -30,7 +30,7 @@ TINY_JOB: dict[str, Any] = {
             "max_new_tokens": 4,
             "eval_every": 2,
             "eval_size": 16,
-            "skip_zero_advantage": False,
+            "normaliser": {"skip_zero_advantage": False},
         },
     },
     "tracking": {"mlflow": False, "progress": False, "log_model": False},

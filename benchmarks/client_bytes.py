@@ -24,6 +24,7 @@ from typing import Any
 from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, prepare_job
+from plexrl.planner import Planner
 from plexrl.runtime import InlineExecutor, NodeTask, Runner
 from plexrl.runtime.dask import DaskExecutor
 
@@ -54,7 +55,9 @@ def client_bytes(specs: list[Any]) -> dict[str, float]:
         def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
             seen[run.job_id, iteration] = executor.bytes_by_job[run.job_id]
 
-    runs = Runner(executor, hooks=[Meter()], lookahead=True, inline_below=0.01).run(specs)
+    runs = Runner(executor, Planner(clock=executor.clock, lookahead=True, inline_below=0.01), hooks=[Meter()]).run(
+        specs
+    )
     out = {}
     for run in runs:
         if run.status != "done":
@@ -66,7 +69,7 @@ def client_bytes(specs: list[Any]) -> dict[str, float]:
 
 def output_bytes(spec: Any) -> float:
     executor = PicklingInline()
-    Runner(executor).run([spec])
+    Runner(executor, Planner(clock=executor.clock)).run([spec])
     rows = [v for it, v in executor.output_bytes.items() if it >= 1]
     return sum(rows) / len(rows)
 

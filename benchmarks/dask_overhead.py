@@ -21,6 +21,7 @@ from typing import Any
 from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, prepare_job
+from plexrl.planner import Planner
 from plexrl.runtime import InlineExecutor, Runner
 from plexrl.runtime.dask import DaskExecutor
 from plexrl.runtime.jobs import configure_torch
@@ -29,15 +30,16 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_arithmetic.y
 WARMUP = 5
 
 
-def seconds_per_iteration(executor: Any, spec: Any, iterations: int, warmup: int = WARMUP, **kwargs: Any) -> float:
-    """Mean seconds per iteration over iterations warmup..iterations-1 (needs iterations > warmup)."""
+def seconds_per_iteration(executor: Any, spec: Any, iterations: int, warmup: int = WARMUP, **planner: Any) -> float:
+    """Mean seconds per iteration over iterations warmup..iterations-1 (needs iterations > warmup); `planner`:
+    the planner's options (lookahead, inline_below)."""
     marks: dict[int, float] = {}
 
     class Clock(Hook):
         def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
             marks[iteration] = time.perf_counter()
 
-    (run,) = Runner(executor, hooks=[Clock()], **kwargs).run([spec])
+    (run,) = Runner(executor, Planner(clock=executor.clock, **planner), hooks=[Clock()]).run([spec])
     if run.status != "done":
         raise SystemExit(f"{run.status}: {run.error}")
     return (marks[iterations - 1] - marks[warmup - 1]) / (iterations - warmup)

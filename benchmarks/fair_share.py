@@ -19,14 +19,15 @@ import math
 import sys
 from typing import Any
 
-from plexrl.planner import FairShare, Fifo, Hrrs, Pack
+from plexrl.planner import FairShare, Fifo, Hrrs, Pack, Planner
 from plexrl.runtime import Runner
 from plexrl.runtime.sim import SeededCosts, SimExecutor, SimJob, grpo_like_jobs
 
 
 def completion(specs: list[SimJob], ordering: Any) -> dict[str, float]:
     """Each job's completion time (finished - submitted, virtual seconds), all on one service."""
-    runner = Runner(SimExecutor(1, SeededCosts(seed=0)), placement=Pack(math.inf), ordering=ordering)
+    ex = SimExecutor(1, SeededCosts(seed=0))
+    runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering))
     runs = runner.run(specs)
     bad = [r.job_id for r in runs if r.status != "done"]
     if bad:

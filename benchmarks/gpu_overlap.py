@@ -32,7 +32,9 @@ import torch
 
 from plexrl.planner.state import Move
 from plexrl.services import swap as sw
+from plexrl.services.host import HostCopy, HostPool
 from plexrl.services.moves import BackgroundMoves, SwapStats
+from plexrl.services.streams import stream_order
 
 MiB = 1 << 20
 
@@ -65,17 +67,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     live = {f"w{i}": torch.empty(n, device=device).normal_(generator=gen) for i in range(16)}
     size = sw.nbytes(live)
     before = sw.checksum(live)
-    parked: dict[str, dict[str, torch.Tensor]] = {}
+    parked: dict[str, HostCopy] = {}
+    pool, order = HostPool(pin=cuda), stream_order(device)  # the service's host buffers and stream order
 
     def move(m: Move) -> int:  # what Service._move does for the two tiers used here
         if m.dst == "host":
-            parked["x"] = sw.device_to_host(live, device)
+            parked["x"], _ = sw.device_to_host("b", live, device, pool, order)
         else:
-            sw.host_to_device(live, parked.pop("x"), device)
+            host = parked.pop("x")
+            sw.host_to_device("b", live, host, device, order)
+            pool.give(host.buffer)
         return m.nbytes
 
-    stream = torch.cuda.Stream(device) if cuda else None
-    mover = BackgroundMoves("bench", move, SwapStats(), threading.Lock(), stream)
+    mover = BackgroundMoves("bench", move, SwapStats(), threading.Lock(), order)
     trip = [Move("b", "device", "host", size), Move("b", "host", "device", size)]
 
     def swap() -> None:

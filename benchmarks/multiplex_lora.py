@@ -74,8 +74,9 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
             "model.pretrained": None, "model.path": str(model), "model.lora": lora,
             "data.train": str(DATA / "train.parquet"), "data.held_out": str(DATA / "test.parquet"),
             "pipeline.params.batch_size": args.batch, "pipeline.params.n": args.n,
-            "pipeline.params.max_new_tokens": args.max_new_tokens, "pipeline.params.minibatches": 1,
-            "pipeline.params.lr": 1e-4, "pipeline.params.eval_every": 10**6, "pipeline.params.eval_size": 4,
+            "pipeline.params.max_new_tokens": args.max_new_tokens, "pipeline.params.optimiser.minibatches": 1,
+            "pipeline.params.optimiser.lr": 1e-4,
+            "pipeline.params.eval_every": 10**6, "pipeline.params.eval_size": 4,
             "pipeline.params.verifier_latency_s": args.latency,
             "tracking.mlflow": False, "tracking.progress": False, "tracking.log_model": False,
         }})  # fmt: skip

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from plexrl.planner import ORDERINGS, PLACEMENTS, RunNode
+from plexrl.planner import ORDERINGS, PLACEMENTS, Planner, RunNode
 from plexrl.planner.events import Event, Instruction
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import GB, SeededCosts, SimExecutor, SimJob, grpo_like_jobs
@@ -109,9 +109,16 @@ def simulate(
     """One row: every job to the end on the runner over a simulated cluster. Raises if a job did not finish."""
     executor = SimExecutor(services, SeededCosts(seed), cpu_slots=cpu_slots)
     runner = Runner(
-        executor, placement=PLACEMENTS[placement](), ordering=ORDERINGS[ordering](),
-        budgets=Budgets(device=device_bytes), lookahead=lookahead, validate=validate,
-    )  # fmt: skip
+        executor,
+        Planner(
+            clock=executor.clock,
+            placement=PLACEMENTS[placement](),
+            ordering=ORDERINGS[ordering](),
+            lookahead=lookahead,
+            validate=validate,
+        ),
+        budgets=Budgets(device=device_bytes),
+    )
     timed = TimedHandle(runner.planner.handle)
     runner.planner.handle = timed  # type: ignore[method-assign]
     wall0 = time.perf_counter()

@@ -107,6 +107,7 @@ def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> d
     from plexrl.hooks.base import Hook
     from plexrl.job.load import load_job
     from plexrl.job.spec import JobRun, prepare_job
+    from plexrl.planner import Planner
     from plexrl.runtime.inline import InlineExecutor
     from plexrl.runtime.jobs import configure_torch, standard_hooks
     from plexrl.runtime.runner import Runner
@@ -142,7 +143,8 @@ def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> d
         *standard_hooks(Path(loaded.config.run_dir).resolve(), progress=False, mlflow=loaded.config.tracking.mlflow),
         watch,
     ]
-    runner = Runner(InlineExecutor(services=1), hooks=hooks)
+    executor = InlineExecutor(services=1)
+    runner = Runner(executor, Planner(clock=executor.clock), hooks=hooks)
     watch.runner = runner
     (run,) = runner.run([spec])
     wall = time.perf_counter() - start

@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         (work / "job.yaml").write_text(yaml.safe_dump(job))
         server = subprocess.Popen(
             [sys.executable, "-m", "plexrl.cli", "serve", "--port", "0", "--set", "journal=runs/journal.db",
-             "--set", "run_dir=runs", "--set", "services.count=2"],
+             "--set", "run_dir=runs", "--set", "cluster.services.count=2"],
             cwd=work, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:

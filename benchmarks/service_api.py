@@ -65,8 +65,9 @@ def server(tmp: Path, model_dir: Path, driver: str, **fields: Any) -> Any:
     from plexrl.server.config import ServerConfig
 
     cfg = ServerConfig(
-        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), driver=driver, services={"count": 1},
-        allowed_roots=[str(tmp), str(model_dir.parent)], mlflow=False, **fields,
+        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"),
+        cluster={"driver": driver, "services": {"count": 1}}, allowed_roots=[str(tmp), str(model_dir.parent)],
+        mlflow=False, **fields,
     )  # fmt: skip
     return start_server(cfg)
 
@@ -221,7 +222,7 @@ def dag_config(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
         raw = tiny_job(tmp / "runs", iterations=10_000)
         raw["model"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
-        raw["pipeline"]["params"].update(eval_every=1, lr=1e-3)
+        raw["pipeline"]["params"].update(eval_every=1, optimiser={"lr": 1e-3})
         return raw
     raw = load_yaml_file(SMOL_CONFIG)
     raw.update(iterations=100_000, run_dir=str(tmp / "runs"), engine="torch")
@@ -235,6 +236,7 @@ def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | No
     from plexrl.hooks.base import Hook
     from plexrl.job.load import load_job
     from plexrl.job.spec import JobRun, prepare_job
+    from plexrl.planner import Planner
     from plexrl.runtime import InlineExecutor, Runner
 
     spec = prepare_job(load_job(raw))
@@ -250,7 +252,8 @@ def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | No
             if time.perf_counter() - start >= seconds:
                 runner.stop("time is up")
 
-    runner = Runner(InlineExecutor(), hooks=[Clock()])
+    executor = InlineExecutor()
+    runner = Runner(executor, Planner(clock=executor.clock), hooks=[Clock()])
     start = time.perf_counter()
     runner.run([spec])
     return state["steps"], time.perf_counter() - start, state["acc"]
@@ -266,7 +269,8 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
 
     task, tok, params = spec.task, spec.tokenizer, raw["pipeline"]["params"]
     batch, group, max_new = params.get("batch_size", 8), params.get("n", 8), params.get("max_new_tokens", 24)
-    lr, eval_size = params.get("lr", 2e-5), params.get("eval_size", 64)
+    opt, eval_size = params.get("optimiser", {}), params.get("eval_size", 64)
+    lr, beta2 = opt.get("lr", 2e-5), opt.get("beta2", 0.999)
     lora = raw["model"]["lora"]
     service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
     steps, start = 0, time.perf_counter()
@@ -294,7 +298,7 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
                         data.append(_sdk_datum(_datum(list(prompt), s.tokens, list(s.logprobs or []), r - mean)))
             if data:
                 training.forward_backward(data, "importance_sampling").result()
-                training.optim_step(types.AdamParams(learning_rate=lr, beta2=0.999, eps=1e-8)).result()
+                training.optim_step(types.AdamParams(learning_rate=lr, beta2=beta2, eps=1e-8)).result()
             steps += 1
         elapsed = time.perf_counter() - start
         sampler = training.save_weights_and_get_sampling_client().result()

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from plexrl.sim.config import Deployment, Scenario, load_sim
 from plexrl.sim.costs import DoesNotFit
-from plexrl.sim.deploy import BASELINES, StepTable, run_deployment, run_one
+from plexrl.sim.deploy import BASELINES, StepTable, run_deployment
+from plexrl.sim.scenario import run_one
 
 
 def ints(text: str) -> list[int]:

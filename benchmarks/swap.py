@@ -11,14 +11,15 @@ the two AdamW moments of every weight, under the same names the engine uses. The
   buffers, which a swap-out does inside (the old device storage) and the service after a swap-in (the host
   copy);
 * swap-out `device_to_host` and swap-in `host_to_device` from `plexrl/services/swap.py`, the functions the
-  service's moves call, each timed on its own; the per-tensor raw copies are interleaved with them in every
-  repeat (raw-out just before swap-out from the same live tensors, raw-in just before swap-in from the same
-  host copies), so drift or other load on the machine hits both sides alike;
+  service's moves call (one flat host buffer per state from a `HostPool`; after the first swap-in the state
+  is one device buffer, so each later swap is one copy), each timed on its own; the per-tensor raw copies
+  are interleaved with them in every repeat (raw-out just before swap-out from the same live tensors,
+  raw-in just before swap-in from the same host copies), so drift or other load hits both sides alike;
 * a disk spill round trip, `host_to_disk` into a temporary directory and `disk_to_host` back, followed by the
   swap-in the service does next. Nothing is fsynced, so the file is written to and read back from the page
   cache (and stays there): these numbers are an upper bound of what the disk itself gives (`--fsync` also
-  times the write-back, `--spill-dir` picks the file system). On CPU `disk_to_host` only maps the file
-  (safetensors' mmap backend), so its bytes are copied by the swap-in that follows: read the two together.
+  times the write-back, `--spill-dir` picks the file system). `disk_to_host` reads the file straight into a
+  host buffer of the service's pool (pinned on CUDA).
 
 Every phase runs once untimed first (warm-up): the first touch of fresh memory costs page faults and glibc
 only raises its mmap threshold after the first large free, which would otherwise dominate the first run.
@@ -66,6 +67,8 @@ import torch
 from torch import Tensor
 
 from plexrl.services import swap as sw
+from plexrl.services.host import HostPool
+from plexrl.services.streams import stream_order
 
 MiB = 1 << 20
 
@@ -198,32 +201,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     assert sw.nbytes(live) == size
     before = sw.checksum(live)
     largest = max(live.values(), key=Tensor.numel)
+    pool, order = HostPool(pin=cuda), stream_order(device)  # the service's host buffers and stream order
 
     # -- swaps, interleaved with the per-tensor raw copies they are compared with ------------------------------
     for i in range(args.repeats + 1):  # i == 0 is the warm-up
         rec.on = i > 0
         copies = rec("raw_out", raw_copy, live, host, cuda, cuda)
         rec("free_host", copies.clear)  # what the service pays when it drops a host copy after a swap-in
-        parked = rec("swap_out", sw.device_to_host, live, device)
-        copies = rec("raw_in", raw_copy, parked, device, False, cuda)
+        parked, _ = rec("swap_out", sw.device_to_host, "job", live, device, pool, order)
+        copies = rec("raw_in", raw_copy, parked.tensors(), device, False, cuda)
         rec("free_device", copies.clear)  # what device_to_host pays inside, for the storage it drops
-        rec("swap_in", sw.host_to_device, live, parked, device)
+        rec("swap_in", sw.host_to_device, "job", live, parked, device, order)
+        pool.give(parked.buffer)  # kept for the next swap-out, as the service's pool does
         del parked, copies
     release_freed_memory()
 
     # -- disk spill round trip (the service's host -> disk -> host -> device path) -----------------------------
     with tempfile.TemporaryDirectory(prefix="plexrl-swapbench-", dir=args.spill_dir) as tmp:
-        path = Path(tmp) / "job.safetensors"
+        path = Path(tmp) / "job.spill"
         for i in range(args.disk_repeats + 1):
             rec.on = i > 0
-            parked = sw.device_to_host(live, device)
+            parked, _ = sw.device_to_host("job", live, device, pool, order)
             rec("spill", sw.host_to_disk, parked, path)
-            parked.clear()
+            pool.give(parked.buffer)
             if args.fsync:
                 rec("fsync", _fsync, path)
-            loaded = rec("load", sw.disk_to_host, path, cuda)
-            rec("load_in", sw.host_to_device, live, loaded, device)
-            del loaded
+            loaded = rec("load", sw.disk_to_host, path, parked.layout, pool)
+            rec("load_in", sw.host_to_device, "job", live, loaded, device, order)
+            pool.give(loaded.buffer)
+            del loaded, parked
     rec.on = False
     after = sw.checksum(live)
 
@@ -271,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     row("disk spill  host_to_disk (page cache)", "spill")
     if args.fsync:
         row("disk fsync  (write-back to the device)", "fsync")
-    row("disk load   disk_to_host (lazy mmap on CPU)", "load")
+    row("disk load   disk_to_host (read into the pool's buffer)", "load")
     row("disk swap-in host_to_device from the loaded copy", "load_in")
     row("disk round trip, spill + load + swap-in", "round_trip")
 

@@ -79,16 +79,20 @@ def train(engine: Any, data: dict[str, torch.Tensor], steps: int) -> list[float]
 def one_rank(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     from plexrl.engines.torch_engine import TorchEngine
     from plexrl.services import swap as sw
+    from plexrl.services.host import HostPool
+    from plexrl.services.streams import stream_order
 
     torch.set_num_threads(args.threads)
     engine = TorchEngine(model, eos_id=1, pad_id=0)
     steps = train(engine, batch(args.rows, args.length), args.steps)
+    pool, order = HostPool(pin=engine.device.type == "cuda"), stream_order(engine.device)  # a service's
     switches = []
     for _ in range(args.switches):
         live = engine.state_tensors()
         t0 = time.perf_counter()
-        host = sw.device_to_host(live, engine.device)
-        sw.host_to_device(live, host, engine.device)
+        host, _ = sw.device_to_host("job", live, engine.device, pool, order)
+        sw.host_to_device("job", live, host, engine.device, order)
+        pool.give(host.buffer)
         switches.append(time.perf_counter() - t0)
     return {"step": steps, "switch": switches, "bytes": sw.nbytes(engine.state_tensors())}
 
@@ -108,7 +112,7 @@ def rank_main(rank: int, model: str, port: int, args: argparse.Namespace) -> dic
         steps = train(engine, batch(args.rows, args.length), args.steps)
         svc = RankService("service-0", state)
         svc.engines["j"] = engine
-        nbytes = sum(s.nbytes() for s in _storages(engine.state_tensors()).values())
+        nbytes = sum(s.nbytes() for s in _storages(engine.state_tensors())[0].values())
         svc.states["j"] = ShardPlacement("device", nbytes=nbytes)
         switches = []
         for _ in range(args.switches):

@@ -7,10 +7,11 @@
 - `EntropyBonus`: loss -= coef * entropy, aggregated like the policy loss (default 0: off);
 - `Optimiser`: AdamW (lr, beta1, beta2, weight_decay), gradient clipping, minibatches and epochs.
 
-`PRESETS` names an objective per built-in algorithm. `train` resolves its objective in three layers: the
-preset named by `objective`, then any part given whole (`policy`, `normaliser`, `kl`, `entropy`,
-`optimiser`: a part replaces the preset's part, its unset fields take the part's defaults), then the flat
-keyword flags of `train` (`lr`, `clip_eps`, ...: `FLAGS`), each of which overrides one field.
+`PRESETS` names an objective per built-in algorithm. `train` composes its objective from parts only
+(`resolve`): the preset named by `objective`, then each part given (`policy`, `normaliser`, `kl`, `entropy`,
+`optimiser`), whose fields given override the preset's part field by field (`optimiser: {lr: 1e-4}` keeps the
+preset's minibatches). `train`'s old flat flags (`lr`, `clip_eps`, ...) are refused with the part and field that
+replace each (`MOVED`).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Objective(Part):
     ) -> tuple[Tensor, dict[str, float]]:
         """`policy_loss` with this objective's parts, minus the entropy bonus; `norm_length` (None: the
         normaliser's) and `denominator` as `train` computes them for the batch."""
-        from plexrl.operators.train import masked_mean, policy_loss  # train imports this module
+        from plexrl.operators.losses import masked_mean, policy_loss
 
         norm = self.normaliser
         length = norm.norm_length if norm_length is None else norm_length
@@ -137,27 +138,38 @@ class Objective(Part):
         return loss, stats
 
 
-# train's flat keyword flags -> (part, field) of the objective
-FLAGS: dict[str, tuple[str, str]] = {
-    "lr": ("optimiser", "lr"),
-    "adam_beta1": ("optimiser", "beta1"),
-    "adam_beta2": ("optimiser", "beta2"),
-    "weight_decay": ("optimiser", "weight_decay"),
-    "max_grad_norm": ("optimiser", "max_grad_norm"),
-    "minibatches": ("optimiser", "minibatches"),
-    "epochs": ("optimiser", "epochs"),
-    "clip_eps": ("policy", "clip_eps"),
-    "clip_eps_high": ("policy", "clip_eps_high"),
-    "dual_clip": ("policy", "dual_clip"),
-    "ratio_level": ("policy", "ratio_level"),
-    "kl_coef": ("kl", "coef"),
-    "kl_estimator": ("kl", "estimator"),
-    "loss_agg": ("normaliser", "agg"),
-    "norm_length": ("normaliser", "norm_length"),
-    "skip_zero_advantage": ("normaliser", "skip_zero_advantage"),
-    "skip_norm": ("normaliser", "skip_norm"),
-    "entropy_coef": ("entropy", "coef"),
+# train's former flat flags -> the part field that replaces each (an old config gets this in its error)
+MOVED: dict[str, str] = {
+    "lr": "optimiser.lr",
+    "adam_beta1": "optimiser.beta1",
+    "adam_beta2": "optimiser.beta2",
+    "weight_decay": "optimiser.weight_decay",
+    "max_grad_norm": "optimiser.max_grad_norm",
+    "minibatches": "optimiser.minibatches",
+    "epochs": "optimiser.epochs",
+    "clip_eps": "policy.clip_eps",
+    "clip_eps_high": "policy.clip_eps_high",
+    "dual_clip": "policy.dual_clip",
+    "ratio_level": "policy.ratio_level",
+    "kl_coef": "kl.coef",
+    "kl_estimator": "kl.estimator",
+    "loss_agg": "normaliser.agg",
+    "norm_length": "normaliser.norm_length",
+    "skip_zero_advantage": "normaliser.skip_zero_advantage",
+    "skip_norm": "normaliser.skip_norm",
+    "entropy_coef": "entropy.coef",
 }
+
+
+def moved(name: str) -> str:
+    """The sentence for a former flat flag `name` of `train` (`MOVED`): the part field that replaces it.
+
+    >>> moved("lr")
+    '`lr` is no longer a parameter of train: set `optimiser: {lr: ...}` (the part field optimiser.lr)'
+    """
+    part, field = MOVED[name].split(".")
+    return f"`{name}` is no longer a parameter of train: set `{part}: {{{field}: ...}}` (the part field {MOVED[name]})"
+
 
 _PIPELINE_OPT = Optimiser(lr=3e-4, beta2=0.98, minibatches=2)  # the built-in pipelines' optimiser
 PRESETS: dict[str, Objective] = {
@@ -182,14 +194,24 @@ PRESETS: dict[str, Objective] = {
 }
 
 
-def resolve(preset: str, parts: dict[str, Any] | None = None, flags: dict[str, Any] | None = None) -> Objective:
-    """The objective of `train`: preset `preset`, then each part of `parts` (a part or its fields; None:
-    the preset's) replacing the preset's whole, then each flag of `flags` (a `FLAGS` name; None: not set)
-    overriding one field. Errors name the part or flag and the fix.
+def given(part: Part | dict[str, Any] | None) -> dict[str, Any]:
+    """The fields a part was given with: a part's `model_fields_set` (a part built from YAML or a dict knows
+    which fields it was given), or the dict itself."""
+    if part is None:
+        return {}
+    if isinstance(part, Part):
+        return part.model_dump(include=set(part.model_fields_set))
+    return dict(part)
 
-    >>> obj = resolve("dapo", {"optimiser": {"lr": 1e-4}}, {"clip_eps_high": 0.3})
+
+def resolve(preset: str, parts: dict[str, Any] | None = None) -> Objective:
+    """The objective of `train`: preset `preset`, then each part of `parts` (a `Part` or a dict of its fields;
+    None: the preset's) whose GIVEN fields override the preset's part field by field. Errors name the part and
+    the fix.
+
+    >>> obj = resolve("dapo", {"optimiser": {"lr": 1e-4}, "policy": {"clip_eps_high": 0.3}})
     >>> obj.policy.clip_eps_high, obj.optimiser.lr, obj.optimiser.minibatches, obj.normaliser.skip_norm
-    (0.3, 0.0001, 1, 'kept')
+    (0.3, 0.0001, 2, 'kept')
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown objective preset {preset!r}; known presets: {', '.join(PRESETS)}")
@@ -198,21 +220,24 @@ def resolve(preset: str, parts: dict[str, Any] | None = None, flags: dict[str, A
     for name, part in (parts or {}).items():
         if name not in types:
             raise ValueError(f"unknown objective part {name!r}; known parts: {', '.join(types)}")
-        if part is not None:
-            fields[name] = part.model_dump() if isinstance(part, Part) else dict(part)
-    for flag, value in (flags or {}).items():
-        if flag not in FLAGS:
-            raise ValueError(f"unknown train flag {flag!r}; known flags: {', '.join(FLAGS)}")
-        if value is not None:
-            part_name, field = FLAGS[flag]
-            fields[part_name] = {**fields[part_name], field: value}
+        fields[name] = {**fields[name], **given(part)}
     try:
         return Objective.model_validate(fields)
     except ValidationError as exc:
-        raise ValueError(f"invalid objective (preset {preset!r} with the parts and flags given): {exc}") from None
+        raise ValueError(f"invalid objective (preset {preset!r} with the parts given): {exc}") from None
 
 
-def flat(objective: Objective) -> dict[str, Any]:
-    """The objective as `train`'s flat flags (`FLAGS`): what the same update takes without parts."""
-    dumped = objective.model_dump()
-    return {flag: dumped[part][field] for flag, (part, field) in FLAGS.items()}
+__all__ = [
+    "MOVED",
+    "PRESETS",
+    "EntropyBonus",
+    "KlTerm",
+    "Normaliser",
+    "Objective",
+    "Optimiser",
+    "Part",
+    "PolicyLoss",
+    "given",
+    "moved",
+    "resolve",
+]

@@ -104,8 +104,9 @@ def rollout_together(
     """The batched form of `rollout` (co-scheduled rollouts, `plexrl/planner/batches.py`): several jobs'
     rollouts, each with its own prompts, parameters and seed, in ONE call of their shared engine
     (`vllm_lora.generate_together`: a LoRA request per job). Each job's rollout is what `rollout` alone would
-    sample (tokens equal; log-probs equal up to the engine's batch-composition noise). Runs whole: never
-    chunked or sliced. Jobs with no prompts get an empty rollout and no share of the call."""
+    sample (on CPU tokens equal, log-probs equal up to the engine's batch-composition noise; on CUDA the same
+    distribution, since vLLM's kernels reduce in a batch-dependent order unless `deterministic: true`). Runs
+    whole: never chunked or sliced. Jobs with no prompts get an empty rollout and no share of the call."""
     from plexrl.engines.vllm_lora import generate_together
 
     engines, calls, versions, called = [], [], [], []

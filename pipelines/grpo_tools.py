@@ -11,65 +11,49 @@ normaliser (`train`'s `skip_norm="full"`), as published.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Any
 
 from pydantic import Field
 
-from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.graph import NodeRef, Pipeline, PipelineGraph
+from plexrl.pipelines.skeleton import Knobs, build, verify
 from plexrl.roles import pipeline_builder
 
 
+class ToolKnobs(Knobs):
+    batch_size: int = Field(32, ge=1, description="Prompts per iteration.")
+    max_new_tokens: int = Field(12, ge=1, description="Tokens per model turn.")
+    eval_every: int = Field(10, ge=1, description="Iterations between two held-out evaluations.")
+    eval_size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    max_turns: int = Field(2, ge=1, le=16, description="Model turns per episode (tool nodes between).")
+    token_budget: int = Field(40, ge=1, description="Tokens per episode after the prompt.")
+    tool: str | None = Field(None, description="Tool name or 'pkg.module:Factory'; None: the task's.")
+    max_output_tokens: int = Field(16, ge=1, description="Tokens of a tool's output kept in the episode.")
+
+
 @pipeline_builder
-def grpo_tools(
-    *,
-    batch_size: int = 32,
-    n: Annotated[int, Field(ge=2, description="episodes per prompt; group advantages need at least 2")] = 8,
-    temperature: float = 1.0,
-    max_turns: Annotated[int, Field(ge=1, le=16, description="model turns per episode (tool nodes between)")] = 2,
-    max_new_tokens: Annotated[int, Field(ge=1, description="tokens per model turn")] = 12,
-    token_budget: Annotated[int, Field(ge=1, description="tokens per episode after the prompt")] = 40,
-    tool: Annotated[str | None, Field(description="tool name or 'pkg.module:Factory'; None: the task's")] = None,
-    max_output_tokens: int = 16,
-    lr: float = 3e-4,
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.0,
-    minibatches: int = 2,
-    epochs: int = 1,
-    max_grad_norm: float = 1.0,
-    loss_agg: str = "token_mean",
-    adam_beta2: float = 0.98,
-    skip_zero_advantage: bool = True,
-    eval_every: int = 10,
-    eval_size: int = 200,
-) -> PipelineGraph:
-    p = Pipeline("grpo_tools")
-    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
-    episodes = p.add(
-        "episodes", "start_episodes", prompts=prompts, n=n, temperature=temperature, token_budget=token_budget
-    )
-    tools = {"tool": tool, "max_output_tokens": max_output_tokens}
-    for turn in range(max_turns):
-        episodes = p.add(f"turn{turn}", "agent_turn", episodes=episodes, max_new_tokens=max_new_tokens)
-        if turn < max_turns - 1:
-            episodes = p.add(f"tools{turn}", "call_tools", episodes=episodes, **tools)
-    rollouts = p.add("finish", "finish_episodes", episodes=episodes)
-    rewards = p.add("verify", "verify", rollouts=rollouts)
-    adv = p.add("advantage", "grpo_advantage", rollouts=rollouts, rewards=rewards)
-    ref = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts, which="reference")} if kl_coef > 0 else {}
-    train = p.add(
-        "train",
-        "train",
-        rollouts=rollouts,
-        advantages=adv,
-        **ref,
-        objective="grpo",
-        policy={"clip_eps": clip_eps},
-        normaliser={"agg": loss_agg, "skip_zero_advantage": skip_zero_advantage},
-        kl={"coef": kl_coef},
-        optimiser={
-            "lr": lr, "beta2": adam_beta2, "max_grad_norm": max_grad_norm, "minibatches": minibatches, "epochs": epochs
-        },
-    )  # fmt: skip
-    limits = {"max_turns": max_turns, "max_new_tokens": max_new_tokens, "token_budget": token_budget}
-    p.add("evaluate", "evaluate_agent", after=[train], every=eval_every, size=eval_size, **limits, **tools)
-    return p.build()
+def grpo_tools(**params: Any) -> PipelineGraph:
+    """GRPO on tool episodes; `params`: `ToolKnobs`."""
+    knobs = ToolKnobs(**params)
+    tools = {"tool": knobs.tool, "max_output_tokens": knobs.max_output_tokens}
+
+    def episodes(p: Pipeline, prompts: NodeRef) -> tuple[NodeRef, NodeRef]:
+        ep = p.add("episodes", "start_episodes", prompts=prompts, n=knobs.n, temperature=knobs.temperature,
+                   token_budget=knobs.token_budget)  # fmt: skip
+        for turn in range(knobs.max_turns):
+            ep = p.add(f"turn{turn}", "agent_turn", episodes=ep, max_new_tokens=knobs.max_new_tokens)
+            if turn < knobs.max_turns - 1:
+                ep = p.add(f"tools{turn}", "call_tools", episodes=ep, **tools)
+        rollouts = p.add("finish", "finish_episodes", episodes=ep)
+        return rollouts, verify(p, knobs, rollouts)
+
+    def evaluate(p: Pipeline, after: Any) -> NodeRef:
+        limits = {
+            "max_turns": knobs.max_turns,
+            "max_new_tokens": knobs.max_new_tokens,
+            "token_budget": knobs.token_budget,
+        }
+        return p.add("evaluate", "evaluate_agent", after=after, every=knobs.eval_every, size=knobs.eval_size,
+                     **limits, **tools)  # fmt: skip
+
+    return build("grpo_tools", knobs, objective="grpo", sample=episodes, evaluate=evaluate)

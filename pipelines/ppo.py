@@ -13,49 +13,38 @@ prompts -> rollout -> verify --------> gae -> train (policy) -> evaluate
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from plexrl.graph import Pipeline, PipelineGraph
+from pydantic import Field
+
+from plexrl.graph import NodeRef, Pipeline, PipelineGraph
+from plexrl.pipelines.skeleton import Knobs, build
 from plexrl.roles import pipeline_builder
 
 
+class PpoKnobs(Knobs):
+    n: int = Field(8, ge=1, description="Samples per prompt.")
+    critic_lr: float = Field(1e-3, gt=0, lt=1, description="The critic's AdamW learning rate.")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda.")
+    std: Literal["biased", "unbiased"] = Field("biased", description="The advantages' whitening std divisor.")
+
+
 @pipeline_builder
-def ppo(
-    *,
-    batch_size: int = 64,
-    n: int = 8,
-    temperature: float = 1.0,
-    max_new_tokens: int = 6,
-    lr: float = 3e-4,
-    critic_lr: float = 1e-3,
-    clip_eps: float = 0.2,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    std: Literal["biased", "unbiased"] = "biased",
-    minibatches: int = 2,
-    adam_beta2: float = 0.98,
-    eval_every: int = 20,
-    eval_size: int = 500,
-) -> PipelineGraph:
-    p = Pipeline("ppo")
-    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
-    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
-    rewards = p.add("verify", "verify", rollouts=rollouts)
-    values = p.add("values", "value_estimate", rollouts=rollouts)
-    adv = p.add(
-        "gae", "gae_advantage", rollouts=rollouts, rewards=rewards, values=values, gamma=gamma, lam=lam, std=std
-    )
-    train = p.add(
-        "train",
-        "train",
-        rollouts=rollouts,
-        advantages=adv,
-        objective="ppo",
-        policy={"clip_eps": clip_eps},
-        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
-    )
-    critic = p.add("critic", "train_critic", rollouts=rollouts, advantages=adv, values=values, lr=critic_lr)
-    p.add(
-        "evaluate", "evaluate", after=[train, critic], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens
-    )
-    return p.build()
+def ppo(**params: Any) -> PipelineGraph:
+    """PPO's pipeline; `params`: `PpoKnobs`."""
+    knobs = PpoKnobs(**params)
+    values: list[NodeRef] = []
+
+    def gae(p: Pipeline, rollouts: NodeRef, rewards: NodeRef) -> NodeRef:
+        values.append(p.add("values", "value_estimate", rollouts=rollouts))
+        return p.add("gae", "gae_advantage", rollouts=rollouts, rewards=rewards, values=values[0], gamma=knobs.gamma,
+                     lam=knobs.lam, std=knobs.std)  # fmt: skip
+
+    def critic(p: Pipeline, train: NodeRef) -> list[NodeRef]:
+        rollouts, adv = NodeRef("rollout"), NodeRef("gae")
+        return [
+            p.add("critic", "train_critic", rollouts=rollouts, advantages=adv, values=values[0], lr=knobs.critic_lr)
+        ]
+
+    return build("ppo", knobs, objective="ppo", advantage=gae, after_train=critic)

@@ -16,68 +16,43 @@ prompts -> rollout -> verify -> advantage (batch-normalised) -> [ref_logprob] ->
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from plexrl.errors import ConfigError, Problem
-from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.graph import PipelineGraph
+from plexrl.pipelines.skeleton import Knobs, advantage_by, build
 from plexrl.roles import pipeline_builder
 
 
+class ReinforcePPKnobs(Knobs):
+    n: int = Field(8, ge=1, description="Samples per prompt (>= 2 with group_baseline).")
+    group_baseline: bool = Field(True, description="Subtract each prompt's group mean before batch whitening.")
+    level: Literal["sequence", "token"] = Field("sequence", description="One advantage per sequence or per token.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Per-token discount; needs level=token.")
+    std: Literal["biased", "unbiased"] = Field("biased", description="The batch std's divisor.")
+
+
 @pipeline_builder
-def reinforce_pp(
-    *,
-    batch_size: int = 64,
-    n: Annotated[int, Field(ge=1)] = 8,
-    temperature: float = 1.0,
-    max_new_tokens: int = 6,
-    group_baseline: bool = True,
-    level: Literal["sequence", "token"] = "sequence",
-    gamma: Annotated[float, Field(ge=0, le=1, description="per-token discount; needs level=token")] = 1.0,
-    std: Literal["biased", "unbiased"] = "biased",
-    lr: float = 3e-4,
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.0,
-    minibatches: int = 2,
-    adam_beta2: float = 0.98,
-    eval_every: int = 20,
-    eval_size: int = 500,
-) -> PipelineGraph:
+def reinforce_pp(**params: Any) -> PipelineGraph:
+    """REINFORCE++'s pipeline; `params`: `ReinforcePPKnobs` (a KL coef: `kl: {coef: ...}`, k2 by its preset)."""
+    knobs = ReinforcePPKnobs(**params)
     problems = []
-    if group_baseline and n < 2:
+    if knobs.group_baseline and knobs.n < 2:
         problems.append(
             Problem(
                 "pipeline.params.n",
-                f"group_baseline needs n >= 2 samples per prompt (got n={n}): with one sample every reward minus "
-                "its group mean is 0 and nothing is learnt; raise n or set group_baseline: false",
+                f"group_baseline needs n >= 2 samples per prompt (got n={knobs.n}): with one sample every reward "
+                "minus its group mean is 0 and nothing is learnt; raise n or set group_baseline: false",
             )
         )
-    if gamma != 1.0 and level != "token":
+    if knobs.gamma != 1.0 and knobs.level != "token":
         problems.append(
-            Problem("pipeline.params.gamma", f"gamma={gamma} discounts per token; set level: token or gamma: 1")
+            Problem("pipeline.params.gamma", f"gamma={knobs.gamma} discounts per token; set level: token or gamma: 1")
         )
     if problems:
         raise ConfigError(problems)
-    p = Pipeline("reinforce_pp")
-    prompts = p.add("prompts", "sample_prompts", batch_size=batch_size)
-    rollouts = p.add("rollout", "rollout", prompts=prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)
-    rewards = p.add("verify", "verify", rollouts=rollouts)
-    adv = p.add(
-        "advantage", "reinforce_pp_advantage", rollouts=rollouts, rewards=rewards, group_baseline=group_baseline,
-        level=level, gamma=gamma, std=std,
-    )  # fmt: skip
-    ref: dict[str, Any] = {"ref_logprobs": p.add("ref_logprob", "logprob", rollouts=rollouts)} if kl_coef > 0 else {}
-    train = p.add(
-        "train",
-        "train",
-        rollouts=rollouts,
-        advantages=adv,
-        **ref,
-        objective="reinforce_pp",
-        policy={"clip_eps": clip_eps},
-        kl={"coef": kl_coef, "estimator": "k2"},
-        optimiser={"lr": lr, "beta2": adam_beta2, "minibatches": minibatches},
-    )
-    p.add("evaluate", "evaluate", after=[train], every=eval_every, size=eval_size, max_new_tokens=max_new_tokens)
-    return p.build()
+    advantage = advantage_by("reinforce_pp_advantage", group_baseline=knobs.group_baseline, level=knobs.level,
+                             gamma=knobs.gamma, std=knobs.std)  # fmt: skip
+    return build("reinforce_pp", knobs, objective="reinforce_pp", advantage=advantage)

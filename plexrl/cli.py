@@ -42,12 +42,26 @@ def run(
     set_: SetOpt = None,
     progress: Annotated[
         bool | None,
-        typer.Option("--progress/--no-progress", help="Progress bar (default: tracking.progress on a TTY)."),
+        typer.Option(
+            "--progress/--no-progress",
+            help="Progress (default: tracking.progress): a bar on a terminal, else a line per job every 30 s.",
+        ),
     ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Log at INFO level.")] = False,
     scheduler: Annotated[
         str | None, typer.Option("--scheduler", help="Cluster configs: run on this Dask scheduler address.")
     ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="A job: where it runs: auto (the first GPU when there is one, else cpu; the default), cpu, cuda, "
+            "cuda:N. A cluster config names its own (services.device).",
+        ),
+    ] = None,
+    deterministic: Annotated[
+        bool, typer.Option("--deterministic", help="A job on CUDA: deterministic kernels (slower; docs/gpu.md).")
+    ] = False,
 ) -> None:
     """Run a job, or a cluster config (a YAML with `jobs:`) of many jobs on shared services; track them in
     MLflow; print the summary (and, for a cluster, the accounting table)."""
@@ -57,19 +71,31 @@ def run(
     from plexrl.server.signals import sigterm_stops_runs
 
     sigterm_stops_runs()  # SIGTERM: a graceful stop that closes every MLflow run (KILLED); see the module
-    from plexrl.cluster import is_cluster_file
+    from plexrl.config_kinds import read_config, runnable
 
-    if is_cluster_file(config):
+    try:
+        file = read_config(config)  # the one parse and the one kind detector, `plexrl validate`'s too
+        runnable(file)
+    except PlexRLError as exc:
+        _fail(exc)
+        return
+    if file.kind == "cluster":
         assert config is not None
-        _run_cluster(config, (set_ or []) + ([f"scheduler={scheduler}"] if scheduler else []), progress)
+        if device is not None or deterministic:
+            _fail(ValueError("a cluster config names its device: set services.device (and services.deterministic)"))
+        _run_cluster(file, (set_ or []) + ([f"scheduler={scheduler}"] if scheduler else []), progress)
         return
     try:
-        loaded = _load(config, set_)
+        from plexrl.devices import resolve_device, visible_gpus
+        from plexrl.job.load import load_job
         from plexrl.runtime.jobs import run_jobs
 
+        loaded = load_job(config, set_ or [], parsed=file.raw)
+
         if progress is None:
-            progress = loaded.config.tracking.progress and sys.stderr.isatty()
-        jobs = run_jobs([loaded], progress=progress)
+            progress = loaded.config.tracking.progress
+        where = resolve_device(device or "auto", visible_gpus())
+        jobs = run_jobs([loaded], progress=progress, device=where, deterministic=deterministic)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
         return
@@ -110,14 +136,14 @@ def _summarise(jobs: list[Any]) -> int:
     return 1 if failed else 0
 
 
-def _run_cluster(config: Path, overrides: list[str], progress: bool | None) -> None:
+def _run_cluster(file: Any, overrides: list[str], progress: bool | None) -> None:
     from plexrl.accounting import format_report
     from plexrl.cluster import load_cluster, run_cluster
 
     try:
-        loaded = load_cluster(config, overrides)
+        loaded = load_cluster(file.path, overrides, raw=file.raw)
         if progress is None:
-            progress = loaded.config.progress and sys.stderr.isatty()
+            progress = loaded.config.progress
         result = run_cluster(loaded, progress=progress)
     except (PlexRLError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
@@ -250,7 +276,7 @@ def serve(
     overrides = list(set_ or [])
     overrides += [f"host={json.dumps(host)}"] if host is not None else []
     overrides += [f"port={port}"] if port is not None else []
-    overrides += ["driver=dask", f"scheduler={json.dumps(scheduler)}"] if scheduler is not None else []
+    overrides += ["cluster.driver=dask", f"cluster.scheduler={json.dumps(scheduler)}"] if scheduler is not None else []
     try:
         cfg = load_server_config(config, overrides, token=os.environ.get("PLEXRL_TOKEN"))
         stop = stop_event()

@@ -4,8 +4,10 @@ Kinds: `job` (`plexrl run`), `cluster` (`plexrl run`, a top-level `jobs:` list),
 --config`), `scenario` and `trace` (`plexrl simulate`) and `profiles` (configs/sim/profiles.yaml, read by
 the simulator configs). A simulator config says its kind (`kind: scenario` / `kind: trace`); the others are
 recognised by their keys: a `jobs` list is a cluster; otherwise the kind whose model knows the most of the
-file's top-level keys (ties: job, server, scenario, trace). `check_config` validates with that kind's own
-loader, so a check passes exactly when the command that runs the file would accept it.
+file's top-level keys (ties: job, server, scenario, trace). `read_config` parses a file ONCE and detects its
+kind; `plexrl run` and `check_config` (`plexrl validate`) both start from it, so they agree on the kind of
+every file, and each kind's loader gets the parsed YAML. `check_config` validates with that kind's own loader,
+so a check passes exactly when the command that runs the file would accept it.
 
 Nothing here runs a job or imports torch: the loaders only parse, validate and build graphs.
 """
@@ -25,6 +27,26 @@ Kind = Literal["job", "cluster", "server", "scenario", "trace", "profiles"]
 KINDS: tuple[Kind, ...] = ("job", "cluster", "server", "scenario", "trace", "profiles")
 EXPLICIT: tuple[Kind, ...] = ("scenario", "trace")  # the kinds that carry a `kind:` field
 _BY_SHAPE: tuple[Kind, ...] = ("job", "server", "scenario", "trace")  # tie order
+
+
+RUNS: dict[Kind, str] = {  # the command that runs each kind
+    "job": "plexrl run",
+    "cluster": "plexrl run",
+    "server": "plexrl serve --config",
+    "scenario": "plexrl simulate",
+    "trace": "plexrl simulate",
+    "profiles": "plexrl simulate (through a scenario that names it)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    """A config file parsed once: its YAML (`raw`; None for no file: the job defaults), its kind and why."""
+
+    path: Path | None
+    raw: Any
+    kind: Kind
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +100,28 @@ def detect_kind(raw: Any, source: str = "config") -> tuple[Kind, str]:
     return best, f"by its keys: {known[best]} of {len(keys)} are {best} fields"
 
 
+def read_config(path: Path | None) -> ConfigFile:
+    """Parse `path` (bounded: `plexrl.yamlio`) and detect its kind; None: the job defaults. A missing file or
+    a `kind:` that names no kind is a ConfigError."""
+    if path is None:
+        return ConfigFile(None, None, "job", "no file: the embedded defaults")
+    from plexrl.yamlio import load_yaml_file
+
+    if not path.is_file():
+        raise ConfigError([Problem("path", f"{path}: file not found; give a YAML under configs/")], str(path))
+    raw = load_yaml_file(path)
+    kind, why = detect_kind(raw, str(path))
+    return ConfigFile(path, raw, kind, why)
+
+
+def runnable(file: ConfigFile) -> None:
+    """Raise a ConfigError unless `plexrl run` runs this kind (a job or a cluster), naming the command that does."""
+    if file.kind not in ("job", "cluster"):
+        where = str(file.path)
+        message = f"a {file.kind} config ({file.why}) is not run by `plexrl run`: use `{RUNS[file.kind]}`"
+        raise ConfigError([Problem("kind", message)], where)
+
+
 def _overrides_dict(overrides: Iterable[str]) -> dict[str, Any]:
     """`FIELD=VALUE` strings as `plexrl simulate --set` reads them (top-level fields, YAML values)."""
     from plexrl.yamlio import load_yaml_text
@@ -120,36 +164,23 @@ def check_config(path: Path | None, overrides: list[str] | None = None) -> Check
     """Detect the kind of `path` (None: the default job) and validate it with that kind's loader; a
     ConfigError lists every problem. The summary lines name what the file describes."""
     overrides = overrides or []
-    if path is None:
-        return Checked("job", "no file: the embedded defaults", _job_lines(None, overrides))
-    from plexrl.yamlio import load_yaml_file
-
-    source = str(path)
-    if not path.is_file():
-        raise ConfigError([Problem("path", f"{path}: file not found; give a YAML under configs/")], source)
-    raw = load_yaml_file(path)
-    kind, why = detect_kind(raw, source)
+    file = read_config(path)
+    raw, kind, why, source = file.raw, file.kind, file.why, str(path)
     if kind == "job":
-        return Checked(kind, why, _job_lines(path, overrides))
+        return Checked(kind, why, _job_lines(path, overrides, raw))
+    assert path is not None
     if kind == "cluster":
         from plexrl.cluster import load_cluster
 
-        cluster = load_cluster(path, overrides)
-        c = cluster.config
-        lines = [
-            f"{len(cluster.jobs)} jobs on {c.services.count} service(s), placement {c.placement}, "
-            f"ordering {c.ordering}, driver {c.driver}"
-        ]
+        cluster = load_cluster(path, overrides, raw=raw)
+        lines = [f"{len(cluster.jobs)} jobs on {_runtime_line(cluster.config)}"]
         lines += [f"  {j.config.name:<24} pipeline {j.graph.name!r} ({len(j.graph.order)} nodes)" for j in cluster.jobs]
         return Checked(kind, why, tuple(lines))
     if kind == "server":
         from plexrl.server.config import load_server_config
 
-        s = load_server_config(path, overrides)
-        line = (
-            f"serves on {s.host}:{s.port}, journal {s.journal}, {s.services.count} service(s), "
-            f"placement {s.placement}, ordering {s.ordering}, driver {s.driver}"
-        )
+        s = load_server_config(path, overrides, parsed=raw)
+        line = f"serves on {s.host}:{s.port}, journal {s.journal}, {_runtime_line(s.cluster)}"
         return Checked(kind, why, (line,))
     if kind == "profiles":
         assert isinstance(raw, dict)
@@ -168,16 +199,34 @@ def check_config(path: Path | None, overrides: list[str] | None = None) -> Check
     return Checked(kind, why, (line,))
 
 
-def _job_lines(path: Path | None, overrides: list[str]) -> tuple[str, ...]:
+def _runtime_line(c: Any) -> str:
+    """A runtime section in words: services, policies, driver."""
+    return f"{c.services.count} service(s), placement {c.placement}, ordering {c.ordering}, driver {c.driver}"
+
+
+def _job_lines(path: Path | None, overrides: list[str], raw: Any) -> tuple[str, ...]:
     import json
 
     from plexrl.job.load import load_job
 
-    loaded = load_job(path, overrides)
+    loaded = load_job(path, overrides, parsed=raw)
     lines = [f"pipeline {loaded.graph.name!r} with {len(loaded.graph.order)} nodes"]
     for node in loaded.graph.describe():
         lines.append(f"  {node['name']:<12} {node['placement']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")
+    cfg = loaded.config
+    if cfg.data is not None:  # open the files as run would (same errors), resolve the rewards
+        from plexrl.job.data_check import check_data, data_cache_dir
+
+        tokenizer_dir = Path(cfg.model.path) if cfg.model.path is not None else None
+        if cfg.model.pretrained is not None:
+            from plexrl.job.pretrained import pretrained_path
+
+            try:
+                tokenizer_dir = pretrained_path(cfg.model.pretrained, convert=False)
+            except LookupError:
+                tokenizer_dir = None
+        lines += check_data(cfg.data, data_cache_dir(cfg.data, cfg.run_dir), tokenizer_dir)
     return tuple(lines)
 
 
-__all__ = ["KINDS", "Checked", "Kind", "check_config", "detect_kind"]
+__all__ = ["KINDS", "RUNS", "Checked", "ConfigFile", "Kind", "check_config", "detect_kind", "read_config", "runnable"]

@@ -60,6 +60,8 @@ def pydantic_problem(err: Any, prefix: str, model: type[BaseModel] | None) -> Pr
         msg = f"unknown key; {hint}known keys here: {', '.join(known)}" if known else "unknown key; remove it"
     elif err["type"] == "missing":
         msg = "required; add this field"
+    elif err["type"] == "value_error":  # a validator's own sentence: it names the problem and the fix
+        msg = str(err["msg"]).removeprefix("Value error, ")
     else:
         msg = f"{err['msg']} (got {err.get('input')!r})"
     return Problem(where, msg)

@@ -91,14 +91,15 @@ class PipelineGraph:
         return any(n.operator.name == op_name for n in self.nodes)
 
     def describe(self) -> list[dict[str, Any]]:
-        """A plain description (for logs, MLflow and `plexrl validate`)."""
+        """A plain description (for logs, MLflow and `plexrl validate`). A parameter that is itself a model (a
+        part of `train`'s objective) shows the fields it was given: the rest come from elsewhere (its preset)."""
         return [
             {
                 "name": n.name,
                 "op": n.operator.ref,
                 "placement": n.placement,
                 "inputs": dict(n.inputs),
-                "params": n.params.model_dump(),
+                "params": _plain(n.params),
                 **({"every": n.every} if n.every else {}),
             }
             for n in self.nodes
@@ -106,6 +107,16 @@ class PipelineGraph:
 
     def __repr__(self) -> str:
         return f"PipelineGraph({self.name!r}, nodes={self.order})"
+
+
+def _plain(params: BaseModel) -> dict[str, Any]:
+    """A node's parameters as plain values; a nested model as the fields it was given."""
+    out = params.model_dump()
+    for name in type(params).model_fields:
+        value = getattr(params, name)
+        if isinstance(value, BaseModel):
+            out[name] = value.model_dump(exclude_unset=True)
+    return out
 
 
 class Pipeline:

@@ -48,7 +48,7 @@ class OpContext:
 
     `engine` is the job's `Engine` on its service; None for cpu nodes. `seed(*keys)` derives a stable
     seed from the job seed, the iteration, the node and any extra keys, so that results do not depend on
-    what other jobs run in between (DESIGN.md invariant 4). A chunked node runs chunk `chunk` of `chunks`
+    what other jobs run in between (docs invariant 4). A chunked node runs chunk `chunk` of `chunks`
     (then the chunk is part of every seed: each chunk samples with its own stream; chunks == 1 leaves the
     seeds of an unchunked node unchanged).
     """
@@ -98,6 +98,8 @@ def _operator_at(module: str, attr: str) -> Operator:
 class Operator:
     """A typed operator; call `run(ctx, inputs, params)` to execute it."""
 
+    __plexrl_role__ = "operator"  # its instances are declared operators (`plexrl.roles.is_declared`)
+
     def __init__(
         self,
         fn: Callable[..., Batch],
@@ -107,6 +109,7 @@ class Operator:
         inline: bool = True,
         chunk_input: str | None = None,
         sliceable: bool = False,
+        moved: dict[str, str] | None = None,
     ) -> None:
         if placement not in ("service", "cpu"):
             raise ValueError(f"placement must be 'service' or 'cpu', got {placement!r}")
@@ -146,6 +149,8 @@ class Operator:
         if sliceable and placement != "service":
             raise TypeError(f"operator {self.ref}: only service operators run in slices (sliceable=True)")
         self.sliceable = sliceable  # its generation may pause between decode steps (`OpContext.slice`)
+        # former parameters -> the sentence that says what replaces each (an old config's error names it)
+        self.moved: dict[str, str] = dict(moved or {})
         if chunk_input is not None:
             self._check_chunkable(chunk_input)
         self.params_model: type[BaseModel] = create_model(
@@ -177,11 +182,13 @@ class Operator:
             )
 
     def check_params(self, raw: dict[str, Any], where: str) -> tuple[BaseModel | None, list[Problem]]:
-        """Validate raw parameters; return the parsed model or the problems, each naming the field."""
+        """Validate raw parameters; return the parsed model or the problems, each naming the field (a former
+        parameter, `moved`, with what replaces it)."""
+        problems = [Problem(f"{where}.params.{k}", self.moved[k]) for k in raw if k in self.moved]
         try:
-            return self.params_model(**raw), []
+            parsed = self.params_model(**{k: v for k, v in raw.items() if k not in self.moved})
+            return (None, problems) if problems else (parsed, [])
         except ValidationError as exc:
-            problems = []
             for err in exc.errors():
                 loc = ".".join(str(x) for x in err["loc"])
                 if err["type"] == "extra_forbidden":
@@ -210,7 +217,8 @@ class Operator:
         kwargs: dict[str, Any] = {name: inputs.get(name) for name in self.inputs}
         if self.ctx_arg:
             kwargs[self.ctx_arg] = ctx
-        kwargs.update(params.model_dump())
+        # the validated values themselves (a nested model keeps which fields it was given: `train`'s parts)
+        kwargs.update({name: getattr(params, name) for name in type(params).model_fields})
         out = self.fn(**kwargs)
         if not isinstance(out, self.output):
             raise TypeError(f"operator {self.ref} returned {type(out).__name__}, declared {self.output.__name__}")
@@ -237,16 +245,18 @@ def operator(
     inline: bool = True,
     chunk_input: str | None = None,
     sliceable: bool = False,
+    moved: dict[str, str] | None = None,
 ) -> Callable[[Callable[..., Batch]], Operator]:
     """Decorator turning a typed function into an `Operator` (see the module docstring). `inline=False` keeps
     a cpu operator on the CPU pool even when it is fast (the DaskDriver otherwise runs CPU nodes observed
     under `inline_below` in the driver process): use it for tool calls and anything that runs untrusted code.
     `chunk_input`: the input a chunked node slices by rows (a chunkable service operator, see above).
     `sliceable`: a service operator whose generation runs in slices of decode steps when its node is in the
-    job's `slices` (it generates through `plexrl.engines.slicing.generate_slice` with `ctx.slice`)."""
+    job's `slices` (it generates through `plexrl.engines.slicing.generate_slice` with `ctx.slice`). `moved`:
+    former parameter -> the sentence naming what replaces it (a config that still sets one gets that error)."""
 
     def wrap(fn: Callable[..., Batch]) -> Operator:
-        return Operator(fn, placement, name, inline=inline, chunk_input=chunk_input, sliceable=sliceable)
+        return Operator(fn, placement, name, inline=inline, chunk_input=chunk_input, sliceable=sliceable, moved=moved)
 
     return wrap
 

@@ -4,8 +4,12 @@ batched, one score per row, None where the ground truth is None, each with its p
 `math` (math-verify via `plexrl.verifiers.math_answer`; a GSM8K ground truth `... #### 72` counts as 72),
 `numeric` (`plexrl.verifiers.exact_numeric`), `exact`, `regex`, `choice` (a letter A-E), `format` (the
 completion has an `Answer: ...` line, a `\\boxed{}`, or matches a pattern). `check_params(name, params)`
-validates a term's parameters (no user code runs). They bound their own work (math-verify's limits, the last
-`MAX_CHARS` of a completion for patterns), so they run without the user rewards' timeout.
+validates a term's parameters (no user code runs).
+
+They bound their own work: a pattern from a config runs on RE2 (`compile_pattern`: matching time linear in
+the text, whatever the pattern; Python's `re` can backtrack for ever on `(.|.)*X` and holds the GIL while it
+does), on the last `MAX_CHARS` of a completion; math-verify has its own limits. `plexrl.rewards` runs them
+in worker processes with a time limit per call all the same.
 """
 
 from __future__ import annotations
@@ -42,21 +46,41 @@ class ExactParams(_Params):
     ignore_case: bool = Field(False, description="Compare case-insensitively.")
 
 
+def compile_pattern(pattern: str, ignore_case: bool = False) -> Any:
+    """`pattern` compiled by RE2 (linear-time matching); ValueError naming what RE2 refuses (an invalid
+    pattern, a backreference, a lookaround).
+
+    >>> compile_pattern(r"Answer:\\s*(\\d+)").search("x Answer: 42").group(1)
+    '42'
+    """
+    import re2
+
+    options = re2.Options()
+    options.log_errors = False
+    options.case_sensitive = not ignore_case
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        why = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(
+            f"not a valid regex for RE2 ({why}); patterns run on RE2, which has no backreferences or "
+            "lookarounds (they can take exponential time): rewrite the pattern without them"
+        ) from None
+
+
 class RegexParams(_Params):
     pattern: str = Field(
         min_length=1,
-        description="A Python regex. With a capture group: the last match's group 1 (stripped) must equal the "
-        "ground truth; without: any match scores 1.",
+        max_length=2000,
+        description="A regex in RE2 syntax (Python's, less backreferences and lookarounds). With a capture group: "
+        "the last match's group 1 (stripped) must equal the ground truth; without: any match scores 1.",
     )
     ignore_case: bool = Field(False, description="Match case-insensitively.")
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"not a valid regex: {exc}") from None
+        compile_pattern(value)
         return value
 
 
@@ -69,7 +93,9 @@ class FormatParams(_Params):
         "answer_line",
         description="answer_line: a line `Answer: <something>`; boxed: a non-empty \\boxed{...}; regex: `pattern`.",
     )
-    pattern: str | None = Field(None, description="The regex a completion must match (require: regex).")
+    pattern: str | None = Field(
+        None, max_length=2000, description="The regex (RE2 syntax) a completion must match (require: regex)."
+    )
 
     @field_validator("pattern")
     @classmethod
@@ -131,7 +157,7 @@ def regex_reward(responses: Sequence[str], truths: Sequence[str | None], p: Rege
     >>> regex_reward(["<think>x</think>4", "4"], ["", ""], RegexParams(pattern="</think>"))
     [1.0, 0.0]
     """
-    rx = re.compile(p.pattern, re.IGNORECASE if p.ignore_case else 0)
+    rx = compile_pattern(p.pattern, p.ignore_case)
     out: Scores = []
     for r, t in _rows(responses, truths):
         if t is None:
@@ -199,7 +225,13 @@ def format_reward(responses: Sequence[str], truths: Sequence[str | None], p: For
     >>> format_reward(["\\\\boxed{7}", "\\\\boxed{}"], ["7", "7"], FormatParams(require="boxed"))
     [1.0, 0.0]
     """
-    rx = _ANSWER_LINE if p.require == "answer_line" else _BOXED if p.require == "boxed" else re.compile(p.pattern or "")
+    rx = (
+        _ANSWER_LINE
+        if p.require == "answer_line"
+        else _BOXED
+        if p.require == "boxed"
+        else compile_pattern(p.pattern or "")
+    )
     return [
         None if t is None else float(isinstance(r, str) and rx.search(r[-MAX_CHARS:]) is not None)
         for r, t in _rows(responses, truths)
@@ -249,6 +281,7 @@ __all__ = [
     "check_params",
     "choice_letter",
     "choice_reward",
+    "compile_pattern",
     "exact_reward",
     "format_reward",
     "gsm8k_truth",

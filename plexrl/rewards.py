@@ -3,7 +3,7 @@
 A reward is a list of terms (`plexrl.data.config.RewardTerm`: a built-in `name` or a user's `ref`, a
 `weight`, `params`). `build_reward(terms)` checks and resolves them once; calling the `Reward` on a batch
 returns a `RewardResult`: the weighted total per row, every term's scores by its label (logged as
-`reward/<label>`, e.g. `verify/reward/math` under a node named verify), and the count of user-reward calls
+`reward/<label>`, e.g. `verify/reward/math` under a node named verify), and the count of calls
 that raised (`reward_errors`) or ran out of time (`reward_timeouts`); those rows score 0 in that term, and
 the job goes on. The FIRST term is the accuracy term: `RewardResult.correct` is whether it scored 1.
 
@@ -25,27 +25,30 @@ allow-list and the declared role apply):
 `extra_info` plus `data_source`, `style`), `params` the term's `params`. A dict's values are components,
 logged as `reward/<label>/<key>`; the term scores their sum. A value that is not a finite number is an error.
 
-Time limit, per call (a row, or a whole batch for a batched reward): the call runs on a daemon thread and the
-caller waits `timeout_s`. Why a thread and not a process (`ProcessPoolExecutor`): no start-up or pickling
-cost per call, the function may close over anything, and it works inside a daemonic Dask worker (which may not
-start child processes). The price: a thread cannot be killed, so a reward that hangs keeps its thread (and
-any CPU it burns) until it returns; it is abandoned and scored 0, and once `MAX_STUCK` abandoned threads are
-still alive, further user-reward calls are not started and count as timeouts (the pool is not drained by one
-bad function). A reward that must be killable (unbounded loops, native code that holds the GIL) belongs in a
-process: the sandbox (`plexrl.verifiers.code_unit_tests`) is the model for that.
+Time limits. Every term, built-in or user, runs in a worker process of its own (`plexrl.reward_workers`),
+one call per row (a batched user reward: one call per batch), each call limited to the term's `timeout_s`.
+A call that passes it is ended by killing its worker, scores 0 in that term and is counted in
+`reward_timeouts`; the other rows go to a fresh worker, and the other terms, in their own workers, keep
+their scores. A term whose calls time out `MAX_TIMEOUTS_IN_A_ROW` times in a row (across batches) raises
+`RewardHung`, naming it: the job fails loudly rather than train on zeros. A call that raises, returns a value
+that is not a finite number, or crashes its worker scores 0 and is counted in `reward_errors`.
 
-What this module does NOT do: render prompts or read files (plexrl/data/), or run built-ins with a timeout
-(they bound their own work: math-verify's limits, the last `MAX_CHARS` of a completion for patterns).
+Built-ins also bound their own work: patterns given in a config (`regex`, `format: regex`) run on RE2, whose
+matching time is linear in the text (no catastrophic backtracking; backreferences and lookarounds are
+refused when the config is validated), on the last `MAX_CHARS` of a completion; math-verify runs with its
+own limits (on the worker's main thread, where its signal-based timeout works).
+
+What this module does NOT do: render prompts or read files (plexrl/data/), or sandbox a user reward (it is
+trusted code named through the allow-list; the worker is an ordinary process: see docs/security.md).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from plexrl.data.config import RewardTerm
 from plexrl.errors import ConfigError, Problem
@@ -62,12 +65,13 @@ from plexrl.reward_builtins import (
     choice_letter,
     gsm8k_truth,
 )
-from plexrl.roles import declare, resolve
+from plexrl.reward_workers import POOL, Outcome, TermWorker, score_term
+from plexrl.roles import current_allowed, declare, resolve
 
 log = logging.getLogger(__name__)
 
 BATCHED_ATTR = "__plexrl_reward_batched__"
-MAX_STUCK = 8  # abandoned (timed-out) user-reward threads alive at once before calls are refused
+MAX_TIMEOUTS_IN_A_ROW = 5  # a term whose calls time out this many times in a row fails its job
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -104,42 +108,8 @@ class RewardResult:
         return out
 
 
-_stuck: list[threading.Thread] = []
-_stuck_lock = threading.Lock()
-
-
-def stuck_threads() -> int:
-    """Abandoned user-reward threads that are still running."""
-    with _stuck_lock:
-        _stuck[:] = [t for t in _stuck if t.is_alive()]
-        return len(_stuck)
-
-
-def call_with_timeout(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
-) -> tuple[Literal["ok", "error", "timeout"], Any]:
-    """`("ok", value)`, `("error", exception)` or `("timeout", None)` of `fn(*args, **kwargs)` run on a daemon
-    thread for at most `timeout_s` (see the module docstring: a thread that overruns is abandoned)."""
-    if stuck_threads() >= MAX_STUCK:
-        return "timeout", None
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # the user's function: any failure scores 0
-            box["error"] = exc
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=target, name=f"plexrl-reward-{getattr(fn, '__name__', 'fn')}", daemon=True)
-    thread.start()
-    if not done.wait(timeout_s):
-        with _stuck_lock:
-            _stuck.append(thread)
-        return "timeout", None
-    return ("error", box["error"]) if "error" in box else ("ok", box.get("value"))
+class RewardHung(RuntimeError):
+    """A reward term kept timing out (`MAX_TIMEOUTS_IN_A_ROW` calls in a row): the job stops, naming it."""
 
 
 def _number(value: Any) -> float:
@@ -158,33 +128,43 @@ def _parts(value: Any) -> dict[str, float]:
 
 
 class Reward:
-    """The terms of a job's reward, resolved; call it on a batch. Pickles as its terms (user functions are
-    resolved again where it is loaded)."""
+    """The terms of a job's reward, resolved; call it on a batch. Pickles as its terms and the allow-list it
+    was resolved under (user functions are resolved again where it is loaded, and in each term's worker)."""
 
-    def __init__(self, terms: Sequence[RewardTerm]) -> None:
+    def __init__(self, terms: Sequence[RewardTerm], allowed: tuple[str, ...] | None = None) -> None:
         if not terms:
             raise ValueError("a reward needs at least one term")
         self.terms = list(terms)
-        self._fns: list[Any] = []
+        self.allowed = current_allowed() if allowed is None else tuple(allowed)
+        self._batched: list[bool] = []
+        self._in_a_row = [0] * len(self.terms)  # each term's timeouts in a row
         problems = []
         for i, term in enumerate(self.terms):
             if term.name is not None:
-                self._fns.append(check_params(term.name, term.params))
+                check_params(term.name, term.params)
+                self._batched.append(False)
                 continue
             assert term.ref is not None
             try:
-                self._fns.append(resolve(term.ref, "reward"))
+                fn = resolve(term.ref, "reward")
             except LookupError as exc:
                 problems.append(Problem(f"data.rewards[{i}].ref", str(exc)))
+                continue
+            self._batched.append(bool(getattr(fn, BATCHED_ATTR, False)))
         if problems:
             raise ConfigError(problems, "the reward")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return Reward, (self.terms,)
+        return Reward, (self.terms, self.allowed)
 
     @property
     def labels(self) -> list[str]:
         return [t.key for t in self.terms]
+
+    @property
+    def batched(self) -> list[bool]:
+        """Per term: whether it is a batched user reward (one call per batch)."""
+        return list(self._batched)
 
     def __call__(
         self,
@@ -193,7 +173,8 @@ class Reward:
         truths: Sequence[str | None],
         extras: Sequence[dict[str, Any]] | None = None,
     ) -> RewardResult:
-        """Score a batch of N rows (every sequence of length N; `extras` None: {} per row)."""
+        """Score a batch of N rows (every sequence of length N; `extras` None: {} per row). Raises
+        `RewardHung` when a term has now timed out `MAX_TIMEOUTS_IN_A_ROW` calls in a row."""
         n = len(responses)
         extra_rows = list(extras) if extras is not None else [{} for _ in range(n)]
         if not len(prompts) == len(truths) == len(extra_rows) == n:
@@ -201,57 +182,65 @@ class Reward:
                 f"{len(prompts)} prompts, {n} responses, {len(truths)} ground truths and "
                 f"{len(extra_rows)} extras: pass one of each per row"
             )
+        rows = [(p, r, t, e) for p, r, t, e in zip(prompts, responses, truths, extra_rows, strict=True)]
         result = RewardResult(total=[0.0] * n, correct=[False] * n)
-        for k, (term, fn) in enumerate(zip(self.terms, self._fns, strict=True)):
-            if term.name is not None:
-                scores = BUILTINS[term.name][1](responses, truths, fn)
-                result.components[term.key] = scores
-            else:
-                scores = self._user(term, fn, list(prompts), list(responses), list(truths), extra_rows, result)
-            for i, s in enumerate(scores):
-                result.total[i] += term.weight * (s or 0.0)
-                if k == 0:
-                    result.correct[i] = s is not None and s >= 1.0
+        workers: list[TermWorker | None] = [POOL.acquire(t, self.allowed) if n else None for t in self.terms]
+        try:  # the terms' workers start at once, then each term's calls run in its own
+            for k, term in enumerate(self.terms):
+                worker, workers[k] = workers[k], None
+                outcomes = score_term(term, self.allowed, rows, self._batched[k], worker)
+                self._check_hung(k, outcomes)
+                scores = self._scores(term, outcomes, n, result, self._batched[k])
+                for i, s in enumerate(scores):
+                    result.total[i] += term.weight * (s or 0.0)
+                    if k == 0:
+                        result.correct[i] = s is not None and s >= 1.0
+        finally:
+            for unused in workers:
+                if unused is not None:
+                    POOL.release(unused)
         return result
 
-    def _user(
-        self,
-        term: RewardTerm,
-        fn: Any,
-        prompts: list[str],
-        responses: list[str],
-        truths: list[Any],
-        extras: list[dict[str, Any]],
-        result: RewardResult,
-    ) -> Scores:
-        n = len(responses)
+    def _check_hung(self, k: int, outcomes: list[Outcome]) -> None:
+        term = self.terms[k]
+        for status, _ in outcomes:
+            self._in_a_row[k] = self._in_a_row[k] + 1 if status == "timeout" else 0
+            if self._in_a_row[k] >= MAX_TIMEOUTS_IN_A_ROW:
+                self._in_a_row[k] = 0
+                raise RewardHung(
+                    f"reward term {term.key!r} ({term.name or term.ref}) timed out on {MAX_TIMEOUTS_IN_A_ROW} calls "
+                    f"in a row (timeout_s {term.timeout_s:g} per call): the job stops rather than train on "
+                    "zeros; fix the function, or raise the term's timeout_s"
+                )
+
+    def _scores(self, term: RewardTerm, outcomes: list[Outcome], n: int, result: RewardResult, batched: bool) -> Scores:
+        """The term's score per row from its calls' outcomes (a batched reward: one outcome for all rows)."""
         values: list[Any] = [None] * n
         failed = [False] * n
-        if getattr(fn, BATCHED_ATTR, False):
-            status, got = call_with_timeout(fn, (prompts, responses, truths, extras), term.params, term.timeout_s)
-            if status == "ok" and not (isinstance(got, list | tuple) and len(got) == n):
-                status, got = (
-                    "error",
-                    TypeError(
-                        f"returned {type(got).__name__} of length "
-                        f"{len(got) if hasattr(got, '__len__') else '?'}, not a list of {n}"
-                    ),
-                )
+        if batched and outcomes:
+            status, got = outcomes[0]
+            if status == "ok" and not (isinstance(got, list) and len(got) == n):
+                shape = f"of length {len(got)}" if isinstance(got, list) else ""
+                status, got = "error", f"TypeError: returned {type(got).__name__} {shape}, not a list of {n}"
             if status == "ok":
                 values = list(got)
             else:
                 failed = [True] * n
                 self._count(term, status, got, result, n)
         else:
-            for i in range(n):
-                args = (prompts[i], responses[i], truths[i], extras[i])
-                status, got = call_with_timeout(fn, args, term.params, term.timeout_s)
+            for i, (status, got) in enumerate(outcomes):
                 if status == "ok":
                     values[i] = got
                 else:
                     failed[i] = True
                     self._count(term, status, got, result, 1)
         scores: Scores = [0.0] * n
+        if term.name is not None:  # a built-in: a number, or None where it does not apply
+            for i, value in enumerate(values):
+                if not failed[i]:
+                    scores[i] = None if value is None else float(value)
+            result.components[term.key] = scores
+            return scores
         parts: dict[str, list[float | None]] = {}
         for i, value in enumerate(values):
             if failed[i]:
@@ -259,7 +248,7 @@ class Reward:
             try:
                 split = _parts(value)
             except TypeError as exc:
-                self._count(term, "error", exc, result, 1)
+                self._count(term, "error", f"TypeError: {exc}", result, 1)
                 continue
             scores[i] = sum(split.values())
             for key, v in split.items():
@@ -272,12 +261,13 @@ class Reward:
 
     @staticmethod
     def _count(term: RewardTerm, status: str, got: Any, result: RewardResult, rows: int) -> None:
+        name = term.name or term.ref
         if status == "timeout":
             result.timeouts += rows
-            log.warning("reward %s: timed out after %.3gs on %d row(s); scored 0", term.ref, term.timeout_s, rows)
+            log.warning("reward %s: timed out after %.3gs on %d row(s); scored 0", name, term.timeout_s, rows)
         else:
             result.errors += rows
-            log.warning("reward %s: %s: %s on %d row(s); scored 0", term.ref, type(got).__name__, got, rows)
+            log.warning("reward %s: %s on %d row(s); scored 0", name, got, rows)
 
 
 def build_reward(terms: Sequence[RewardTerm]) -> Reward:
@@ -288,6 +278,7 @@ def build_reward(terms: Sequence[RewardTerm]) -> Reward:
 
 __all__ = [
     "BUILTINS",
+    "MAX_TIMEOUTS_IN_A_ROW",
     "ChoiceParams",
     "ExactParams",
     "FormatParams",
@@ -295,13 +286,12 @@ __all__ = [
     "NumericParams",
     "RegexParams",
     "Reward",
+    "RewardHung",
     "RewardResult",
     "RewardTerm",
     "batched_reward",
     "build_reward",
-    "call_with_timeout",
     "check_params",
     "choice_letter",
     "gsm8k_truth",
-    "stuck_threads",
 ]

@@ -104,16 +104,14 @@ def current_allowed() -> tuple[str, ...] | None:
 
 
 def is_declared(obj: Any, role: Role) -> bool:
-    """Whether `obj` is declared for `role` (see the module docstring)."""
+    """Whether `obj` is declared for `role` (see the module docstring). An operator is an instance of a class
+    declared for the role (`Operator`); a tool class is one whose `spec` is an instance of a class declared
+    for it (`ToolSpec`): the classes carry the mark, so nothing here imports them (roles sit below both)."""
     if role == "operator":
-        from plexrl.operator import Operator
-
-        return isinstance(obj, Operator)
-    if role == "tool" and isinstance(obj, type):
-        from plexrl.tools.base import ToolSpec
-
-        if any(isinstance(c.__dict__.get("spec"), ToolSpec) for c in obj.__mro__):
-            return True  # a tool class: its spec is part of the class, not made by calling it
+        return getattr(type(obj), ROLE_ATTR, None) == "operator"
+    tool_specs = (getattr(type(c.__dict__.get("spec")), ROLE_ATTR, None) for c in getattr(obj, "__mro__", ()))
+    if role == "tool" and isinstance(obj, type) and "tool" in tool_specs:
+        return True  # a tool class: its spec is part of the class, not made by calling it
     return callable(obj) and getattr(obj, ROLE_ATTR, None) == role
 
 

@@ -27,7 +27,7 @@ TINY: dict[str, Any] = {
             "max_new_tokens": 4,
             "eval_every": 2,
             "eval_size": 16,
-            "skip_zero_advantage": False,
+            "normaliser": {"skip_zero_advantage": False},
         },
     },
     "tracking": {"progress": False, "log_model": False},
@@ -58,12 +58,15 @@ class Clock:
         return self.t
 
 
-def local_runner(services: int = 1, *, validate: bool = True, **kwargs: Any) -> Any:
+def local_runner(services: int = 1, *, validate: bool = True, ordering: Any = None, **kwargs: Any) -> Any:
     """The one Runner over an in-process executor, with the planner's invariants and the services' state
-    checksums checked after every event (what the tests want; production runs leave them off)."""
+    checksums checked after every event (what the tests want; production runs leave them off). `ordering`: the
+    planner's; `kwargs`: the runner's (`hooks`, `budgets`, ...)."""
+    from plexrl.planner import Planner
     from plexrl.runtime import InlineExecutor, Runner
 
-    return Runner(InlineExecutor(services=services, validate=validate), validate=validate, **kwargs)
+    executor = InlineExecutor(services=services, validate=validate)
+    return Runner(executor, Planner(clock=executor.clock, validate=validate, ordering=ordering), **kwargs)
 
 
 VOLATILE = ("time/", "tokens_per_s")  # metrics that depend on the machine's speed, not on what was learned

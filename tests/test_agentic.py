@@ -227,7 +227,7 @@ def _rewards(rollouts: EpisodeRollouts) -> Any:
 
 
 def _params(op: str) -> Any:
-    defaults = {"train": {"skip_zero_advantage": False, "lr": 1e-3}}.get(op, {})
+    defaults = {"train": {"normaliser": {"skip_zero_advantage": False}, "optimiser": {"lr": 1e-3}}}.get(op, {})
     return resolve_operator(op).params_model(**defaults)
 
 

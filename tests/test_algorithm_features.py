@@ -117,7 +117,11 @@ def run_update(
             continue
         params = node.params
         if override and node.name in override:
-            params = op.params_model(**{**params.model_dump(), **override[node.name]})
+            merged = params.model_dump(exclude_unset=True)  # a part keeps only the fields it was given
+            for key, value in override[node.name].items():
+                both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+                merged[key] = {**merged[key], **value} if both else value
+            params = op.params_model(**merged)
         ctx = OpContext(job_id="t", iteration=0, node=node.name, job_seed=0, engine=engine)
         out[node.name] = op.run(ctx, {port: out[src] for port, src in node.inputs.items()}, params)
     return out, engine
@@ -138,7 +142,7 @@ def rows(out: dict[str, Batch]) -> float:
 # -- GRPO: the group std -------------------------------------------------------------------------------
 def test_grpo_divides_by_the_group_std() -> None:
     ro = make_rollouts([2] * 4, group_size=4)
-    out, _ = run_update(grpo(n=4, minibatches=1), ro, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    out, _ = run_update(grpo(n=4, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     s = math.sqrt(0.1875)  # biased std of (1, 0, 0, 0)
     assert adv_of(out) == pytest.approx([0.75 / s] + [-0.25 / s] * 3, abs=1e-4)  # std off: 0.75, -0.25
     out, _ = run_update(grpo(n=4, std="unbiased"), ro, torch.tensor([1.0, 0.0, 0.0, 0.0]))
@@ -148,7 +152,7 @@ def test_grpo_divides_by_the_group_std() -> None:
 # -- Dr. GRPO: no std, constant length normaliser ------------------------------------------------------
 def test_dr_grpo_no_std_and_sum_over_the_generation_budget() -> None:
     ro = make_rollouts([1, 3], group_size=2)  # lengths differ: a per-length mean would weigh them apart
-    out, eng = run_update(dr_grpo(n=2, minibatches=1, max_new_tokens=4), ro, torch.tensor([1.0, 0.0]))
+    out, eng = run_update(dr_grpo(n=2, optimiser={"minibatches": 1}, max_new_tokens=4), ro, torch.tensor([1.0, 0.0]))
     assert adv_of(out) == pytest.approx([0.5, -0.5], abs=1e-4)  # r - mean, not divided by the std (0.5) -> +-1
     # ratio 1: loss = mean over rows of -A * len / 4 = (-0.5 * 1/4 + 0.5 * 3/4) / 2
     assert math.isclose(eng.steps[0][0], (-0.5 / 4 + 0.5 * 3 / 4) / 2, rel_tol=1e-6)  # token_mean: 0.25
@@ -168,30 +172,44 @@ def test_dapo_clip_higher() -> None:
     # ratio 1.25 with A > 0: clip 0.2 would cap it at 1.2; DAPO's eps_high 0.28 leaves it
     ro = make_rollouts([1, 1], group_size=2, tokens=[[1], [2]])
     shifts = {1: math.log(1.25), 2: math.log(1.25)}
-    out, eng = run_update(dapo(n=2, max_new_tokens=4, minibatches=1), ro, torch.tensor([1.0, 0.0]), shifts=shifts)
+    out, eng = run_update(
+        dapo(n=2, max_new_tokens=4, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0]), shifts=shifts
+    )
     a = adv_of(out)[0]
     # row 0 (A = a > 0): unclipped, -1.25 a; row 1 (A = -a): -min(-1.25 a, -1.2 a) = 1.25 a
     assert a > 0 and math.isclose(eng.steps[0][0], 0.0, abs_tol=1e-6)
     assert eng.steps[0][1]["clip_frac"] == 0.0  # with eps_high 0.2 token 0 would be clipped: 0.5
     assert eng.grad[1] < 0  # row 0's token still pushed up (clipped: no gradient)
-    _, off = run_update(dapo(n=2, max_new_tokens=4, minibatches=1, clip_eps_high=0.2), ro, torch.tensor([1.0, 0.0]),
-                        shifts=shifts)  # fmt: skip
+    _, off = run_update(
+        dapo(n=2, max_new_tokens=4, optimiser={"minibatches": 1}, policy={"clip_eps_high": 0.2}),
+        ro,
+        torch.tensor([1.0, 0.0]),
+        shifts=shifts,
+    )
     assert off.steps[0][1]["clip_frac"] == 0.5 and off.grad[1] == 0
 
 
 def test_dapo_drops_all_equal_groups_from_the_normaliser() -> None:
     # group 0 informative (lengths 1, 1), group 1 all correct and short: no signal, dropped with its tokens
     ro = make_rollouts([1, 1, 3, 3], group_size=2)
-    out, eng = run_update(dapo(n=2, max_new_tokens=4, minibatches=1), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    out, eng = run_update(
+        dapo(n=2, max_new_tokens=4, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0, 1.0, 1.0])
+    )
     a = adv_of(out)
     assert a[2:] == [0.0, 0.0] and rows(out) == 2.0
     # the normaliser, through the gradient of a shift that only row 0's token sees
     ro = make_rollouts([1, 1, 3, 3], group_size=2, tokens=[[5], [6], [1, 2, 3], [1, 2, 3]])
-    out, eng = run_update(dapo(n=2, max_new_tokens=4, minibatches=1), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    out, eng = run_update(
+        dapo(n=2, max_new_tokens=4, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0, 1.0, 1.0])
+    )
     kept = float(eng.grad[5])
     assert math.isclose(kept, -a[0] / 2, rel_tol=1e-5)  # divided by the 2 kept tokens
-    _, full = run_update(dapo(n=2, max_new_tokens=4, minibatches=1), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]),
-                         override={"train": {"skip_norm": "full"}})  # fmt: skip
+    _, full = run_update(
+        dapo(n=2, max_new_tokens=4, optimiser={"minibatches": 1}),
+        ro,
+        torch.tensor([1.0, 0.0, 1.0, 1.0]),
+        override={"train": {"normaliser": {"skip_norm": "full"}}},
+    )
     assert math.isclose(float(full.grad[5]), -a[0] / 8, rel_tol=1e-5)  # by all 8 tokens: GRPO's convention
 
 
@@ -207,7 +225,7 @@ def test_rloo_leave_one_out_and_sequence_mean() -> None:
 # -- REINFORCE++: batch statistics ---------------------------------------------------------------------
 def test_reinforce_pp_normalises_over_the_batch() -> None:
     ro = make_rollouts([2] * 4, group_size=2)
-    out, _ = run_update(reinforce_pp(n=2, minibatches=1), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    out, _ = run_update(reinforce_pp(n=2, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]))
     s = math.sqrt(0.125)  # baseline (0.5, -0.5, 0, 0): batch std; per group it would be (1, -1, 0, 0)
     assert adv_of(out) == pytest.approx([0.5 / s, -0.5 / s, 0.0, 0.0], abs=1e-4)
     out, _ = run_update(reinforce_pp(n=2, group_baseline=False), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]))
@@ -231,14 +249,21 @@ def test_gspo_sequence_ratio() -> None:
     # token log-ratios +0.01 and -0.01: the sequence ratio is exactly 1 (inside 1 -+ 3e-4 / 4e-4); a token
     # ratio would clip the first token (1.01 > 1.0004) and change the loss
     ro = make_rollouts([2, 2], group_size=2, tokens=[[1, 2], [1, 2]])
-    out, eng = run_update(gspo(n=2, minibatches=1), ro, torch.tensor([1.0, 0.0]), shifts={1: 0.01, 2: -0.01})
+    out, eng = run_update(
+        gspo(n=2, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0]), shifts={1: 0.01, 2: -0.01}
+    )
     a = adv_of(out)
     assert a == pytest.approx([1.0, -1.0], abs=1e-4)
     assert eng.steps[0][1]["clip_frac"] == 0.0
     # d loss / d theta: each row's ratio exp(mean) has d/d theta[k] = 1/2 at ratio 1; rows cancel: A sums to 0
     assert torch.allclose(eng.grad, torch.zeros(16), atol=1e-6)
-    _, tok = run_update(gspo(n=2, minibatches=1), ro, torch.tensor([1.0, 0.0]), shifts={1: 0.01, 2: -0.01},
-                        override={"train": {"ratio_level": "token"}})  # fmt: skip
+    _, tok = run_update(
+        gspo(n=2, optimiser={"minibatches": 1}),
+        ro,
+        torch.tensor([1.0, 0.0]),
+        shifts={1: 0.01, 2: -0.01},
+        override={"train": {"policy": {"ratio_level": "token"}}},
+    )
     assert tok.steps[0][1]["clip_frac"] > 0 and not torch.allclose(tok.grad, torch.zeros(16), atol=1e-6)
 
 
@@ -251,14 +276,14 @@ def test_ppo_gae_uses_the_critic_values() -> None:
     values[0, PROMPT : PROMPT + 2] = torch.tensor([0.5, 0.8])
     values[1, PROMPT] = 0.3
     rewards = torch.tensor([1.0, 0.0])
-    out, eng = run_update(ppo(n=2, minibatches=1, lam=0.9), ro, rewards, values=values)
+    out, eng = run_update(ppo(n=2, optimiser={"minibatches": 1}, lam=0.9), ro, rewards, values=values)
     adv = out["gae"]
     assert isinstance(adv, Advantages) and adv.returns is not None
     raw, ret = gae(rewards, values, ro.response_mask, gamma=1.0, lam=0.9)
     assert torch.allclose(adv.values, whiten_tokens(raw, ro.response_mask)) and torch.allclose(adv.returns, ret)
     # row 0: delta_1 = 1 - 0.8 = 0.2, delta_0 = 0.8 - 0.5 = 0.3 -> A_0 = 0.3 + 0.9 * 0.2 = 0.48
     assert torch.allclose(raw[0, PROMPT : PROMPT + 2], torch.tensor([0.48, 0.2]))
-    out0, _ = run_update(ppo(n=2, minibatches=1, lam=0.9), ro, rewards, values=torch.zeros_like(values))
+    out0, _ = run_update(ppo(n=2, optimiser={"minibatches": 1}, lam=0.9), ro, rewards, values=torch.zeros_like(values))
     assert not torch.allclose(out0["gae"].values, adv.values)  # type: ignore[attr-defined]
     assert eng.steps  # the train node took the per-token advantages
 
@@ -272,21 +297,26 @@ def test_skipping_zero_advantage_rows_does_not_change_the_gradient(agg: str) -> 
     shifts = {k: 0.05 * k for k in range(1, 11)}
     runs, outs = {}, {}
     for skip in (True, False):
-        params = {"minibatches": 1, "loss_agg": agg, "skip_zero_advantage": skip}
+        params = {"optimiser": {"minibatches": 1}, "normaliser": {"agg": agg, "skip_zero_advantage": skip}}
         outs[skip], runs[skip] = run_update(grpo(n=2), ro, rewards, shifts=shifts, override={"train": params})
     assert rows(outs[True]) == 2.0 and rows(outs[False]) == 4.0
     assert torch.allclose(runs[True].grad, runs[False].grad, atol=1e-7)
     assert math.isclose(runs[True].steps[0][0], runs[False].steps[0][0], rel_tol=1e-6)
     # "kept" rescales by T_all / T_kept: the step size would depend on how many groups were all-equal
-    _, kept = run_update(grpo(n=2, minibatches=1, skip_norm="kept"), ro, rewards, shifts=shifts,
-                         override={"train": {"loss_agg": agg}})  # fmt: skip
+    _, kept = run_update(
+        grpo(n=2, optimiser={"minibatches": 1}, normaliser={"skip_norm": "kept"}),
+        ro,
+        rewards,
+        shifts=shifts,
+        override={"train": {"normaliser": {"agg": agg}}},
+    )
     assert not torch.allclose(kept.grad, runs[False].grad, atol=1e-4)
 
 
 def test_skip_with_minibatches_divides_each_step_by_the_whole_batch_share() -> None:
     ro = make_rollouts([1, 1, 1, 1, 2, 2], group_size=2, tokens=[[1], [2], [3], [3], [4, 4], [4, 4]])
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.5, 0.5])  # 2 of 3 groups all-equal; 8 tokens in all
-    _, eng = run_update(grpo(n=2, minibatches=2), ro, rewards, shifts={1: 0.0})
+    _, eng = run_update(grpo(n=2, optimiser={"minibatches": 2}), ro, rewards, shifts={1: 0.0})
     assert len(eng.steps) == 2  # rows 0 and 1 kept, one per step
     # step 1: -A_0 * ratio / (8 tokens / 2 steps): A_0 = 1 (std 0.5)
     assert math.isclose(float(eng.steps[0][2][1]), -1 / 4, rel_tol=1e-5)
@@ -295,6 +325,8 @@ def test_skip_with_minibatches_divides_each_step_by_the_whole_batch_share() -> N
 def test_rows_with_a_kl_term_are_not_skipped() -> None:
     ro = make_rollouts([1, 1, 1, 1], group_size=2, tokens=[[1], [2], [3], [4]])
     ref = -torch.ones(4, PROMPT + 4) * ro.response_mask - 0.5 * ro.response_mask  # ref logp -1.5
-    out, eng = run_update(grpo(n=2, kl_coef=0.1, minibatches=1), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]), ref_logp=ref)
+    out, eng = run_update(
+        grpo(n=2, kl={"coef": 0.1}, optimiser={"minibatches": 1}), ro, torch.tensor([1.0, 0.0, 1.0, 1.0]), ref_logp=ref
+    )
     assert rows(out) == 4.0  # the all-equal group's KL gradient is kept
     assert eng.grad[3] != 0 and eng.grad[4] != 0

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from plexrl.job.load import BUILTIN_PIPELINES, load_job
 from plexrl.operators.advantage import batch_normalized_advantages, group_advantages, leave_one_out_advantages
+from plexrl.operators.losses import kl_penalty, masked_mean, policy_loss
 from plexrl.operators.shaping import overlong_penalties
-from plexrl.operators.train import kl_penalty, masked_mean, policy_loss
 from plexrl.runtime.jobs import run_jobs
 
 

@@ -129,7 +129,7 @@ def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
     import yaml
     from mlflow.tracking import MlflowClient
 
-    from plexrl.cluster import make_runner
+    from plexrl.runtime.build import build_runner
     from plexrl.runtime.jobs import standard_hooks
     from plexrl.server.api import start_server
     from plexrl.server.client import Client, ServerError
@@ -143,8 +143,9 @@ def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
     job_yaml.write_text(yaml.safe_dump(tiny_config))
     run_dir = Path(tiny_config["run_dir"])
     cfg = ServerConfig(
-        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), checkpoint_every=2, driver="local"
-    )
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), checkpoint_every=2,
+        cluster={"driver": "local"},
+    )  # fmt: skip
 
     class Gate(Hook):
         def __init__(self) -> None:
@@ -158,7 +159,7 @@ def test_server_resumes_from_the_checkpoint_exactly_in_the_same_mlflow_run(
     gate = Gate()
     hooks = [*standard_hooks(run_dir, progress=False, mlflow=True), gate]
     srv = start_server(
-        cfg, runner=lambda more_hooks=(), **parts: make_runner(cfg.cluster(), [*hooks, *more_hooks], **parts)
+        cfg, runner=lambda more_hooks=(), **parts: build_runner(cfg.cluster, [*hooks, *more_hooks], **parts)
     )
     try:
         c = Client(srv.url)

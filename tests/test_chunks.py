@@ -5,7 +5,7 @@
   drops empty ones;
 - a job with `chunks: {rollout: 3}` runs its rollout 3 times per iteration, hands downstream nodes the whole
   batch in prompt order, forgets the parts, and logs the same metrics in two runs;
-- fidelity (DESIGN.md invariant 4): the chunked job multiplexed with another job on one service (every switch
+- fidelity (docs invariant 4): the chunked job multiplexed with another job on one service (every switch
   swaps) logs exactly what it logs alone, and the other job's node runs between two of its chunks;
 - config errors name the field and the fix.
 """
@@ -27,6 +27,7 @@ from plexrl.hooks.base import Hook
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.operator import OpContext, operator, resolve_operator
+from plexrl.planner import Planner
 from plexrl.runtime import Budgets, NodeTask, Runner
 
 PAD = 9
@@ -325,7 +326,9 @@ def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alo
     cfgs = [job_config(run_dir, "a", 0, {"rollout": 3}), job_config(run_dir, "b", 1, {})]
     size = max(prepare_job(load_job(c)).state_bytes() for c in cfgs)
     executor = DaskExecutor(services=1, cpu_threads=1, validate=True)
-    runner = Runner(executor, validate=True, lookahead=True, budgets=Budgets(device=size))
+    runner = Runner(
+        executor, Planner(clock=executor.clock, validate=True, lookahead=True), budgets=Budgets(device=size)
+    )
     (a, _b), watch = run_jobs(cfgs, "a", runner=runner)
     assert stable(a.history) == stable(alone[0].history)
     assert watch.leaks == []

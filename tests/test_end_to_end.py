@@ -136,7 +136,7 @@ def test_user_operator_from_yaml_runs_end_to_end(tiny_config: dict[str, Any]) ->
         {"name": "shaped", "op": "user_ops:length_penalty", "params": {"per_token": 0.25},
          "inputs": {"rollouts": "rollout", "rewards": "verify"}},
         {"name": "advantage", "op": "grpo_advantage", "inputs": {"rollouts": "rollout", "rewards": "shaped"}},
-        {"name": "train", "op": "train", "params": {"skip_zero_advantage": False},
+        {"name": "train", "op": "train", "params": {"normaliser": {"skip_zero_advantage": False}},
          "inputs": {"rollouts": "rollout", "advantages": "advantage"}},
     ]}  # fmt: skip
     (job,) = run_jobs([load_job(tiny_config)], progress=False)

@@ -77,7 +77,8 @@ class Seen(Hook):
 
 def test_a_resumed_simulated_job_runs_its_real_iterations_and_checkpoints_under_them(tmp_path: Path) -> None:
     nodes = grpo_nodes(every=2)
-    job = SimJob("j", nodes, 8, {n: 0.1 for n in nodes}, GRPO_ORDER, ("evaluate",), GB, first_iteration=5)
+    job = SimJob("j", nodes, 8, {n: 0.1 for n in nodes}, GRPO_ORDER, ("evaluate",), GB, first_iteration=5,
+                 checkpoint_every=2)  # fmt: skip
     journal: Any = None  # (checkpoint_path reads neither the journal nor the runner)
     hook, seen = (
         JournalHook(journal, lambda j, r: None, lambda j: {}, checkpoint_every=2, checkpoint_dir=tmp_path),
@@ -90,7 +91,7 @@ def test_a_resumed_simulated_job_runs_its_real_iterations_and_checkpoints_under_
         paths.append(hook.checkpoint_path(run, iteration))
         return paths[-1]
 
-    (run,) = Runner(ex, hooks=[seen], validate=True, checkpoint_every=2, checkpoint_at=checkpoint_at).run([job])
+    (run,) = Runner(ex, Planner(clock=ex.clock, validate=True), hooks=[seen], checkpoint_at=checkpoint_at).run([job])
     assert run.status == "done" and run.iterations_done == 3
     assert seen.iterations == [5, 6, 7] and seen.nodes == {5, 6, 7}  # no baseline pass, no renumbering
     # checkpoint after (real) iteration 5 (every 2); none after 7, the last

@@ -1,20 +1,40 @@
-"""The GPU check's pieces that run without a GPU: the script parses, refuses unknown options with its usage,
-and the copy-stream benchmark runs its CPU path with the state unchanged."""
+"""The GPU check without a GPU: the script parses and refuses unknown options with its usage, its whole dry run
+(`run --cpu`: every part's code on the CPU with a tiny model) passes, and the copy-stream benchmark runs its
+CPU path with the state unchanged. So the first session lent a GPU finds a script that runs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+PARTS = ["build", "env", "race", "bf16", "lora", "nccl1", "mux", "tests"]
 
 
 def test_gpu_check_script_parses_and_names_its_usage() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
     bad = subprocess.run(["bash", str(SCRIPT), "nonsense"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "usage: bash benchmarks/gpu_check.sh prepare" in bad.stderr
+    bad = subprocess.run(["bash", str(SCRIPT), "run", "--bogus"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+
+
+def test_the_whole_check_dry_runs_on_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_PYTHON": sys.executable,
+           "GPU_CHECK_SITE": str(tmp_path / "site"), "GPU_CHECK_WORK": str(tmp_path / "work"),
+           "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}  # fmt: skip
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["bash", str(SCRIPT), "run", "--cpu"], capture_output=True, text=True, timeout=900, env=env)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert res.returncode == 0, summary
+    for part in PARTS:
+        assert f"   {part}: ok" in summary, summary
+    assert "ok: every host copy equals the state after a full synchronize" in summary
+    assert "ok: gloo group of 1 on cpu: init, fully_shard, train" in summary
+    assert "gpu_check: 0 part(s) not ok" in summary
 
 
 def test_gpu_overlap_runs_on_cpu_and_leaves_the_state_unchanged() -> None:

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from plexrl.cli import app
-from plexrl.cluster import is_cluster_file, load_cluster
+from plexrl.cluster import load_cluster
+from plexrl.config_kinds import read_config
 from plexrl.errors import ConfigError
 from plexrl.job.load import load_job
 from plexrl.yamlio import MAX_BYTES, MAX_NODES, load_yaml_text
@@ -36,7 +37,8 @@ def test_alias_bomb_is_refused_before_expansion(tmp_path: Path) -> None:
     assert f"expands to more than {MAX_NODES} values through its aliases" in msg
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(BOMB + "jobs: [{job: {}}]\n")
-    assert not is_cluster_file(cluster)  # `plexrl validate` asks this first: it must not hang either
+    with pytest.raises(ConfigError, match="through its aliases"):  # `plexrl run` and `validate` read it first
+        read_config(cluster)
     with pytest.raises(ConfigError, match="through its aliases"):
         load_cluster(cluster)
 

@@ -1,49 +1,100 @@
-"""Layers import downward only (docs/architecture.md, STYLE.md 20): the import graph is read from the source
-(ast, every `import` and `from ... import`, lazy and TYPE_CHECKING ones included) and no arrow may go from a
-lower layer to a higher one. Imports within a layer are free."""
+"""The import graph, read from the source at MODULE level (ast: every `import` and `from ... import`, lazy ones
+inside functions included), over plexrl/, operators/ (`plexrl.operators`) and pipelines/ (`plexrl.pipelines`), as
+pyproject maps them (docs/architecture.md, "Invariants" and the package map):
+- no cycle anywhere among the imports a module runs (those under `if TYPE_CHECKING:` only name types for mypy;
+  they are left out of this one check);
+- no arrow, not even a TYPE_CHECKING one, from a lower layer to a higher one;
+- the planner imports nothing but itself; below the top, no private name crosses a package.
+`from pkg import sub` where `sub` is a submodule is an arrow to `pkg.sub` only: a package's `__init__` runs before
+any of its submodules whatever imports them, so it adds no arrow of its own."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"plexrl": ROOT / "plexrl", "plexrl.operators": ROOT / "operators", "plexrl.pipelines": ROOT / "pipelines"}
+import networkx as nx
 
-# bottom to top; a module belongs to the first layer one of whose prefixes it starts with, else to "library"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def packages() -> dict[str, Path]:
+    """Top-level import names -> their directory, as pyproject's `package-dir` maps them."""
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {name: ROOT / path for name, path in table.items()}
+
+
+# bottom to top; a module belongs to the layer of its longest matching prefix (a prefix ending in "." matches
+# the package's modules, not the package itself). Every module must belong to one: a new module is placed here
+# and in the package map (docs/architecture.md) on purpose.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # leaves: import nothing of plexrl above themselves
+    ("leaves", ("plexrl.devices", "plexrl.cache_files", "plexrl.errors", "plexrl.yamlio", "plexrl.batch",
+                "plexrl.reports", "plexrl.accounting", "plexrl.job.sizes", "plexrl.job.construction",
+                "plexrl.services.ranks", "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams")),
     ("planner", ("plexrl.planner",)),  # pure: events in, instructions out
-    ("reports", ("plexrl.reports",)),  # the records that services, executors and the runner exchange
-    ("library", ()),  # engines, services, operators, pipelines, config, job, data, tasks, ...
+    # what a config may name, and the typed pieces it is made of: roles, operators' model, tools, data, rewards
+    ("declared", ("plexrl", "plexrl.roles", "plexrl.operator", "plexrl.graph", "plexrl.tools", "plexrl.verifiers",
+                  "plexrl.reward_builtins", "plexrl.rewards", "plexrl.reward_workers", "plexrl._reward_worker",
+                  "plexrl.data", "plexrl.episodes", "plexrl.viz")),
+    ("engines", ("plexrl.engines",)),
+    ("job", ("plexrl.job",)),
+    ("sessions", ("plexrl.sessions",)),  # a Tinker session's calls, losses, engine and spec (services run them)
+    ("services", ("plexrl.services",)),
+    ("operators", ("plexrl.operators", "plexrl.pipelines")),
     ("hooks", ("plexrl.hooks",)),
     ("runtime", ("plexrl.runtime",)),
-    ("top", ("plexrl.cluster", "plexrl.server", "plexrl.sim", "plexrl.cli", "plexrl.config_kinds")),
-]
+    ("top", ("plexrl.cluster", "plexrl.config_kinds", "plexrl.server", "plexrl.sim", "plexrl.cli")),
+]  # fmt: skip
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 
 
-def layer(module: str) -> str:
+def layer(module: str) -> str | None:
+    best: tuple[int, str] | None = None
     for name, prefixes in LAYERS:
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return name
-    return "library"
+        for p in prefixes:
+            hit = module == p or (p != "plexrl" and module.startswith(p + "."))
+            if hit and (best is None or len(p) > best[0]):
+                best = (len(p), name)
+    return best[1] if best else None
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg, base in PACKAGES.items():
+    for pkg, base in packages().items():
         for path in base.rglob("*.py"):
-            parts = [pkg, *path.relative_to(base).with_suffix("").parts]
+            if ".venv" in path.parts:
+                continue
+            rel = path.relative_to(base).with_suffix("").parts
+            if pkg == "plexrl" and rel and rel[0] in ("operators", "pipelines"):
+                continue
+            parts = [pkg, *rel]
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = path
     return out
 
 
-def imports(module: str, path: Path) -> set[str]:
-    found = set()
+def typing_only(tree: ast.AST) -> set[ast.AST]:
+    """The import statements under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    out: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            out |= {n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Import | ast.ImportFrom)}
+    return out
+
+
+def imports(module: str, path: Path, known: set[str], *, typing: bool = True) -> set[str]:
+    """The modules of ours `module` imports (see the module docstring for `from pkg import sub`); `typing`
+    False: without those imported under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
     is_pkg = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = set() if typing else typing_only(tree)
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -53,32 +104,53 @@ def imports(module: str, path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.add(target)
-            found |= {f"{target}.{a.name}" for a in node.names}  # `from plexrl import x` names a module
+            subs = {f"{target}.{a.name}" for a in node.names}
+            if not subs <= known:  # a name defined in `target` itself: an arrow to it
+                found.add(target)
+            found |= subs & known
+    return {t for t in found if t in known and t != module}
+
+
+def graph(*, typing: bool = True) -> nx.DiGraph:
+    """Module -> the modules it imports (`typing` False: the imports it runs, without TYPE_CHECKING ones)."""
     mods = modules()
-    return {t for t in found if t.startswith("plexrl") and t in mods}
+    known = set(mods)
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for m, path in mods.items():
+        g.add_edges_from((m, t) for t in imports(m, path, known, typing=typing))
+    return g
 
 
-def upward_arrows() -> list[str]:
+def cycles(g: nx.DiGraph) -> list[list[str]]:
+    return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
+
+
+def upward(g: nx.DiGraph) -> list[str]:
     bad = []
-    for module, path in sorted(modules().items()):
-        for target in sorted(imports(module, path)):
-            a, b = layer(module), layer(target)
-            if RANK[b] > RANK[a]:
-                bad.append(f"{module} ({a}) -> {target} ({b})")
+    for a, b in sorted(g.edges):
+        la, lb = layer(a), layer(b)
+        if la is not None and lb is not None and RANK[lb] > RANK[la]:
+            bad.append(f"{a} ({la}) -> {b} ({lb})")
     return bad
 
 
+def test_every_module_has_a_layer() -> None:
+    assert sorted(m for m in modules() if layer(m) is None) == []
+
+
+def test_no_import_cycle_anywhere() -> None:
+    assert cycles(graph(typing=False)) == []
+
+
 def test_no_import_goes_from_a_lower_layer_to_a_higher_one() -> None:
-    assert upward_arrows() == []
+    assert upward(graph()) == []
 
 
 def test_the_planner_imports_only_itself() -> None:
-    mods = modules()
-    outside = {
-        f"{m} -> {t}" for m in mods if layer(m) == "planner" for t in imports(m, mods[m]) if layer(t) != "planner"
-    }
-    assert outside == set()
+    g = graph()
+    outside = sorted(f"{a} -> {b}" for a, b in g.edges if layer(a) == "planner" and layer(b) != "planner")
+    assert outside == []
 
 
 def test_below_the_top_no_private_name_crosses_a_package() -> None:
@@ -97,10 +169,27 @@ def test_below_the_top_no_private_name_crosses_a_package() -> None:
     assert bad == []
 
 
-def test_the_check_sees_an_upward_arrow(tmp_path: Path) -> None:
-    """The check itself: a lazy import inside a function counts, and services -> runtime is upward."""
-    assert layer("plexrl.services.service") == "library" and layer("plexrl.runtime.runner") == "runtime"
-    assert RANK[layer("plexrl.runtime.runner")] > RANK[layer("plexrl.engines.fsdp_engine")]
+def test_the_check_sees_a_cycle_an_upward_arrow_and_a_lazy_import(tmp_path: Path) -> None:
+    """The check itself: a lazy import inside a function counts; services -> runtime is upward; two modules
+    importing each other are a cycle; `from pkg import sub` is an arrow to the submodule only."""
+    known = {"plexrl.services.fake", "plexrl.runtime.runner", "plexrl.planner", "plexrl.planner.core"}
     src = tmp_path / "mod.py"
     src.write_text("def f():\n    from plexrl.runtime.runner import Runner\n")
-    assert "plexrl.runtime.runner" in imports("plexrl.services.fake", src)
+    assert imports("plexrl.services.fake", src, known) == {"plexrl.runtime.runner"}
+    assert RANK[layer("plexrl.runtime.runner") or ""] > RANK[layer("plexrl.services.service") or ""]
+    src.write_text("from plexrl.planner import core\n")
+    assert imports("plexrl.services.fake", src, known) == {"plexrl.planner.core"}
+    src.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from plexrl.runtime.runner import Runner\n"
+    )
+    assert imports("plexrl.services.fake", src, known) == {"plexrl.runtime.runner"}
+    assert imports("plexrl.services.fake", src, known, typing=False) == set()
+    g = nx.DiGraph([("plexrl.a", "plexrl.b"), ("plexrl.b", "plexrl.a")])
+    assert cycles(g) == [["plexrl.a", "plexrl.b"]]
+    assert layer("plexrl.job.sizes") == "leaves" and layer("plexrl.job.spec") == "job" and layer("plexrl") == "declared"
+
+
+def test_every_module_reads_in_one_sitting() -> None:
+    """STYLE.md 13: a module is split by responsibility before it passes 500 lines."""
+    long = sorted(f"{m}: {n} lines" for m, path in modules().items() if (n := len(path.read_text().splitlines())) > 500)
+    assert long == []

@@ -110,7 +110,7 @@ def test_a_file_that_is_not_a_readable_journal_is_a_clear_error(tmp_path: Path, 
 def test_serve_prints_a_damaged_or_held_journal_without_a_traceback(tmp_path: Path) -> None:
     path = tmp_path / "journal.db"
     path.write_bytes(b"\x00garbage" * 512)
-    args = ["serve", "--port", "0", "--set", "driver=local", "--set", "mlflow=false"]
+    args = ["serve", "--port", "0", "--set", "cluster.driver=local", "--set", "mlflow=false"]
     args += ["--set", f"journal={path}", "--set", f"run_dir={tmp_path / 'runs'}"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2, res.output
@@ -183,7 +183,7 @@ def test_a_second_plexrl_serve_on_the_same_journal_exits_and_leaves_the_first_ru
 
     from plexrl.server.client import Client
 
-    args = [sys.executable, "-m", "plexrl.cli", "serve", "--port", "0", "--set", "driver=local"]
+    args = [sys.executable, "-m", "plexrl.cli", "serve", "--port", "0", "--set", "cluster.driver=local"]
     args += ["--set", "mlflow=false", "--set", "journal=runs/journal.db", "--set", "run_dir=runs"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)

@@ -18,8 +18,9 @@ from conftest import wait_for
 from typer.testing import CliRunner
 
 from plexrl.cli import app
-from plexrl.cluster import ClusterConfig, make_executor
+from plexrl.cluster import ClusterConfig
 from plexrl.errors import ConfigError
+from plexrl.runtime.build import make_executor
 from plexrl.runtime.dask import DaskExecutor
 from plexrl.runtime.tls import TLSFiles, write_certs
 from plexrl.server.config import ServerConfig, load_server_config
@@ -51,9 +52,10 @@ def test_serve_with_a_local_dask_cluster_listens_on_loopback_only(tmp_path: Path
     from plexrl.server.api import start_server
 
     cfg = ServerConfig(
-        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False, cpu_threads=1
-    )
-    assert cfg.driver == "dask" and cfg.dask_host == "127.0.0.1"
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False,
+        cluster={"cpu_threads": 1},
+    )  # fmt: skip
+    assert cfg.cluster.driver == "dask" and cfg.cluster.dask_host == "127.0.0.1"
     srv = start_server(cfg)
     try:
         executor: Any = srv.controller.runner.executor
@@ -98,15 +100,20 @@ def test_a_tls_cluster_off_loopback_exposes_only_its_tls_comms(tmp_path: Path) -
 
 
 def test_a_local_cluster_off_loopback_needs_tls() -> None:
-    for model in (ClusterConfig, ServerConfig):
-        extra: dict[str, Any] = {"jobs": JOBS} if model is ClusterConfig else {}
+    def cluster(settings: dict[str, Any]) -> ClusterConfig:
+        return ClusterConfig.model_validate({**settings, "jobs": JOBS})
+
+    def server(settings: dict[str, Any]) -> Any:
+        return ServerConfig.model_validate({"cluster": settings}).cluster
+
+    for model in (cluster, server):
         with pytest.raises(ValueError, match=r"dask_host '0\.0\.0\.0' lets anyone .* give `dask_tls` .*plexrl certs"):
-            model.model_validate({"dask_host": "0.0.0.0", **extra})
+            model({"dask_host": "0.0.0.0"})
         tls = {"ca_file": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
-        assert model.model_validate({"dask_host": "0.0.0.0", "dask_tls": tls, **extra}).dask_tls is not None
-        model.model_validate({"dask_host": "0.0.0.0", "driver": "local", **extra})  # no Dask cluster at all
+        assert model({"dask_host": "0.0.0.0", "dask_tls": tls}).dask_tls is not None
+        model({"dask_host": "0.0.0.0", "driver": "local"})  # no Dask cluster at all
         with pytest.raises(ValueError, match="Extra inputs are not permitted"):
-            model.model_validate({"dask_tls": {**tls, "password": "x"}, **extra})
+            model({"dask_tls": {**tls, "password": "x"}})
     # the executor refuses it too, before it starts anything
     with pytest.raises(ValueError, match=r"local Dask cluster on '10\.1\.2\.3' .*dask_tls"):
         DaskExecutor(host="10.1.2.3").start()
@@ -127,17 +134,18 @@ def test_a_local_cluster_off_loopback_needs_tls() -> None:
 )
 def test_an_external_scheduler_off_loopback_needs_tls(scheduler: str, ok: bool) -> None:
     if ok:
-        assert load_server_config(None, [f"scheduler={scheduler}"]).scheduler == scheduler
+        assert load_server_config(None, [f"cluster.scheduler={scheduler}"]).cluster.scheduler == scheduler
         ClusterConfig.model_validate({"scheduler": scheduler, "jobs": JOBS})
         return
     with pytest.raises(ConfigError, match=r"plain TCP off this machine: .*tls://HOST:PORT .*allow_plaintext_scheduler"):
-        load_server_config(None, [f"scheduler={scheduler}"])
+        load_server_config(None, [f"cluster.scheduler={scheduler}"])
     with pytest.raises(ValueError, match="plain TCP off this machine"):
         ClusterConfig.model_validate({"scheduler": scheduler, "jobs": JOBS})
     with pytest.raises(ValueError, match="plain TCP off this machine"):
         ClusterConfig.model_validate({"scheduler": scheduler, "jobs": JOBS, "dask_host": "127.0.0.1"})
     # the user's explicit choice, on a network they trust
-    assert load_server_config(None, [f"scheduler={scheduler}", "allow_plaintext_scheduler=true"]).scheduler
+    plain = [f"cluster.scheduler={scheduler}", "cluster.allow_plaintext_scheduler=true"]
+    assert load_server_config(None, plain).cluster.scheduler
 
 
 def test_a_tls_scheduler_without_certificates_is_refused_at_start() -> None:
@@ -148,14 +156,14 @@ def test_a_tls_scheduler_without_certificates_is_refused_at_start() -> None:
 def test_the_configs_reach_the_executor(tmp_path: Path) -> None:
     tls = {"ca_file": "c", "cert": "d", "key": "e"}
     for cfg in (
-        ServerConfig.model_validate({"dask_host": "10.0.0.9", "dask_tls": tls}).cluster(),
+        ServerConfig.model_validate({"cluster": {"dask_host": "10.0.0.9", "dask_tls": tls}}).cluster,
         ClusterConfig.model_validate({"dask_host": "10.0.0.9", "dask_tls": tls, "jobs": JOBS}),
     ):
         ex = make_executor(cfg)
         assert isinstance(ex, DaskExecutor) and ex.host == "10.0.0.9" and ex.tls == TLSFiles("c", "d", "e")
         with pytest.raises(FileNotFoundError, match=r"TLS ca_file 'c' does not exist; .*plexrl certs"):
             ex.start()
-    assert make_executor(ServerConfig().cluster()).host == "127.0.0.1"  # type: ignore[attr-defined]
+    assert make_executor(ServerConfig().cluster).host == "127.0.0.1"  # type: ignore[attr-defined]
 
 
 def test_certs_command_writes_a_ca_and_a_certificate_it_signed(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def lora_job(model: Path, run_dir: Path, name: str, seed: int, iterations: int =
         {"name": "shaped", "op": "user_ops:first_token_parity", "inputs": {"rollouts": "rollout", "rewards": "verify"}},
         {"name": "advantage", "op": "grpo_advantage", "inputs": {"rollouts": "rollout", "rewards": "shaped"}},
         {"name": "ref", "op": "logprob", "inputs": {"rollouts": "rollout"}, "params": {"which": "reference"}},
-        {"name": "train", "op": "train", "params": {"kl_coef": 0.05, "lr": 1e-2},
+        {"name": "train", "op": "train", "params": {"kl": {"coef": 0.05}, "optimiser": {"lr": 1e-2}},
          "inputs": {"rollouts": "rollout", "advantages": "advantage", "ref_logprobs": "ref"}},
     ]}  # fmt: skip
     return cfg

@@ -244,7 +244,7 @@ def test_the_state_estimate_bounds_a_bf16_engines_measured_state(model_dir: tupl
     engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype="bfloat16")
     step(engine, a_batch(tok))  # the AdamW moments exist after a step
     measured = sum(t.numel() * t.element_size() for t in engine.state_tensors().values())
-    graph = load_job({"pipeline": {"name": "grpo", "params": {"kl_coef": 0.0}}}).graph  # no reference
+    graph = load_job({"pipeline": {"name": "grpo", "params": {"kl": {"coef": 0.0}}}}).graph  # no reference
     assert estimate_state_bytes(model_bytes(d), graph, "float32") < measured  # fp32 copies undercount bf16
     assert estimate_state_bytes(model_bytes(d), graph, "bfloat16") >= measured
 

@@ -1,6 +1,7 @@
-"""The parts of `train` (operators/objective.py): each built-in pipeline's train node resolves to exactly the
-flags it passed before the parts existed and computes exactly the same loss; presets, parts and flat flags
-layer as documented; the entropy bonus; clear errors."""
+"""The parts of `train` (operators/objective.py): each built-in pipeline's train node (built on the one
+skeleton, pipelines/skeleton.py) resolves to exactly the flags it passed before the parts existed and computes
+exactly the same loss; a part's given fields override its preset's; the former flat flags are refused naming
+the part field that replaces each; the entropy bonus; clear errors."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pytest
 import torch
 
 from plexrl.batch import Advantages, LogProbs, Rollouts, TrainStats
+from plexrl.errors import ConfigError
 from plexrl.graph import PipelineGraph
+from plexrl.job.load import load_job
 from plexrl.operator import OpContext
-from plexrl.operators.objective import FLAGS, PRESETS, Normaliser, Objective, flat, resolve
-from plexrl.operators.train import masked_mean, policy_loss
+from plexrl.operators.losses import masked_mean, policy_loss
+from plexrl.operators.objective import MOVED, PRESETS, Normaliser, Objective, resolve
 from plexrl.pipelines.dapo import dapo
 from plexrl.pipelines.dr_grpo import dr_grpo
 from plexrl.pipelines.grpo import grpo
@@ -23,6 +26,7 @@ from plexrl.pipelines.gspo import gspo
 from plexrl.pipelines.ppo import ppo
 from plexrl.pipelines.reinforce_pp import reinforce_pp
 from plexrl.pipelines.rloo import rloo
+from plexrl.pipelines.skeleton import PARTS
 
 # `train`'s keyword defaults before the parts (commit df532a2), and what each pipeline passed on top of them
 OLD_TRAIN: dict[str, Any] = {
@@ -34,7 +38,7 @@ OLD_TRAIN: dict[str, Any] = {
 _OPT = {"lr": 3e-4, "minibatches": 2, "adam_beta2": 0.98}
 OLD_PIPELINES: list[tuple[str, Any, dict[str, Any]]] = [
     ("grpo", lambda: grpo(), {**_OPT, "epochs": 1, "max_grad_norm": 1.0, "loss_agg": "token_mean"}),
-    ("grpo_kl", lambda: grpo(kl_coef=0.05), {**_OPT, "kl_coef": 0.05}),
+    ("grpo_kl", lambda: grpo(kl={"coef": 0.05}), {**_OPT, "kl_coef": 0.05}),
     ("grpo_tools", lambda: grpo_tools(), {**_OPT, "loss_agg": "token_mean", "skip_zero_advantage": True}),
     ("dr_grpo", lambda: dr_grpo(), {**_OPT, "loss_agg": "seq_sum_token_mean", "norm_length": 6.0}),
     ("dapo", lambda: dapo(), {**_OPT, "clip_eps_high": 0.28, "skip_norm": "kept"}),
@@ -42,7 +46,7 @@ OLD_PIPELINES: list[tuple[str, Any, dict[str, Any]]] = [
                               "loss_agg": "seq_mean"}),
     ("rloo", lambda: rloo(), {**_OPT, "minibatches": 1, "loss_agg": "seq_mean"}),
     ("reinforce_pp", lambda: reinforce_pp(), {**_OPT, "kl_estimator": "k2", "skip_zero_advantage": False}),
-    ("reinforce_pp_kl", lambda: reinforce_pp(kl_coef=0.05), {**_OPT, "kl_coef": 0.05, "kl_estimator": "k2",
+    ("reinforce_pp_kl", lambda: reinforce_pp(kl={"coef": 0.05}), {**_OPT, "kl_coef": 0.05, "kl_estimator": "k2",
                                                              "skip_zero_advantage": False}),
     ("ppo", lambda: ppo(), {**_OPT, "loss_agg": "token_mean"}),
 ]  # fmt: skip
@@ -96,6 +100,18 @@ def train_node(graph: PipelineGraph) -> Any:
     return next(n for n in graph.nodes if n.name == "train")
 
 
+def flags_of(obj: Objective) -> dict[str, Any]:
+    """An objective as the former flat flags of `train` (`MOVED` read backwards): what the same update took
+    before the parts."""
+    dumped = obj.model_dump()
+    return {flag: dumped[part][field] for flag, (part, field) in ((f, m.split(".")) for f, m in MOVED.items())}
+
+
+def objective_of(node: Any) -> Objective:
+    """The objective a train node's parameters resolve to (its parts keep which fields they were given)."""
+    return resolve(node.params.objective, {k: getattr(node.params, k) for k in PARTS})
+
+
 def run_train(node: Any, params: Any, entropy: torch.Tensor | None = None) -> RecordingEngine:
     ro = tiny_rollouts()
     engine = RecordingEngine(entropy=torch.zeros_like(ro.response_mask) if entropy is None else entropy)
@@ -112,11 +128,8 @@ def run_train(node: Any, params: Any, entropy: torch.Tensor | None = None) -> Re
 def test_pipeline_train_node_computes_the_loss_it_did_before(name: str, build: Any, old: dict[str, Any]) -> None:
     flags = {**OLD_TRAIN, **old}
     node = train_node(build())
-    params = node.params.model_dump()
-    assert params["objective"] != "default"  # each pipeline names its preset
-    assert flat(resolve(params["objective"], {k: params[k] for k in Objective.model_fields}, {})) == {
-        **flags, "entropy_coef": 0.0
-    }  # fmt: skip
+    assert node.params.objective != "default"  # each pipeline names its preset
+    assert flags_of(objective_of(node)) == {**flags, "entropy_coef": 0.0}
     engine = run_train(node, node.params)
     ((loss, stats, kwargs),) = engine.calls
     ro = tiny_rollouts()
@@ -141,23 +154,35 @@ def test_pipeline_train_node_computes_the_loss_it_did_before(name: str, build: A
         assert kwargs[key] == flags[key], key
 
 
-def test_flat_flags_still_drive_train_and_override_a_preset() -> None:
-    node = train_node(grpo())
-    op = node.operator
-    # the old way, flat flags only: the same update as the parts grpo's node names
-    raw = {"lr": 3e-4, "minibatches": 2, "adam_beta2": 0.98, "loss_agg": "token_mean"}
-    flat_params, problems = op.check_params(raw, "nodes.train")
-    assert not problems
-    ((got, *_),) = run_train(node, flat_params).calls
-    ((want, *_),) = run_train(node, node.params).calls
-    assert torch.equal(got, want)
-    # a flag overrides the part given whole, which replaces the preset's part
-    obj = resolve("dapo", {"policy": {"clip_eps": 0.1}}, {})
-    assert (obj.policy.clip_eps, obj.policy.clip_eps_high, obj.normaliser.skip_norm) == (0.1, None, "kept")
-    obj = resolve("dapo", {"policy": {"clip_eps": 0.1}}, {"clip_eps": 0.15, "clip_eps_high": 0.3, "lr": None})
-    assert (obj.policy.clip_eps, obj.policy.clip_eps_high, obj.optimiser.lr) == (0.15, 0.3, 3e-4)
-    assert flat(resolve("default")) == {**OLD_TRAIN, "entropy_coef": 0.0}  # train without any flag: as before
-    assert set(FLAGS) == set(OLD_TRAIN) | {"entropy_coef"}
+def test_former_flat_flags_are_refused_naming_the_part_that_replaces_each() -> None:
+    """`train` is composed of parts only: each of its 18 former flags, in a node's params or a built-in
+    pipeline's, is an error that names the part field to set instead; nothing else of the config is lost."""
+    op = train_node(grpo()).operator
+    raw = {flag: 1 for flag in MOVED}
+    params, problems = op.check_params({**raw, "objective": "grpo"}, "nodes.train")
+    assert params is None and len(problems) == len(MOVED) == 18
+    for problem in problems:
+        flag = problem.where.rsplit(".", 1)[1]
+        part, field = MOVED[flag].split(".")
+        assert f"`{flag}` is no longer a parameter of train: set `{part}: {{{field}: ...}}`" in problem.message
+    with pytest.raises(ConfigError) as err:
+        load_job({"pipeline": {"name": "dapo", "params": {"lr": 1e-4, "clip_eps_low": 0.1, "batch_size": 8}}})
+    (problem,) = err.value.problems
+    assert problem.where == "pipeline.params"
+    assert "`clip_eps_low` -> `policy: {clip_eps: ...}`" in problem.message
+    assert "`lr` -> `optimiser: {lr: ...}`" in problem.message
+    assert flags_of(resolve("default")) == {**OLD_TRAIN, "entropy_coef": 0.0}  # train without a part: as before
+
+
+def test_a_parts_given_fields_override_its_presets_field_by_field() -> None:
+    obj = resolve("dapo", {"policy": {"clip_eps": 0.1}, "optimiser": {"lr": 1e-4}})
+    assert (obj.policy.clip_eps, obj.policy.clip_eps_high, obj.normaliser.skip_norm) == (0.1, 0.28, "kept")
+    assert (obj.optimiser.lr, obj.optimiser.minibatches, obj.optimiser.beta2) == (1e-4, 2, 0.98)
+    # the same from YAML, through a pipeline and train's parameters (a part knows the fields it was given)
+    loaded = load_job({"pipeline": {"name": "dapo", "params": {"optimiser": {"lr": 1e-4}}}})
+    node = train_node(loaded.graph)
+    assert objective_of(node) == resolve("dapo", {"optimiser": {"lr": 1e-4}})
+    assert loaded.graph.describe()[-2]["params"]["optimiser"] == {"lr": 1e-4}  # describe shows what was given
 
 
 def test_entropy_bonus_is_subtracted_aggregated_like_the_policy_loss() -> None:
@@ -166,22 +191,16 @@ def test_entropy_bonus_is_subtracted_aggregated_like_the_policy_loss() -> None:
     node = train_node(dr_grpo())  # seq_sum_token_mean: the bonus shares the constant norm_length
     ((base, base_stats, _),) = run_train(node, node.params, entropy).calls
     assert "entropy_bonus" not in base_stats  # coef 0 (every preset): nothing added
-    raw = {**node.params.model_dump(), "entropy_coef": 0.1}
+    raw = {**node.params.model_dump(exclude_unset=True), "entropy": {"coef": 0.1}}
     params, problems = node.operator.check_params(raw, "nodes.train")
     assert not problems
     ((loss, stats, _),) = run_train(node, params, entropy).calls
     bonus = masked_mean(entropy, ro.response_mask, "seq_sum_token_mean", 6.0, len(LENGTHS) / 2)
     assert stats["entropy_bonus"] == pytest.approx(float(bonus))
     assert float(loss) == pytest.approx(float(base) - 0.1 * float(bonus), abs=1e-6)
-    # the same bonus given as a part
-    raw = {**node.params.model_dump(), "entropy": {"coef": 0.1}}
-    params, problems = node.operator.check_params(raw, "nodes.train")
-    assert not problems
-    ((part_loss, *_),) = run_train(node, params, entropy).calls
-    assert torch.equal(part_loss, loss)
     # the bonus's gradient raises the entropy: d loss / d entropy = -coef / count on response tokens
     ent = entropy.clone().requires_grad_()
-    obj = resolve("grpo", {}, {"entropy_coef": 0.5})
+    obj = resolve("grpo", {"entropy": {"coef": 0.5}})
     out, _ = obj.loss(policy_logp(ro), ro.behaviour_logprobs, ADV, ro.response_mask, ent)
     (grad,) = torch.autograd.grad(out, ent)
     n_tokens = float(ro.response_mask.sum())
@@ -198,15 +217,15 @@ def test_bad_parts_are_clear_errors() -> None:
             "normaliser",
             "'aggregation' of Normaliser; known fields: agg,",
         ),
-        ({"entropy_coef": -0.1}, "entropy_coef", "greater than or equal to 0"),
+        ({"entropy": {"coef": -0.1}}, "entropy.coef", "greater than or equal to 0"),
     ]:
         _, problems = op.check_params(raw, "nodes.train")
         assert [p.where for p in problems] == [f"nodes.train.params.{where}"], raw
         assert words in problems[0].message
     with pytest.raises(ValueError, match="unknown objective preset 'nope'; known presets: default, grpo"):
         resolve("nope")
-    with pytest.raises(ValueError, match="unknown train flag 'clip'"):
-        resolve("grpo", {}, {"clip": 0.1})
+    with pytest.raises(ValueError, match="unknown objective part 'clip'; known parts: policy"):
+        resolve("grpo", {"clip": {"eps": 0.1}})
     with pytest.raises(ValueError, match=r"(?s)invalid objective .*policy.clip_eps_high"):
         resolve("grpo", {"policy": {"clip_eps_high": 20.0}})
     assert Normaliser() == PRESETS["grpo"].normaliser  # frozen parts compare by value
@@ -216,8 +235,7 @@ def test_bad_parts_are_clear_errors() -> None:
 
 def test_dapo_passes_its_entropy_bonus_to_train_and_none_by_default() -> None:
     def entropy_of(graph: PipelineGraph) -> float:
-        params = train_node(graph).params.model_dump()
-        return flat(resolve(params["objective"], {k: params[k] for k in Objective.model_fields}, {}))["entropy_coef"]
+        return objective_of(train_node(graph)).entropy.coef
 
     assert entropy_of(dapo()) == 0.0
-    assert entropy_of(dapo(entropy_coef=0.003)) == 0.003
+    assert entropy_of(dapo(entropy={"coef": 0.003})) == 0.003

@@ -10,15 +10,17 @@ import torch
 import plexrl.job.tasks.arithmetic as arithmetic_mod
 import plexrl.operators.advantage as advantage_mod
 import plexrl.operators.critic as critic_mod
+import plexrl.operators.losses as losses_mod
+import plexrl.operators.objective as objective_mod
 import plexrl.operators.shaping as shaping_mod
 import plexrl.operators.train as train_mod
 from plexrl.job.tasks.arithmetic import verify_answers
 from plexrl.operators.advantage import group_advantages
-from plexrl.operators.train import policy_loss
+from plexrl.operators.losses import policy_loss
 
 
 def test_doctests() -> None:
-    for mod in (advantage_mod, train_mod, arithmetic_mod, shaping_mod, critic_mod):
+    for mod in (advantage_mod, train_mod, losses_mod, objective_mod, arithmetic_mod, shaping_mod, critic_mod):
         result = doctest.testmod(mod)
         assert result.attempted > 0 and result.failed == 0, mod.__name__
 

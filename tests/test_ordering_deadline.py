@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plexrl.planner import FairShare, Fifo, Hrrs, JobPlan, NodePlan, Pack, Slowdown
+from plexrl.planner import FairShare, Fifo, Hrrs, JobPlan, NodePlan, Pack, Planner, Slowdown
 from plexrl.planner.policies import ORDERINGS, Deadline, OrderingPolicy, OrderingView, Pace, QueuedNode, job_pace
 from plexrl.planner.records import JobRecord
 
@@ -113,7 +113,8 @@ def test_deadline_ordering_on_the_default_mix_beats_hrrs_on_the_worst_slowdown_a
     jobs = [job("compute", 0.001), job("judge", 0.5), job("judge-slow", 0.8)]
 
     def completion(specs: list[SimJob], ordering: OrderingPolicy) -> dict[str, float]:
-        runner = Runner(SimExecutor(1, SeededCosts(seed=1)), placement=Pack(math.inf), ordering=ordering)
+        ex = SimExecutor(1, SeededCosts(seed=1))
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering))
         runs = runner.run(specs)
         assert all(r.status == "done" for r in runs)
         return {r.job_id: r.finished_at - r.submitted_at for r in runs}  # type: ignore[operator]
@@ -143,8 +144,10 @@ def test_a_server_config_selects_deadline_and_fair_share_over_it_keeps_a_single_
     from plexrl.server.config import ServerConfig
 
     def ann_time(fair: bool, jobs: list[SimJob]) -> float:
-        raw = {"ordering": "deadline", "driver": "local", "placement": "pack", "max_load": 64, "mlflow": False}
-        cfg = ServerConfig.model_validate({**raw, "fair_share": fair, "run_dir": str(tmp_path / f"runs-{fair}")})
+        cluster = {"ordering": "deadline", "driver": "local", "placement": "pack", "max_load": 64, "fair_share": fair}
+        cfg = ServerConfig.model_validate(
+            {"cluster": cluster, "mlflow": False, "run_dir": str(tmp_path / f"runs-{fair}")}
+        )
         runner = server_runner(cfg, SimExecutor(1, SeededCosts(seed=0)))
         ordering = runner.planner.ordering
         assert isinstance(ordering.inner if fair else ordering, Deadline), ordering

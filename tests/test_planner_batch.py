@@ -46,7 +46,7 @@ def test_queued_rollouts_of_one_engine_run_as_one_group_and_the_service_waits_fo
     p = planner()
     group = three_jobs(p)
     assert (group.job_id, group.node, group.group) == ("b", "rollout", (("c", 0, "rollout"),))
-    assert p.groups_sent == 1 and p.grouped_nodes == 2
+    assert p.counts()["groups_sent"] == 1 and p.counts()["grouped_nodes"] == 2
     svc = p.services["s0"]
     assert svc.group == {("b", 0, "rollout"), ("c", 0, "rollout")}
     assert [q.job_id for q in svc.queue] == ["a"]  # a's train waits; the group took c off the queue
@@ -71,7 +71,7 @@ def test_the_lead_ending_first_hands_the_group_to_a_member_still_running() -> No
 def test_without_batch_rollouts_or_without_a_shared_batching_engine_every_rollout_runs_alone() -> None:
     off = Planner(clock=Clock(), validate=True)
     off.handle(ServiceJoined("s0"))
-    assert three_jobs(off).group == () and off.groups_sent == 0
+    assert three_jobs(off).group == () and off.counts()["groups_sent"] == 0
     # other engine keys, or an engine that cannot mix jobs (batch 0: a full-weights vLLM job), never join
     plans = {"a": plan(), "b": plan(), "c": plan(engine=("other", 1000))}
     assert three_jobs(planner(), plans).group == ()
@@ -125,7 +125,7 @@ def test_a_node_sent_ahead_with_nothing_of_its_engine_queued_goes_alone() -> Non
     assert p.services["s0"].next == ("b", 0, "rollout")
     assert runs(p.handle(JobSubmitted("c", plan()))) == []  # one node sent ahead at a time
     p.handle(NodeFinished("a", 0, "rollout", duration=1.0))
-    assert p.groups_sent == 0 and p.services["s0"].group == set()
+    assert p.counts()["groups_sent"] == 0 and p.services["s0"].group == set()
 
 
 def test_each_member_is_learned_and_accounted_at_its_share_of_the_group() -> None:
@@ -163,12 +163,12 @@ def test_a_member_cancelled_mid_group_leaves_it_and_the_others_finish() -> None:
 def test_batch_rollouts_runs_on_either_driver_and_is_refused_on_worker_groups_naming_the_fix() -> None:
     from pydantic import ValidationError
 
-    from plexrl.cluster import ClusterRuntime
     from plexrl.runtime import InlineExecutor
     from plexrl.runtime.build import build_runner
+    from plexrl.runtime.config import RuntimeConfig
 
     for driver in ("dask", "local"):
-        assert ClusterRuntime.model_validate({"driver": driver, "batch_rollouts": True}).batch_rollouts
+        section = RuntimeConfig.model_validate({"driver": driver, "batch_rollouts": True})
+        assert build_runner(section, [], InlineExecutor()).planner.batch_rollouts
     with pytest.raises(ValidationError, match=r"services\.ranks: 1 or batch_rollouts: false"):
-        ClusterRuntime.model_validate({"driver": "dask", "batch_rollouts": True, "services": {"ranks": 2}})
-    assert build_runner(InlineExecutor(), [], dask=True, batch_rollouts=True).planner.batch_rollouts
+        RuntimeConfig.model_validate({"driver": "dask", "batch_rollouts": True, "services": {"ranks": 2}})

@@ -39,7 +39,7 @@ def test_queued_rollouts_go_ahead_as_one_group_and_run_when_the_node_before_them
     assert (ahead.job_id, ahead.group) == ("c", (("d", 0, "rollout"),))
     assert svc.running == ("b", 0, "rollout") and svc.next == ("c", 0, "rollout")
     assert svc.next_group == {("c", 0, "rollout"), ("d", 0, "rollout")} and svc.group == set()
-    assert p.groups_sent == 1 and p.grouped_nodes == 2 and p.sent_ahead == 2
+    assert p.counts()["groups_sent"] == 1 and p.counts()["grouped_nodes"] == 2 and p.counts()["sent_ahead"] == 2
     assert [q.job_id for q in svc.queue] == ["a"]  # a's train waits behind the group
     # b ends: the group runs, and a's train is sent ahead of... nothing: one ahead, after the group
     (train,) = runs(p.handle(NodeFinished("b", 0, "rollout", duration=1.0)))

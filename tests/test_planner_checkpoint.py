@@ -79,7 +79,7 @@ def test_a_failed_checkpoint_does_not_fail_the_job() -> None:
     p.handle(JobSubmitted("j", plan(1, 2)))
     assert RunCheckpoint("j", 0, "s0") in iteration(p, "j", 0)
     out = p.handle(CheckpointFinished("j", 0, ok=False, error="OSError: disk full"))
-    assert nodes(out) == [("j", 1, "a")] and p.jobs["j"].status == "placed"
+    assert nodes(out) == [("j", 1, "a")] and p.jobs["j"].status == "running"
 
 
 def two_jobs(lookahead: bool) -> Planner:

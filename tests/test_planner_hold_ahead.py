@@ -61,7 +61,7 @@ def test_lookahead_holds_a_compute_node_back_for_a_judged_node_due_before_the_ru
     clock.t = 0.2  # j's rollout ends: c1's runs (to ~1.2 s), j's verify (due at ~0.7 s) starts
     out = p.handle(NodeFinished("j", 0, "rollout", duration=0.2))
     assert [(r.job_id, r.node) for r in runs(out)] == [("j", "verify")]
-    assert svc.running == ("c1", 0, "rollout") and svc.next is None and p.held_ahead >= 1
+    assert svc.running == ("c1", 0, "rollout") and svc.next is None and p.counts()["held_ahead"] >= 1
     clock.t = 0.7  # j's train is ready: it goes ahead of c2's rollout
     (train,) = runs(p.handle(NodeFinished("j", 0, "verify", duration=0.5)))
     assert (train.job_id, train.node) == ("j", "train") and svc.next == ("j", 0, "train")
@@ -80,7 +80,7 @@ def test_without_the_hold_the_judged_node_waits_behind_the_node_sent_ahead() -> 
     assert runs(p.handle(NodeFinished("j", 0, "verify", duration=0.5))) == []  # one ahead at a time
     clock.t = 1.2
     p.handle(NodeFinished("c1", 0, "rollout", duration=1.0))
-    assert svc.running == ("c2", 0, "rollout") and p.held_ahead == 0
+    assert svc.running == ("c2", 0, "rollout") and p.counts()["held_ahead"] == 0
 
 
 def test_no_hold_when_the_due_node_comes_after_the_running_one_or_the_ordering_would_not_pick_it() -> None:
@@ -104,7 +104,7 @@ def test_no_hold_when_the_due_node_comes_after_the_running_one_or_the_ordering_w
     p.handle(JobSubmitted("c2", COMPUTE_PLAN))
     clock.t = 0.2
     p.handle(NodeFinished("j", 0, "rollout", duration=0.2))
-    assert p.services["s0"].next == ("c2", 0, "rollout") and p.held_ahead == 0
+    assert p.services["s0"].next == ("c2", 0, "rollout") and p.counts()["held_ahead"] == 0
 
 
 def test_io_first_serves_the_job_with_the_least_service_share_and_lets_a_long_wait_in() -> None:
@@ -141,7 +141,9 @@ def test_io_first_with_the_hold_shortens_the_default_mix_in_the_simulator() -> N
 
     def ends(specs: list[SimJob], ordering: object, hold: bool, seed: int) -> dict[str, float]:
         ex = SimExecutor(1, SeededCosts(seed=seed, jitter=0.1), dispatch=(0.03, 0.03))
-        runner = Runner(ex, placement=Pack(math.inf), ordering=ordering, lookahead=True, hold_ahead=hold)  # type: ignore[arg-type]
+        runner = Runner(
+            ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering, lookahead=True, hold_ahead=hold)
+        )  # type: ignore[arg-type]
         done = runner.run(specs)
         assert all(r.status == "done" and r.finished_at is not None for r in done)
         return {r.job_id: r.finished_at for r in done}  # type: ignore[misc]

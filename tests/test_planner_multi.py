@@ -83,7 +83,7 @@ def test_spread_backfill_queues_until_predicted_load_leaves_room() -> None:
     for node in ("rollout", "verify", "advantage"):
         assert not any(isinstance(i, PlaceJob) for i in p.handle(NodeFinished("a", 0, node, duration=0.01)))
     out = p.handle(NodeFinished("a", 0, "train", duration=0.01))
-    assert PlaceJob("c", "s0", "device") in out and p.jobs["c"].status == "placed"
+    assert PlaceJob("c", "s0", "device") in out and p.jobs["c"].status == "running"
 
 
 def test_swaps_and_prefetch_follow_the_device_budget() -> None:
@@ -313,7 +313,8 @@ def test_one_users_twenty_jobs_cannot_starve_another_users_single_job() -> None:
     bob = [replace(j, user="bob") for j in jobs[1:]]
 
     def completion(specs: list, ordering: object) -> dict[str, float]:  # type: ignore[type-arg]
-        runner = Runner(SimExecutor(1, SeededCosts(seed=0)), placement=Pack(math.inf), ordering=ordering)
+        ex = SimExecutor(1, SeededCosts(seed=0))
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering))  # type: ignore[arg-type]
         runs = runner.run(specs)  # type: ignore[arg-type]
         assert all(r.status == "done" for r in runs)
         return {r.job_id: r.finished_at - r.submitted_at for r in runs}  # type: ignore[operator]
@@ -358,7 +359,8 @@ def test_chunked_service_nodes_let_another_job_in_between_chunks() -> None:
     def run(chunks: int) -> tuple[list[float], dict[str, float], float]:
         waits = Waits()
         costs = SeededCosts(seed=2, jitter=0.0)
-        runner = Runner(SimExecutor(1, costs), hooks=[waits], placement=Pack(math.inf), validate=True)
+        ex = SimExecutor(1, costs)
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), validate=True), hooks=[waits])
         runs = runner.run(jobs(chunks))
         assert [r.status for r in runs] == ["done", "done"]
         a_busy = sum(row["time/rollout"] for row in runs[0].history)
@@ -421,7 +423,8 @@ def test_slowdown_ordering_lowers_the_worst_slowdown_of_a_mix_at_the_same_makesp
     jobs = [job("compute", 0.001), job("judge", 0.5), job("judge-slow", 0.8)]
 
     def completion(specs: list[SimJob], ordering: object) -> dict[str, float]:
-        runner = Runner(SimExecutor(1, SeededCosts(seed=1)), placement=Pack(math.inf), ordering=ordering)
+        ex = SimExecutor(1, SeededCosts(seed=1))
+        runner = Runner(ex, Planner(clock=ex.clock, placement=Pack(math.inf), ordering=ordering))  # type: ignore[arg-type]
         runs = runner.run(specs)  # type: ignore[arg-type]
         assert all(r.status == "done" for r in runs)
         return {r.job_id: r.finished_at - r.submitted_at for r in runs}  # type: ignore[operator]
@@ -435,3 +438,19 @@ def test_slowdown_ordering_lowers_the_worst_slowdown_of_a_mix_at_the_same_makesp
     assert worst["slowdown"] < 0.8 * worst["hrrs"], worst
     assert worst["slowdown"] < 0.9 * worst["no-hold"] < worst["hrrs"], worst
     assert makespan["slowdown"] < 1.12 * makespan["hrrs"], makespan
+
+
+def test_a_waiting_job_is_told_which_service_its_load_and_what_lets_it_in() -> None:
+    """Issue 37: "waiting for room on a service" while one user's two jobs held the only service said nothing
+    a user could act on."""
+    p = Planner(clock=Clock(), placement=SpreadBackfill(max_load=1.0), validate=True)
+    p.handle(ServiceJoined("s0"))
+    p.handle(JobSubmitted("a", GRPO))
+    p.handle(JobSubmitted("b", GRPO))
+    assert p.handle(JobSubmitted("c", GRPO)) == []
+    why = p.jobs["c"].reason
+    assert "s0 holds 2 jobs at a predicted load of 0.80; this job adds 0.40" in why
+    assert "spread+backfill admits up to max_load 1.00: it goes in when that load falls to 0.60 or below" in why
+    for node in GRPO.order:  # a's iteration ends, the loads settle lower, c goes in and its reason is gone
+        p.handle(NodeFinished("a", 0, node, duration=5.0 if node == "prompts" else 0.01))
+    assert p.jobs["c"].status == "placed" and p.jobs["c"].reason == ""

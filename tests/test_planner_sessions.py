@@ -28,7 +28,7 @@ from plexrl.planner import (
     SessionClosing,
 )
 from plexrl.planner.gaps import busy_fraction, next_use
-from plexrl.planner.sessions import CLIENT
+from plexrl.planner.sessions import CLIENT, only_idle_left
 
 KINDS = ("forward_backward", "optim_step", "sample")
 
@@ -57,7 +57,7 @@ def planner(device: int | None = None) -> tuple[Planner, Clock]:
 def test_calls_run_one_at_a_time_in_the_order_they_came_numbered_as_iterations() -> None:
     p, clock = planner()
     assert sent(p.handle(JobSubmitted("s", session()))) == []  # placed, idle: no call, no iteration
-    assert p.jobs["s"].status == "placed" and not p.jobs["s"].nodes
+    assert p.jobs["s"].status == "running" and not p.jobs["s"].nodes
     out = p.handle(CallArrived("s", "forward_backward"))
     assert sent(out) == [("s", 0, "forward_backward")]
     with pytest.raises(InvalidTransition, match="while another is pending or running"):
@@ -65,7 +65,7 @@ def test_calls_run_one_at_a_time_in_the_order_they_came_numbered_as_iterations()
     clock.t = 1.0
     out = p.handle(NodeFinished("s", 0, "forward_backward", duration=1.0))
     assert [i for i in out if isinstance(i, IterationDone)] == [IterationDone("s", 0)] and sent(out) == []
-    assert p.idle_sessions()
+    assert only_idle_left(p.jobs.values())
     assert sent(p.handle(CallArrived("s", "optim_step"))) == [("s", 1, "optim_step")]
     p.handle(NodeFinished("s", 1, "optim_step", duration=0.5))
     with pytest.raises(InvalidTransition, match="no call kind"):

@@ -56,9 +56,10 @@ def test_a_killed_service_worker_jobs_resume_elsewhere_exactly(tmp_path: Path) -
     marker.unlink()
 
     cfg = ServerConfig(
-        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), mlflow=False, driver="dask",
-        allowed_modules=["plexrl", "user_ops"], checkpoint_every=1, placement="spread", validate_state=True,
-        cpu_threads=1, services={"count": 2},
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(run_dir), mlflow=False,
+        allowed_modules=["plexrl", "user_ops"], checkpoint_every=1,
+        cluster={"driver": "dask", "placement": "spread", "validate_state": True, "cpu_threads": 1,
+                 "services": {"count": 2}},
     )  # fmt: skip
     srv = start_server(cfg)
     try:

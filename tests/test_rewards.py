@@ -1,44 +1,50 @@
-"""Rewards (plexrl/rewards.py): built-ins, the weighted sum, user rewards by dotted path with a time limit."""
+"""Rewards (plexrl/rewards.py): built-ins, the weighted sum, user rewards by dotted path, every call in a
+worker process with a time limit (plexrl/reward_workers.py)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 import threading
+import time
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-import plexrl.rewards as rewards_mod
 from plexrl.data.config import DataConfig, RewardTerm
 from plexrl.errors import ConfigError
+from plexrl.reward_workers import POOL
 from plexrl.rewards import (
     BUILTINS,
+    MAX_TIMEOUTS_IN_A_ROW,
     ChoiceParams,
     ExactParams,
     FormatParams,
     MathParams,
     NumericParams,
     RegexParams,
+    RewardHung,
     batched_reward,
     build_reward,
-    call_with_timeout,
-    stuck_threads,
 )
 from plexrl.roles import allowed_modules, declare
 
 # ---- user rewards, named below as `test_rewards:<name>` (this file is importable from tests/) -------------
-
-RELEASE = threading.Event()  # lets a hanging reward return when its test ends
-CALLS: list[str] = []
+# They run in worker processes: a "hang" is a real one (the worker is killed at the term's timeout_s).
 
 
 @declare("reward")
 def length_bonus(
     prompt: str, response: str, ground_truth: str, extra: dict[str, Any], *, per_char: float = 0.1
 ) -> float:
-    CALLS.append(prompt)
-    return per_char * len(response) + (1.0 if extra.get("bonus") else 0.0)
+    return per_char * len(response) + (1.0 if extra.get("bonus") else 0.0) + (100.0 if prompt == "p1" else 0.0)
+
+
+@declare("reward")
+def pid(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
+    return float(os.getpid())
 
 
 @declare("reward")
@@ -56,8 +62,20 @@ def raises_on_x(prompt: str, response: str, ground_truth: str, extra: dict[str, 
 @declare("reward")
 def hangs_on_h(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
     if "h" in response:
-        RELEASE.wait(60)  # "hangs" until the test releases it (bounded, so no thread outlives the run)
+        threading.Event().wait()  # for ever: only a kill ends it
     return 1.0
+
+
+@declare("reward")
+def backtracks_on_h(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
+    if "h" in response:  # Python's `re` backtracks for minutes here and holds the GIL all along
+        re.match(r"(a|aa)*b", "a" * 45)
+    return 0.5
+
+
+@declare("reward")
+def equal(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
+    return float(response == ground_truth)
 
 
 @declare("reward")
@@ -84,15 +102,6 @@ def undeclared(prompt: str, response: str, ground_truth: str, extra: dict[str, A
 @declare("tool")
 def a_tool() -> None:
     return None
-
-
-def release_hung() -> None:
-    """Let the hanging reward return, and wait (with a deadline) for its abandoned threads to end."""
-    RELEASE.set()
-    for t in threading.enumerate():
-        if t.name.startswith("plexrl-reward-hangs_on_h"):
-            t.join(10)
-    assert stuck_threads() == 0
 
 
 def terms(*items: dict[str, Any]) -> list[RewardTerm]:
@@ -170,11 +179,16 @@ def test_weighted_sum_with_components_by_name() -> None:
 
 
 def test_user_reward_per_row_gets_prompt_extra_and_params() -> None:
-    CALLS.clear()
     reward = build_reward(terms({"ref": "test_rewards:length_bonus", "params": {"per_char": 0.5}}))
     out = reward(["p0", "p1"], ["ab", "abcd"], ["x", "y"], [{}, {"bonus": True}])
-    assert out.total == [1.0, 3.0] and out.components == {"length_bonus": [1.0, 3.0]}
-    assert CALLS == ["p0", "p1"]
+    assert out.total == [1.0, 103.0] and out.components == {"length_bonus": [1.0, 103.0]}
+
+
+def test_every_term_runs_in_a_worker_process_that_is_reused() -> None:
+    reward = build_reward(terms({"ref": "test_rewards:pid"}))
+    first = reward(["", ""], ["a", "b"], ["", ""]).components["pid"]
+    assert first[0] == first[1] != float(os.getpid())
+    assert reward([""], ["c"], [""]).components["pid"] == [first[0]]  # the idle worker served the next batch
 
 
 def test_user_reward_dict_components_and_batched() -> None:
@@ -199,29 +213,85 @@ def test_a_raising_reward_scores_zero_and_is_counted() -> None:
 
 
 def test_a_hanging_reward_times_out_scores_zero_and_is_counted() -> None:
-    RELEASE.clear()
-    try:
-        reward = build_reward(terms({"ref": "test_rewards:hangs_on_h", "timeout_s": 0.05}))
-        out = reward(["", "", ""], ["a", "h", "b"], ["", "", ""])
-        assert out.components["hangs_on_h"] == [1.0, 0.0, 1.0]
-        assert out.timeouts == 1 and out.errors == 0
-        assert out.metrics()["reward_timeouts"] == 1.0
-        assert stuck_threads() >= 1  # abandoned, still waiting
-    finally:
-        release_hung()
+    reward = build_reward(terms({"ref": "test_rewards:hangs_on_h", "timeout_s": 0.5}))
+    out = reward(["", "", "", ""], ["a", "h", "b", "c"], ["", "", "", ""])
+    assert out.components["hangs_on_h"] == [1.0, 0.0, 1.0, 1.0]  # the rows after the hung one still scored
+    assert out.timeouts == 1 and out.errors == 0
+    assert out.metrics()["reward_timeouts"] == 1.0
 
 
-def test_too_many_stuck_threads_refuse_new_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    RELEASE.clear()
+def test_a_call_holding_the_gil_is_killed_and_this_process_runs_on() -> None:
+    """A call that never gives up the GIL (Python's `re` backtracking, as in issue 38) runs in the worker:
+    this process's threads keep running while it waits, and the call is killed at its limit (in a thread of
+    this process, the ticker would stand still for the minutes the match takes)."""
+    reward = build_reward(terms({"ref": "test_rewards:backtracks_on_h", "timeout_s": 1.0}))
+    ticks = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            stop.wait(0.05)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
     try:
-        monkeypatch.setattr(rewards_mod, "MAX_STUCK", stuck_threads() + 1)
-        assert call_with_timeout(hangs_on_h, ("", "h", "", {}), {}, 0.05) == ("timeout", None)
-        called = threading.Event()
-        status, _ = call_with_timeout(called.set, (), {}, 5.0)
-        assert status == "timeout" and not called.is_set()  # refused without running
+        out = reward(["", ""], ["h", "a"], ["", ""])
     finally:
-        release_hung()
-    assert call_with_timeout(lambda: 3, (), {}, 5.0) == ("ok", 3)
+        stop.set()
+        ticker.join()
+    assert out.components["backtracks_on_h"] == [0.0, 0.5] and out.timeouts == 1
+    assert len(ticks) >= 3  # about 20 in the second the call was given
+
+
+def test_a_hanging_second_term_leaves_the_first_its_scores() -> None:
+    """Issue 37: a second term (weight 0.5) that hangs on some rows must not zero the first, a user reward
+    (the accuracy signal), batch after batch: the old threads gave up on every user reward after 8 hangs."""
+    reward = build_reward(
+        terms({"ref": "test_rewards:equal"}, {"ref": "test_rewards:hangs_on_h", "weight": 0.5, "timeout_s": 0.3})
+    )
+    responses, truths = ["7", "h", "8", "h", "7", "h", "9", "h"], ["7", "h", "7", "h"] * 2
+    for _ in range(3):  # 12 hung calls in all
+        out = reward([""] * 8, responses, truths)
+        assert out.components["equal"] == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+        assert out.components["hangs_on_h"] == [1.0, 0.0] * 4
+        assert out.timeouts == 4 and out.errors == 0
+        assert out.correct == [s == 1.0 for s in out.components["equal"]]
+
+
+def test_a_term_that_keeps_timing_out_fails_loudly_with_its_name() -> None:
+    reward = build_reward(
+        terms({"name": "exact"}, {"ref": "test_rewards:hangs_on_h", "label": "slow", "timeout_s": 0.2})
+    )
+    with pytest.raises(
+        RewardHung, match=rf"'slow' \(test_rewards:hangs_on_h\) timed out on {MAX_TIMEOUTS_IN_A_ROW} calls"
+    ):
+        reward([""] * MAX_TIMEOUTS_IN_A_ROW, ["h"] * MAX_TIMEOUTS_IN_A_ROW, [""] * MAX_TIMEOUTS_IN_A_ROW)
+
+
+def test_a_backtracking_regex_pattern_runs_in_linear_time() -> None:
+    """Issue 38: `(?s)(.|.|.|.|.)*X` on a completion without an X takes exponential time in Python's `re`;
+    on RE2 it is one pass. The term's limit is 5 s; a backtracking engine would not finish in years."""
+    reward = build_reward(terms({"name": "regex", "params": {"pattern": "(?s)(.|.|.|.|.)*X"}}))
+    completion = "The answer is 12 because 5 + 7 = 12 and nothing else matters here at all. " * 3
+    out = reward(["", ""], [completion, completion + "X"], ["", ""])
+    assert out.components["regex"] == [0.0, 1.0] and out.timeouts == 0
+    fmt = build_reward(terms({"name": "format", "params": {"require": "regex", "pattern": "(a|aa)*$b"}}))
+    assert fmt([""], ["a" * 5000], [""]).components["format"] == [0.0]
+
+
+def test_patterns_re2_cannot_run_are_refused_at_validation() -> None:
+    with pytest.raises(ValidationError, match=r"params\.pattern.*RE2.*backreferences or lookarounds"):
+        RewardTerm(name="regex", params={"pattern": r"(a)\1"})
+    with pytest.raises(ValidationError, match=r"params\.pattern.*RE2"):
+        RewardTerm(name="format", params={"require": "regex", "pattern": r"x(?=y)"})
+
+
+def test_idle_workers_are_kept_and_closed() -> None:
+    build_reward(terms({"ref": "test_rewards:pid"}))([""], ["a"], [""])
+    assert POOL.idle() >= 1
+    POOL.close()
+    assert POOL.idle() == 0
 
 
 def test_undeclared_or_disallowed_refs_are_refused() -> None:
@@ -246,19 +316,12 @@ def test_reward_pickles_as_its_terms() -> None:
 
 @batched_reward
 def batch_hangs(prompts: list[str], responses: list[str], truths: list[str], extras: list[Any]) -> list[float]:
-    RELEASE.wait(60)
+    threading.Event().wait()
     return [1.0] * len(responses)
 
 
 def test_a_hanging_batched_reward_times_out_on_every_row() -> None:
-    RELEASE.clear()
-    try:
-        reward = build_reward(terms({"name": "exact"}, {"ref": "test_rewards:batch_hangs", "timeout_s": 0.05}))
-        out = reward(["", ""], ["a", "b"], ["a", "a"])
-        assert out.components["batch_hangs"] == [0.0, 0.0] and out.total == [1.0, 0.0]
-        assert out.timeouts == 2 and out.errors == 0
-    finally:
-        RELEASE.set()
-        for t in threading.enumerate():
-            if t.name.startswith("plexrl-reward-batch_hangs"):
-                t.join(10)
+    reward = build_reward(terms({"name": "exact"}, {"ref": "test_rewards:batch_hangs", "timeout_s": 0.3}))
+    out = reward(["", ""], ["a", "b"], ["a", "a"])
+    assert out.components["batch_hangs"] == [0.0, 0.0] and out.total == [1.0, 0.0]
+    assert out.timeouts == 2 and out.errors == 0

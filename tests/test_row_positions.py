@@ -14,6 +14,7 @@ from test_data_files import write_verl_parquet
 
 from plexrl.batch import Prompts, Rollouts
 from plexrl.job.load import load_job
+from plexrl.job.spec import prepare_job
 from plexrl.roles import declare
 
 
@@ -112,3 +113,18 @@ def test_a_user_reward_first_scores_the_held_out_rows_it_is_asked_about(smol_tin
     assert job.status == "done", job.error
     evaluations = [it["evaluate/accuracy"] for it in job.history if "evaluate/accuracy" in it]
     assert evaluations and all(a == 1.0 for a in evaluations), evaluations
+
+
+def test_reward_workers_run_inside_dask_workers(smol_tiny: Path, tmp_path: Path) -> None:
+    """The reward's worker processes start from a CPU-pool worker of a local Dask cluster (a daemonic process
+    may not start `multiprocessing` children; `subprocess` works) and score as inline."""
+    from plexrl.runtime.dask import DaskExecutor
+    from plexrl.runtime.runner import Runner
+
+    cfg = a_job(smol_tiny, tmp_path, iterations=1)
+    spec = prepare_job(load_job(cfg))
+    (job,) = Runner(DaskExecutor(services=1, cpu_threads=1), validate=True).run([spec])
+    assert job.status == "done", job.error
+    it = [h for h in job.history if "verify/reward_mean" in h][-1]
+    assert it["verify/reward_errors"] == 0 and it["verify/reward_timeouts"] == 0
+    assert it["verify/reward/row_check"] == 1.0

@@ -10,6 +10,7 @@ import pytest
 
 from plexrl.hooks.base import Hook, RunSummary
 from plexrl.job.spec import JobRun
+from plexrl.planner import Planner
 from plexrl.planner.policies import placement_policy
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import SeededCosts, SimExecutor, grpo_like_jobs
@@ -35,7 +36,8 @@ def test_submit_from_a_hook_then_stop_when_idle() -> None:
     """Job B is submitted when A ends; the loop keeps waiting after B ends until stopped from a hook."""
     a, b = _jobs(2)
     rec = Record()
-    runner = Runner(SimExecutor(1, SeededCosts(seed=1)), hooks=[rec], validate=True)
+    ex = SimExecutor(1, SeededCosts(seed=1))
+    runner = Runner(ex, Planner(clock=ex.clock, validate=True), hooks=[rec])
 
     class Chain(Hook):
         def on_job_end(self, run: JobRun) -> None:
@@ -59,8 +61,9 @@ def test_stop_closes_open_jobs_as_cancelled_and_reports_every_close() -> None:
     a, b = _jobs(2, seed=3)
     rec = Record()
     closed: list[tuple[str, str, str]] = []
+    ex = SimExecutor(1, SeededCosts(seed=1))
     runner = Runner(
-        SimExecutor(1, SeededCosts(seed=1)), hooks=[rec], validate=True, placement=placement_policy("isolated"),
+        ex, Planner(clock=ex.clock, validate=True, placement=placement_policy("isolated")), hooks=[rec],
         on_closed=lambda r: closed.append((r.job_id, r.status, r.error)),
     )  # fmt: skip
 
@@ -93,7 +96,8 @@ def test_submit_and_cancel_from_another_thread() -> None:
             if len(ended) == 3:
                 done.set()
 
-    runner = Runner(SimExecutor(2, SeededCosts(seed=2)), hooks=[Notify()], validate=True)
+    ex = SimExecutor(2, SeededCosts(seed=2))
+    runner = Runner(ex, Planner(clock=ex.clock, validate=True), hooks=[Notify()])
     err: list[BaseException] = []
 
     def loop() -> None:
@@ -125,7 +129,7 @@ def test_a_long_running_loop_forgets_ended_jobs() -> None:
     jobs = _jobs(30, seed=5)
     sim = SimExecutor(2, SeededCosts(seed=1), failures={"service-1": 3.0})
     rec = Record()
-    runner = Runner(sim, hooks=[rec], validate=True, forget_ended=True)
+    runner = Runner(sim, Planner(clock=sim.clock, validate=True), hooks=[rec], forget_ended=True)
     pending = list(jobs[2:])
 
     class Next(Hook):

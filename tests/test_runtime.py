@@ -48,7 +48,9 @@ def test_bytes_reaching_the_client_do_not_grow_with_the_batch(tmp_path: Path) ->
             if not amm:
                 amm.append(executor.client.amm.running())
 
-    runs = Runner(executor, hooks=[Meter()], lookahead=True, inline_below=0.01).run([small, big])
+    runs = Runner(executor, Planner(clock=executor.clock, lookahead=True, inline_below=0.01), hooks=[Meter()]).run(
+        [small, big]
+    )
     assert [r.status for r in runs] == ["done", "done"], [r.error for r in runs]
     # the local cluster's active memory manager is off: it dropped the copies of a spec that a worker had
     # fetched, so the next node there fetched it again (seconds of pickling on both workers' event loops)
@@ -137,5 +139,5 @@ def test_state_measured_frees_room_for_a_queued_job() -> None:
     out = p.handle(JobSubmitted("b", JobPlan(nodes, 1, ("s",), state_bytes=40)))
     assert p.jobs["b"].status == "queued"
     out = p.handle(StateMeasured("s0", "a", 50))  # the estimate was an upper bound
-    assert p.jobs["b"].status == "placed" and any(getattr(i, "job_id", "") == "b" for i in out)
+    assert p.jobs["b"].status == "running" and any(getattr(i, "job_id", "") == "b" for i in out)
     assert p.handle(StateMeasured("s0", "a", 90)) == [] and p.services["s0"].state.size["a"] == 50  # no room

@@ -22,6 +22,7 @@ from conftest import TINY, wait_for
 from plexrl.errors import ConfigError
 from plexrl.hooks.base import Hook
 from plexrl.job.spec import JobRun
+from plexrl.planner.admission import UserLimits
 from plexrl.planner.policies import FairShare, Fifo
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_nodes
 from plexrl.server.api import RunningServer, start_server
@@ -45,8 +46,7 @@ def sim_runner(*hooks: Hook) -> RunnerFactory:
     return runner_of(
         SimExecutor(2, SeededCosts(seed=0)),
         hooks=list(hooks),
-        validate=True,
-        ordering=FairShare(Fifo()),
+        planner={"validate": True, "ordering": FairShare(Fifo())},
         forget_ended=True,
     )
 
@@ -160,7 +160,7 @@ def test_token_required_off_loopback_and_checked(tmp_path: Path, job_yaml: Path)
         load_server_config(None, ["host=0.0.0.0"])
     assert load_server_config(None, ["host=0.0.0.0"], token=TOKEN).token == TOKEN
     with pytest.raises(ConfigError, match="`scheduler` needs `driver: dask`"):
-        load_server_config(None, ["scheduler=tcp://x:1", "driver=local"])
+        load_server_config(None, ["cluster.scheduler=tcp://x:1", "cluster.driver=local"])
     with serving(tmp_path, token=TOKEN) as srv:
         for bad in (None, "wrong-token-wrong-token"):
             with pytest.raises(ServerError, match="missing or wrong token") as err:
@@ -293,27 +293,56 @@ def test_cli_clients(tmp_path: Path, job_yaml: Path) -> None:
     assert res.exit_code == 2 and "no PlexRL server at" in res.output
 
 
+class UserGate(Gate):
+    """A `Gate` for the jobs of one user."""
+
+    def __init__(self, user: str, at: int) -> None:
+        super().__init__(at)
+        self.user = user
+
+    def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
+        if run.spec.user == self.user:
+            super().on_iteration_end(run, iteration, metrics)
+
+
+class Holds(Hook):
+    """The planner's holds, as the journal hook receives them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def on_job_held(self, run: JobRun, reason: str) -> None:
+        self.calls.append((run.job_id, reason))
+
+
 def test_per_user_limit_holds_a_users_extra_jobs_and_lets_another_user_in(tmp_path: Path, job_yaml: Path) -> None:
-    gate = Gate(at=0)  # blocks the runner inside ann's first job
-    with serving(tmp_path, runner=sim_runner(gate), max_jobs_per_user=1) as srv:
-        runner = srv.controller.runner
+    """The planner holds ann's extra jobs (its `user_limits`), their reason reaches the journal through the
+    journal hook; bob's job goes in at once; a held job goes in when ann's running one ends."""
+    ann, bob_gate, holds = UserGate("ann", at=0), UserGate("bob", at=0), Holds()
+    limits = {"validate": True, "ordering": FairShare(Fifo()), "user_limits": UserLimits(max_jobs=1)}
+    runner = runner_of(SimExecutor(2, SeededCosts(seed=0)), hooks=[ann, bob_gate, holds], planner=limits,
+                       forget_ended=True)  # fmt: skip
+    with serving(tmp_path, runner=runner) as srv:
         c = Client(srv.url)
-        first = c.submit(job_yaml, ["iterations=2"], user="ann")["job_id"]
-        assert gate.reached.wait(60)
+        first = c.submit(job_yaml, ["iterations=6"], user="ann")["job_id"]
+        assert ann.reached.wait(60)  # the runner thread is held in ann's first job
         second, third = (c.submit(job_yaml, ["iterations=2"], user="ann")["job_id"] for _ in range(2))
-        wait_for(lambda: c.status(third)["reason"].startswith("waiting"), "ann's third job to wait")
-        assert c.status(second)["reason"] == "waiting: user 'ann' has 1 job(s) running, the limit is 1"
         bob = c.submit(job_yaml, ["iterations=2"], user="bob")["job_id"]
-        adm = srv.controller.admission  # (the runner thread is held by the gate: it takes submissions later)
-        wait_for(lambda: adm.active.get("bob") == {bob}, "bob's job to be handed over while ann's wait")
-        assert [j for j, _ in adm.waiting] == [second, third] and c.status(bob)["reason"] == ""
-        assert c.cancel(second)["status"] == "cancelled"  # withdrawn while waiting: frees no slot
-        assert [j for j, _ in adm.waiting] == [third] and adm.active["ann"] == {first}
-        gate.release.set()
+        inbox = srv.controller.runner._inbox  # prepared and handed to the runner (taken at its next turn)
+        wait_for(lambda: {s.job_id for s in list(inbox._submits)} == {second, third, bob}, "the hand-overs")
+        ann.release.set()
+        assert bob_gate.reached.wait(60)  # the planner has weighed them all; bob's job runs
+        why = "waiting: user 'ann' has 1 job(s) running, the limit is 1"
+        assert c.status(second)["reason"] == why and c.status(third)["reason"] == why
+        assert c.status(bob)["reason"] == "" and c.status(first)["status"] == "running"
+        assert c.cancel(second)["status"] == "cancelled"  # withdrawn while held
+        bob_gate.release.set()
         for job_id in (first, third, bob):
             wait_for(lambda j=job_id: c.status(j)["status"] == "done", f"{job_id} done")  # type: ignore[misc]
-        assert second not in runner.runs and c.status(third)["reason"] == ""
-        assert c.status(third)["started_at"] >= c.status(first)["finished_at"]  # handed over once first ended
+        assert c.status(third)["reason"] == ""
+        assert c.status(third)["started_at"] >= c.status(first)["finished_at"]  # in once first ended
+        assert (second, why) in holds.calls and (third, why) in holds.calls and (third, "") in holds.calls
+        assert not any(job == bob for job, _ in holds.calls)
 
 
 class CheckpointingSim(SimExecutor):
@@ -342,7 +371,9 @@ class CheckpointingSim(SimExecutor):
 
 
 def test_checkpoint_bookkeeping_and_a_failed_checkpoint_keeps_the_previous(tmp_path: Path, job_yaml: Path) -> None:
-    runner = runner_of(CheckpointingSim(fail={2}), validate=True, ordering=FairShare(Fifo()), forget_ended=True)
+    runner = runner_of(
+        CheckpointingSim(fail={2}), planner={"validate": True, "ordering": FairShare(Fifo())}, forget_ended=True
+    )
     with serving(tmp_path, runner=runner, checkpoint_every=1) as srv:
         c = Client(srv.url)
         job_id = c.submit(job_yaml, ["iterations=4", "pipeline.params.eval_every=1"])["job_id"]
@@ -379,8 +410,10 @@ def test_a_lost_service_jobs_are_placed_again_from_their_checkpoint(tmp_path: Pa
     """service-0 is lost (virtual t=30) while job A runs on it: A is placed again on service-1 and resumes after
     its latest checkpoint; job B on service-1 is untouched; nothing before the checkpoint is run again."""
     sim = SimExecutor(2, SeededCosts(seed=0), failures={"service-0": 30.0})
-    runner = runner_of(sim, validate=True, ordering=FairShare(Fifo()), forget_ended=True)
-    with serving(tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, placement="spread") as srv:
+    runner = runner_of(sim, planner={"validate": True, "ordering": FairShare(Fifo())}, forget_ended=True)
+    with serving(
+        tmp_path, runner=runner, prepare=resumable_prepare, checkpoint_every=4, cluster={"placement": "spread"}
+    ) as srv:
         c = Client(srv.url)
         a = c.submit(job_yaml, ["iterations=200"])["job_id"]
         b = c.submit(job_yaml, ["iterations=200", "seed=1"])["job_id"]

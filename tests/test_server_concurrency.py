@@ -17,6 +17,7 @@ from conftest import TINY, local_runner
 from plexrl.hooks.base import Hook, HookFailed
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobRun, JobSpec, prepare_job
+from plexrl.planner import Planner
 from plexrl.runtime.inline import InlineExecutor
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SeededCosts, SimExecutor, SimJob, grpo_like_jobs, grpo_nodes
@@ -122,10 +123,11 @@ def test_an_interrupted_server_runner_closes_its_jobs_while_forgetting_them() ->
     """A required hook fails with jobs open in a runner that forgets ended jobs (the server's): every open job
     is closed, and the error is the hook's, not 'dictionary changed size during iteration'."""
     closed: list[str] = []
+    ex = SimExecutor(2, SeededCosts(seed=0))
     runner = Runner(
-        SimExecutor(2, SeededCosts(seed=0)),
+        ex,
+        Planner(clock=ex.clock, validate=True),
         hooks=[RaiseOnIteration()],
-        validate=True,
         forget_ended=True,
         on_closed=lambda run: closed.append(run.job_id),
     )
@@ -145,7 +147,7 @@ def test_concurrent_submits_cancels_and_status_reads_leave_the_runner_healthy(tm
     cancels every other job as soon as it is submitted, one reads statuses and the controller's health. The
     runner thread stays alive, every job ends (done or cancelled), and nothing of them stays in the runner."""
     journal = Journal(tmp_path / "journal.db")
-    runner = runner_of(SimExecutor(2, SeededCosts(seed=0)), validate=True, forget_ended=True)
+    runner = runner_of(SimExecutor(2, SeededCosts(seed=0)), planner={"validate": True}, forget_ended=True)
     controller = Controller(runner, journal, sim_prepare, prepare_workers=3)
     controller.start()
     n = 60

@@ -117,43 +117,6 @@ def test_recover_resumes_from_the_latest_checkpoint(tmp_path: Path) -> None:
     assert j.events(a.job_id)[-1].data["resume"] == "from the checkpoint after iteration 3"
 
 
-def test_admission_limits_each_user_and_keeps_arrival_order() -> None:
-    from plexrl.server.admission import Admission
-
-    adm = Admission(limit=2)
-    assert adm.offer("a1", "ann") == ["a1"] and adm.offer("a2", "ann") == ["a2"]
-    assert adm.offer("a3", "ann") == [] and adm.offer("a4", "ann") == []
-    assert adm.offer("b1", "bob") == ["b1"]  # another user's job goes in at once
-    assert adm.reason("a3") == "waiting: user 'ann' has 2 job(s) running, the limit is 2"
-    assert adm.reason("b1") is None
-    assert adm.ended("b1") == []  # bob's slot frees nothing of ann's
-    assert adm.ended("a4") == []  # withdrawn while waiting (cancelled)
-    assert adm.ended("a1") == ["a3"]
-    assert adm.ended("a2") == [] and adm.waiting == []
-    with pytest.raises(ValueError, match="offered twice"):
-        adm.offer("a3", "ann")
-    free = Admission(limit=None)
-    assert [j for i in range(5) for j in free.offer(f"j{i}", "ann")] == [f"j{i}" for i in range(5)]
-
-
-def test_admission_quota_on_share_of_accelerator_seconds() -> None:
-    from plexrl.server.admission import Admission
-
-    shares = {"ann": 0.0, "bob": 0.0}
-    adm = Admission(max_share=0.5, share=lambda user: shares[user])
-    assert adm.offer("a1", "ann") == ["a1"]
-    shares["ann"] = 0.7
-    assert adm.offer("a2", "ann") == [] and adm.offer("b1", "bob") == ["b1"]  # over quota; bob is not
-    why = "waiting: user 'ann' uses 70% of the accelerator-seconds (recent, decayed), the quota is 50%"
-    assert adm.reason("a2") == why
-    assert adm.again() == []
-    shares["ann"] = 0.4  # ann's share decayed below the quota
-    assert adm.again() == ["a2"] and adm.reason("a2") is None
-    shares["ann"] = 0.9
-    assert adm.offer("a3", "ann") == []
-    assert adm.ended("a1") == [] and adm.ended("a2") == ["a3"]  # a user with nothing running gets one job in
-
-
 def test_usage_decays_with_its_half_life() -> None:
     from plexrl.planner.shares import Usage
 

@@ -23,6 +23,7 @@ from plexrl.job.model_config import ModelConfig
 from plexrl.job.models import PreparationCancelled, prepare_model
 from plexrl.job.spec import JobRun, prepare_job
 from plexrl.job.tasks import make_task
+from plexrl.planner import Planner
 from plexrl.planner.policies import FairShare, Fifo
 from plexrl.runtime.inline import InlineExecutor
 from plexrl.runtime.runner import Runner
@@ -47,7 +48,9 @@ def sim_job(entry: JobEntry) -> SimJob:
 def controlling(tmp_path: Path, prepare: Callable[..., Any], **kwargs: Any) -> Iterator[Controller]:
     """A started controller over a simulated runner and a journal in tmp_path; stopped (within 30 s) after."""
     journal = Journal(tmp_path / "journal.db")
-    controller = Controller(runner_of(SimExecutor(2, SeededCosts(seed=0)), validate=True), journal, prepare, **kwargs)
+    controller = Controller(
+        runner_of(SimExecutor(2, SeededCosts(seed=0)), planner={"validate": True}), journal, prepare, **kwargs
+    )
     controller.start()
     try:
         yield controller
@@ -134,7 +137,7 @@ def test_stop_during_a_long_preparation_returns_promptly_and_the_next_server_pre
 ) -> None:
     gates = Gates("slow")
     journal = Journal(tmp_path / "journal.db")
-    c = Controller(runner_of(SimExecutor(1, SeededCosts(seed=0)), validate=True), journal, gates)
+    c = Controller(runner_of(SimExecutor(1, SeededCosts(seed=0)), planner={"validate": True}), journal, gates)
     c.start()
     job_id = c.submit("slow", {}, 2).job_id
     assert gates.entered["slow"].wait(60)
@@ -194,7 +197,9 @@ def test_a_real_server_stops_within_10_s_during_a_warm_start_and_caps_warm_start
         max_warm_start_steps=50_000,
     )  # fmt: skip
     inline = InlineExecutor(services=1, validate=True)
-    srv = start_server(cfg, runner=runner_of(inline, validate=True, ordering=FairShare(Fifo()), forget_ended=True))
+    srv = start_server(
+        cfg, runner=runner_of(inline, planner={"validate": True, "ordering": FairShare(Fifo())}, forget_ended=True)
+    )
     stopped = False
     try:
         c = srv.controller
@@ -240,7 +245,8 @@ class FailsFor(Hook):
 
 def test_a_hook_that_fails_for_one_job_is_off_for_that_job_only() -> None:
     hook = FailsFor("a")
-    runner = Runner(SimExecutor(1, SeededCosts(seed=0)), hooks=[hook], validate=True)
+    ex = SimExecutor(1, SeededCosts(seed=0))
+    runner = Runner(ex, Planner(clock=ex.clock, validate=True), hooks=[hook])
     a, b = runner.run([sim("a", 2), sim("b", 2)])
     assert (a.status, b.status) == ("done", "done")  # tracking does not fail a job
     assert [k for k, j in hook.calls if j == "a"] == ["on_job_start", "on_job_end"]  # off for a, told of its end

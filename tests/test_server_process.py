@@ -120,7 +120,7 @@ def _job(tmp_path: Path) -> Path:
 
 def test_serve_sigterm_restart_and_sigkill_recovery(tmp_path: Path) -> None:
     args = ["serve", "--port", "0", "--set", "journal=runs/journal.db", "--set", "run_dir=runs"]
-    args += ["--set", "driver=local"]  # (a SIGKILLed server would leave a local Dask cluster's workers behind)
+    args += ["--set", "cluster.driver=local"]  # (a SIGKILLed server would leave a local Dask cluster's workers behind)
     db = tmp_path / "runs" / "mlflow.db"
 
     def start() -> tuple[Proc, Client]:

@@ -21,6 +21,7 @@ from test_server import TOKEN, Gate, serving, sim_runner
 from plexrl.accounting import JobFacts, account
 from plexrl.hooks.timeline import Span
 from plexrl.job.spec import JobRun
+from plexrl.planner import Planner
 from plexrl.runtime.sim import GB, GRPO_ORDER, SimJob, grpo_nodes
 from plexrl.server.client import Client
 from plexrl.server.journal import Journal
@@ -127,11 +128,11 @@ def test_snapshots_read_while_the_runner_runs_match_its_timeline(tmp_path: Path)
 
     timeline = TimelineRecorder(tmp_path / "timelines", draw=False)
     view = ClusterView(lambda: runner)  # one of the runner's hooks, built before it
+    ex = SimExecutor(2, SeededCosts(seed=3))
     runner = Runner(
-        SimExecutor(2, SeededCosts(seed=3)),
+        ex,
+        Planner(clock=ex.clock, validate=True, placement=placement_policy("pack")),
         hooks=[timeline, view],
-        validate=True,
-        placement=placement_policy("pack"),
         budgets=Budgets(device=5 * GB),  # one job's state on device at a time: every switch swaps
     )
     jobs = grpo_like_jobs(12, (3, 6), seed=3)
@@ -215,7 +216,7 @@ def test_cluster_and_metrics_endpoints(tmp_path: Path, job_yaml: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     gate = Gate(at=1)  # holds the runner at the end of iteration 1 (before the journal hears of it)
-    with serving(tmp_path, runner=sim_runner(gate), token=TOKEN, placement="spread") as srv:
+    with serving(tmp_path, runner=sim_runner(gate), token=TOKEN, cluster={"placement": "spread"}) as srv:
         c = Client(srv.url, token=TOKEN)
         first = c.submit(job_yaml, ["iterations=3"], user="ann")["job_id"]
         assert gate.reached.wait(60)

@@ -26,7 +26,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> JobSpec:
     cfg: dict[str, Any] = copy.deepcopy(TINY)
     cfg["run_dir"] = str(tmp_path_factory.mktemp("svc") / "runs")
     cfg["tracking"]["mlflow"] = False
-    cfg["pipeline"]["params"]["kl_coef"] = 0.05  # a reference copy is part of the state too
+    cfg["pipeline"]["params"]["kl"] = {"coef": 0.05}  # a reference copy is part of the state too
     return prepare_job(load_job(cfg))
 
 
@@ -44,10 +44,10 @@ def test_state_round_trip_through_every_tier_is_bit_exact(job: JobSpec, tmp_path
     before = snapshot(svc, job.job_id)
     j = job.job_id
     assert svc.apply([Move(j, "device", "host", 0), Move(j, "host", "disk", 0)]) == 2 * nbytes
-    assert (tmp_path / "spill" / f"{j}.safetensors").is_file()
+    assert (tmp_path / "spill" / f"{j}.spill").is_file()
     assert all(t.numel() == 0 for t in svc.engines[j].state_tensors().values())  # device storage freed
     svc.apply([Move(j, "disk", "device", 0)])
-    assert not (tmp_path / "spill" / f"{j}.safetensors").exists()
+    assert not (tmp_path / "spill" / f"{j}.spill").exists()
     after = snapshot(svc, j)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert svc.report()["moves"] == 3 and svc.report()["bytes_to_tier"]["disk"] == nbytes
@@ -60,7 +60,7 @@ def test_a_corrupted_host_copy_is_caught_at_swap_in(job: JobSpec) -> None:
     svc.apply([Move(job.job_id, "device", "host", 0)])
     host = svc.states[job.job_id].host
     assert host is not None
-    next(iter(host.values())).view(-1)[0] += 1.0  # a flipped value while the state sat in host memory
+    next(iter(host.tensors().values())).view(-1)[0] += 1.0  # a flipped value while the state sat in host memory
     with pytest.raises(StateCorrupted, match="checksum"):
         svc.apply([Move(job.job_id, "host", "device", 0)])
     svc.close()

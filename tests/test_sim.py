@@ -14,7 +14,7 @@ import pytest
 
 from plexrl.accounting import JobFacts, account
 from plexrl.hooks.timeline import Span, TimelineRecorder
-from plexrl.planner import Move, NodePlan
+from plexrl.planner import Move, NodePlan, Planner
 from plexrl.runtime.executor import LoadReport, NodeReport, NodeTask
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import GB, SeededCosts, SimExecutor, SimJob, grpo_like_jobs
@@ -41,7 +41,7 @@ def service_spans(spans: list[Span]) -> dict[str, list[Span]]:
 
 def test_one_job_alone_takes_its_load_plus_its_chain_exactly() -> None:
     ex = SimExecutor(1, EXACT)
-    runner = Runner(ex, validate=True)
+    runner = Runner(ex, Planner(clock=ex.clock, validate=True))
     [run] = runner.run([chain_job("solo", iterations=3, state=2 * GB)])
     assert run.status == "done" and run.iterations_done == 3
     assert ex.clock() == run.finished_at == 2.0 + 3 * (0.5 + 0.25 + 1.0)  # load 2 GB at 1 GB/s, then the chain
@@ -53,7 +53,9 @@ def test_many_jobs_finish_every_iteration_and_runs_are_deterministic() -> None:
     def once() -> tuple[float, list[tuple[str, str, int, str | None]]]:
         jobs = grpo_like_jobs(8, (2, 4), seed=3)
         ex = SimExecutor(3, SeededCosts(seed=3), cpu_slots=4)
-        runs = Runner(ex, budgets=Budgets(device=6 * GB), lookahead=True, validate=True).run(jobs)
+        runs = Runner(ex, Planner(clock=ex.clock, lookahead=True, validate=True), budgets=Budgets(device=6 * GB)).run(
+            jobs
+        )
         for job, run in zip(jobs, runs, strict=True):
             assert run.status == "done", run.error
             assert run.iterations_done == job.iterations
@@ -66,10 +68,12 @@ def test_many_jobs_finish_every_iteration_and_runs_are_deterministic() -> None:
 def test_a_service_runs_one_thing_at_a_time_and_cpu_slots_bound_the_pool(tmp_path: Path) -> None:
     timeline = TimelineRecorder(tmp_path, draw=False)
     ex = SimExecutor(2, SeededCosts(seed=1), cpu_slots=2)
-    runner = Runner(ex, hooks=[timeline], budgets=Budgets(device=6 * GB), lookahead=True, validate=True)
+    runner = Runner(
+        ex, Planner(clock=ex.clock, lookahead=True, validate=True), hooks=[timeline], budgets=Budgets(device=6 * GB)
+    )
     runs = runner.run(grpo_like_jobs(6, (3, 5), seed=1))
     assert all(r.status == "done" for r in runs)
-    assert runner.planner.sent_ahead > 0  # nodes were sent to busy services
+    assert runner.planner.counts()["sent_ahead"] > 0  # nodes were sent to busy services
     lanes = service_spans(timeline.spans)
     assert {s.kind for spans in lanes.values() for s in spans} == {"node", "swap", "load"}
     for lane, spans in lanes.items():  # nodes, swaps and loads of one service never overlap
@@ -87,7 +91,9 @@ def test_a_service_runs_one_thing_at_a_time_and_cpu_slots_bound_the_pool(tmp_pat
 def test_swaps_are_charged_and_the_accounting_adds_up(tmp_path: Path) -> None:
     timeline = TimelineRecorder(tmp_path, draw=False)
     ex = SimExecutor(1, EXACT)
-    runner = Runner(ex, hooks=[timeline], budgets=Budgets(device=GB), validate=True)  # holds one state
+    runner = Runner(
+        ex, Planner(clock=ex.clock, validate=True), hooks=[timeline], budgets=Budgets(device=GB)
+    )  # holds one state
     runs = runner.run([chain_job("x"), chain_job("y")])
     assert all(r.status == "done" and r.iterations_done == 3 for r in runs)
     rep = runner.service_reports["service-0"]
@@ -111,7 +117,7 @@ def test_swaps_are_charged_and_the_accounting_adds_up(tmp_path: Path) -> None:
 def test_a_lost_service_fails_only_its_jobs(tmp_path: Path) -> None:
     timeline = TimelineRecorder(tmp_path, draw=False)
     ex = SimExecutor(2, EXACT, failures={"service-0": 3.0})
-    runner = Runner(ex, hooks=[timeline], validate=True)
+    runner = Runner(ex, Planner(clock=ex.clock, validate=True), hooks=[timeline])
     runs = runner.run([chain_job(f"j{i}", iterations=4) for i in range(4)])
     lost = [r for r in runs if r.service == "service-0"]
     kept = [r for r in runs if r.service == "service-1"]

@@ -20,8 +20,9 @@ from plexrl.sim.costs import (
     train_seconds,
     train_state_bytes,
 )
-from plexrl.sim.deploy import job_state, run_deployment, run_one
+from plexrl.sim.deploy import job_state, run_deployment
 from plexrl.sim.engine import simulate_pool
+from plexrl.sim.scenario import run_one
 
 SIM = Path(__file__).resolve().parents[1] / "configs" / "sim"
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from plexrl.accounting import JobFacts, account
 from plexrl.hooks.timeline import TimelineRecorder
+from plexrl.planner import Planner
 from plexrl.planner.events import NodePlan
 from plexrl.planner.policies import ORDERINGS, PLACEMENTS, placement_policy
 from plexrl.runtime.runner import Budgets, Runner
@@ -88,9 +89,9 @@ def summary(case: Case, tmp: Path) -> dict[str, Any]:
     ex = SimExecutor(case.services, SeededCosts(seed=case.seed), cpu_slots=2, seed=case.seed, failures=failures,
                      dispatch=(case.dispatch, case.dispatch))  # fmt: skip
     timeline = TimelineRecorder(tmp / case.name.replace("/", "_"), draw=False)
-    runner = Runner(ex, hooks=[timeline], placement=placement_policy(case.placement),
-                    ordering=ORDERINGS[case.ordering](), lookahead=case.lookahead, budgets=Budgets(device=8 * GB),
-                    validate=True)  # fmt: skip
+    planner = Planner(clock=ex.clock, placement=placement_policy(case.placement), ordering=ORDERINGS[case.ordering](),
+                      lookahead=case.lookahead, validate=True)  # fmt: skip
+    runner = Runner(ex, planner, hooks=[timeline], budgets=Budgets(device=8 * GB))
     specs = jobs_of(case)
     arrivals = {s.job_id: 0.5 * k for k, s in enumerate(specs)} if case.arrivals else None
     runs = runner.run(specs, arrivals)

@@ -25,7 +25,8 @@ from plexrl.sim.costs import (
     train_seconds,
     train_state_bytes,
 )
-from plexrl.sim.deploy import ScenarioResult, run_deployment, tune_candidates, tune_deployment
+from plexrl.sim.deploy import run_deployment, tune_candidates, tune_deployment
+from plexrl.sim.scenario import ScenarioResult
 
 SIM = Path(__file__).resolve().parents[1] / "configs" / "sim"
 

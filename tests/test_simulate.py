@@ -23,7 +23,8 @@ from plexrl.runtime.sim import GB, SeededCosts, SimExecutor, SimJob
 from plexrl.sim.calibrate import fit, predict
 from plexrl.sim.config import LengthDist, Scenario, Trace, load_sim, parse_sim
 from plexrl.sim.costs import Decoder, SampledCosts, draw_lengths, rollout_samples, train_seconds, train_state_bytes
-from plexrl.sim.deploy import job_graph, run_deployment, run_scenario
+from plexrl.sim.deploy import job_graph, run_deployment
+from plexrl.sim.scenario import run_scenario
 from plexrl.sim.trace import alone_seconds, arrivals, class_tables, run_policy, trace_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,8 @@ def test_trace_replay_sharing_queues_less_than_isolated_and_alone_is_exact(tmp_p
     jobs, _ = trace_jobs(tr, class_tables(tr))
     costs = SampledCosts(tr.seed, tr.accelerator.host_gbps * GB, tr.accelerator.disk_gbps * GB)
     for job in jobs[:3]:
-        (run,) = Runner(SimExecutor(1, costs), budgets=Budgets(device=80 * GB)).run([job])
+        ex = SimExecutor(1, costs)
+        (run,) = Runner(ex, Planner(clock=ex.clock), budgets=Budgets(device=80 * GB)).run([job])
         assert run.finished_at is not None and run.started_at is not None
         assert run.finished_at - run.started_at == pytest.approx(alone_seconds(job, costs), rel=1e-12)
     assert all(0.0 <= u <= 1.0 + 1e-9 for _, u in shared.utilisation)
@@ -213,8 +215,14 @@ def reality(seed: int, services: int, placement: str, jobs: list[SimJob], hooks:
     """Stands in for a real run: jittered durations, 20/30 ms round trips, swaps at 10 GB/s, loads in 1 s."""
     costs = SeededCosts(seed, jitter=0.3, swap_bandwidth=10 * GB, load_bandwidth=GB)
     ex = SimExecutor(services, costs, dispatch=(0.02, 0.03))
-    runner = Runner(ex, hooks=hooks, placement=placement_policy(placement, 1.5), ordering=ORDERINGS["hrrs"](),
-                    budgets=Budgets(device=2 * GB), lookahead=True)  # fmt: skip
+    runner = Runner(
+        ex,
+        Planner(
+            clock=ex.clock, placement=placement_policy(placement, 1.5), ordering=ORDERINGS["hrrs"](), lookahead=True
+        ),
+        hooks=hooks,
+        budgets=Budgets(device=2 * GB),
+    )
     return runner.run(jobs)
 
 
@@ -249,7 +257,7 @@ def test_calibration_fitted_on_one_run_predicts_another_within_15_percent(tmp_pa
 def test_jobs_arrive_when_told_and_a_job_cancelled_before_arriving_never_runs() -> None:
     jobs = mix()
     ex = SimExecutor(2, SeededCosts(0, jitter=0.0, swap_bandwidth=10 * GB, load_bandwidth=GB))
-    runner = Runner(ex, budgets=Budgets(device=4 * GB), validate=True)
+    runner = Runner(ex, Planner(clock=ex.clock, validate=True), budgets=Budgets(device=4 * GB))
     runner.cancel("j2", "changed my mind")
     runs = runner.run(jobs, arrivals={"j1": 5.0, "j2": 50.0})
     by = {r.job_id: r for r in runs}
@@ -258,7 +266,8 @@ def test_jobs_arrive_when_told_and_a_job_cancelled_before_arriving_never_runs() 
     assert by["j2"].status == "cancelled" and by["j2"].started_at is None and "j2" not in ex.specs
     assert by["j0"].status == by["j1"].status == "done"
     with pytest.raises(ValueError, match="not in the run"):
-        Runner(SimExecutor(1, SeededCosts())).run(mix(), arrivals={"nope": 1.0})
+        ex = SimExecutor(1, SeededCosts())
+        Runner(ex, Planner(clock=ex.clock)).run(mix(), arrivals={"nope": 1.0})
 
 
 # -- the command and the benchmark ----------------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_the_sim_executor_runs_a_sliced_node_in_slices_with_another_jobs_nodes_b
         return submit(task)
 
     executor.submit = watching  # type: ignore[method-assign]
-    ran = Runner(executor, validate=True).run([sliced, other])
+    ran = Runner(executor, Planner(clock=executor.clock, validate=True)).run([sliced, other])
     assert [r.status for r in ran] == ["done", "done"]
     a_rollouts = [s for s in starts if s[:2] == ("a", "rollout")]
     assert len(a_rollouts) == 8  # 10 s in slices of 2.5 s, two iterations

@@ -31,8 +31,9 @@ ANN, BOB = "ann-token-0123456789", "bob-token-0123456789"
 def server(tmp_path_factory: pytest.TempPathFactory, smol_tiny: Path) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("hostile")
     cfg = ServerConfig(
-        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), driver="local", mlflow=False,
-        services={"count": 1}, users={"ann": ANN, "bob": BOB}, allowed_roots=[str(tmp), str(smol_tiny.parent)],
+        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False,
+        cluster={"driver": "local", "services": {"count": 1}}, users={"ann": ANN, "bob": BOB},
+        allowed_roots=[str(tmp), str(smol_tiny.parent)],
         tinker={"max_datums": 4, "max_body_bytes": 1 << 16, "max_samples": 8, "max_sample_tokens": 16,
                 "max_lora_rank": 8},
     )  # fmt: skip

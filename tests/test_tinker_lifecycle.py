@@ -27,8 +27,9 @@ DATUM = types.Datum(
 
 def config(tmp_path: Path, smol_tiny: Path, port: int = 0, **fields: object) -> ServerConfig:
     return ServerConfig(
-        port=port, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), driver="local",
-        services={"count": 1}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False, **fields,
+        port=port, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"),
+        cluster={"driver": "local", "services": {"count": 1}}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
+        mlflow=False, **fields,
     )  # fmt: skip
 
 

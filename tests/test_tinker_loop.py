@@ -87,9 +87,10 @@ def dag_job(tmp_path: Path, name: str) -> Path:
 
 def served(tmp_path: Path, smol_tiny: Path) -> RunningServer:
     cfg = ServerConfig(
-        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), driver="local",
-        services={"count": 1}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)], validate_state=True,
-        max_load=4.0,  # both jobs on the one service, whatever their predicted loads
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"),
+        allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
+        cluster={"driver": "local", "services": {"count": 1}, "validate_state": True,
+                 "max_load": 4.0},  # both jobs on the one service, whatever their predicted loads
     )  # fmt: skip
     return start_server(cfg)
 
@@ -173,7 +174,8 @@ def test_sessions_run_on_dask_workers_and_compute_what_they_compute_in_process(t
     for driver in ("local", "dask"):
         cfg = ServerConfig(
             port=0, journal=str(tmp_path / driver / "journal.db"), run_dir=str(tmp_path / driver / "runs"),
-            driver=driver, services={"count": 1}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False,
+            cluster={"driver": driver, "services": {"count": 1}}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
+            mlflow=False,
         )  # fmt: skip
         srv = start_server(cfg)
         try:

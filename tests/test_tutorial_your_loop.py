@@ -28,8 +28,8 @@ def the_loop() -> types.ModuleType:
 
 def test_the_tutorial_loop_runs_on_a_server(tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = ServerConfig(
-        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), driver="local", mlflow=False,
-        services={"count": 1}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False,
+        cluster={"driver": "local", "services": {"count": 1}}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
     )  # fmt: skip
     srv = start_server(cfg)
     monkeypatch.setenv("TINKER_API_KEY", "tml-ann")

@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from plexrl.cli import app
-from plexrl.config_kinds import check_config, detect_kind
+from plexrl.config_kinds import RUNS, check_config, detect_kind, read_config
 from plexrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,12 +25,61 @@ def expected_kind(path: Path) -> str:
     return "cluster" if "jobs:" in path.read_text() else "job"
 
 
+def data_overrides(path: Path, tmp_path: Path) -> list[str]:
+    """A job on data files opens them when validated: the shipped real-model configs name files that
+    `benchmarks/real_model.py --write-data` writes; written here into `tmp_path` (caches too) instead."""
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
+        return []
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from real_model import write_data
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    train, held_out = write_data(tmp_path / "data", train=200, held_out=50)
+    return ["--set", f"data.train={train}", "--set", f"data.held_out={held_out}", "--set", f"run_dir={tmp_path}"]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_shipped_config_validates_as_its_kind(path: Path) -> None:
-    result = runner.invoke(app, ["validate", str(path)])
+def test_every_shipped_config_validates_as_its_kind(path: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", str(path), *data_overrides(path, tmp_path)])
     assert result.exit_code == 0, result.output
     assert f"OK, a {expected_kind(path)} config" in result.output
     assert "problem" not in result.output
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plexrl_run_and_validate_agree_on_the_kind_of_every_shipped_config(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`plexrl run` reads a file once and detects its kind as `plexrl validate` does: a job goes to the job
+    runner, a cluster to the cluster runner (stopped here before anything runs), any other kind is refused
+    naming the command that runs it. (Before: `run` took any file with a `jobs` key for a cluster, so a
+    simulator trace, with its `jobs: 100`, failed as a broken cluster config.)"""
+    import plexrl.cluster
+    import plexrl.runtime.jobs
+
+    ran: list[str] = []
+
+    def stop(kind: str):  # type: ignore[no-untyped-def]
+        def runner(*args: object, **kwargs: object) -> None:
+            ran.append(kind)
+            raise KeyboardInterrupt  # the CLI's own way out: exit 130, nothing ran
+
+        return runner
+
+    monkeypatch.setattr(plexrl.runtime.jobs, "run_jobs", stop("job"))
+    monkeypatch.setattr(plexrl.cluster, "run_cluster", stop("cluster"))
+    kind = check_config(path).kind
+    assert read_config(path).kind == kind
+    result = runner.invoke(app, ["run", str(path)])
+    if kind in ("job", "cluster"):
+        assert ran == [kind] and result.exit_code == 130, result.output
+    else:
+        assert ran == [] and result.exit_code == 2, result.output
+        assert f"a {kind} config" in result.output and f"use `{RUNS[kind]}`" in result.output
 
 
 def test_the_simulator_scenario_no_longer_reports_job_problems() -> None:
@@ -95,7 +144,9 @@ def test_a_broken_config_of_each_kind_names_its_problem(tmp_path: Path, kind: st
 
 
 def test_a_server_config_is_recognised_by_its_keys(tmp_path: Path) -> None:
-    path = write(tmp_path, "server.yaml", {"port": 0, "journal": str(tmp_path / "j.db"), "ordering": "fifo"})
+    path = write(
+        tmp_path, "server.yaml", {"port": 0, "journal": str(tmp_path / "j.db"), "cluster": {"ordering": "fifo"}}
+    )
     result = runner.invoke(app, ["validate", str(path)])
     assert result.exit_code == 0, result.output
     assert "OK, a server config" in result.output and "ordering fifo" in result.output

@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 
-from plexrl.cluster import is_cluster_file, load_cluster
+from plexrl.config_kinds import check_config
 from plexrl.errors import ConfigError
 from plexrl.graph import NodeSpec, Pipeline, compile_pipeline
 from plexrl.job.load import load_job
-from plexrl.sim.config import load_sim
 
 NODES: list[dict[str, Any]] = [
     {"name": "prompts", "op": "sample_prompts", "params": {"batch_size": 4}},
@@ -174,13 +173,7 @@ def test_every_shipped_yaml_validates() -> None:
     for path in configs:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "plexrl" in first, f"{path} must open with the command that runs it"
-        if path.parent.name == "sim":  # simulator scenarios and traces (tests/test_simulate.py checks them too)
-            if path.name != "profiles.yaml":
-                load_sim(path)
-        elif is_cluster_file(path):
-            load_cluster(path)
-        else:
-            load_job(path)
+        check_config(path)  # its kind's own loader (`plexrl validate`; the simulator's too)
 
 
 def test_main_job_yaml_equals_embedded_defaults() -> None:

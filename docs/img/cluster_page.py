@@ -33,9 +33,9 @@ def main(out: Path) -> None:
     job = tmp / "job.yaml"
     job.write_text(yaml.safe_dump({**copy.deepcopy(TINY), "iterations": 14, "run_dir": str(tmp / "runs")}))
     cfg = ServerConfig(
-        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False, driver="local",
-        services={"count": 2, "device_memory": "200KB"}, placement="spread", checkpoint_every=2, users=USERS,
-        token=ADMIN,
+        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False, checkpoint_every=2,
+        cluster={"driver": "local", "services": {"count": 2, "device_memory": "200KB"}, "placement": "spread"},
+        users=USERS, token=ADMIN,
     )  # fmt: skip
     srv = start_server(cfg)
     try:

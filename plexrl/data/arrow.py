@@ -6,11 +6,11 @@ shards of a `datasets.Dataset.save_to_disk` directory read as they are (pyarrow 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from plexrl.cache_files import key_lock, write_atomic
 from plexrl.data.config import ColumnMap
 from plexrl.data.rows import DataError, Layout, Row, data_problem, detect_layout, file_key, raise_problems, to_row
 from plexrl.errors import Problem
@@ -79,13 +79,20 @@ def _saved_dataset_files(path: Path) -> tuple[Path, ...]:
 
 
 def _to_arrow(path: Path, cache_dir: Path) -> Path:
-    """An Arrow IPC copy of a parquet or csv file under `cache_dir` (written once per file version)."""
-    import pyarrow as pa
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    """An Arrow IPC copy of a parquet or csv file under `cache_dir`, written once per file version (under the
+    key's lock, into a unique temporary file: plexrl/cache_files.py)."""
     out = cache_dir / f"{path.stem}-{file_key(path)}.arrow"
     if out.is_file():
         return out
+    with key_lock(out):
+        if not out.is_file():
+            _write_arrow(path, out)
+    return out
+
+
+def _write_arrow(path: Path, out: Path) -> None:
+    import pyarrow as pa
+
     if path.stat().st_size == 0:
         raise DataError(
             [data_problem(path, "the file is empty; point data.train / data.held_out at a file with data")], str(path)
@@ -102,11 +109,12 @@ def _to_arrow(path: Path, cache_dir: Path) -> Path:
             table = pq.read_table(str(path))
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError([data_problem(path, f"cannot read the file: {exc}")], str(path)) from None
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    tmp.replace(out)
-    return out
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+
+    write_atomic(out, write)
 
 
 def _check_utf8_lines(path: Path) -> None:

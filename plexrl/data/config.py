@@ -67,7 +67,12 @@ class RewardTerm(_Strict):
         "keyword arguments to a user reward.",
     )
     timeout_s: float = Field(
-        5.0, gt=0, le=600, description="A user reward's time limit per call (per row, or per batch when batched)."
+        5.0,
+        gt=0,
+        le=600,
+        description="The term's time limit per call (a row; a whole batch for a batched user reward), built-in or "
+        "user: the call runs in the term's worker process, which is killed when it passes the limit (the call "
+        "scores 0 and is counted in reward_timeouts; 5 in a row fail the job).",
     )
 
     @model_validator(mode="after")
@@ -77,7 +82,7 @@ class RewardTerm(_Strict):
         if self.ref is not None and parse_ref(self.ref) is None:
             raise ValueError(f"ref {self.ref!r} is not a dotted path of the form 'pkg.module:fn' (no spaces)")
         if self.name is not None:
-            from plexrl.rewards import check_params  # the built-ins' parameter models: no user code runs
+            from plexrl.reward_builtins import check_params  # the built-ins' parameter models: no user code runs
 
             check_params(self.name, self.params)
         return self

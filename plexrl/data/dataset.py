@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexrl.cache_files import key_lock, write_atomic
 from plexrl.data.config import DataConfig
 from plexrl.data.files import open_rows
 from plexrl.data.rows import DataError, Row, RowSource, data_problem, file_key, save_npy
@@ -108,8 +109,9 @@ def open_dataset(
         perm = np.random.default_rng(cfg.split_seed).permutation(n)
         stem = f"{train_src.path.stem}-{file_key(train_src.path)}-split{cfg.split_seed}-{cfg.held_out_fraction!r}"
         held_idx, train_idx = cache_dir / f"{stem}.held_out.npy", cache_dir / f"{stem}.train.npy"
-        save_npy(held_idx, np.sort(perm[:k]).astype(np.int64))
-        save_npy(train_idx, np.sort(perm[k:]).astype(np.int64))
+        for out, part in ((held_idx, perm[:k]), (train_idx, perm[k:])):
+            if not out.is_file():  # (the same rows for every writer: a rename over another's is harmless)
+                save_npy(out, np.sort(part).astype(np.int64))
         train, held = Split(train_src, train_idx), Split(train_src, held_idx)
     else:
         train, held = Split(train_src), Split(train_src, _empty_index(cache_dir))
@@ -139,6 +141,24 @@ def open_dataset(
     return FileDataset(train, held, dropped)
 
 
+def longest_prompt(splits: list[Split], cache_dir: Path, count: Callable[[Row], int], key: str) -> int:
+    """The most tokens any row of `splits` renders to (`count`), measured once per file version and `key`
+    (the renderer's fingerprint) and kept in a small file under `cache_dir` (written under the key's lock)."""
+    import json
+
+    what = (
+        "|".join(f"{file_key(s.source.path)}:{s.index_path.name if s.index_path else 'all'}" for s in splits)
+        + f"|{key}"
+    )
+    out = cache_dir / f"longest-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+    if not out.is_file():
+        with key_lock(out):
+            if not out.is_file():
+                most = max((count(s[i]) for s in splits for i in range(len(s))), default=0)
+                write_atomic(out, lambda tmp: tmp.write_text(json.dumps({"longest_prompt": most})))
+    return int(json.loads(out.read_text())["longest_prompt"])
+
+
 def _empty_index(cache_dir: Path) -> Path:
     import numpy as np
 
@@ -159,10 +179,12 @@ def _filter(split: Split, cache_dir: Path, limit: int, count: Callable[[Row], in
     what = f"{file_key(src)}|{split.index_path.name if split.index_path else 'all'}|{limit}|{key}"
     out = cache_dir / f"{src.stem}-{hashlib.sha256(what.encode()).hexdigest()[:16]}.kept.npy"
     if not out.is_file():
-        kept = [split.position(i) for i in range(len(split)) if count(split[i]) <= limit]
-        save_npy(out, np.asarray(kept, dtype=np.int64))
+        with key_lock(out):  # one count per key; the others wait and read it (plexrl/cache_files.py)
+            if not out.is_file():
+                kept = [split.position(i) for i in range(len(split)) if count(split[i]) <= limit]
+                save_npy(out, np.asarray(kept, dtype=np.int64))
     kept_split = Split(split.source, out)
     return kept_split, len(split) - len(kept_split)
 
 
-__all__ = ["FileDataset", "Split", "open_dataset"]
+__all__ = ["FileDataset", "Split", "longest_prompt", "open_dataset"]

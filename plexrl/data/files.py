@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from plexrl.cache_files import key_lock
 from plexrl.data.arrow import ArrowRows, open_arrow
 from plexrl.data.config import ColumnMap
 from plexrl.data.rows import (
@@ -63,52 +64,15 @@ class JsonlRows:
 
         mapped = hashlib.sha256(mapping.model_dump_json().encode()).hexdigest()[:8]
         index = cache_dir / f"{path.stem}-{file_key(path)}-{mapped}.offsets.npy"
-        if index.is_file():
-            offsets_done = np.load(index, mmap_mode="r")
-            with path.open("rb") as fh:
-                fh.seek(int(offsets_done[0]))
-                first = json.loads(fh.readline().decode("utf-8"))
-            return cls(path, index, detect_layout(list(first), mapping, path))
-        offsets: list[int] = []
-        problems: list[Problem] = []
-        layout: Layout | None = None
-        pos = 0
+        if not index.is_file():
+            with key_lock(index):  # one indexing per file version; others wait and read it (cache_files.py)
+                if not index.is_file():
+                    return cls(path, index, _index_lines(path, index, mapping))
+        offsets_done = np.load(index, mmap_mode="r")
         with path.open("rb") as fh:
-            for line_no, raw in enumerate(fh, start=1):
-                start, pos = pos, pos + len(raw)
-                if not raw.strip():
-                    continue
-                row = len(offsets)
-                offsets.append(start)
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as exc:
-                    problems.append(
-                        data_problem(
-                            path,
-                            f"line {line_no} is not UTF-8 (byte {start + exc.start}); re-encode the file as UTF-8",
-                            row,
-                        )
-                    )
-                    continue
-                except json.JSONDecodeError as exc:
-                    problems.append(data_problem(path, f"line {line_no} is not JSON ({exc.msg})", row))
-                    continue
-                if layout is None:
-                    if not isinstance(record, dict):
-                        problems.append(data_problem(path, f"line {line_no} is not a JSON object", row))
-                        continue
-                    layout = detect_layout(list(record), mapping, path)
-                problems += to_row(record, layout, path, row)[1]
-        if not offsets:
-            problems.append(
-                data_problem(path, "the file has no rows; point data.train / data.held_out at a file with data")
-            )
-        raise_problems(problems, path)
-        assert layout is not None
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        save_npy(index, np.asarray(offsets, dtype=np.int64))
-        return cls(path, index, layout)
+            fh.seek(int(offsets_done[0]))
+            first = json.loads(fh.readline().decode("utf-8"))
+        return cls(path, index, detect_layout(list(first), mapping, path))
 
     def __len__(self) -> int:
         return len(self._index())
@@ -131,6 +95,51 @@ class JsonlRows:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return JsonlRows, (self.path, self.index_path, self.layout)
+
+
+def _index_lines(path: Path, index: Path, mapping: ColumnMap) -> Layout:
+    """Check every line of `path` (raises `DataError`) and write the offsets of its rows to `index`."""
+    import numpy as np
+
+    offsets: list[int] = []
+    problems: list[Problem] = []
+    layout: Layout | None = None
+    pos = 0
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            start, pos = pos, pos + len(raw)
+            if not raw.strip():
+                continue
+            row = len(offsets)
+            offsets.append(start)
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                problems.append(
+                    data_problem(
+                        path,
+                        f"line {line_no} is not UTF-8 (byte {start + exc.start}); re-encode the file as UTF-8",
+                        row,
+                    )
+                )
+                continue
+            except json.JSONDecodeError as exc:
+                problems.append(data_problem(path, f"line {line_no} is not JSON ({exc.msg})", row))
+                continue
+            if layout is None:
+                if not isinstance(record, dict):
+                    problems.append(data_problem(path, f"line {line_no} is not a JSON object", row))
+                    continue
+                layout = detect_layout(list(record), mapping, path)
+            problems += to_row(record, layout, path, row)[1]
+    if not offsets:
+        problems.append(
+            data_problem(path, "the file has no rows; point data.train / data.held_out at a file with data")
+        )
+    raise_problems(problems, path)
+    assert layout is not None
+    save_npy(index, np.asarray(offsets, dtype=np.int64))
+    return layout
 
 
 def open_rows(path_text: str, cache_dir: Path, mapping: ColumnMap) -> RowSource:

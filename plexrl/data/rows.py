@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from plexrl.cache_files import write_atomic
 from plexrl.data.config import ColumnMap
 from plexrl.errors import ConfigError, Problem
 
@@ -203,12 +203,14 @@ def raise_problems(problems: list[Problem], path: Path) -> None:
 
 
 def save_npy(path: Path, array: Any) -> None:
+    """`array` saved to `path` whole (a unique temporary file renamed over it: plexrl/cache_files.py)."""
     import numpy as np
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as fh:
-        np.save(fh, array)
-    tmp.replace(path)
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as fh:
+            np.save(fh, array)
+
+    write_atomic(path, write)
 
 
 __all__ = [

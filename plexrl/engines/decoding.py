@@ -3,8 +3,10 @@
 `begin(engine, prompts, ...)` runs the prompts' prefill and returns a `Decoding`; `advance(engine, d,
 max_steps)` runs at most `max_steps` decode steps (None: to the end) and returns; `d.output()` is the
 `GenerationOutput` once `d.finished`. `TorchEngine.generate` is exactly begin + advance(None) + output, so a
-generation paused any number of times (and other generations run on the same engine meanwhile) samples the
-same tokens, with the same log-probs, as one that never paused:
+generation paused any number of times (and other generations run on the same engine meanwhile) runs the same
+computation as one that never paused: on CPU the same tokens with the same log-probs (bit for bit); on CUDA the
+same distribution (its kernels are free to reduce in another order from one run to the next unless
+`deterministic: true`, docs/gpu.md), because:
 
 - each `Decoding` owns its `torch.Generator`, seeded once, and every step draws from it for ALL N rows
   (rows already finished sample from a one-hot at pad), so the random stream never depends on when rows
@@ -86,7 +88,8 @@ def begin(
 ) -> Decoding:
     """Left-pad the `n` copies of each prompt, run the prefill on `engine.policy` and return the generation
     before its first decode step (arguments as `Engine.generate`)."""
-    from plexrl.engines.torch_engine import _cache_kw, positions
+    from plexrl.engines.steps import cache_kw as _cache_kw
+    from plexrl.engines.steps import positions
 
     rows = [p for p in prompts for _ in range(n)]
     N, Lp = len(rows), max(len(p) for p in prompts)
@@ -109,10 +112,17 @@ def begin(
     )  # fmt: skip
 
 
+def _counts(done: Tensor, finished: Tensor) -> tuple[int, int]:
+    """(1 if every row is done else 0, finished rows still in the batch), read in ONE transfer."""
+    both: list[int] = torch.stack([done.all().long(), finished.sum()]).tolist()
+    return both[0], both[1]
+
+
 @torch.no_grad()
 def advance(engine: Any, d: Decoding, max_steps: int | None = None) -> Decoding:
     """Run at most `max_steps` decode steps of `d` (None: until it is finished) on `engine`; returns `d`."""
-    from plexrl.engines.torch_engine import _cache_kw, nucleus
+    from plexrl.engines.steps import cache_kw as _cache_kw
+    from plexrl.engines.steps import nucleus
 
     kw = _cache_kw(engine.policy)
     taken = 0
@@ -138,11 +148,13 @@ def advance(engine: Any, d: Decoding, max_steps: int | None = None) -> Decoding:
             d.done = d.done | engine._stopped(torch.stack(d.tokens, 1), d.done, d.stop)
         d.steps += 1
         taken += 1
-        if bool(d.done.all()) or d.steps >= d.max_new_tokens:
+        finished = d.done[d.rows]
+        # one host sync per step for both questions (on CUDA each `.item()` waits for the step's kernels)
+        all_done, n_finished = (0, 0) if d.steps >= d.max_new_tokens else _counts(d.done, finished)
+        if all_done or d.steps >= d.max_new_tokens:
             d.finished, d.past = True, None  # the KV cache is freed with the last step
             break
-        finished = d.done[d.rows]
-        if int(finished.sum()) >= max(1, len(d.rows) // 4):  # drop finished rows from the batch
+        if n_finished >= max(1, len(d.rows) // 4):  # drop finished rows from the batch
             keep = (~finished).nonzero().squeeze(-1)
             d.past.batch_select_indices(keep)
             d.rows, d.mask, d.next_pos = d.rows[keep], d.mask[keep], d.next_pos[keep]

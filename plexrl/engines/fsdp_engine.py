@@ -9,8 +9,8 @@ step equals the single-process step up to the order of the gradient-norm reducti
 Generation and scoring run on rank 0 only, on a plain `TorchEngine` that holds a full copy of the policy
 (and the frozen reference, when the job has one); its result is broadcast to the other ranks, so every
 rank runs every operator the same way (SPMD) and every collective is met. After each update the full
-policy is gathered to rank 0's copy (`get_model_state_dict(full_state_dict, cpu_offload)`): the weight
-sync. vLLM with tensor parallelism is not used here (CPU: see docs/architecture.md).
+policy is gathered to rank 0's copy, parameter by parameter and device to device (`_sync_full`): the
+weight sync. vLLM with tensor parallelism is not used here (CPU: see docs/architecture.md).
 
 Checkpoints: `export_state` / `load_state` are this rank's share (its shards, and on rank 0 the full copy):
 each rank writes its own part, a resume on a group of the same size reads it back (`services/group.py`).
@@ -110,7 +110,8 @@ class FSDPEngine:
                 box = [("ok", fn())]
             except Exception as exc:  # every rank raises it, so the ranks stay in step (no broken group)
                 box = [("error", f"{type(exc).__name__}: {exc}")]
-        guarded(self.group, f"broadcast of {what}", lambda: dist.broadcast_object_list(box, src=0))
+        side = self.group.side  # the gloo side group: a pickled object never stages on a CUDA device (`ranks.join`)
+        guarded(self.group, f"broadcast of {what}", lambda: dist.broadcast_object_list(box, src=0, group=side))
         kind, value = box[0]
         if kind == "error":
             raise RuntimeError(f"{what} on rank 0 failed: {value}")
@@ -191,6 +192,8 @@ class FSDPEngine:
         model.train()
         bounds = torch.linspace(0, batch["input_ids"].shape[0], minibatches + 1).long().tolist()
         totals: dict[str, float] = {}
+        # the loss and grad norm summed on the device (float64: the same sums as Python floats) and read once
+        summed = torch.zeros(2, dtype=torch.float64, device=self.device)
         steps = 0
         for _ in range(epochs):
             for a, b in itertools.pairwise(bounds):
@@ -205,22 +208,28 @@ class FSDPEngine:
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
                 gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
                 self.optimizer.step()
-                for k, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm.detach())}.items():
-                    totals[k] = totals.get(k, 0.0) + v
+                summed += torch.stack([loss.detach().double(), _local(gnorm.detach()).double().to(self.device)])
+                for k, v in stats.items():
+                    if k not in ("loss", "grad_norm"):  # the engine's own win, as before
+                        totals[k] = totals.get(k, 0.0) + v
                 steps += 1
         self.optimizer.zero_grad(set_to_none=True)  # the sharded grads are not state: free them
         model.eval()
+        if steps:
+            totals["loss"], totals["grad_norm"] = summed.tolist()
         return {**{k: v / max(steps, 1) for k, v in totals.items()}, "steps": float(steps)}
 
     def _sync_full(self) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.full is not None:
-            with torch.no_grad():
-                own = self.full.policy.state_dict()
-                for name, t in full.items():
-                    own[name].copy_(t)
+        """The weight sync: each parameter all-gathered (`full_tensor`, every rank in the same order) and, on
+        rank 0, copied device to device into the generation copy; one parameter's full tensor at a time, no
+        trip through host memory."""
+        own = dict(self.full.policy.named_parameters(remove_duplicate=True)) if self.full is not None else {}
+        with torch.no_grad():
+            for name, p in self.policy.named_parameters(remove_duplicate=True):
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if self.full is not None:
+                    own[name].copy_(full)
+                del full
 
     # -- not on a group ---------------------------------------------------------------------------------
     def values(self, *args: Any, **kwargs: Any) -> Tensor:

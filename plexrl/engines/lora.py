@@ -10,7 +10,7 @@ its weights and two moments (gigabytes for a 135M model). The KL reference of a 
 Invariants kept:
 - the base never changes: its parameters have requires_grad False and are outside every optimizer; the
   service checks a checksum of the base in validate mode (`SharedBase.checksum`);
-- a job's results do not depend on the other adapters (DESIGN.md invariant 4): only the active adapter takes
+- a job's results do not depend on the other adapters (docs invariant 4): only the active adapter takes
   part in a forward; a new adapter's A matrix is drawn from a generator seeded by the job's seed (peft would
   draw it from the global RNG, so the draw would depend on what ran before); B starts at zero (the adapted
   model starts as the base). LoRA dropout draws from the global RNG: keep `dropout: 0` (the default) for

@@ -113,7 +113,7 @@ def advance(engine: Any, p: PartialGeneration, max_steps: int | None = None) -> 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from plexrl.engines.vllm_engine import row_seed
+    from plexrl.engines.steps import row_seed
 
     live = [i for i, f in enumerate(p.finish) if f is None]
     if not live:

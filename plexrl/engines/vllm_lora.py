@@ -17,7 +17,9 @@ Prefix caching stays on: vLLM keys a cached KV block by the adapter's name and p
 so no block computed under another adapter or another version is ever reused, and nothing is reset.
 
 Numerics: vLLM applies an adapter as peft computes it (tests/test_vllm_lora.py). The engine holds the base in
-fp32 (as a full job's vLLM engine does), whatever `model.dtype` the job trains in. Sampling is seeded per row
+the dtype `plexrl.devices.vllm_args` gives it: fp32 on CPU, the job's `model.dtype` on CUDA, where vLLM's LoRA
+kernels take fp16/bf16 only (a LoRA job in fp32 on CUDA is refused there, `plexrl.devices.vllm_problem`), and
+the adapters compute in that dtype too. Sampling is seeded per row
 exactly as `SharedLLM.generate` does. A job's rollout node is one call of its own; `generate_together` runs
 several jobs' rollouts in ONE call (a LoRARequest per request, each job's seeds), what co-scheduled rollouts
 would use: the planner does not co-schedule rollout nodes of several jobs yet. Decode-step slices
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plexrl.devices import CPU, Device
 from plexrl.engines.base import GenerationOutput
 from plexrl.engines.vllm_engine import DEFAULT_KV_CACHE_BYTES, SharedLLM, WeightLoad, generator_key
 
@@ -62,9 +65,15 @@ def lora_rank_slot(r: int) -> int:
     raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {r}")
 
 
-def lora_vllm_problem(r: int, targets: Sequence[str]) -> str | None:
-    """Why vLLM cannot apply a LoRA adapter of rank `r` on `targets`, or None when it can. Pure (no import of
-    vLLM: whether vLLM can serve the base itself is `vllm_engine.model_problem`)."""
+def lora_vllm_problem(r: int, targets: Sequence[str], dtype: str = "float32", cuda: bool = False) -> str | None:
+    """Why vLLM cannot apply a LoRA adapter of rank `r` on `targets` to a base of `dtype` (on CUDA when `cuda`:
+    vLLM's LoRA kernels there take fp16/bf16 only), or None when it can. Pure (no import of vLLM: whether vLLM
+    can serve the base itself is `vllm_engine.model_problem`)."""
+    from plexrl.devices import vllm_problem
+
+    why = vllm_problem(Device("cuda") if cuda else CPU, dtype, lora=True)
+    if why:
+        return why
     if r > VLLM_LORA_RANKS[-1]:
         return f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; model.lora.r is {r}"
     other = [t for t in targets if t not in VLLM_LORA_MODULES]
@@ -74,24 +83,34 @@ def lora_vllm_problem(r: int, targets: Sequence[str]) -> str | None:
 
 
 def lora_generator_key(
-    model_dir: str | Path, r: int, max_model_len: int | None = None, block_size: int | None = None
-) -> str:
+    model_dir: str | Path, r: int, max_model_len: int | None = None, block_size: int | None = None,
+    dtype: str = "float32",
+) -> str:  # fmt: skip
     """Jobs whose models share this key share one SharedLoRALLM: `generator_key` (architecture, tokenizer,
-    max_model_len, block size), the LoRA rank slot the engine is built with, and the base itself (its resolved
-    directory, as `lora.base_key`): its weights stay loaded, and an adapter applies to the base it trains on."""
+    max_model_len, block size, dtype), the LoRA rank slot the engine is built with, and the base itself (its
+    resolved directory, as `lora.base_key`): its weights stay loaded, and an adapter applies to the base it trains
+    on."""
     import hashlib
 
     base = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:8]
-    return f"{generator_key(model_dir, max_model_len, block_size)}-lora{lora_rank_slot(r)}-base{base}"
+    return f"{generator_key(model_dir, max_model_len, block_size, dtype)}-lora{lora_rank_slot(r)}-base{base}"
 
 
-def lora_engine_bytes(model_dir: str | Path, r: int, kv_cache_bytes: int) -> int:
-    """Device bytes of a SharedLoRALLM: the fp32 base, the KV cache, and `MAX_LORAS` adapter slots of its rank
-    on every projection (vLLM's LoRA buffers)."""
-    from plexrl.job.sizes import lora_state_bytes, model_bytes
+def lora_slot_bytes(model_dir: str | Path, r: int, dtype: str = "float32") -> int:
+    """Device bytes of vLLM's LoRA buffers: `MAX_LORAS` adapter slots of rank `lora_rank_slot(r)` on every
+    projection, in the engine's `dtype`."""
+    from plexrl.job.sizes import lora_state_bytes
 
-    slot = lora_state_bytes(model_dir, lora_rank_slot(r), list(VLLM_LORA_MODULES)) // 3  # weights, no moments
-    return model_bytes(Path(model_dir)) + kv_cache_bytes + MAX_LORAS * slot
+    fp32 = lora_state_bytes(model_dir, lora_rank_slot(r), list(VLLM_LORA_MODULES)) // 3  # weights, no moments
+    return MAX_LORAS * (fp32 if dtype == "float32" else fp32 // 2)
+
+
+def lora_engine_bytes(model_dir: str | Path, r: int, kv_cache_bytes: int, dtype: str = "float32") -> int:
+    """Device bytes of a SharedLoRALLM whose base is in `dtype`: the base, the KV cache, and its LoRA slots
+    (`lora_slot_bytes`)."""
+    from plexrl.job.sizes import model_bytes
+
+    return model_bytes(Path(model_dir), dtype) + kv_cache_bytes + lora_slot_bytes(model_dir, r, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +139,17 @@ class SharedLoRALLM(SharedLLM):
         max_model_len: int | None = None,
         block_size: int | None = None,
         clock: Callable[[], float] = time.time,
+        device: Device = CPU,
+        dtype: str = "float32",
     ) -> None:
+        from plexrl.devices import engine_dtype
+
         self.rank = lora_rank_slot(r)
         lora = {"enable_lora": True, "max_lora_rank": self.rank, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS}
+        slots = lora_slot_bytes(model_dir, r, engine_dtype(device, dtype))
         super().__init__(
             model_dir, eos_id=eos_id, pad_id=pad_id, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
-            block_size=block_size, clock=clock, engine_args=lora,
+            block_size=block_size, clock=clock, engine_args=lora, device=device, dtype=dtype, lora_bytes=slots,
         )  # fmt: skip
         self.adapters: dict[str, Registered] = {}  # job id -> its adapter in vLLM
         self._ids = itertools.count(1)  # vLLM int ids, never reused (a version is a new id)
@@ -134,6 +158,14 @@ class SharedLoRALLM(SharedLLM):
     def load_weights(self, job_id: str, version: int, named: Sequence[tuple[str, Any]]) -> WeightLoad:
         raise RuntimeError("a LoRA engine's base weights never change: register the job's adapter instead")
 
+    def _wake(self) -> None:
+        """Level 2 dropped the base: it is read back from its files (the adapters were all forgotten before the
+        engine went idle; each job registers its own again)."""
+        level = self.asleep
+        super()._wake()
+        if level == 2:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.model_dir)})
+
     def register(self, job_id: str, version: int, adapter: LoRAEngine) -> WeightLoad:
         """Write `adapter` (the job's LoRAEngine: its adapter only) and serve it as `job_id`'s at `version`
         under a fresh id; the job's previous version leaves vLLM and the disk."""
@@ -141,6 +173,7 @@ class SharedLoRALLM(SharedLLM):
 
         with self._lock:
             start = self.clock()
+            self._wake()
             lora_id = next(self._ids)
             name = f"{adapter.adapter}-v{version}-{lora_id}"  # prefix-cache blocks are keyed by name and path
             path = self._dir / name
@@ -179,6 +212,7 @@ class SharedLoRALLM(SharedLLM):
         parts = [self.requests(prompts, **kw) for _, prompts, kw in calls]
         loras = [self.adapters[job].request for job, _, _ in calls]
         with self._lock:
+            self._wake()
             outs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for _, requests, _ in parts for p in requests],
                 [sp for _, _, params in parts for sp in params],
@@ -320,5 +354,6 @@ __all__ = [
     "lora_engine_bytes",
     "lora_generator_key",
     "lora_rank_slot",
+    "lora_slot_bytes",
     "lora_vllm_problem",
 ]

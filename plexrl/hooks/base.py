@@ -80,6 +80,9 @@ class Hook:
         """The job's state after `iteration` (the planner's count) was saved to `path`, or that failed
         (`error`; an earlier checkpoint stays intact). May come after the job ended."""
 
+    def on_job_held(self, run: JobRun, reason: str) -> None:
+        """The planner holds the queued job for its user's limits (`reason`), or no longer does ("")."""
+
     def on_job_end(self, run: JobRun) -> None: ...
 
     def on_end(self, summary: RunSummary) -> None:
@@ -160,6 +163,9 @@ class HookList(Hook):
 
     def on_checkpoint(self, run: JobRun, iteration: int, path: Path, error: str | None) -> None:
         self._call_job("on_checkpoint", run, iteration, path, error)
+
+    def on_job_held(self, run: JobRun, reason: str) -> None:
+        self._call_job("on_job_held", run, reason)
 
     def on_job_end(self, run: JobRun) -> None:
         try:

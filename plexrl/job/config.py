@@ -140,7 +140,9 @@ class TrackingConfig(StrictModel):
     experiment: str = Field("plexrl", min_length=1, description="MLflow experiment name.")
     uri: str | None = Field(None, description="Tracking URI; default sqlite:///<run_dir>/mlflow.db.")
     log_model: bool = Field(True, description="Log the final model as an artifact.")
-    progress: bool = Field(True, description="Show a progress bar on the terminal.")
+    progress: bool = Field(
+        True, description="Show progress: a bar on a terminal, else a line every 30 s (a log file, CI, tmux)."
+    )
 
 
 class RetryConfig(StrictModel):
@@ -193,8 +195,13 @@ def auto_engine_rule(params: int, min_params: int) -> str | None:
 class VLLMConfig(StrictModel):
     """The vLLM generation engine (used when `engine` resolves to vllm)."""
 
-    kv_cache_mb: int = Field(
-        64, ge=1, le=1 << 20, description="KV cache size (MiB); counted in the service's device budget."
+    kv_cache_mb: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="KV cache size (MiB); counted in the service's device budget. None: sized from the job, to "
+        "hold its rollout batch (batch_size x n sequences of the longest prompt + max_new_tokens; "
+        "plexrl/job/generation.py).",
     )
     block_size: int | None = Field(
         None,

@@ -105,8 +105,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
     return problems
 
 
-def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | None = None) -> LoadedJob:
-    """Read, override, validate and compile a job. `source` is a YAML path, a dict, or None (defaults)."""
+def load_job(
+    source: str | Path | dict[str, Any] | None, overrides: list[str] | None = None, *, parsed: Any = None
+) -> LoadedJob:
+    """Read, override, validate and compile a job. `source` is a YAML path, a dict, or None (defaults).
+    `parsed`: the YAML of the path `source` already parsed (`config_kinds.read_config`: a file is parsed once)."""
     problems: list[Problem] = []
     name = "defaults"
     raw: dict[str, Any] = {}
@@ -114,7 +117,8 @@ def load_job(source: str | Path | dict[str, Any] | None, overrides: list[str] | 
         raw, name = copy.deepcopy(source), "config"
     elif source is not None:
         path, name = Path(source), str(source)
-        loaded = load_yaml_file(path) or {}  # bounded: see plexrl.yamlio
+        loaded = copy.deepcopy(parsed) if parsed is not None else load_yaml_file(path)  # bounded: plexrl.yamlio
+        loaded = loaded or {}
         if not isinstance(loaded, dict):
             raise ConfigError([Problem(str(path), "a job config must be a YAML mapping of keys to values")], name)
         raw = loaded

@@ -8,15 +8,15 @@ in-process services):
   torch model: `build_model` and the warm start's engine take it, for the construction only, never for a warm
   start's training steps. This module's first imports of transformers take it too (two threads resolving
   transformers' lazy attributes at once can fail with "cannot import name").
-- One preparation at a time per cache directory (`_cache_lock`): two jobs with the same model, task, warm
-  start and seed wait for each other, and the second finds the first's model in the cache.
+- One preparation at a time per cache directory (`_cache_lock`, `plexrl.cache_files.key_lock`: threads of
+  this process and other processes alike): two jobs with the same model, task, warm start and seed wait for
+  each other, and the second finds the first's model in the cache.
 - A preparation can be cancelled: `prepare_model` and `warm_start` take `cancel` (an event, set by a user's
   cancel or the server's stop) and raise `PreparationCancelled` at the next check (between two warm-start
   steps; while waiting for another preparation of the same cache directory). A cancelled warm start leaves
   no cache entry (its `plexrl_warm_start.json` is written last), so the next preparation builds it again.
 
-What it does NOT do: lock across processes (two servers sharing a `run_dir` may build the same cache entry at
-once), or interrupt a single warm-start step or evaluation.
+What it does NOT do: interrupt a single warm-start step or evaluation.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plexrl.cache_files import key_lock, write_atomic
 from plexrl.job.config import TaskConfig, WarmStartConfig
 from plexrl.job.construction import model_construction
 from plexrl.job.model_config import ModelConfig
@@ -41,10 +42,6 @@ from plexrl.job.tasks import SPECIALS, Task
 from plexrl.job.tasks.arithmetic import ALPHABET, verify_answers
 
 log = logging.getLogger(__name__)
-
-_CACHE_LOCKS: dict[Path, threading.Lock] = {}  # cache directory -> its preparation lock
-_CACHE_LOCKS_GUARD = threading.Lock()
-_CANCEL_POLL_S = 0.1  # how often a preparation waiting for another one checks its cancel event
 
 
 RUNTIME_FIELDS = ("dtype", "gradient_checkpointing")  # how an engine runs the model, not what is built
@@ -69,15 +66,10 @@ def check_cancelled(cancel: threading.Event | None, what: str) -> None:
 
 @contextmanager
 def _cache_lock(root: Path, cancel: threading.Event | None) -> Iterator[None]:
-    """One preparation of the cache directory `root` at a time in this process; waiting checks `cancel`."""
-    with _CACHE_LOCKS_GUARD:
-        lock = _CACHE_LOCKS.setdefault(root, threading.Lock())
-    while not lock.acquire(timeout=_CANCEL_POLL_S):
-        check_cancelled(cancel, f"the wait for another preparation of {root}")
-    try:
+    """One preparation of the cache directory `root` at a time, across threads and processes; waiting checks
+    `cancel` (plexrl/cache_files.py)."""
+    with key_lock(root, poll=lambda: check_cancelled(cancel, f"the wait for another preparation of {root}")):
         yield
-    finally:
-        lock.release()
 
 
 def build_tokenizer(out_dir: Path, alphabet: str = ALPHABET, extra_specials: tuple[str, ...] = ()) -> Any:
@@ -168,11 +160,13 @@ def prepare_model(
     seed: int,
     run_dir: Path,
     cancel: threading.Event | None = None,
+    device: str = "cpu",
 ) -> PreparedModel:
     """Build (or load from cache) tokenizer, base model and warm-started model; return the model to train.
     An existing model (`model.path`, or `model.pretrained`: converted into the cache on first use,
     plexrl/job/pretrained.py) is used as it is, with its own tokenizer; `task` may then be None.
-    `cancel`: see the module docstring (raises `PreparationCancelled`)."""
+    `cancel`: see the module docstring (raises `PreparationCancelled`). `device`: where the warm start trains
+    (the job's device; its cached result serves every device)."""
     with model_construction():  # transformers' lazy first imports are not thread-safe either
         from transformers import PreTrainedTokenizerFast
 
@@ -206,10 +200,15 @@ def prepare_model(
         acc, steps = None, 0
         if warm.enabled:
             final.mkdir(parents=True, exist_ok=True)
-            acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg, cancel)
+            acc, steps = warm_start(base, final, tok, task, warm, seed, model_cfg, cancel, device)
+            if device.startswith("cuda"):  # its blocks go back before the services measure the GPU
+                import torch
+
+                torch.cuda.empty_cache()
             tok.save_pretrained(str(final))
         seconds = time.perf_counter() - start
-        info_file.write_text(json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds}))
+        info = json.dumps({"accuracy": acc, "steps": steps, "seconds": seconds})
+        write_atomic(info_file, lambda tmp: tmp.write_text(info))  # last, whole: the entry is complete
     return PreparedModel(final, tok, acc, steps, seconds, False)
 
 
@@ -302,20 +301,22 @@ def warm_start(
     seed: int,
     model_cfg: ModelConfig,
     cancel: threading.Event | None = None,
+    device: str = "cpu",
 ) -> tuple[float, int]:
     """Supervised fine-tuning on the train split until held-out greedy accuracy reaches
     `cfg.stop_at_accuracy` or `cfg.max_steps`; saves the model to `out`. The targets are the task's
     demonstrations (a `task.tool_demo_frac` share of them tool calls), cross-entropy on model-written tokens
     only: tool output is context, never a label. `cancel` is checked before every step: once set, raises
-    `PreparationCancelled` and saves nothing."""
+    `PreparationCancelled` and saves nothing. It trains in fp32 on `device`."""
     import torch
 
     from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions
 
     with model_construction():
         engine = TorchEngine(
-            base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention
-        )
+            base, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, attention=model_cfg.attention,
+            device=device,
+        )  # fmt: skip
     model = engine.policy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=0.0)
     rng = random.Random(seed)
@@ -343,6 +344,7 @@ def warm_start(
             labels[i, off + len(p) :] = torch.tensor([t if keep else -100 for t, keep in zip(a, trained, strict=True)])
             mask[i, off:] = 1
         model.train()
+        ids, labels, mask = ids.to(engine.device), labels.to(engine.device), mask.to(engine.device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
@@ -361,5 +363,5 @@ def warm_start(
                 decay_from = step
     model.save_pretrained(str(out))
     if cfg.keep_optimizer:
-        torch.save(opt.state_dict(), out / OPTIMIZER_FILE)
+        torch.save(opt.state_dict(), out / OPTIMIZER_FILE)  # loaded back onto whatever device trains it
     return acc, step

@@ -1,6 +1,6 @@
 """What a job weighs, from its files and its pipeline: THE estimates the planner admits a job with and a
 cluster's budget check compares (weights by dtype, a job's state in copies of its weights, a LoRA adapter's
-state). A leaf: it imports nothing of plexrl at run time (the pipeline graph only as a type), so engines,
+state). A leaf: it imports nothing of plexrl (a pipeline is read through the `Graph` protocol), so engines,
 services and the job's own modules size things the same way. Every estimate is an upper bound, replaced by
 the size a service measures (`StateMeasured`); none loads a tensor.
 """
@@ -10,23 +10,29 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from plexrl.graph import PipelineGraph
+from typing import Any, Protocol
 
 
-def uses_reference(graph: PipelineGraph) -> bool:
+class Graph(Protocol):
+    """What sizing reads of a pipeline (`plexrl.graph.PipelineGraph` is one): its nodes, each with its operator's
+    `name` and its validated `params`."""
+
+    @property
+    def nodes(self) -> Iterable[Any]: ...
+
+
+def uses_reference(graph: Graph) -> bool:
     """Whether the pipeline reads reference-policy log-probs (then the engine keeps a frozen copy)."""
     return any(n.operator.name == "logprob" and getattr(n.params, "which", None) == "reference" for n in graph.nodes)
 
 
-def uses_critic(graph: PipelineGraph) -> bool:
+def uses_critic(graph: Graph) -> bool:
     return any(n.operator.name in ("value_estimate", "train_critic") for n in graph.nodes)
 
 
-def state_parts(graph: PipelineGraph) -> list[str]:
+def state_parts(graph: Graph) -> list[str]:
     """What a job's state holds, as the StateManager counts and moves it."""
     parts = ["weights", "2 AdamW moments"]
     if uses_reference(graph):
@@ -36,7 +42,7 @@ def state_parts(graph: PipelineGraph) -> list[str]:
     return parts
 
 
-def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph, dtype: str = "float32") -> int:
+def estimate_state_bytes(weight_bytes: int, graph: Graph, dtype: str = "float32") -> int:
     """THE estimate of a job's state size, before it has run: fp32 weight bytes times the copies its
     pipeline keeps. An upper bound (tied weights count twice, headers count); the planner replaces it with
     the size a service measures at the first swap-out (`StateMeasured`). `dtype` bfloat16 (`model.dtype`):
@@ -48,7 +54,7 @@ def estimate_state_bytes(weight_bytes: int, graph: PipelineGraph, dtype: str = "
     return weight_bytes * copies
 
 
-def state_copies(graph: PipelineGraph) -> int:
+def state_copies(graph: Graph) -> int:
     """The state's size in copies of the fp32 weights: policy + 2 AdamW moments, +1 for a reference,
     +3 for a critic (its weights and moments)."""
     return 3 + uses_reference(graph) + 3 * uses_critic(graph)
@@ -122,6 +128,7 @@ def built_weight_bytes(vocab: int, layers: int, hidden: int, intermediate: int, 
 
 
 __all__ = [
+    "Graph",
     "built_weight_bytes",
     "count_parameters",
     "estimate_state_bytes",

@@ -7,15 +7,17 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from plexrl.errors import ConfigError
 from plexrl.graph import PipelineGraph
 from plexrl.job.checks import chunk_problems
 from plexrl.job.config import JobConfig
+from plexrl.job.generation import GenerationSizes, generation_sizes, sizing_problems
 from plexrl.job.load import LoadedJob
 from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
-from plexrl.planner.events import JobPlan, NodePlan
+from plexrl.planner.events import JobPlan, NodePlan, RetryPlan
+from plexrl.planner.records import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +46,15 @@ class JobSpec:
     resume_run_id: str | None = None
     user: str = ""  # who submitted it (a server's fair-share ordering)
     resume_costs: dict[str, float] = field(default_factory=dict)  # the cost model's node times at the checkpoint
+    checkpoint_every: int = 0  # checkpoint it on its service after every k-th iteration (a server's; 0: never)
+    attempt: int = 1  # its placement count with this one (a server's journal: a resumed job's is > 1)
+    attempts: int = 1  # placements in all: a job of a lost service is placed again while attempt < attempts
 
     def plan(self) -> JobPlan:
-        """The planner's view of this job's pipeline. Iterations keep their real numbers everywhere (planner,
-        operators' `OpContext.iteration`, hooks, journal): a resumed job's plan starts at `first_iteration`,
-        with no baseline pass, so a periodic node (`every`) stays in phase."""
+        """The planner's view of this job's pipeline (`JobPlan.of`, the one construction of a plan). Iterations
+        keep their real numbers everywhere (planner, operators' `OpContext.iteration`, hooks, journal): a resumed
+        job's plan starts at `first_iteration`, with no baseline pass, so a periodic node (`every`) stays in phase.
+        Its config's `retry` becomes the delays after each failed run of a cpu node."""
         chunks, sliced = self.config.chunks, self.config.slices
         nodes = {
             n.name: NodePlan(
@@ -61,11 +67,14 @@ class JobSpec:
             )
             for n in self.graph.nodes
         }
-        order = tuple(self.graph.order)
-        baseline = () if self.first_iteration else tuple(self.baseline_nodes())
-        costs = tuple(sorted(self.resume_costs.items()))
-        return JobPlan(nodes, self.config.iterations, order, baseline, self.state_bytes(), self.engine(), self.user,
-                       costs, first_iteration=self.first_iteration, batch=self.batch_limit())  # fmt: skip
+        policy = self.config.retry
+        retry = RetryPlan(policy.attempts, tuple(policy.delay(k) for k in range(1, policy.attempts)))
+        return JobPlan.of(
+            nodes, self.config.iterations, order=tuple(self.graph.order), baseline=tuple(self.baseline_nodes()),
+            first_iteration=self.first_iteration, state_bytes=self.state_bytes(), engine=self.engine(),
+            user=self.user, costs=self.resume_costs, retry=retry, batch=self.batch_limit(),
+            checkpoint_every=self.checkpoint_every, attempt=self.attempt, attempts=self.attempts,
+        )  # fmt: skip
 
     def batch_limit(self) -> int:
         """How many jobs' rollouts its engine runs in one call (`JobPlan.batch`): a LoRA job on vLLM, the
@@ -84,10 +93,11 @@ class JobSpec:
         `vllm_lora.lora_engine_bytes`): one key for the pair, so the jobs of one base and one vLLM setting count
         both once per service. (A torch-rollout and a vLLM-rollout LoRA job of the same base on one service have
         two keys: the planner counts that base twice, an over-estimate.)"""
-        from plexrl.job.checks import generation_budget
+        from plexrl.job.devices import vllm_weight_dtype
 
-        model, budget = self.config.model, generation_budget(self.config, self.graph)
-        kv = self.config.vllm.kv_cache_mb * 2**20
+        sizes = self.generation_sizes()
+        model, budget, kv = self.config.model, sizes.max_model_len, sizes.kv_cache_bytes
+        block = self.config.vllm.block_size
         if model.lora is not None:  # a LoRA job shares its base: one copy per service
             from plexrl.engines.lora import base_key
 
@@ -97,14 +107,22 @@ class JobSpec:
                 return base, base_bytes
             from plexrl.engines.vllm_lora import lora_engine_bytes, lora_generator_key
 
-            key = lora_generator_key(self.model_path, model.lora.r, budget, self.config.vllm.block_size)
-            return f"{base}+{key}", base_bytes + lora_engine_bytes(self.model_path, model.lora.r, kv)
+            key = lora_generator_key(self.model_path, model.lora.r, budget, block, model.dtype)
+            vllm = lora_engine_bytes(self.model_path, model.lora.r, kv, vllm_weight_dtype(model.dtype))
+            return f"{base}+{key}", base_bytes + vllm
         if self.generation != "vllm":
             return None
         from plexrl.engines.vllm_engine import generator_key
 
-        key = generator_key(self.model_path, budget, self.config.vllm.block_size)
-        return key, model_bytes(self.model_path) + kv
+        key = generator_key(self.model_path, budget, block, model.dtype)
+        return key, model_bytes(self.model_path, vllm_weight_dtype(model.dtype)) + kv
+
+    def generation_sizes(self) -> GenerationSizes:
+        """The vLLM engine's context and KV cache for this job (`plexrl.job.generation`): the prompt bound
+        (`data.max_prompt_tokens`, else the data's longest rendered prompt) + the longest generation, and a
+        cache that holds the rollout batch (unless `vllm.kv_cache_mb` is set)."""
+        longest = getattr(self.task, "longest_prompt", None)
+        return generation_sizes(self.config, self.graph, self.model_path, longest)
 
     def state_bytes(self) -> int:
         """Upper bound of the bytes the StateManager moves for this job (see `estimate_state_bytes`; a LoRA
@@ -138,10 +156,6 @@ class JobSpec:
         return None
 
 
-# a job's status, one vocabulary for its record (`JobRun`) and the server's journal (`journal_records.JobState`)
-JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
-
-
 @dataclass(slots=True, eq=False)
 class JobRun:
     """What happened to one job: the client's record, owned by the runner (hooks may read it and add their
@@ -158,7 +172,9 @@ class JobRun:
     submitted_at: float | None = None
     started_at: float | None = None  # placed on a service
     finished_at: float | None = None
-    service_lost: bool = False  # it failed because its service was lost (a server may resume it elsewhere)
+    service_lost: bool = False  # it failed because its service was lost
+    again: bool = False  # ... and the planner places it again (`FailJob.again`): its server resumes it elsewhere
+    held: str = ""  # why the planner holds it queued for its user's limits ("" : it does not)
 
     @property
     def job_id(self) -> str:
@@ -183,10 +199,13 @@ class JobRun:
         return None
 
 
-def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None) -> JobSpec:
+def prepare_job(
+    loaded: LoadedJob, job_id: str | None = None, cancel: threading.Event | None = None, device: str = "cpu"
+) -> JobSpec:
     """Generate the task and build (or load from cache) the warm-started model of a validated job.
     `cancel` (a server's: set when the job is cancelled or the server stops) is checked between the stages and
-    between warm-start steps; once set, `plexrl.job.models.PreparationCancelled` is raised."""
+    between warm-start steps; once set, `plexrl.job.models.PreparationCancelled` is raised. `device`: where a
+    warm start trains (the job's device)."""
     from plexrl.job.models import check_cancelled, prepare_model
     from plexrl.job.tasks import make_task
 
@@ -200,14 +219,14 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
     if cfg.data is not None:  # data from files: the model (pretrained or a path) first, its tokenizer renders
         from plexrl.job.tasks.dataset import make_dataset_task
 
-        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel)
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel, device)
         check_cancelled(cancel, "the preparation (after the model)")
         cache = Path(cfg.data.cache_dir).resolve() if cfg.data.cache_dir else run_dir / "cache" / "data"
         task = make_dataset_task(cfg.data, prepared.tokenizer, tokenizer_dir=prepared.path, cache_dir=cache)
     else:
         task = make_task(cfg.task)
         check_cancelled(cancel, "the preparation (after the task's data)")
-        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel)
+        prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, task, cfg.seed, run_dir, cancel, device)
     log.info(
         "model %s (%s): warm start %s steps, held-out accuracy %s, %.1fs",
         prepared.path,
@@ -218,6 +237,10 @@ def prepare_job(loaded: LoadedJob, job_id: str | None = None, cancel: threading.
     )
     generation, reason = resolve_engine(cfg, prepared.path)
     log.info("job %s: rollouts on %s (%s)", job_id or cfg.name, generation, reason)
+    if generation == "vllm":  # PlexRL's sentence, before vLLM says it its own way
+        problems = sizing_problems(cfg, loaded.graph, prepared.path, getattr(task, "longest_prompt", None))
+        if problems:
+            raise ConfigError(problems, loaded.source)
     return JobSpec(
         generation=generation,
         generation_reason=reason,
@@ -264,7 +287,8 @@ def resolve_engine(cfg: JobConfig, model_path: Path) -> tuple[str, str]:
     if lora is not None and not why:  # vLLM applies the job's adapter (plexrl/engines/vllm_lora.py)
         from plexrl.engines.vllm_lora import lora_vllm_problem
 
-        why = lora_vllm_problem(lora.r, lora.target_modules)
+        # on CUDA in the job's dtype, where vLLM's LoRA kernels refuse fp32 (plexrl.devices.vllm_problem)
+        why = lora_vllm_problem(lora.r, lora.target_modules, cfg.model.dtype, cuda=not vllm_cpu_build())
     if cfg.engine == "vllm":
         if why:
             raise ValueError(f"engine: vllm cannot serve {model_path}: {why}; or set `engine: torch`")

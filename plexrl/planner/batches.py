@@ -195,7 +195,7 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
             return f"{svc.service_id}: a job twice in its groups {sorted(svc.group)} / {sorted(svc.next_group)}"
         for job_id, iteration, node in both:
             job = jobs[job_id]
-            if job.service != svc.service_id or job.status != "placed" or not svc.state.on_device(job_id):
+            if job.service != svc.service_id or job.status != "running" or not svc.state.on_device(job_id):
                 return f"{svc.service_id}: group member {job_id} not placed there with its state on device"
             if job.iteration != iteration or job.nodes.get(node) != "running":
                 return f"{svc.service_id}: group member {job_id}/{node} not marked running"

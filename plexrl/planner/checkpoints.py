@@ -60,7 +60,7 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
     """The first broken invariant of checkpoints, described; None when all hold: a running checkpoint has the
     service to itself; every checkpoint, waiting or running, is of a job placed there, held at that iteration
     with all its nodes done, and a held job's checkpoint is on its service exactly once."""
-    held = {j.job_id: j.checkpoint for j in jobs.values() if j.status == "placed" and j.checkpoint is not None}
+    held = {j.job_id: j.checkpoint for j in jobs.values() if j.status == "running" and j.checkpoint is not None}
     seen: dict[str, int] = {}
     for svc in services.values():
         if not svc.alive:

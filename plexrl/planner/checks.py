@@ -45,7 +45,7 @@ def first_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, Servic
                 continue
             job_id, it, node = key
             job = jobs[job_id]
-            if job.service != svc.service_id or job.status != "placed":
+            if job.service != svc.service_id or job.status != "running":
                 return f"{svc.service_id} runs {job_id}, not placed there"
             if not svc.state.on_device(job_id):
                 return f"{svc.service_id} runs {job_id} whose state is off device"
@@ -55,7 +55,7 @@ def first_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, Servic
             if jobs[q.job_id].service != svc.service_id:
                 return f"{q.job_id} queued on foreign service {svc.service_id}"
     for job in jobs.values():
-        if job.status == "placed":
+        if job.status == "running":
             if job.remaining != sum(s != "done" for s in job.nodes.values()):
                 return f"{job.job_id}: {job.remaining} nodes counted as left"
             if job.service is None or job.job_id not in services[job.service].jobs:

@@ -3,9 +3,10 @@
 `Planner.handle(event)` is the only mutator: it takes an event (service joined or lost, job submitted, node
 or checkpoint finished, a state measured, job cancelled or failed, a tick) and returns the instructions a
 runner must carry out (place job, run node with the swaps that make its job resident and a prefetch of the
-next job's state, retry node, iteration done, run checkpoint, job done, fail job). `wake_at` says when it next
-needs a `Tick` (a node's backoff ends), so the driver never decides when anything runs. Time comes from an
-injected clock; nothing here sleeps, awaits, or imports Dask, torch or mlflow.
+next job's state, retry node, iteration done, run checkpoint, job done, fail job with whether it is placed
+again, job held by its user's limits). `wake_at` says when it next needs a `Tick` (a node's backoff ends, a
+quota lets a held job in), so the driver never decides when anything runs. Time comes from an injected clock;
+nothing here sleeps, awaits, or imports Dask, torch or mlflow (invariant 1).
 
 Each service has a pure `StateManager` (tiers device/host/disk with byte budgets); the planner asks it for
 the moves before every service node. A `CostModel` fitted online to node durations and swap bandwidth
@@ -14,8 +15,9 @@ predicted next use for choosing which state to evict or prefetch.
 
 States and their one table: `records.py`; backoffs: `retries.py`; slices: `slices.py`; co-scheduled rollouts:
 `batches.py`; checkpoints: `checkpoints.py`. Invariants (`validate()`, after every event in the runner and the
-tests): `checks.py`; a job's service is fixed once placed (DESIGN.md invariant 2: `_admit` is the only place
-that sets it).
+tests): `checks.py`; a job's service is fixed once placed (invariant 2, docs/architecture.md: `_admit` is the
+only place that sets it). Per-user admission: `admission.py`; which node a service runs next: `dispatch.py`; the
+read API for everything outside (`view`, `node_costs`, `counts`): `views.py`.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from plexrl.planner import ahead, checkpoints, sessions
-from plexrl.planner.batches import advance, gather, grouped_jobs, member_finished, start_group
+from plexrl.planner import checkpoints, sessions
+from plexrl.planner.admission import UserLimits, changed, release_at, weigh
+from plexrl.planner.batches import advance, member_finished
 from plexrl.planner.checks import any_violation, history
 from plexrl.planner.costs import CostModel
+from plexrl.planner.dispatch import Dispatcher
 from plexrl.planner.events import (
-    CallArrived,
     CheckpointFinished,
     Event,
     FailJob,
@@ -39,18 +42,18 @@ from plexrl.planner.events import (
     JobCancelled,
     JobDone,
     JobFailed,
+    JobHeld,
     JobSubmitted,
     NodeFinished,
     PlaceJob,
     RunNode,
     ServiceJoined,
     ServiceLost,
-    SessionClosing,
     StateMeasured,
     Tick,
     Transition,
 )
-from plexrl.planner.gaps import busy_fraction, gap_after, next_use
+from plexrl.planner.gaps import busy_fraction, gap_after
 from plexrl.planner.placing import admissions, emptied, leave
 from plexrl.planner.policies import (
     Fifo,
@@ -71,10 +74,11 @@ from plexrl.planner.records import (
     ServiceRecord,
 )
 from plexrl.planner.retries import Backoffs
+from plexrl.planner.settings import PlannerSettings, policies_of
 from plexrl.planner.shares import Usage
-from plexrl.planner.slices import paused_jobs, record_slice, slices_done
-from plexrl.planner.state import Move, NoRoom, StateManager
-from plexrl.planner.views import next_job, ordering_view
+from plexrl.planner.slices import record_slice
+from plexrl.planner.state import StateManager
+from plexrl.planner.views import PlannerView, ordering_view, planner_view
 
 
 class Planner:
@@ -93,6 +97,8 @@ class Planner:
         inline_below: float | None = None,
         usage: Usage | None = None,
         batch_rollouts: bool = False,
+        user_limits: UserLimits | None = None,
+        fair_admission: bool = False,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
@@ -103,12 +109,10 @@ class Planner:
         # lookahead: while a service runs a node, the next one (of another job) is already chosen and sent,
         # so a driver whose round trip is not free (Dask) can start it the moment the first one ends
         self.lookahead = lookahead
-        self.sent_ahead = 0  # nodes sent by lookahead (a statistic)
         # lookahead holds a pick back when a node the ordering prefers is due before the running one ends
         # (`ahead.hold`); None: as the ordering says (its `hold_ahead`: io-first's job classes gain from it, HRRS's
         # per-node ratios lose its early swaps and gain nothing)
         self.hold_ahead = hold_ahead if hold_ahead is not None else bool(getattr(self.ordering, "hold_ahead", False))
-        self.held_ahead = 0  # times it did (a statistic)
         # a cpu node observed to take less than this (seconds) is marked `inline`: an executor whose pool
         # round trip costs more than the node itself may run it next to its inputs (None: never)
         self.inline_below = inline_below
@@ -131,7 +135,15 @@ class Planner:
         self.usage = usage or Usage()  # service seconds per user (fair-share ordering)
         # co-scheduled rollouts (`batches.py`): several jobs' batchable nodes in one engine call
         self.batch_rollouts = batch_rollouts
-        self.groups_sent = self.grouped_nodes = 0  # groups sent, and their members, leads included (statistics)
+        # per-user admission (`admission.py`): limits, users-first weighing, and why each held job waits
+        self.user_limits = user_limits or UserLimits()
+        self.fair_admission = fair_admission
+        self.held: dict[str, str] = {}
+        self._release_at: float | None = None  # when a job held by its user's quota may go in (`wake_at`)
+        self._dispatcher = Dispatcher(
+            self.jobs, self.services, self.costs, self.ordering, self.lookahead, self.hold_ahead, batch_rollouts,
+            clock, self._set_node, self._ordering_view, self._history,
+        )  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[Instruction]], None]] = {
             NodeFinished: self._node_finished,  # by far the most frequent
             ServiceJoined: self._service_joined,
@@ -141,10 +153,33 @@ class Planner:
             JobCancelled: lambda ev, out: self._end_job(ev.job_id, "cancelled", ev.reason, out),
             JobFailed: lambda ev, out: self._end_job(ev.job_id, "failed", ev.reason, out),
             CheckpointFinished: self._checkpoint_finished,
-            CallArrived: self._call_arrived,
-            SessionClosing: self._session_closing,
+            **sessions.handlers(self),  # CallArrived, SessionClosing (`sessions.py`)
             Tick: lambda ev, out: self._tick(out),
         }
+
+    @classmethod
+    def from_config(
+        cls, section: PlannerSettings, clock: Callable[[], float], costs: CostModel | None = None
+    ) -> Planner:
+        """The planner of a runtime section (`plexrl.runtime.config.RuntimeConfig`: its policies, resolved by
+        `settings.policies_of`), on `clock` (the executor's)."""
+        return cls(clock=clock, costs=costs, **policies_of(section))
+
+    # -- the read API: frozen copies (`views.PlannerView`) and counters; never the records themselves ------------
+    def view(self) -> PlannerView:
+        """The services' queues and the jobs' states, copied (read by a controller, a page: `views.py`)."""
+        return planner_view(self.jobs, self.services, self.held)
+
+    def node_costs(self, job_id: str) -> dict[str, float]:
+        """The cost model's predicted seconds per node of `job_id` (kept with a checkpoint: a resumed job's
+        `JobPlan.costs`)."""
+        return self.costs.of_job(job_id)
+
+    def counts(self) -> dict[str, int]:
+        """Nodes sent ahead (lookahead), times a pick was held back, co-scheduled groups sent and their members."""
+        return self._dispatcher.counts()
+
+    sent_ahead = property(lambda self: self._dispatcher.sent_ahead, doc="Nodes sent ahead (`counts`).")
 
     # -- the one entry point -----------------------------------------------------------------------
     def handle(self, event: Event) -> list[Instruction]:
@@ -226,8 +261,7 @@ class Planner:
             seconds = record_slice(job, ev.node, ev.duration, ev.paused)  # a sliced node's: all its slices
             if not ev.paused:
                 self.costs.observe(ev.job_id, ev.node, seconds)
-                if job.plan.open:
-                    sessions.observe_call(job, self.costs, seconds)
+                sessions.observe_call(job, self.costs, seconds)
             self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
@@ -262,11 +296,16 @@ class Planner:
     # -- retries (`retries.Backoffs`) ------------------------------------------------------------------
     @property
     def wake_at(self) -> float | None:
-        """When the planner next needs a `Tick` (the earliest end of a backoff); None: no event is due."""
-        return self._backing.wake_at(self.jobs)
+        """When the planner next needs a `Tick` (the earliest end of a backoff, or the time a job held by its
+        user's quota may go in); None: no event is due."""
+        times = [t for t in (self._backing.wake_at(self.jobs), self._release_at) if t is not None]
+        return min(times) if times else None
 
     def _tick(self, out: list[Instruction]) -> None:
-        """Send again the cpu nodes whose backoff has ended, in job and node order."""
+        """Send again the cpu nodes whose backoff has ended, in job and node order; weigh the held jobs again
+        once a quota's release time has come."""
+        if self._release_at is not None and self.clock() >= self._release_at:
+            self._release_at, self._admission_due = None, True
         for job, node, runs in self._backing.due(self.jobs, self.clock(), self._set_node):
             inline = self._tiny(job, node)
             out.append(RunNode(job.job_id, job.iteration, node, "cpu", None, inline=inline, attempt=runs))
@@ -279,49 +318,40 @@ class Planner:
         alive = [s for s in self.services.values() if s.alive]
         if not alive:
             return
-        still: list[str] = []
-        for a in admissions(self.pending, self.jobs, alive, self.placement, self.job_load):
-            if a.problem:
+        now = self.clock()
+        pending, running, hold, squeezed = weigh(self.pending, self.jobs, self.user_limits, self.usage, now,
+                                                 len(alive), fair=self.fair_admission)  # fmt: skip
+        still, held = set(), {}
+        for a in admissions(pending, self.jobs, alive, self.placement, self.job_load, hold, squeezed):
+            if a.held or (a.target is None and not a.problem):
+                still.add(a.job_id)
+                self.jobs[a.job_id].reason = a.held or a.reason  # (shown to users: the server's page and status)
+                if a.held:
+                    held[a.job_id] = a.held
+            elif a.problem:
                 self._end_job(a.job_id, "failed", a.problem, out, keep_pending=True)
-                continue
-            if a.target is None:
-                still.append(a.job_id)
-                continue
-            if a.tier is None:
+            elif a.tier is None:
                 raise InvalidTransition(self._history(f"placement chose {a.target} for {a.job_id} but it does not fit"))
-            job, svc = self.jobs[a.job_id], self.services[a.target]
-            self._set_job(job, "placed")
-            job.service, job.placed_at = a.target, self.clock()
-            svc.jobs.add(a.job_id)
-            self._dirty.add(a.target)
-            out.append(PlaceJob(a.job_id, a.target, a.tier))
-            first = job.plan.first_iteration
-            job.iteration = first - 1 if job.plan.open else -1 if job.plan.baseline else first
-            self._reset_nodes(job)
-            self._advance(job, out)
-        self.pending = still
+            else:
+                job, svc = self.jobs[a.job_id], self.services[a.target]  # type: ignore[index]
+                self._set_job(job, "running")
+                running[job.plan.user] += 1
+                job.service, job.placed_at, job.reason = a.target, now, ""
+                svc.jobs.add(a.job_id)
+                self._dirty.add(svc.service_id)
+                out.append(PlaceJob(a.job_id, svc.service_id, a.tier))
+                job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
+                job.start_iteration(now)
+                self._advance(job, out)
+        self.pending = [j for j in self.pending if j in still]  # arrival order kept
+        out += [JobHeld(j, why) for j, why in changed(self.held, held)]
+        self.held = held
+        times = [release_at(self.jobs[j].plan.user, self.user_limits, self.usage, now, len(alive)) for j in held]
+        self._release_at = min((t for t in times if t is not None), default=None)
 
     def job_load(self, job_id: str) -> float:
         """Predicted busy fraction of a job on its service (`gaps.busy_fraction`)."""
         return busy_fraction(self.jobs[job_id], self.costs.predict)
-
-    def _reset_nodes(self, job: JobRecord) -> None:
-        """Node states for `job.iteration`: the baseline pass (-1) has only the baseline nodes, without their
-        deps; a normal iteration has every node, those inactive this iteration already done; a session's has the
-        node of its announced call, or none (`sessions.reset`)."""
-        if job.plan.open:
-            sessions.reset(job, self.clock())
-            return
-        if job.iteration < 0:
-            job.nodes = {name: "waiting" for name in job.plan.baseline}
-            job.remaining = len(job.nodes)
-            return
-        job.nodes = {name: "waiting" for name in job.plan.nodes}
-        job.remaining = len(job.nodes)
-        job.runs.clear()
-        for name, node in job.plan.nodes.items():
-            if not node.active(job.iteration, job.plan.iterations):
-                self._set_node(job, name, "done")
 
     def _advance(self, job: JobRecord, out: list[Instruction]) -> None:
         """Make ready every waiting node whose deps are done; close iterations whose nodes are all done
@@ -329,18 +359,16 @@ class Planner:
         while True:
             # one pass is enough: a node made ready here is not done, so it cannot unblock another
             nodes, plan = job.nodes, job.plan.nodes
-            baseline = job.iteration < 0 and not job.plan.open
-            names = job.plan.baseline if baseline else tuple(nodes) if job.plan.open else job.plan.order or tuple(plan)
-            for name in names:
-                if nodes[name] == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
+            baseline = job.iteration < 0
+            for name in job.plan.baseline if baseline else (job.plan.order or tuple(plan)):
+                if nodes.get(name) == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
                     self._make_ready(job, name, out)
             if job.remaining or (job.plan.open and not nodes):  # (an idle session: no call, no iteration)
                 return
             out.append(IterationDone(job.job_id, job.iteration))
             if getattr(self.placement, "uses_load", True):
                 self._admission_due = True  # its predicted load settled: a load-aware placement may change
-            due = sessions.checkpoint_due(job) if job.plan.open else checkpoints.due(job.plan, job.iteration)
-            if due:  # held until `CheckpointFinished` (`checkpoints.py`)
+            if sessions.checkpoint_due(job) if job.plan.open else checkpoints.due(job.plan, job.iteration):  # (held)
                 checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
                 self._dirty.add(job.service)  # type: ignore[arg-type]
                 return
@@ -348,19 +376,12 @@ class Planner:
                 return
 
     def _next_iteration(self, job: JobRecord, out: list[Instruction]) -> bool:
-        """Move a job whose iteration ended to its next one; False if that was its last (the job is done). A
-        session runs its announced call next, else it closes (when asked) or waits for one."""
-        if job.plan.open:
-            if job.call is None and job.closing:
-                self._end_job(job.job_id, "done", "", out)
-                return False
-            self._reset_nodes(job)
-            return True
+        """Move a job whose iteration ended to its next one; False if that was its last (the job is done)."""
         job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
-        if job.iteration >= job.plan.iterations:
+        if job.iteration >= job.plan.iterations or (job.closing and job.call is None):  # (a session: `sessions.py`)
             self._end_job(job.job_id, "done", "", out)
             return False
-        self._reset_nodes(job)
+        job.start_iteration(self.clock())
         return True
 
     def _checkpoint_finished(self, ev: CheckpointFinished, out: list[Instruction]) -> None:
@@ -374,30 +395,6 @@ class Planner:
         self.usage.add(job.plan.user, ev.duration, self.clock())
         if self._next_iteration(job, out):
             self._advance(job, out)
-
-    # -- sessions (`sessions.py`) ----------------------------------------------------------------------
-    def _call_arrived(self, ev: CallArrived, out: list[Instruction]) -> None:
-        job = self.jobs.get(ev.job_id)
-        if job is None or job.status in TERMINAL:
-            return  # a late call of a session that already ended (the runtime fails it)
-        problem = sessions.call_arrived(job, ev.node, self.costs, self.clock())
-        if problem is not None:
-            raise InvalidTransition(self._history(problem))
-        if job.status == "placed" and job.checkpoint is None:  # (queued, or held: it starts when that ends)
-            self._reset_nodes(job)
-            self._advance(job, out)
-
-    def _session_closing(self, ev: SessionClosing, out: list[Instruction]) -> None:
-        job = self.jobs.get(ev.job_id)
-        if job is None or job.status in TERMINAL:
-            return
-        if not job.plan.open:
-            raise InvalidTransition(self._history(f"{ev.job_id} is not a session; it cannot close"))
-        job.closing = True
-        if job.status == "queued":
-            self._end_job(job.job_id, "cancelled", "the session closed before it was placed", out)
-        elif sessions.idle(job):
-            self._end_job(job.job_id, "done", "", out)
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")
@@ -419,85 +416,10 @@ class Planner:
         return self.costs.observed(job.job_id, name) and self.costs.predict(job.job_id, name) < self.inline_below
 
     def _dispatch(self, out: list[Instruction]) -> None:
-        if not self._dirty:
-            return
-        dirty, self._dirty = self._dirty, set()
-        for service_id in sorted(dirty):  # services are offered dispatches in id order
-            svc = self.services[service_id]
-            if not svc.alive:
-                continue
-            if svc.checkpoints or svc.checkpointing is not None:  # it goes next, alone (`checkpoints.py`)
-                started = checkpoints.start(svc)
-                if started is not None:
-                    out.append(started)
-                continue
-            if not svc.queue:
-                continue
-            if svc.running is None:
-                self._dispatch_one(svc, out)
-            if self.lookahead and svc.running is not None and svc.next is None and svc.queue:
-                self._dispatch_one(svc, out)
-
-    def _dispatch_one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
-        """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node.
-        A job has at most one service node sent at a time, and sent jobs' states are never evicted."""
-        now = self.clock()
-        busy = {key[0] for key in (svc.running, svc.next) if key is not None} | grouped_jobs(svc)
-        candidates = [i for i, q in enumerate(svc.queue) if q.job_id not in busy]
-        if not candidates:
-            return
-        view = self._ordering_view(svc)
-        use_in = next_use(svc, self.jobs, self.costs.predict, now)
-        pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
-        while candidates:
-            pick = self.ordering.pick([svc.queue[i] for i in candidates], now, view)
-            if pick < 0:
-                return  # the ordering waits for a job about to be ready (`Slowdown.hold_s`): the next event decides
-            index = candidates[pick]
-            q = svc.queue[index]
-            why = ahead.waits(svc, self.jobs, q, busy, pinned, view, now, self.costs.predict, self.ordering,
-                              partner=self.batch_rollouts, preferred=self.hold_ahead) if busy else None  # fmt: skip
-            if why is not None:  # a partner (the group forms when the service frees) or a preferred node is due
-                self.held_ahead += why == "preferred"
-                return
-            try:
-                swaps = svc.state.make_resident(q.job_id, use_in, pinned)
-                break
-            except NoRoom as exc:
-                if busy:  # lookahead: the device cannot hold it beside the running job; send it later
-                    return
-                if pinned <= {q.job_id}:  # budgets are validated at submission
-                    raise InvalidTransition(self._history(str(exc))) from None
-                candidates.remove(index)  # it cannot run beside a paused generation (kept resident); another may
-        else:
-            return
-        job = self.jobs[q.job_id]
-        members, more = gather(svc, self.jobs, q, self.ordering, view, now, lambda j, keep: svc.state.make_resident(
-            j, use_in, keep), pinned) if self.batch_rollouts else ([], [])  # fmt: skip
-        swaps += more
-        svc.queue.pop(index)
-        taken = start_group(svc, q, members, ahead=svc.running is not None)
-        svc.prefetching, svc.resident = None, q.job_id
-        for entry in (q, *members):
-            self._set_node(self.jobs[entry.job_id], entry.node, "running")
-        if members:
-            self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
-        if svc.running is None:
-            svc.running, svc.running_since = (q.job_id, q.iteration, q.node), now
-        else:
-            svc.next = (q.job_id, q.iteration, q.node)
-            self.sent_ahead += 1
-        prefetch: list[Move] = []
-        nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | taken)
-        if nxt is not None:
-            prefetch = svc.state.prefetch(nxt, use_in, pinned | taken)
-            if prefetch:
-                svc.prefetching = nxt
-        chunks = job.plan.nodes[q.node].chunks
-        out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
-                           chunk=job.chunk.get(q.node, 0), chunks=chunks,
-                           slice=slices_done(job, q.node),
-                           group=tuple((m.job_id, m.iteration, m.node) for m in members)))  # fmt: skip
+        """Offer the services an event concerned their next work (`dispatch.Dispatcher`)."""
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            self._dispatcher.dispatch(dirty, out)
 
     def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
         return ordering_view(svc, self.jobs, self.costs, self.usage, self.gap_after, self.clock())
@@ -526,10 +448,18 @@ class Planner:
             self.pending.remove(job_id)
         if job.service is not None:
             leave(self.services[job.service], job_id, self.clock())
+        if job_id in self.held:  # it no longer waits for its user's limits
+            del self.held[job_id]
+            out.append(JobHeld(job_id, ""))
         if status == "done":
             out.append(JobDone(job_id, job.service))
-        else:
-            out.append(FailJob(job_id, reason or status, job.service, status == "cancelled", lost))
+            return
+        plan = job.plan
+        again = lost and plan.attempt < plan.attempts  # placed again, from its latest checkpoint
+        if lost and not again and plan.attempts > 1:
+            reason += f" (attempt {plan.attempt} of at most {plan.attempts}: not placed again)"
+            job.reason = reason
+        out.append(FailJob(job_id, reason or status, job.service, status == "cancelled", lost, again))
 
     def forget(self, job_id: str) -> None:
         """Drop an ended job's record and its cost observations (a long-running server's memory). No-op for a
@@ -568,9 +498,3 @@ class Planner:
     @property
     def finished(self) -> bool:
         return all(j.status in TERMINAL for j in self.jobs.values())
-
-    def idle_sessions(self) -> bool:
-        """Whether the only jobs left are idle sessions waiting for their clients' calls (and queued jobs)."""
-        left = [j for j in self.jobs.values() if j.status not in TERMINAL]
-        idle = [j for j in left if j.status == "placed" and sessions.idle(j)]
-        return bool(idle) and all(j.status == "queued" or j in idle for j in left)

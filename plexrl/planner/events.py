@@ -5,6 +5,7 @@ The planner never performs I/O; a driver turns instructions into work and report
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,9 +77,30 @@ class JobPlan:
     batch: int = 0
     # checkpoint the job on its service after every k-th iteration but its last (0: never; `checkpoints.py`)
     checkpoint_every: int = 0
+    # placements: this is its `attempt`-th (1: the first); a job whose service is lost is placed again (resumed
+    # from its latest checkpoint) while attempt < `attempts` (`FailJob.again`: the planner's decision)
+    attempt: int = 1
+    attempts: int = 1
     # a session (`sessions.py`): its nodes are the call kinds its client may send, every one a service node
     # without edges; an iteration runs the one call that came (`CallArrived`), `iterations` bounds the numbering
     open: bool = False
+
+    @classmethod
+    def of(
+        cls, nodes: Mapping[str, NodePlan], iterations: int, *, order: tuple[str, ...] = (),
+        baseline: tuple[str, ...] = (), first_iteration: int = 0, state_bytes: int = 0,
+        engine: tuple[str, int] | None = None, user: str = "", costs: Mapping[str, float] | None = None,
+        retry: RetryPlan | None = None, batch: int = 0, checkpoint_every: int = 0, attempt: int = 1,
+        attempts: int = 1,
+    ) -> JobPlan:  # fmt: skip
+        """THE construction of a job's plan, for every kind of spec (a prepared job's `JobSpec.plan`, a simulated
+        one's `SimJob.plan`): a job resumed at `first_iteration` > 0 has no baseline pass (its periodic nodes stay
+        in phase), and `costs` (node -> seconds an earlier attempt learned) are kept in node order."""
+        return cls(
+            dict(nodes), iterations, tuple(order), () if first_iteration else tuple(baseline), state_bytes, engine,
+            user, tuple(sorted((costs or {}).items())), retry, first_iteration, batch, checkpoint_every, attempt,
+            attempts,
+        )  # fmt: skip
 
 
 # -- events -------------------------------------------------------------------------------------------
@@ -265,9 +287,21 @@ class FailJob:
     service_id: str | None = None
     cancelled: bool = False  # ended by the user (JobCancelled), not by an error
     service_lost: bool = False  # failed because its service was lost (its state there is gone)
+    # the planner's decision for a job of a lost service: it is placed again (`JobPlan.attempt` < `attempts`),
+    # resumed from its latest checkpoint by whoever submitted it (a server), as attempt + 1
+    again: bool = False
 
 
-Instruction = PlaceJob | RunNode | RetryNode | IterationDone | RunCheckpoint | JobDone | FailJob
+@dataclass(frozen=True, slots=True)
+class JobHeld:
+    """A queued job's admission changed (`admission.py`): why it waits for its user's limit or quota, or ""
+    once it no longer does (it is weighed for a service like any queued job)."""
+
+    job_id: str
+    reason: str
+
+
+Instruction = PlaceJob | RunNode | RetryNode | IterationDone | RunCheckpoint | JobDone | FailJob | JobHeld
 
 
 @dataclass(slots=True)

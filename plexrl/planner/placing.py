@@ -1,9 +1,10 @@
 """A job joining and leaving its service, as pure helpers of `core.Planner`:
 
-- `admissions`: for each queued job in order, whether it can never be placed (its state and engine exceed
-  every service's device budget), stays queued (the placement policy said no), or goes to a service, whose
-  `StateManager` has admitted its state (the tier it landed in). A generator: the planner places each job
-  before the next one is weighed, so later views see the jobs, loads and free memory that placement changed;
+- `admissions`: for each queued job in order, whether it is held by its user's limits (`admission.py`), can
+  never be placed (its state and engine exceed every service's device budget), stays queued (the placement
+  policy said no), or goes to a service, whose `StateManager` has admitted its state (the tier it landed in).
+  A generator: the planner places each job before the next one is weighed, so later views (and the users'
+  running counts) see the jobs, loads and free memory that placement changed;
 - `leave`: drop an ended job from its service's queue, running, group and sent-ahead slots, states and pointers.
 """
 
@@ -26,6 +27,8 @@ class Admission:
     target: str | None = None  # None: stays queued (or `problem`)
     tier: Tier | None = None  # where the target's StateManager put its state (None there: it did not fit)
     problem: str = ""  # why it can never be placed (it fails)
+    held: str = ""  # why its user's limits hold it (it stays queued, `admission.held`)
+    reason: str = ""  # why it stays queued: the services, their loads, what would let it in
 
 
 def admissions(
@@ -34,13 +37,21 @@ def admissions(
     alive: Sequence[ServiceRecord],
     placement: PlacementPolicy,
     job_load: Callable[[str], float],
+    hold: Callable[[str], str | None] = lambda job_id: None,
+    squeeze: Callable[[str], bool] = lambda job_id: False,
 ) -> Iterator[Admission]:
-    """Weigh every job of `pending` in order (see the module docstring); `alive` is not empty."""
+    """Weigh every job of `pending` in order (see the module docstring); `alive` is not empty. `hold(job)`: why
+    its user's limits hold it now (None: they do not); `squeeze(job)`: the placement's no does not keep it out,
+    it goes to the least loaded service that holds its state (`admission.squeeze`)."""
     load = {s.service_id: sum(job_load(j) for j in s.jobs) for s in alive}
     by_id = {s.service_id: s for s in alive}
     views: dict[tuple[int, tuple[str, int] | None], list[ServiceView]] = {}  # `fits` depends only on these
     largest = max(math.inf if s.state.budgets["device"] is None else s.state.budgets["device"] for s in alive)
     for job_id in pending:
+        why = hold(job_id)
+        if why is not None:
+            yield Admission(job_id, held=why)
+            continue
         job = jobs[job_id]
         nbytes, engine = job.plan.state_bytes, job.plan.engine
         need = nbytes + (engine[1] if engine else 0)
@@ -59,13 +70,51 @@ def admissions(
             ]
         mine = job_load(job_id)
         target = placement.place(job_id, mine, views[nbytes, engine])
+        if target is None and squeeze(job_id):
+            room = [v for v in views[nbytes, engine] if v.fits]
+            target = min(room, key=lambda v: (v.load, v.jobs, v.service_id)).service_id if room else None
         if target is None:
-            yield Admission(job_id)
+            yield Admission(job_id, reason=waiting_reason(mine, views[nbytes, engine], placement))
             continue
         tier = by_id[target].state.admit(job_id, nbytes, engine)
         yield Admission(job_id, target, tier)
         load[target] += mine
         views.clear()  # the target's jobs, load and free memory changed
+
+
+def waiting_reason(job_load: float, views: Sequence[ServiceView], placement: PlacementPolicy) -> str:
+    """Why a job the placement kept queued waits, in words: each service, its jobs and predicted load (busy
+    fraction), and the condition that lets the job in.
+
+    >>> from plexrl.planner.policies import SpreadBackfill
+    >>> why = waiting_reason(0.4, [ServiceView("service-0", 2, 0.93, True)], SpreadBackfill(1.0))
+    >>> "service-0 holds 2 jobs at a predicted load of 0.93; this job adds 0.40" in why
+    True
+    >>> "admits up to max_load 1.00: it goes in when that load falls to 0.60 or below" in why
+    True
+    """
+    max_load = getattr(placement, "max_load", None)
+    uses_load = bool(getattr(placement, "uses_load", False)) and max_load is not None
+    held = []
+    for v in views:
+        jobs = f"{v.jobs} job{'s' if v.jobs != 1 else ''}"
+        held.append(
+            f"{v.service_id} holds {jobs} at a predicted load of {v.load:.2f}"
+            + ("" if v.fits else " and has no device memory left for this job's state")
+        )
+    shown = "; ".join(held[:4]) + (f"; and {len(held) - 4} more services" if len(held) > 4 else "")
+    if uses_load and any(v.fits for v in views):
+        room = max(float(max_load) - job_load, 0.0)  # type: ignore[arg-type]
+        when = (
+            f"this job adds {job_load:.2f} and {placement.name} admits up to max_load {max_load:.2f}: it goes in "
+            f"when that load falls to {room:.2f} or below (a job there ends, or its prediction settles lower), "
+            "or a service joins"
+        )
+    elif not any(v.fits for v in views):
+        when = "it goes in when a job ends and frees device memory, or a service joins"
+    else:
+        when = f"{placement.name} places one job per service: it goes in when a job ends, or a service joins"
+    return f"waiting for room: {shown}; {when}"
 
 
 def leave(svc: ServiceRecord, job_id: str, now: float) -> None:

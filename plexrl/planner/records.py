@@ -2,7 +2,9 @@
 per-service records the planner keeps. Data only; `core.Planner` is the one thing that changes them.
 
 States (each change goes through one table; an illegal move raises `InvalidTransition` with recent history):
-- job:  queued -> placed -> done | failed | cancelled   (queued -> failed | cancelled too)
+- job:  queued -> running (placed on a service) -> done | failed | cancelled   (queued -> failed | cancelled too):
+  THE job status vocabulary (`JobStatus`, `TERMINAL`), also of a job's record (`plexrl.job.spec.JobRun`) and of
+  the server's journal (`plexrl.server.journal_records`);
 - node (per iteration of a placed job): waiting -> ready -> running -> done; inactive nodes (`every`)
   go waiting -> done directly; a failed cpu node with runs left (`JobPlan.retry`) goes running -> backoff
   -> running: while it waits, its job counts as away for the predicted backoff left plus the node's time;
@@ -20,18 +22,19 @@ from plexrl.planner.events import JobPlan
 from plexrl.planner.policies import QueuedNode
 from plexrl.planner.state import StateManager
 
-# the planner's job states; a job's record and the server's journal share one vocabulary (`plexrl.job.spec.JobStatus`),
-# the same words but `running` for `placed` (the planner cannot import it: it imports nothing of plexrl)
-JobStatus = Literal["queued", "placed", "done", "failed", "cancelled"]
+CLIENT = "<client>"  # a session's pseudo node: its client's time from a call's end to its next call (`sessions.py`)
+
+# a job's status: ONE vocabulary for the planner, a job's record (`JobRun`) and the server's journal
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 NodeStatus = Literal["waiting", "ready", "running", "paused", "backoff", "done"]
 
 JOB_TRANSITIONS: set[tuple[JobStatus, JobStatus]] = {
-    ("queued", "placed"),
+    ("queued", "running"),
     ("queued", "failed"),
     ("queued", "cancelled"),
-    ("placed", "done"),
-    ("placed", "failed"),
-    ("placed", "cancelled"),
+    ("running", "done"),
+    ("running", "failed"),
+    ("running", "cancelled"),
 }
 NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
     ("waiting", "ready"),
@@ -44,7 +47,7 @@ NODE_TRANSITIONS: set[tuple[NodeStatus, NodeStatus]] = {
     ("running", "paused"),  # a slice of a sliced service node ended, the node did not: its next slice is queued
     ("paused", "running"),
 }
-TERMINAL: set[JobStatus] = {"done", "failed", "cancelled"}
+TERMINAL: frozenset[JobStatus] = frozenset({"done", "failed", "cancelled"})  # a job's status there never changes
 
 
 class InvalidTransition(RuntimeError):
@@ -101,6 +104,24 @@ class JobRecord:
                 succ[dep].append(name)
         sources = tuple(name for name, node in plan.nodes.items() if not node.deps)
         return cls(job_id, plan, submitted_at=now, successors={n: tuple(s) for n, s in succ.items()}, sources=sources)
+
+    def start_iteration(self, now: float = 0.0) -> None:
+        """Node states for `iteration`, as they start: the baseline pass (-1) has only the baseline nodes,
+        without their deps; a normal iteration has every node, `waiting`, those inactive this iteration (`every`)
+        `done` from the start. A session's (`sessions.py`): its announced call's node, waiting, or none when no
+        call is announced (idle: its client is away from `now` on)."""
+        if self.plan.open:
+            self.nodes = {} if self.call is None else {self.call: "waiting"}
+            if self.call is None:
+                self.cpu_started[CLIENT] = now
+            self.call = None
+        elif self.iteration < 0:
+            self.nodes = dict.fromkeys(self.plan.baseline, "waiting")
+        else:
+            active = {n: p.active(self.iteration, self.plan.iterations) for n, p in self.plan.nodes.items()}
+            self.nodes = {n: "waiting" if on else "done" for n, on in active.items()}
+            self.runs.clear()
+        self.remaining = sum(state != "done" for state in self.nodes.values())
 
 
 @dataclass(slots=True)

@@ -16,13 +16,52 @@ checkpoint after every k-th. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from plexrl.planner.costs import CostModel
-from plexrl.planner.records import JobRecord
+from plexrl.planner.events import CallArrived, Instruction, SessionClosing
+from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord
 
-CLIENT = "<client>"  # pseudo node: the client's time between a call's end and its next call
+if TYPE_CHECKING:
+    from plexrl.planner.core import Planner
+
 CALL = "<call>"  # pseudo node: a call's time, every kind together
+
+
+def handlers(p: Planner) -> dict[type, Callable[[Any, list[Instruction]], None]]:
+    """The planner's handlers of the session events (`Planner.handle`)."""
+    return {
+        CallArrived: lambda ev, out: on_call_arrived(p, ev, out),
+        SessionClosing: lambda ev, out: on_closing(p, ev, out),
+    }
+
+
+def on_call_arrived(p: Planner, ev: CallArrived, out: list[Instruction]) -> None:
+    """A session's next call came: it starts at once when the session is idle (placed, no checkpoint held)."""
+    job = p.jobs.get(ev.job_id)
+    if job is None or job.status in TERMINAL:
+        return  # a late call of a session that already ended (the runtime fails it)
+    problem = call_arrived(job, ev.node, p.costs, p.clock())
+    if problem is not None:
+        raise InvalidTransition(p._history(problem))
+    if job.status == "running" and job.checkpoint is None:  # (queued, or held: it starts when that ends)
+        job.start_iteration(p.clock())
+        p._advance(job, out)
+
+
+def on_closing(p: Planner, ev: SessionClosing, out: list[Instruction]) -> None:
+    """A session's client is gone: it ends now if idle, else after its running (or announced) call."""
+    job = p.jobs.get(ev.job_id)
+    if job is None or job.status in TERMINAL:
+        return
+    if not job.plan.open:
+        raise InvalidTransition(p._history(f"{ev.job_id} is not a session; it cannot close"))
+    job.closing = True
+    if job.status == "queued":
+        p._end_job(job.job_id, "cancelled", "the session closed before it was placed", out)
+    elif idle(job):
+        p._end_job(job.job_id, "done", "", out)
 
 
 def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str | None:
@@ -41,21 +80,10 @@ def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str
     return None
 
 
-def reset(job: JobRecord, now: float) -> None:
-    """A session's nodes for its next call: the announced call's node, waiting (its iteration is the next
-    number), or none when no call is announced (idle: the client is away from now on)."""
-    if job.call is None:
-        job.nodes, job.remaining = {}, 0
-        job.cpu_started[CLIENT] = now
-        return
-    job.iteration += 1
-    job.nodes, job.remaining = {job.call: "waiting"}, 1
-    job.call = None
-
-
 def observe_call(job: JobRecord, costs: CostModel, seconds: float) -> None:
-    """A session's call ended well: learn its time among all its calls (`CALL`)."""
-    costs.observe(job.job_id, CALL, seconds)
+    """A job's node ended well: a session's learns its time among all its calls (`CALL`)."""
+    if job.plan.open:
+        costs.observe(job.job_id, CALL, seconds)
 
 
 def checkpoint_due(job: JobRecord) -> bool:
@@ -74,6 +102,13 @@ def idle(job: JobRecord) -> bool:
     return job.plan.open and not job.nodes and job.call is None and job.checkpoint is None
 
 
+def only_idle_left(jobs: Iterable[JobRecord]) -> bool:
+    """Whether the only jobs left are idle sessions waiting for their clients' calls (and queued jobs)."""
+    left = [j for j in jobs if j.status not in TERMINAL]
+    waiting = [j for j in left if j.status == "running" and idle(j)]
+    return bool(waiting) and all(j.status == "queued" or j in waiting for j in left)
+
+
 def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
     """A session's predicted busy fraction: a call's time over a call's plus the client's."""
     call, client = predict(job.job_id, CALL), predict(job.job_id, CLIENT)
@@ -86,7 +121,10 @@ __all__ = [
     "busy_fraction",
     "call_arrived",
     "checkpoint_due",
+    "handlers",
     "idle",
     "observe_call",
-    "reset",
+    "on_call_arrived",
+    "on_closing",
+    "only_idle_left",
 ]

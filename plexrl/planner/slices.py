@@ -64,7 +64,7 @@ def paused_jobs(svc: ServiceRecord, jobs: Mapping[str, JobRecord]) -> set[str]:
 def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:
     """The first broken invariant of paused nodes, described; None when all hold."""
     for job in jobs.values():
-        if job.status != "placed":
+        if job.status != "running":
             continue
         for node, status in job.nodes.items():
             if status == "paused":

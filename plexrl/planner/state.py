@@ -1,6 +1,6 @@
 """`StateManager`: where each job's state lives on ONE service, and which moves keep the budgets.
 
-Pure (DESIGN.md invariant 1): it never copies a byte; it answers "which moves make job J runnable" and the
+Pure (docs invariant 1): it never copies a byte; it answers "which moves make job J runnable" and the
 service carries the moves out in the order given. Tiers, fastest first: `device` (runnable), `host` (CPU
 memory), `disk` (safetensors files). Each tier has a byte budget (None = unlimited). A job's state (policy
 weights + optimizer state + reference weights when its pipeline uses KL) lives in exactly one tier.

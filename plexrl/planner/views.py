@@ -1,10 +1,13 @@
-"""What the ordering policy sees of a service (`ordering_view`) and whom the service will most likely run
-next (`next_job`: what to prefetch). Pure functions of the planner's records and cost model."""
+"""Views of the planner's records, pure functions of them and its cost model: what the ordering policy sees of
+a service (`ordering_view`), whom a service will most likely run next (`next_job`: what to prefetch), and the
+planner's read API for everything outside it (`PlannerView`, `planner_view`: frozen copies, so a controller or
+a page reads them without the planner's records, on any thread, once copied on the runner's)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from plexrl.planner.costs import CostModel
 from plexrl.planner.gaps import due, projected_slowdown
@@ -57,4 +60,65 @@ def next_job(
     return min(later)[1] if later else None
 
 
-__all__ = ["next_job", "ordering_view"]
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """A service as the planner sees it: alive, the node it runs, the nodes waiting for it (job, node)."""
+
+    service_id: str
+    alive: bool
+    running: tuple[str, str] | None
+    waiting: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job as the planner sees it: its user, status (`records.JobStatus`), service, iteration, why it ended
+    (while queued: why it waits), and why its user's limits hold it (`held`, "" when they do not)."""
+
+    job_id: str
+    user: str
+    status: str
+    service: str | None
+    iteration: int
+    reason: str
+    held: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerView:
+    """The planner's read API: a frozen copy of its services and jobs (`Planner.view`)."""
+
+    services: tuple[QueueView, ...]
+    jobs: tuple[JobView, ...]
+
+    def waiting(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Service -> the (job, node) waiting for it."""
+        return {s.service_id: s.waiting for s in self.services}
+
+    def unplaced(self) -> dict[str, str]:
+        """The jobs waiting for a service (queued: no room yet, or held by their user's limits) -> why, in words
+        (the services, their predicted loads and what would let the job in; or the limit that holds it)."""
+        return {j.job_id: j.reason for j in self.jobs if j.status == "queued"}
+
+
+def planner_view(
+    jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord], held: Mapping[str, str]
+) -> PlannerView:
+    """The frozen copy of the planner's records (`PlannerView`)."""
+    queues = tuple(
+        QueueView(
+            sid,
+            svc.alive,
+            (svc.running[0], svc.running[2]) if svc.running else None,
+            tuple((q.job_id, q.node) for q in svc.queue),
+        )
+        for sid, svc in sorted(services.items())
+    )
+    views = tuple(
+        JobView(j.job_id, j.plan.user, j.status, j.service, j.iteration, j.reason, held.get(j.job_id, ""))
+        for j in jobs.values()
+    )
+    return PlannerView(queues, views)
+
+
+__all__ = ["JobView", "PlannerView", "QueueView", "next_job", "ordering_view", "planner_view"]

@@ -11,7 +11,7 @@ metrics and durations); when the planner closes an iteration, the carrier assemb
 the hooks and tells the executor to drop the outputs. A checkpoint is the planner's work too (`RunCheckpoint`,
 `JobPlan.checkpoint_every`): the carrier asks `checkpoint_at` where it goes, has the executor write it on the
 job's service, and reports its end (`CheckpointFinished`). Anything that goes wrong with one job (its load, a
-node's submission, a swap) fails that job only (DESIGN.md invariant 5): `fail` returns the `JobFailed` event
+node's submission, a swap) fails that job only (docs invariant 5): `fail` returns the `JobFailed` event
 for the planner, and the job's later instructions are dropped until the planner's `FailJob` comes back.
 
 The loop thread's alone: no lock (other threads reach the loop through its inbox).
@@ -19,7 +19,6 @@ The loop thread's alone: no lock (other threads reach the loop through its inbox
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -34,16 +33,16 @@ from plexrl.planner import (
     IterationDone,
     JobDone,
     JobFailed,
+    JobHeld,
     JobSubmitted,
     PlaceJob,
     Planner,
     RetryNode,
-    RetryPlan,
     RunCheckpoint,
     RunNode,
     StateMeasured,
 )
-from plexrl.planner.events import Event, Instruction, JobPlan
+from plexrl.planner.events import Event, Instruction
 from plexrl.runtime.calls import CallBoard
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, LoadReport, NodeTask
 from plexrl.runtime.inbox import Inbox
@@ -56,10 +55,10 @@ log = logging.getLogger(__name__)
 class Carrier:
     """See the module docstring. `forget_ended`: drop an ended job's record, planner entry and spec once the
     hooks and `on_closed` have seen it (a server's weeks of jobs); `on_closed`: called for every ended job,
-    placed or not (the server's journal); `checkpoint_every`: every job's plan gets it (`JobPlan.checkpoint_every`:
-    the planner sends `RunCheckpoint` after every k-th iteration but the last), and `checkpoint_at(run, iteration)`
-    says where that checkpoint goes (required with it). `calls`: the sessions' calls (`calls.CallBoard`): a
-    session's node takes its call there and its report's reply goes back there."""
+    placed or not (the server's journal); `checkpoint_at(run, iteration)`: where a job's checkpoint goes (required
+    for a job whose plan has a `checkpoint_every`: the planner sends `RunCheckpoint` after every k-th iteration
+    but the last). `calls`: the sessions' calls (`calls.CallBoard`): a session's node takes its call there and
+    its report's reply goes back there."""
 
     def __init__(
         self,
@@ -70,15 +69,10 @@ class Carrier:
         *,
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
-        checkpoint_every: int = 0,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
         calls: CallBoard | None = None,
     ) -> None:
-        if checkpoint_every < 0 or (checkpoint_every > 0) != (checkpoint_at is not None):
-            raise ValueError(f"checkpoint_every={checkpoint_every} with checkpoint_at={checkpoint_at!r}: give both "
-                             "(how often, k >= 1, and where) or neither")  # fmt: skip
         self.executor, self.hooks, self.planner, self.inbox = executor, hooks, planner, inbox
-        self.checkpoint_every = checkpoint_every
         self.clock = executor.clock
         self.forget_ended, self.on_closed, self.checkpoint_at = forget_ended, on_closed, checkpoint_at
         self.calls = calls
@@ -94,6 +88,7 @@ class Carrier:
             RunCheckpoint: self._checkpoint,
             JobDone: self._job_done,
             FailJob: self._job_failed,
+            JobHeld: self._job_held,
         }
 
     # -- instructions in ------------------------------------------------------------------------------
@@ -201,7 +196,7 @@ class Carrier:
     def _checkpoint(self, run: JobRun, ins: RunCheckpoint) -> list[Event]:
         """Have the executor write the job's checkpoint after `ins.iteration` where `checkpoint_at` says, on its
         service (`Executor.checkpoint`); one that cannot even be sent ends at once, failed (the job goes on)."""
-        assert self.checkpoint_at is not None  # (a plan has `checkpoint_every` only from this carrier)
+        assert self.checkpoint_at is not None  # (`ship` refused a plan with checkpoints and nowhere to put them)
         try:
             path = self.checkpoint_at(run, ins.iteration)
             handle = self.executor.checkpoint(run.job_id, ins.service_id, path, {"iteration": ins.iteration})
@@ -216,9 +211,14 @@ class Carrier:
         self._end_job(run, "done", "", ins.service_id)
         return []
 
+    def _job_held(self, run: JobRun, ins: JobHeld) -> list[Event]:
+        run.held = ins.reason
+        self.hooks.on_job_held(run, ins.reason)
+        return []
+
     def _job_failed(self, run: JobRun, ins: FailJob) -> list[Event]:
         self.failing.discard(run.job_id)
-        run.service_lost = ins.service_lost
+        run.service_lost, run.again = ins.service_lost, ins.again
         self._end_job(run, "cancelled" if ins.cancelled else "failed", ins.reason, ins.service_id)
         return []
 
@@ -280,15 +280,21 @@ class Carrier:
         return run
 
     def ship(self, run: JobRun) -> list[Event]:
-        """A job is submitted: ship its spec to the executor, and tell the planner (`JobSubmitted`, with
-        `plan_of`). A job that cannot be shipped fails alone."""
+        """A job is submitted: ship its spec to the executor, and tell the planner (`JobSubmitted` with the
+        spec's own plan). A job that cannot be shipped, or asks for checkpoints with nowhere to put them, fails
+        alone."""
         run.submitted_at = self.clock()
+        plan = run.spec.plan()
+        if plan.checkpoint_every and self.checkpoint_at is None:
+            why = f"its plan checkpoints every {plan.checkpoint_every} iterations but this runner has no checkpoint_at"
+            self.close(run, "failed", f"{why}: give the runner where checkpoints go, or set checkpoint_every: 0")
+            return []
         try:
             self.executor.ship(run.spec)
         except Exception as exc:
             self.close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
             return []
-        events: list[Event] = [JobSubmitted(run.job_id, plan_of(run.spec, self.checkpoint_every))]
+        events: list[Event] = [JobSubmitted(run.job_id, plan)]
         first = self.calls.started(run.job_id) if self.calls is not None else None
         if first is not None:  # a session whose first call came before its job did
             events.append(CallArrived(run.job_id, first))
@@ -357,18 +363,4 @@ class Carrier:
                 self.close(run, status, f"interrupted: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
-def plan_of(spec: Any, checkpoint_every: int = 0) -> JobPlan:
-    """The job's plan as the planner gets it: `spec.plan()` with the checkpoint cadence (`checkpoint_every`,
-    the runner's) and the retry policy of its config (`retry`), as the delays after each failed run; a spec
-    without a config (the simulator's) has none."""
-    plan: JobPlan = spec.plan()
-    if checkpoint_every:
-        plan = dataclasses.replace(plan, checkpoint_every=checkpoint_every)
-    policy = getattr(getattr(spec, "config", None), "retry", None)
-    if policy is None or plan.retry is not None:
-        return plan
-    delays = tuple(policy.delay(k) for k in range(1, policy.attempts))
-    return dataclasses.replace(plan, retry=RetryPlan(policy.attempts, delays))
-
-
-__all__ = ["Carrier", "plan_of"]
+__all__ = ["Carrier"]

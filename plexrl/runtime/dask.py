@@ -4,7 +4,7 @@ One service per worker that has a `GPU` resource. The `Service` object (engines 
 that worker process (a registry in `dask_tasks`, filled by a start-up task), so job state stays resident
 there; every service task is pinned to its worker. CPU nodes are ordinary tasks on the CPU-pool workers.
 With `ranks > 1` each service spans a worker group instead: the executor's `placement` (chosen at
-construction, `runtime/placement.py`) carries every service task out one way or the other.
+construction, `runtime/topology.py`) carries every service task out one way or the other.
 
 Data stays where it is made: a node task returns its `NodeResult` (report + output) and that future is
 the node's output; a later node receives it as an argument, so Dask moves it worker to worker. Before it
@@ -58,8 +58,8 @@ from typing import Any
 from plexrl.planner.state import Tier
 from plexrl.runtime.dask_tasks import _run_cpu_node, _start_and_warm, _warm_up
 from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
-from plexrl.runtime.placement import Placement, placement_for
 from plexrl.runtime.tls import LOOPBACK, TLSFiles, is_loopback
+from plexrl.runtime.topology import Topology, topology_for
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,17 @@ class DaskExecutor:
         host: str = LOOPBACK,
         tls: TLSFiles | None = None,
         pin_cores: bool = False,
+        worker_env: dict[str, dict[str, str]] | None = None,
+        deterministic: bool = False,
+        host_memory: int | None = None,
     ) -> None:
+        """`worker_env`: a local cluster's worker environments by worker name (`plexrl.devices.worker_envs`:
+        each service rank's `CUDA_VISIBLE_DEVICES` and CUDA settings, the CPU pool's empty GPU list);
+        `deterministic`: torch's deterministic algorithms in every service worker (`devices.configure_process`)."""
         self.clock = time.time
+        self.worker_env = worker_env or {}
+        self.deterministic = deterministic
+        self.host_memory = host_memory  # each service's host tier (its pinned pool stays within it)
         self.pin_cores = pin_cores  # a local cluster: services on cores of their own (runtime/affinity.py)
         self.pinned: dict[str, list[int]] = {}  # worker address -> its cores, when pinned
         self.host, self.tls = host, tls  # the local cluster's interface; mutual TLS (see the module docstring)
@@ -125,12 +134,12 @@ class DaskExecutor:
         # worker groups (runtime/group.py): each service spans `ranks` workers with one process group
         self.ranks, self.group_timeout = ranks, group_timeout
         # how services sit on workers (one each, or a worker group each): every service task goes through it
-        self.placement: Placement = placement_for(self)
+        self.topology: Topology = topology_for(self)
 
     @property
     def groups(self) -> Any:
         """The `WorkerGroups` when services span several ranks (after `start`), else None."""
-        return self.placement.groups
+        return self.topology.groups
 
     # -- cluster ------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -168,11 +177,14 @@ class DaskExecutor:
             names = [
                 f"service-{i}" + (f"-rank{r}" if r else "") for i in range(self.n_services) for r in range(self.ranks)
             ]
+            env = self.worker_env  # one GPU per service worker (CUDA_VISIBLE_DEVICES), none for the CPU pool
             workers: dict[str, Any] = {
-                name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name, **opts}}
+                name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name,
+                                                 "env": dict(env.get(name, {})), **opts}}
                 for name in names
-            }
-            workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0", **opts}}
+            }  # fmt: skip
+            workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0",
+                                                          "env": dict(env.get("cpu-0", {})), **opts}}  # fmt: skip
             scheduler = {"cls": Scheduler, "options": {"dashboard_address": http, **net}}
             self.cluster = SpecCluster(
                 workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, security=security
@@ -195,7 +207,11 @@ class DaskExecutor:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
         if self.pin_cores and self.scheduler is None:
             self._pin([a for _, a in gpu])
-        self.placement.form(gpu)
+        if self.deterministic:
+            from plexrl.devices import configure_process
+
+            self.client.run(configure_process, self.device, True, workers=[a for _, a in gpu])
+        self.topology.form(gpu)
         self.client.run(_warm_up)
         self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
         self._next_check = time.time() + self.poll
@@ -207,7 +223,9 @@ class DaskExecutor:
         from plexrl.runtime.affinity import available_cores, core_plan, pin_process
 
         cores = available_cores()
-        plan = core_plan(cores, len(service_workers), max(1, self.service_threads or 1))
+        from plexrl.devices import cores_per_service
+
+        plan = core_plan(cores, len(service_workers), cores_per_service(self.device, self.service_threads))
         if plan is None:
             log.warning("pin_cores: %d cores cannot give %d services their own and the CPU pool one; not pinned",
                         len(cores), len(service_workers))  # fmt: skip
@@ -219,7 +237,7 @@ class DaskExecutor:
         log.info("pinned: %s", {a: c for a, c in self.pinned.items()})
 
     def _start_args(self) -> tuple[Any, ...]:
-        return self.device, self.validate, self.spill_dir, self.service_threads
+        return self.device, self.validate, self.spill_dir, self.service_threads, self.host_memory
 
     def close(self) -> dict[str, dict[str, Any]]:
         reports: dict[str, dict[str, Any]] = {}
@@ -231,7 +249,7 @@ class DaskExecutor:
                     work.future.cancel()
             self._work.clear()
             alive = self._alive()
-            reports = self.placement.stop(alive)
+            reports = self.topology.stop(alive)
         finally:
             self.client.close()
             if self.cluster is not None:
@@ -273,7 +291,7 @@ class DaskExecutor:
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         handle = next(self._ids)  # in the key: a job submitted again (after its service was lost) loads again
-        fut = self.placement.load(service_id, job_id, tier, f"load-{self.token}-{job_id}-{handle}")
+        fut = self.topology.load(service_id, job_id, tier, f"load-{self.token}-{job_id}-{handle}")
         self._loaded[job_id] = fut
         self._work[handle] = _Work(fut, False, service_id, job_id)
         return handle
@@ -293,7 +311,7 @@ class DaskExecutor:
             after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
             ins = {p: self._work[h] for p, h in task.inputs.items()}
             parts = [self._work[h] for h in task.parts]  # earlier chunks: on this worker already
-            fut, ranks = self.placement.node(task, handle, ins, parts, after, key)
+            fut, ranks = self.topology.node(task, handle, ins, parts, after, key)
         self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node, ranks=ranks)
         return handle
 
@@ -309,7 +327,7 @@ class DaskExecutor:
         inputs = [{p: self._work[h] for p, h in t.inputs.items()} for t in tasks]
         first = tasks[0]
         key = f"group-{first.job_id}-{first.iteration}-{first.node}-{self.token}-{handles[0]}"
-        futs = self.placement.group(tasks, handles, inputs, after, key)
+        futs = self.topology.group(tasks, handles, inputs, after, key)
         for h, t, fut in zip(handles, tasks, futs, strict=True):
             self._work[h] = _Work(fut, True, t.lane, t.job_id, t.iteration, t.node)
         return handles
@@ -375,7 +393,7 @@ class DaskExecutor:
         if fut.status == "error":
             exc = fut.exception()
         else:
-            exc = RuntimeError(self.placement.why_cancelled(fut) if fut.status == "cancelled" else f"task {fut.status}")
+            exc = RuntimeError(self.topology.why_cancelled(fut) if fut.status == "cancelled" else f"task {fut.status}")
         error = f"{type(exc).__name__}: {exc}"
         now = self.clock()
         if work.checkpoint:
@@ -404,7 +422,7 @@ class DaskExecutor:
         """Services on GPU workers that joined after `start` (a worker the nanny restarted after a crash, a new
         machine): each gets a new service id once its service has started there (single-rank services only;
         a worker group needs all its ranks). Checked every `poll` seconds."""
-        if self.client is None or not self.placement.joins:
+        if self.client is None or not self.topology.joins:
             return []
         out = []
         for addr, (sid, fut) in list(self._starting.items()):
@@ -436,7 +454,7 @@ class DaskExecutor:
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
         if service_id in self._lost:
             raise RuntimeError(f"service {service_id} is lost; the model of {job_id} cannot be saved")
-        fut = self.placement.save(service_id, job_id, path, f"save-{self.token}-{job_id}-{next(self._ids)}")
+        fut = self.topology.save(service_id, job_id, path, f"save-{self.token}-{job_id}-{next(self._ids)}")
         return Path(self._fetch(fut, 300))
 
     def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
@@ -448,7 +466,7 @@ class DaskExecutor:
             after = [self._loaded[job_id]] if job_id in self._loaded else []
             key = f"checkpoint-{self.token}-{job_id}-{handle}"
             try:
-                fut = self.placement.checkpoint(service_id, job_id, path, extra, after, key)
+                fut = self.topology.checkpoint(service_id, job_id, path, extra, after, key)
             except NotImplementedError as exc:
                 refused = str(exc)
         if refused is not None:
@@ -461,7 +479,7 @@ class DaskExecutor:
     def release(self, job_id: str, service_id: str) -> None:
         self._loaded.pop(job_id, None)
         if service_id not in self._lost:
-            self.placement.release(service_id, job_id, f"release-{self.token}-{job_id}-{next(self._ids)}")
+            self.topology.release(service_id, job_id, f"release-{self.token}-{job_id}-{next(self._ids)}")
 
     def forget(self, handles: Iterable[Handle]) -> None:
         for h in list(handles):

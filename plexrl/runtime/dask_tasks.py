@@ -19,7 +19,9 @@ from plexrl.services.registry import publish as _publish
 from plexrl.services.service import NodeResult, Service, run_cpu_node
 
 
-def _start_service(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+def _start_service(
+    key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None, host_memory: int | None = None
+) -> int:
     """Create the service `key` (`<executor token>/<service id>`: two runs on one cluster never share one)."""
     import torch
 
@@ -28,7 +30,9 @@ def _start_service(key: str, device: str, validate: bool, spill_dir: str | None,
     if key in _SERVICES:
         raise RuntimeError(f"service {key} already runs in this worker")
     service_id = key.rpartition("/")[2]
-    _SERVICES[key] = Service(service_id, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    _SERVICES[key] = Service(
+        service_id, device, spill_dir=spill_dir, validate=validate, clock=time.time, host_memory=host_memory
+    )
     return os.getpid()
 
 
@@ -44,9 +48,11 @@ def _warm_up() -> None:
         resolve_operator(name)
 
 
-def _start_and_warm(key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None) -> int:
+def _start_and_warm(
+    key: str, device: str, validate: bool, spill_dir: str | None, threads: int | None, host_memory: int | None = None
+) -> int:
     """A replacement service on a worker that joined late: start it and import what nodes need."""
-    pid = _start_service(key, device, validate, spill_dir, threads)
+    pid = _start_service(key, device, validate, spill_dir, threads, host_memory)
     _warm_up()
     return pid
 

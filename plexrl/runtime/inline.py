@@ -32,9 +32,17 @@ class InlineExecutor:
         validate: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         spill_dir: str | Path | None = None,
+        devices: list[str] | None = None,
+        host_memory: int | None = None,
     ) -> None:
+        """`devices`: the torch device of each service (`plexrl.devices.inline_devices`: one GPU each on CUDA);
+        None: every service on `device`; `host_memory`: each service's host tier (its host pool stays within it)."""
         self.clock = clock
+        self.host_memory = host_memory
         self.n_services, self.device, self.validate, self.spill_dir = services, device, validate, spill_dir
+        self.devices = list(devices) if devices is not None else [device] * services
+        if len(self.devices) != services:
+            raise ValueError(f"{services} services need {services} devices, got {self.devices}")
         self.services: dict[str, Any] = {}
         self.specs: dict[str, Any] = {}
         self.outputs: dict[Handle, Any] = {}
@@ -48,7 +56,10 @@ class InlineExecutor:
         for i in range(self.n_services):
             sid = f"service-{i}"
             spill = Path(self.spill_dir) / sid if self.spill_dir is not None else None
-            self.services[sid] = Service(sid, self.device, spill_dir=spill, validate=self.validate, clock=self.clock)
+            dev = self.devices[i]
+            self.services[sid] = Service(
+                sid, dev, spill_dir=spill, validate=self.validate, clock=self.clock, host_memory=self.host_memory
+            )
         return list(self.services)
 
     def ship(self, spec: Any) -> None:

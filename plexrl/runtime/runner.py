@@ -29,13 +29,10 @@ from typing import Any
 
 from plexrl.hooks.base import Hook, HookList, RunSummary
 from plexrl.job.spec import JobRun
-from plexrl.planner import JobCancelled, JobFailed, Planner, ServiceLost, Tick
-from plexrl.planner.costs import CostModel
+from plexrl.planner import JobCancelled, JobFailed, Planner, ServiceLost, Tick, sessions
 from plexrl.planner.events import Event
-from plexrl.planner.policies import OrderingPolicy, PlacementPolicy
-from plexrl.planner.shares import Usage
 from plexrl.runtime.calls import CallBoard
-from plexrl.runtime.carrier import Carrier, plan_of
+from plexrl.runtime.carrier import Carrier
 from plexrl.runtime.executor import Executor
 from plexrl.runtime.inbox import Arrivals, Inbox
 from plexrl.runtime.records import Budgets, RunnableSpec
@@ -52,33 +49,26 @@ def running_runners() -> list[Runner]:
 
 
 class Runner:
-    """See the module docstring. `poll`: how long one `executor.wait` may block (the cancel and lost-service
-    checks run at least this often); default: the executor's `poll` attribute if it has one (the simulator's
-    is infinite: its clock only moves to the next event), else 0.5 s. `usage`: the planner's fair-share
-    account; `forget_ended`, `on_closed`, `checkpoint_every`, `checkpoint_at`: the carrier's (`Carrier`: a
-    server's memory, its journal, its checkpoints). `calls`: the sessions' calls (`calls.CallBoard`; a server's
-    Tinker API puts them there): while a session is open the loop looks at its inbox at least every
-    `CALL_POLL` seconds, so a call waits at most that long for the planner."""
+    """See the module docstring. `planner`: the pure planner it feeds, built whole beforehand (from a runtime
+    section: `Planner.from_config`; on the executor's clock). `poll`: how long one `executor.wait` may block
+    (the cancel and lost-service checks run at least this often); default: the executor's `poll` attribute if
+    it has one (the simulator's is infinite: its clock only moves to the next event), else 0.5 s. `budgets`:
+    each service's tiers, given to the planner as the services join. `forget_ended`, `on_closed`,
+    `checkpoint_at`: the carrier's (`Carrier`: a server's memory, its journal, where its checkpoints go; how
+    often is each job's plan's). `calls`: the sessions' calls (`calls.CallBoard`; a server's Tinker API puts
+    them there): while a session is open the loop looks at its inbox at least every `CALL_POLL` seconds, so a
+    call waits at most that long for the planner."""
 
     def __init__(
         self,
         executor: Executor,
+        planner: Planner,
         *,
         hooks: list[Hook] | None = None,
-        placement: PlacementPolicy | None = None,
-        ordering: OrderingPolicy | None = None,
-        costs: CostModel | None = None,
         budgets: Budgets | None = None,
-        lookahead: bool = False,
-        hold_ahead: bool | None = None,
-        inline_below: float | None = None,
-        validate: bool = False,
         poll: float | None = None,
-        usage: Usage | None = None,
-        batch_rollouts: bool = False,
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
-        checkpoint_every: int = 0,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
         calls: CallBoard | None = None,
     ) -> None:
@@ -86,11 +76,7 @@ class Runner:
         self.clock = executor.clock
         self.hooks = HookList(hooks)
         self.budgets = budgets or Budgets()
-        self.planner = Planner(
-            clock=self.clock, placement=placement, ordering=ordering, validate=validate, costs=costs,
-            lookahead=lookahead, hold_ahead=hold_ahead, inline_below=inline_below, usage=usage,
-            batch_rollouts=batch_rollouts,
-        )  # fmt: skip
+        self.planner = planner
         self.poll: float = poll if poll is not None else getattr(executor, "poll", 0.5)
         self.services: list[str] = []
         self.service_reports: dict[str, dict[str, Any]] = {}
@@ -100,8 +86,7 @@ class Runner:
         if calls is not None:
             calls.bind(self._inbox.call_arrived)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
-                               on_closed, checkpoint_every=checkpoint_every, checkpoint_at=checkpoint_at,
-                               calls=calls)  # fmt: skip
+                               on_closed, checkpoint_at=checkpoint_at, calls=calls)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -210,7 +195,7 @@ class Runner:
                 if self.planner.pending and not any(s.alive for s in self.planner.services.values()):
                     events.extend(self._without_services(until_stopped))
                     continue
-                if self.planner.idle_sessions():
+                if sessions.only_idle_left(self.planner.jobs.values()):
                     self._inbox.wait()  # sessions wait for their clients' calls (or a close, a cancel, a stop)
                     continue
                 raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
@@ -269,4 +254,4 @@ class Runner:
         return out
 
 
-__all__ = ["Budgets", "RunnableSpec", "Runner", "plan_of", "running_runners"]
+__all__ = ["Budgets", "RunnableSpec", "Runner", "running_runners"]

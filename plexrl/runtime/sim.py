@@ -83,11 +83,17 @@ class SimJob:
     # under their real numbers, with no baseline pass
     first_iteration: int = 0
     user: str = ""  # who submitted it (fair-share ordering)
+    checkpoint_every: int = 0  # checkpoint it on its service after every k-th iteration (a server's; 0: never)
+    attempt: int = 1  # its placement count with this one (a server's)
+    attempts: int = 1  # placements in all (a job of a lost service is placed again while attempt < attempts)
 
     def plan(self) -> JobPlan:
-        baseline = () if self.first_iteration else self.baseline
-        return JobPlan(dict(self.nodes), self.iterations, self.order, baseline, self.state_bytes, user=self.user,
-                       first_iteration=self.first_iteration)  # fmt: skip
+        """Its plan, built as every spec's is (`JobPlan.of`)."""
+        return JobPlan.of(
+            self.nodes, self.iterations, order=self.order, baseline=self.baseline, state_bytes=self.state_bytes,
+            user=self.user, first_iteration=self.first_iteration, checkpoint_every=self.checkpoint_every,
+            attempt=self.attempt, attempts=self.attempts,
+        )  # fmt: skip
 
     def inputs(self, node: str) -> dict[str, str]:
         """Input port -> producing node: one port per dependency, named after it."""

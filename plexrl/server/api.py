@@ -217,15 +217,19 @@ def prepare_entry(
     cancel: threading.Event | None = None,
     max_warm_start_steps: int | None = None,
     modules: list[str] | None = None,
+    device: str = "cpu",
+    group: bool = False,
     calls: Any = None,
 ) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
     with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
     (`plexrl.job.models.PreparationCancelled` soon after it is set); `max_warm_start_steps`: the server's cap
     (a ConfigError above it, before any work); `modules`: the server's allow-list, in force while the job is
-    compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since). A
-    session's entry (`kind: session`, written by the Tinker API only) becomes its `SessionSpec`
-    (`prepare_session_entry`; `calls`: the runner's `CallBoard`)."""
+    compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since);
+    `device` ("cpu" or "cuda") and `group` (services.ranks > 1): the services', whose defaults the job takes
+    (`plexrl.devices.job_defaults`) and where its warm start trains. A session's entry
+    (`kind: session`, written by the Tinker API only) becomes its `SessionSpec` (`prepare_session_entry`;
+    `calls`: the runner's `CallBoard`)."""
     import contextlib
     import dataclasses
 
@@ -238,11 +242,17 @@ def prepare_entry(
 
     with allowed_modules(modules) if modules is not None else contextlib.nullcontext():
         loaded = load_job(entry.config)
+        from plexrl.job.devices import device_jobs, group_problems
+
+        loaded = device_jobs(device, group, [loaded])[0]
+        if group and group_problems(loaded.config):  # what a worker group would silently ignore (B5)
+            raise ConfigError([Problem("model", why) for why in group_problems(loaded.config)], entry.job_id)
         warm = loaded.config.warm_start
         if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:
             why = f"{warm.max_steps} steps; this server allows at most {max_warm_start_steps} (max_warm_start_steps)"
             raise ConfigError([Problem("warm_start.max_steps", f"{why}: lower it")], entry.job_id)
-        spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel), user=entry.user)
+        spec = dataclasses.replace(prepare_job(loaded, job_id=entry.job_id, cancel=cancel, device=device),
+                                   user=entry.user)  # fmt: skip
     if entry.checkpoint is None or entry.checkpoint_iteration is None:
         return spec
     return dataclasses.replace(
@@ -301,20 +311,18 @@ def server_runner(
     cfg: ServerConfig, executor: Any = None, hooks: list[Any] | None = None, *, more_hooks: Sequence[Any] = (),
     **parts: Any,
 ) -> Any:  # fmt: skip
-    """The server's `Runner`, built whole from its config (over `executor`, default the config's): it forgets
-    ended jobs (weeks of them live on in the journal and MLflow, not in memory), its timeline drops each job's
-    spans once written, and it orders by user first (`fair_share`) with service seconds decayed over
-    `share_half_life_s`. `hooks`, then `more_hooks`: after the standard ones (tests; the controller's journal
-    hook); `parts` (`on_closed`, `checkpoint_at`): the controller's (`controller.RunnerFactory`)."""
-    from plexrl.cluster import make_runner
+    """The server's `Runner`, built whole from its `cluster:` section (`runtime.build.build_runner`; over
+    `executor`, default the section's): it forgets ended jobs (weeks of them live on in the journal and MLflow,
+    not in memory) and its timeline drops each job's spans once written. `hooks`, then `more_hooks`: after the
+    standard ones (tests; the controller's journal hook); `parts` (`on_closed`, `checkpoint_at`): the
+    controller's (`controller.RunnerFactory`)."""
+    from plexrl.runtime.build import build_runner
     from plexrl.runtime.jobs import standard_hooks
 
     run_dir = Path(cfg.run_dir).resolve()
     standard = standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow, keep_ended=False)
-    return make_runner(
-        cfg.cluster(), [*standard, *(hooks or []), *more_hooks], executor, fair_share=cfg.fair_share,
-        share_half_life_s=cfg.share_half_life_s, forget_ended=True, **parts,
-    )  # fmt: skip
+    hooks = [*standard, *(hooks or []), *more_hooks]
+    return build_runner(cfg.cluster, hooks, executor, forget_ended=True, **parts)
 
 
 def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any = None) -> RunningServer:
@@ -343,14 +351,15 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         return make(more_hooks=[view, backend.hook, *more_hooks], calls=backend.board, **parts)
 
     if prepare is prepare_entry:
+        services = cfg.cluster.services
         prepare = functools.partial(
             prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
+            device=services.device, group=services.ranks > 1,
             calls=None if backend is None else backend.board,
         )  # fmt: skip
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
-        max_jobs_per_user=cfg.max_jobs_per_user, max_attempts=cfg.max_attempts,
-        max_share_per_user=cfg.max_share_per_user, prepare_workers=cfg.prepare_workers,
+        max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,
     )  # fmt: skip
     sessions = None
     if backend is not None:

@@ -1,22 +1,30 @@
 """The server's YAML (`plexrl serve --config server.yaml`): where it listens, its journal, what submissions may
-name, and the services and policies its one runner uses (the same fields as a cluster config, without jobs)."""
+name, and under `cluster:` the runtime section its one runner is built from (`RuntimeConfig`, embedded whole:
+every setting of a cluster config's services, driver and policies, and nothing copied)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from plexrl.cluster import ClusterRuntime, DaskNetwork, ServicesConfig
 from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.job.load import apply_overrides
+from plexrl.job.model_config import StrictModel
+from plexrl.runtime.config import RuntimeConfig
 from plexrl.runtime.tls import is_loopback
 from plexrl.server.tinker.config import TinkerConfig
 
 
-class ServerConfig(DaskNetwork):
-    """`plexrl serve`: listening address, journal, submission policy, services and policies."""
+class ServerConfig(StrictModel):
+    """`plexrl serve`: listening address, journal, submission policy, and the cluster it runs (`cluster:`)."""
+
+    cluster: RuntimeConfig = Field(
+        default_factory=RuntimeConfig,  # type: ignore[arg-type]
+        description="The services, driver and policies of the server's one runner: the runtime section of a "
+        "cluster config (every field a cluster config takes but its jobs and its run's name and outputs).",
+    )
 
     host: str = Field("127.0.0.1", description="Address to bind. Anything but loopback requires `token`.")
     port: int = Field(8765, ge=0, le=65535, description="TCP port (0: any free port, printed at start).")
@@ -50,39 +58,6 @@ class ServerConfig(DaskNetwork):
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest request body accepted.")
     mlflow: bool = Field(True, description="Track every job in MLflow (a run per job, per attempt).")
-    cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker (driver: dask).")
-    services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
-    placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
-        "spread+backfill", description="Placement policy."
-    )
-    max_load: float = Field(1.0, gt=0, le=64, description="Load cap of pack and spread+backfill.")
-    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first"] = Field(
-        "hrrs",
-        description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware), "
-        "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns), "
-        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end) or "
-        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs).",
-    )
-    lookahead: bool = Field(True, description="dask: send a service its next node while one runs.")
-    validate_state: bool = Field(False, description="Planner invariants after every event (tests).")
-    max_jobs_per_user: int | None = Field(
-        None, ge=1, description="Jobs of one user handed to the runner at once; more wait, with the reason shown."
-    )
-    max_share_per_user: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="Quota: a user whose jobs use this share (0-1] of the cluster's accelerator-seconds (recent, "
-        "decayed with `share_half_life_s`) gets no further job in until it falls; one job always goes in.",
-    )
-    fair_share: bool = Field(
-        True,
-        description="Order each service's ready nodes by user first (the user whose jobs used the least service "
-        "time goes next), then by `ordering`: one user's many jobs cannot starve another's single job.",
-    )
-    share_half_life_s: float = Field(
-        3600.0, gt=0, description="Half-life of the service seconds counted for fair share and quotas."
-    )
     checkpoint_every: int | None = Field(
         None,
         ge=1,
@@ -94,8 +69,8 @@ class ServerConfig(DaskNetwork):
         3,
         ge=1,
         le=100,
-        description="Placements of one job in all: a job whose service is lost is placed again (from its latest "
-        "checkpoint) until it has had this many.",
+        description="Placements of one job in all (every job's plan carries it): the planner places a job whose "
+        "service is lost again (from its latest checkpoint) until it has had this many.",
     )
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go (default: a `checkpoints` folder next to the journal)."
@@ -119,6 +94,19 @@ class ServerConfig(DaskNetwork):
         "process); a job above it is refused, or fails its preparation with the reason.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cluster_fields_under_cluster(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            flat = sorted(k for k in data if k in RuntimeConfig.model_fields)
+            if flat:
+                moved = ", ".join(f"cluster.{k}" for k in flat)
+                raise ValueError(
+                    f"{', '.join(flat)}: a setting of the cluster the server runs goes under `cluster:` ({moved}); "
+                    "move it there (the section takes every field of a cluster config but its jobs)"
+                )
+        return data
+
     @model_validator(mode="after")
     def _token_off_loopback(self) -> ServerConfig:
         if not is_loopback(self.host) and self.token is None and not self.users:
@@ -137,16 +125,6 @@ class ServerConfig(DaskNetwork):
         secrets = list((self.users or {}).values()) + ([self.token] if self.token else [])
         if len(set(secrets)) != len(secrets):
             raise ValueError("users: two identities share a token; give each user (and the administrator) its own")
-        if self.scheduler is not None and self.driver != "dask":
-            raise ValueError("`scheduler` needs `driver: dask`")
-        return self
-
-    @model_validator(mode="after")
-    def _a_valid_cluster(self) -> ServerConfig:
-        try:
-            self.cluster()  # the services and policies it runs, checked as a cluster's are (worker groups: dask)
-        except ValidationError as exc:
-            raise ValueError("; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())) from None
         return self
 
     def jobs_private(self) -> bool:
@@ -161,25 +139,22 @@ class ServerConfig(DaskNetwork):
         """The allowed roots, resolved."""
         return [Path(r).resolve() for r in (self.allowed_roots or [self.run_dir])]
 
-    def cluster(self) -> ClusterRuntime:
-        """The equivalent cluster (services, policies, driver; no jobs), validated, for `make_runner`."""
-        fields: tuple[str, ...] = ("driver", "scheduler", "cpu_threads", "services", "placement", "max_load")
-        fields += ("ordering", "lookahead", "dask_host", "dask_tls", "allow_plaintext_scheduler", "pin_cores")
-        values: dict[str, Any] = {f: getattr(self, f) for f in fields}
-        return ClusterRuntime(name="server", run_dir=self.run_dir, validate_state=self.validate_state, mlflow=False,
-                              **values)  # fmt: skip
 
-
-def load_server_config(path: Path | None, overrides: list[str] | None = None, token: str | None = None) -> ServerConfig:
+def load_server_config(
+    path: Path | None, overrides: list[str] | None = None, token: str | None = None, *, parsed: Any = None
+) -> ServerConfig:
     """Read and validate a server YAML (None: defaults) with `key=value` overrides; one ConfigError lists every
-    problem. `token` (from PLEXRL_TOKEN) is used when the file sets none."""
+    problem. `token` (from PLEXRL_TOKEN) is used when the file sets none. `parsed`: the file already parsed
+    (`config_kinds.read_config`)."""
+    import copy
+
     from plexrl.yamlio import load_yaml_file
 
     raw: Any = {}
     source = "server defaults"
     if path is not None:
         source = str(path)
-        raw = load_yaml_file(path) or {}
+        raw = (copy.deepcopy(parsed) if parsed is not None else load_yaml_file(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError([Problem(source, "a server config must be a YAML mapping")], source)
     problems = apply_overrides(raw, overrides or [])

@@ -26,12 +26,15 @@ Contract:
   (`prepare_entry`: between warm-start steps, `plexrl.job.models.PreparationCancelled`); whatever a cancelled
   preparation raises is not recorded as a failure. `stop` waits for every thread within ONE deadline.
 
-Per-user admission (`max_jobs_per_user`, `admission.py`): a user's jobs beyond the limit wait, prepared, with
-the reason in `status`, and go in as that user's jobs end.
+Every job-level decision is the planner's, taken from the runner's thread and carried out here: per-user
+admission and quotas (`cluster.max_jobs_per_user`, `max_share_per_user`: the planner holds a user's further
+jobs queued, `planner/admission.py`; its reason reaches the journal through `JournalHook.on_job_held`), and
+whether a job of a lost service is placed again (`FailJob.again`, from the job's `attempt` and `attempts`, which
+the controller puts in its spec): then the controller requeues it in the journal and prepares it again, from its
+latest checkpoint. The controller reads the planner only through its read API, on the runner's thread
+(`Planner.node_costs` for a checkpoint); no thread reads another's state.
 
-What it does NOT do: authentication (`user` is what the client says), shares of accelerator-seconds or
-fair-share ordering inside the planner, re-placing jobs of a lost service (the planner fails them; see
-docs/operations.md).
+What it does NOT do: authentication (`user` is what the client says), or decide anything about placement.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 import shutil
 import threading
 import time
@@ -50,8 +52,8 @@ from typing import Any
 
 from plexrl.hooks.base import Hook
 from plexrl.job.spec import JobRun
+from plexrl.planner import Planner
 from plexrl.runtime.runner import Runner
-from plexrl.server.admission import Admission
 from plexrl.server.journal import JobEntry, Journal
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,12 @@ class JournalHook(Hook):
     def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         self.journal.iteration(run.job_id, iteration, metrics)
 
+    def on_job_held(self, run: JobRun, reason: str) -> None:
+        """The planner holds the job for its user's limits, or no longer does: its reason in the journal."""
+        entry = self.journal.get(run.job_id)
+        if entry is not None and not entry.finished:
+            self.journal.set_reason(run.job_id, reason)
+
     def checkpoint_path(self, run: JobRun, iteration: int) -> Path:
         """Where the checkpoint of `run` after iteration `iteration` goes."""
         assert self.checkpoint_dir is not None
@@ -121,16 +129,20 @@ class JournalHook(Hook):
 
 RunnerFactory = Callable[..., Runner]
 """Builds the server's runner, whole: the controller calls it once, as `factory(more_hooks=[...],
-on_closed=..., checkpoint_every=..., checkpoint_at=...)` (the last two with checkpoints only), and gets a
+on_closed=..., checkpoint_at=...)` (the last with checkpoints only; how often is each job's plan's), and gets a
 `Runner` with those hooks after its own and those callbacks (`api.server_runner` is the server's; `runner_of`
 makes one from `Runner`'s arguments)."""
 
 
-def runner_of(executor: Any, *, hooks: list[Hook] | None = None, **options: Any) -> RunnerFactory:
-    """The factory of `Runner(executor, hooks=[*hooks, *more_hooks], **options, on_closed=..., checkpoint_at=...)`."""
+def runner_of(
+    executor: Any, *, planner: dict[str, Any] | None = None, hooks: list[Hook] | None = None, **options: Any
+) -> RunnerFactory:
+    """The factory of `Runner(executor, Planner(clock=executor.clock, **planner), hooks=[*hooks, *more_hooks],
+    **options, on_closed=..., checkpoint_at=...)` (tests: a runner over any executor with any policies)."""
 
     def build(more_hooks: Sequence[Hook] = (), **parts: Any) -> Runner:
-        return Runner(executor, hooks=[*(hooks or []), *more_hooks], **options, **parts)
+        plan = Planner(clock=executor.clock, **(planner or {}))
+        return Runner(executor, plan, hooks=[*(hooks or []), *more_hooks], **options, **parts)
 
     return build
 
@@ -149,25 +161,21 @@ class Controller:
         *,
         checkpoint_every: int | None = None,
         checkpoint_dir: Path | None = None,
-        max_jobs_per_user: int | None = None,
         max_attempts: int = 3,
-        max_share_per_user: float | None = None,
-        recheck_s: float = 2.0,
         prepare_workers: int = 2,
     ) -> None:
         if prepare_workers < 1:
             raise ValueError(f"prepare_workers={prepare_workers}: give at least 1 preparation thread")
         self.journal, self.prepare = journal, prepare
-        self.max_attempts, self.recheck_s = max_attempts, recheck_s
+        self.max_attempts = max_attempts  # every job's plan gets it (`JobSpec.attempts`): the planner decides
         self.prepare_workers = prepare_workers
         self._takes_cancel = _takes_cancel(prepare)
         self.checkpoint_dir = checkpoint_dir
-        self.admission = Admission(max_jobs_per_user, max_share_per_user, self.share)  # guarded by _lock
-        self._ready: dict[str, Any] = {}  # prepared specs waiting for admission, guarded by _lock
         self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
         hook = JournalHook(journal, self._cancel_in_runner, self._costs, checkpoint_every, checkpoint_dir, self._lock)
-        ckpt: dict[str, Any] = {"checkpoint_every": checkpoint_every, "checkpoint_at": hook.checkpoint_path}
-        self.runner = runner(more_hooks=[hook], on_closed=self._closed, **(ckpt if checkpoint_every else {}))
+        self.checkpoint_every = checkpoint_every or 0  # every job's plan gets it (`JobSpec.checkpoint_every`)
+        ckpt: dict[str, Any] = {"checkpoint_at": hook.checkpoint_path} if checkpoint_every else {}
+        self.runner = runner(more_hooks=[hook], on_closed=self._closed, **ckpt)
         self.failure: BaseException | None = None
         self.recovered: list[JobEntry] = []
         self._wake = threading.Condition(self._lock)  # the preparation threads wait on it for work
@@ -181,7 +189,7 @@ class Controller:
         self.runner.cancel(job_id, reason)
 
     def _costs(self, job_id: str) -> dict[str, float]:
-        return self.runner.planner.costs.of_job(job_id)  # (the journal hook's: on the runner's thread)
+        return self.runner.planner.node_costs(job_id)  # (the journal hook's: on the runner's thread)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> list[JobEntry]:
@@ -246,19 +254,7 @@ class Controller:
                 if preparing is not None:  # its preparation stops at its next check
                     preparing[0].set()
                 self.runner.cancel(job_id, reason)
-                if self._ready.pop(job_id, None) is not None:  # it was waiting for admission
-                    self._hand_over(self.admission.ended(job_id))
         return self.journal.get(job_id)
-
-    def share(self, user: str) -> float:
-        """`user`'s share of the cluster's accelerator-seconds: their jobs' service seconds as the planner
-        counts them (decayed with its `usage.half_life`, i.e. a rate over roughly the last half-life / ln 2
-        seconds) over the alive services' capacity. Read from the runner's thread without its lock: a
-        momentarily stale value only delays an admission to the next check."""
-        planner = self.runner.planner
-        alive = sum(1 for s in list(planner.services.values()) if s.alive) or 1
-        window = planner.usage.half_life / math.log(2)
-        return planner.usage.value(user, self.runner.clock()) / (window * alive)
 
     # -- threads ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -309,8 +305,7 @@ class Controller:
                     job = self._next_job()
                     if job is not None:
                         break
-                    if not self._wake.wait(self.recheck_s) and self.admission.max_share is not None:
-                        self._hand_over(self.admission.again())  # shares decay with time: held jobs may go in
+                    self._wake.wait()  # (notified by a new job, a preparation's end, a stop or a failure)
             entry, cancel = job
             try:
                 self._prepare_one(entry, cancel)
@@ -323,7 +318,12 @@ class Controller:
         job_id = entry.job_id
         try:
             spec = self.prepare(entry, cancel=cancel) if self._takes_cancel else self.prepare(entry)
-            if entry.checkpoint is not None and "resume_costs" in getattr(spec, "__dataclass_fields__", {}):
+            fields = getattr(spec, "__dataclass_fields__", {})
+            if self.checkpoint_every and "checkpoint_every" in fields:  # the server's cadence, in the job's plan
+                spec = dataclasses.replace(spec, checkpoint_every=self.checkpoint_every)
+            if "attempts" in fields:  # which placement this is, of how many: the planner decides on a loss
+                spec = dataclasses.replace(spec, attempt=entry.attempt, attempts=self.max_attempts)
+            if entry.checkpoint is not None and "resume_costs" in fields:
                 spec = dataclasses.replace(spec, resume_costs=self.journal.checkpoint_costs(job_id))
         except Exception as exc:
             if cancel.is_set():  # cancelled (the journal says so) or the server stops (the job stays queued)
@@ -332,46 +332,26 @@ class Controller:
             log.exception("preparing job %s failed", job_id)
             self.journal.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")
             return
-        with self._lock:
+        with self._lock:  # a cancel (journal: cancelled) cannot come between this check and the hand-over
             now = self.journal.get(job_id)
             if now is None or now.finished or self._stopping:
                 return
-            self._ready[job_id] = spec
-            self._hand_over(self.admission.offer(job_id, now.user))
-            reason = self.admission.reason(job_id)
-            if reason is not None:
-                self.journal.set_reason(job_id, reason)
-
-    def _hand_over(self, job_ids: list[str]) -> None:
-        """Give admitted jobs to the runner (called with `_lock` held; `Runner.submit` is thread-safe)."""
-        for job_id in job_ids:
-            spec = self._ready.pop(job_id, None)
-            entry = self.journal.get(job_id)
-            if spec is None or entry is None or entry.finished or self._stopping:
-                continue
-            if entry.reason:
-                self.journal.set_reason(job_id, "")
-            self.runner.submit(spec)
+            self.runner.submit(spec)  # thread-safe; the planner holds it for its user's limits if it must
 
     def _closed(self, run: JobRun) -> None:
-        """Runner.on_closed (runner thread): a job ended, placed or not; its user's next job may go in."""
-        with self._lock:
-            self._hand_over(self.admission.ended(run.job_id))
+        """Runner.on_closed (runner thread): a job ended, placed or not. The planner decided whether a job of a
+        lost service is placed again (`run.again`): then it is requeued here and prepared again."""
         if run.status == "cancelled" and run.error == STOP_REASON:
             self.journal.interrupt(run.job_id, STOP_REASON)
             return
-        if run.status == "failed" and run.service_lost and not self._stopping:
-            entry = self.journal.get(run.job_id)
-            if entry is not None and entry.attempt < self.max_attempts:
-                again = self.journal.requeue(run.job_id, run.error)
-                if again is not None:
-                    after = again.checkpoint_iteration
-                    how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
-                    log.warning("job %s: %s; placed again %s (attempt %d)", run.job_id, run.error, how, again.attempt)
-                    self._enqueue(run.job_id, again.user)
-                    return
-            tried = entry.attempt if entry else "?"
-            run.error += f" (attempt {tried} of at most {self.max_attempts}: not placed again)"
+        if run.status == "failed" and run.service_lost and run.again and not self._stopping:
+            again = self.journal.requeue(run.job_id, run.error)
+            if again is not None:
+                after = again.checkpoint_iteration
+                how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
+                log.warning("job %s: %s; placed again %s (attempt %d)", run.job_id, run.error, how, again.attempt)
+                self._enqueue(run.job_id, again.user)
+                return
         self.journal.finish(run.job_id, run.status, run.error)
         if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure, for a post-mortem
             shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)

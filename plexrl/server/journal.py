@@ -54,7 +54,7 @@ from plexrl.server.journal_records import (
     TRANSITIONS,
     VERSION,
     JobEntry,
-    JobState,
+    JobStatus,
     JournalError,
     JournalEvent,
 )
@@ -234,7 +234,7 @@ class Journal:
         with self._lock, self._tx():
             self._db.execute("UPDATE jobs SET reason = ? WHERE job_id = ? AND status = 'queued'", (reason, job_id))
 
-    def finish(self, job_id: str, status: JobState, reason: str = "") -> bool:
+    def finish(self, job_id: str, status: JobStatus, reason: str = "") -> bool:
         """Record a terminal status; False (nothing written) if the job had already ended. `done` with an
         iteration of the current attempt missing is recorded as `failed` (see the module docstring)."""
         if status not in TERMINAL:

@@ -1,17 +1,13 @@
-"""The journal's records and its table of moves: a job's states (`JobState`) and every legal move between them
-(`TRANSITIONS`), the sqlite schema and the columns this version reads, and the rows as records (`JobEntry`,
-`JournalEvent`). Data only; `journal.Journal` is the one thing that writes them."""
+"""The journal's records and its table of moves: a job's status (`JobStatus`, the planner's vocabulary) and every
+legal move between them (`TRANSITIONS`), the sqlite schema and the columns this version reads, and the rows as
+records (`JobEntry`, `JournalEvent`). Data only; `journal.Journal` is the one thing that writes them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from plexrl.job.spec import JobStatus
-
-# the job record's vocabulary (`plexrl.job.spec.JobStatus`): queued, running, done, failed, cancelled
-JobState = JobStatus
-TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+from plexrl.planner.records import TERMINAL, JobStatus  # THE job status vocabulary (the planner's, the record's)
 
 # (from, to) -> the event kind recorded for that move; the only legal moves
 TRANSITIONS: dict[tuple[str, str], str] = {
@@ -82,7 +78,7 @@ class JobEntry:
     name: str
     user: str
     config: dict[str, Any]
-    status: JobState
+    status: JobStatus
     reason: str
     service: str | None
     iterations: int
@@ -124,7 +120,7 @@ __all__ = [
     "TRANSITIONS",
     "VERSION",
     "JobEntry",
-    "JobState",
+    "JobStatus",
     "JournalError",
     "JournalEvent",
 ]

@@ -101,7 +101,7 @@ class Snapshot:
     services: list[ServiceView]
     jobs: dict[str, JobView]
     spans: list[LiveSpan]
-    unplaced: frozenset[str]  # jobs the planner holds, waiting for room on a service
+    unplaced: dict[str, str]  # jobs the planner holds, waiting for room on a service -> why, in words
 
 
 class ClusterView(Hook):
@@ -119,7 +119,7 @@ class ClusterView(Hook):
         self._residence_done: dict[str, float] = {}  # service -> seconds of ended attempts placed there
         self._jobs: OrderedDict[str, LiveJob] = OrderedDict()  # ended jobs in the order they ended, last
         self._waiting: dict[str, tuple[tuple[str, str], ...]] = {}
-        self._unplaced: frozenset[str] = frozenset()
+        self._unplaced: dict[str, str] = {}
 
     # -- callbacks (the runner's thread) -----------------------------------------------------------------
     def on_start(self, time: float) -> None:
@@ -211,12 +211,13 @@ class ClusterView(Hook):
         return float(self._runner().clock())
 
     def _copy_planner(self) -> None:
-        """Copy each service's waiting nodes and the jobs waiting for room (the runner's thread: safe)."""
+        """Copy each service's waiting nodes and the jobs waiting for room, through the planner's read API
+        (`Planner.view`, on the runner's thread)."""
         planner = getattr(self._runner(), "planner", None)
         if planner is None:
             return
-        waiting = {sid: tuple((q.job_id, q.node) for q in rec.queue) for sid, rec in planner.services.items()}
-        unplaced = frozenset(j for j, rec in planner.jobs.items() if rec.status == "queued")
+        view = planner.view()
+        waiting, unplaced = view.waiting(), view.unplaced()
         with self._lock:
             self._waiting, self._unplaced = waiting, unplaced
 
@@ -232,7 +233,7 @@ class ClusterView(Hook):
             residence_done = dict(self._residence_done)
             jobs = [dataclasses.replace(j, seconds=dict(j.seconds), residence=dict(j.residence))
                     for j in self._jobs.values()]  # fmt: skip
-            waiting, unplaced = dict(self._waiting), self._unplaced
+            waiting, unplaced = dict(self._waiting), dict(self._unplaced)
         services = sorted(set(service_ids) | set(totals) | set(waiting))
         wall = max(now - start, 0.0)
         residence_total = dict(residence_done)

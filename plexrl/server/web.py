@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import time
 from importlib import resources
-from typing import Any
+from typing import Any, get_args
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from plexrl.planner.records import JobStatus
 from plexrl.server.journal import JobEntry, Journal
 from plexrl.server.view import ClusterView, Snapshot
 
@@ -37,7 +38,7 @@ PAGE_HEADERS = {
 }
 RECENT_ENDED = 50  # ended jobs shown besides every queued and running one
 WINDOW_S = 300.0  # the timeline's spans: the last this many seconds (of the runner's clock)
-STATUSES = ("queued", "running", "done", "failed", "cancelled")
+STATUSES: tuple[str, ...] = get_args(JobStatus)  # THE job status vocabulary (`planner/records.py`)
 COUNT_CAP = 10_000  # jobs counted per status for /metrics (the journal has no count query)
 
 
@@ -64,7 +65,9 @@ def cluster_payload(
         waiting = ""
         if e.status == "queued":
             waiting = e.reason or (
-                "waiting for room on a service" if e.job_id in snap.unplaced else "being prepared, or about to go in"
+                (snap.unplaced[e.job_id] or "waiting for room on a service")
+                if e.job_id in snap.unplaced
+                else "being prepared, or about to go in"
             )
         jobs.append(
             {

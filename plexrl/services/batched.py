@@ -8,8 +8,9 @@ loads (its adapter's sync) and metrics. The call's span is split among the membe
 each one's batch holds (`planner.batches.shares`): consecutive spans that tile the call, so the service's busy
 time counts once, the cost model learns each member's share and each job is accounted its share. The swap
 span goes to the first member. Members whose operators differ or have no batched form run one after another
-(correct, just not batched). Errors are returned in the reports, never raised; an engine call that fails fails
-every member (the node fails, as a rollout alone would).
+(correct, just not batched). The call ends when its device work does (`Service.node_end`: one event for every
+member's job). Errors are returned in the reports, never raised; an engine call that fails fails every member
+(the node fails, as a rollout alone would).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def run_group(
         log.error("group %s failed: %s", [m.job_id for m in members], exc, exc_info=log.isEnabledFor(logging.INFO))
         svc._drop_generators(only_broken=True)
         outs, error = [None] * len(members), f"{type(exc).__name__}: {exc}"
+    error = svc.node_end([m.job_id for m in members], error)  # the call's device work done: then its end
+    if error is not None:
+        outs = [None] * len(members)
     end = svc.clock()
     weights = [0.0 if out is None else float(out.attention_mask.sum()) for out in outs]
     results = []

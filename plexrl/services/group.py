@@ -4,9 +4,13 @@
 moves are this rank's own: every rank moves its own shard (rank 0 also its full generation copy and the
 reference), so a switch-out on an N-rank service is N moves in parallel, one per worker. A move frees
 and restores tensor *storage* (`untyped_storage().resize_`), not `t.data`: FSDP2's sharded parameters are
-views of a padded flat buffer, so the views must keep their storage object. host -> disk writes the rank's
-buffers with `torch.distributed.checkpoint` (no collective: one directory per rank and job), so a
-prefetch in the background never meets a collective of the node in the foreground.
+views of a padded flat buffer, so the views must keep their storage object. The storages' bytes go into one
+flat host buffer per job from the service's `HostPool` (pinned on CUDA, one copy per storage, through the
+service's `StreamOrder` like a single service's moves). host -> disk writes the buffer's views with
+`torch.distributed.checkpoint` (no collective: one directory per rank and job) and disk -> host reads them
+back into a pool buffer, so a prefetch in the background never meets a collective of the node in the
+foreground. A state on host or disk is read in place (`save_model`) through views of its bytes shaped like
+the live tensors.
 
 Every service task of a group runs on every rank (SPMD: the same operator, the same collectives, in the
 same order); rank 0 publishes the report. At the end of a node the ranks exchange their errors (`agree`),
@@ -38,6 +42,7 @@ from plexrl.job.sizes import uses_reference
 from plexrl.planner.state import Move
 from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.host import HostCopy, Layout
 from plexrl.services.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
 from plexrl.services.registry import SERVICES, publish
 from plexrl.services.service import NodeResult, Service
@@ -51,24 +56,30 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ShardPlacement(sw.Placement):
     """Where this rank's share of a job's state is: the storages it frees and restores (by the name of a
-    tensor that owns each), their bytes on the host tier, or the DCP directory on the disk tier."""
+    tensor that owns each), the storage each live tensor lies in (`owner`), their bytes on the host tier
+    (`host`, one view per storage), or the DCP directory on the disk tier."""
 
     storages: dict[str, Any] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
+    owner: dict[str, str] = field(default_factory=dict)
     dcp_dir: Path | None = None
 
 
-def _storages(live: dict[str, Tensor]) -> dict[str, Any]:
-    """One entry per distinct storage behind `live` (tied weights and views of one buffer count once)."""
+def _storages(live: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, str]]:
+    """One entry per distinct storage behind `live` (tied weights and views of one buffer count once), by the
+    name of its first tensor, and for every tensor the name its storage goes by."""
     out: dict[str, Any] = {}
-    seen: set[int] = set()
+    owner: dict[str, str] = {}
+    first: dict[int, str] = {}
     for name, t in live.items():
         s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
+        if s.nbytes() == 0:
             continue
-        seen.add(s.data_ptr())
-        out[name] = s
-    return out
+        key = first.setdefault(s.data_ptr(), name)
+        owner[name] = key
+        if key == name:
+            out[name] = s
+    return out, owner
 
 
 def _bytes_of(storage: Any, device: torch.device) -> Tensor:
@@ -110,8 +121,9 @@ class RankService(Service):
                                         "a group job from a checkpoint that a group of its size wrote")  # fmt: skip
             engine.load_state(sw.load_checkpoint(part)["engine"])
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
-        live = _storages(engine.state_tensors())
+        live, _ = _storages(engine.state_tensors())
         self.states[job.job_id] = ShardPlacement("device", nbytes=sum(s.nbytes() for s in live.values()))
+        self.order.node_end([job.job_id])
         if tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
@@ -119,6 +131,37 @@ class RankService(Service):
     def save_model(self, job_id: str, path: Path) -> Path:
         """Rank 0 writes the full copy (current after every weight sync); other ranks leave their shards."""
         return super().save_model(job_id, path) if self.rank == 0 else path
+
+    @contextlib.contextmanager
+    def _state_in_place(self, job_id: str) -> Iterator[None]:
+        """Point the job's live tensors at views of its bytes on host (or read back from its DCP directory),
+        each shaped like the tensor it stands for (dtype, size, stride and offset in its storage), then back;
+        a no-op on device. Not thread-safe with a node or a move of the same job."""
+        state = self.states[job_id]
+        assert isinstance(state, ShardPlacement)
+        if state.tier == "device":
+            yield
+            return
+        if state.host is not None:
+            raw = state.host.tensors()
+        else:
+            assert state.dcp_dir is not None
+            import torch.distributed.checkpoint as dcp
+
+            raw = {k: torch.empty(n, dtype=torch.uint8) for k, n in state.sizes.items()}
+            with _quiet_dcp():
+                dcp.load(raw, storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
+        live = self.engines[job_id].state_tensors()
+        kept = {k: t.data for k, t in live.items()}
+        try:
+            for k, t in live.items():
+                if k in state.owner:  # as_strided's offset counts from the start of the buffer's storage
+                    v = raw[state.owner[k]].view(t.dtype)
+                    t.data = v.as_strided(t.shape, t.stride(), v.storage_offset() + t.storage_offset())
+            yield
+        finally:
+            for k, t in live.items():
+                t.data = kept[k]
 
     def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
         """Write THIS rank's part of the job's checkpoint (`rank_part(path, rank)`: its shards; rank 0's also
@@ -135,6 +178,9 @@ class RankService(Service):
     def release(self, job_id: str) -> None:
         self._wait_for(job_id)
         state = self.states.get(job_id)
+        if isinstance(state, ShardPlacement) and state.host is not None:
+            self.host_pool.give(state.host.buffer)
+            state.host = None
         if isinstance(state, ShardPlacement) and state.dcp_dir is not None:
             shutil.rmtree(state.dcp_dir, ignore_errors=True)
             state.dcp_dir = None
@@ -152,44 +198,62 @@ class RankService(Service):
                                     f"{state.tier} (service {self.service_id}, rank {self.rank})")  # fmt: skip
         if move.src == move.dst:
             return 0
+        pool, order, copies = self.host_pool, self.order, 0
         if move.src == "device":
-            state.storages = _storages(self.engines[move.job_id].state_tensors())
-            state.host = {k: _bytes_of(s, self.device).to("cpu", copy=True) for k, s in state.storages.items()}
+            state.storages, state.owner = _storages(self.engines[move.job_id].state_tensors())
             state.sizes = {k: s.nbytes() for k, s in state.storages.items()}
             state.nbytes = sum(state.sizes.values())
+            layout = Layout.of({k: _bytes_of(s, self.device) for k, s in state.storages.items()})
+            state.host = HostCopy(pool.take(layout.nbytes), layout)
+            host = state.host.tensors()
+            order.before_copy(move.job_id)
+            for k, s in state.storages.items():
+                order.copy(move.job_id, host[k], _bytes_of(s, self.device))
+            copies = len(state.storages)
+            order.synchronize()  # the bytes are on the host before the storages are freed
             if self.validate:
-                state.checksum = sw.checksum(state.host)
+                state.checksum = sw.checksum(host)
             for s in state.storages.values():
                 s.resize_(0)
         elif move.src == "disk":
             assert state.dcp_dir is not None
-            host = {k: torch.empty(n, dtype=torch.uint8) for k, n in state.sizes.items()}
-            with _quiet_dcp():
-                dcp.load(host, storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
+            layout = Layout.of({k: torch.empty(n, dtype=torch.uint8, device="meta") for k, n in state.sizes.items()})
+            state.host = HostCopy(pool.take(layout.nbytes), layout)
+            with _quiet_dcp():  # straight into the (pinned) pool buffer's views
+                dcp.load(state.host.tensors(), storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
             shutil.rmtree(state.dcp_dir, ignore_errors=True)
-            state.host, state.dcp_dir = host, None
+            state.dcp_dir = None
+        assert state.host is not None
         if move.dst == "disk":
-            assert state.host is not None
             where = self.spill_dir / f"{move.job_id}-rank{self.rank}"
             with _quiet_dcp():
-                dcp.save(state.host, storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True)
-            state.dcp_dir, state.host = where, None
+                dcp.save(state.host.tensors(), storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True)
+            state.dcp_dir = where
+            pool.give(state.host.buffer)
+            state.host = None
         elif move.dst == "device":
-            assert state.host is not None
+            host = state.host.tensors()
+            order.before_copy(move.job_id)
             for k, s in state.storages.items():
-                s.resize_(state.sizes[k])
-                _bytes_of(s, self.device).copy_(state.host[k])
+                s.resize_(state.sizes[k])  # allocated on the current stream (the copy stream in the background)
+                dst = _bytes_of(s, self.device)
+                order.allocated(dst)
+                order.copy(move.job_id, dst, host[k])
+            copies = len(state.storages)
+            order.synchronize()
+            pool.give(state.host.buffer)
+            state.host = None
             if self.validate and state.checksum is not None:
                 # a copy: `checksum` goes through numpy, which pins a storage's size (no more swaps)
                 now = {k: _bytes_of(s, self.device).clone() for k, s in state.storages.items()}
                 if sw.checksum(now) != state.checksum:
                     raise sw.StateCorrupted(f"job {move.job_id}: rank {self.rank}'s shard changed between swap-out "
                                             "and swap-in")  # fmt: skip
-            state.host = None
         state.tier = move.dst
         with self._lock:
             self.stats.bytes_moved += state.nbytes
             self.stats.moves += 1
+            self.stats.copies += copies
             self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
         return state.nbytes
 
@@ -207,7 +271,14 @@ def _rank_service(key: str) -> RankService:
 
 
 def start_rank(
-    key: str, rank: int, spec: GroupSpec, device: str, validate: bool, spill_dir: str | None, threads: int | None
+    key: str,
+    rank: int,
+    spec: GroupSpec,
+    device: str,
+    validate: bool,
+    spill_dir: str | None,
+    threads: int | None,
+    host_memory: int | None = None,
 ) -> int:
     """Join the group (`spec`) and create this rank's service, dropping an earlier one and its jobs (their
     shards belong to the old process group). Raises `GroupBroken` when the group does not form in time."""
@@ -221,7 +292,9 @@ def start_rank(
             log.warning("group %s re-formed: the state of jobs %s on it is gone", key, lost)
     state = join(spec, rank, device)
     service_id = key.rpartition("/")[2]
-    _registry()[key] = RankService(service_id, state, device, spill_dir=spill_dir, validate=validate, clock=time.time)
+    _registry()[key] = RankService(
+        service_id, state, device, spill_dir=spill_dir, validate=validate, clock=time.time, host_memory=host_memory
+    )
     return os.getpid()
 
 

@@ -5,6 +5,17 @@ ONE background thread runs every queued move in the order it was queued, which i
 tiers and budgets follow the StateManager's sequence and moves of one job never overlap (a move whose job's
 earlier background move failed fails too). On GPU the moves run on a separate CUDA stream.
 
+Concurrency contract (what the service and this class promise each other):
+- host side: a node's own swaps and the background thread never move the same job at once (a node waits for
+  its jobs' queued moves, `wait_for`; blocking swaps wait for every move queued before them, `wait_all`), and
+  a job's state is never moved while a node of that job runs (the planner pins it; early swaps of node `seq`
+  start only after node `seq - 1` applied its swaps, and never move `seq - 1`'s job).
+- device side (`StreamOrder`, `plexrl/services/streams.py`): the background moves run inside
+  `order.background()` (the copy stream, synchronized before a batch of moves counts as done); every copy of
+  a job waits for the event its last node recorded (`before_copy`), and every device buffer a background move
+  allocates is marked for the compute stream (`allocated`). The node's end waits for its device work
+  (`node_end`), so a node's GPU tail is neither read by a copy nor booked to the next node.
+
 Early swaps: an executor that sends a service's next node while one runs numbers the service's ordered
 tasks (`seq`: nodes and checkpoints, consecutive in the order sent). `start_early(seq, swaps)` queues node
 `seq`'s swaps once task `seq - 1` has `passed` (applied its swaps and queued its prefetch: what the planner
@@ -24,9 +35,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from plexrl.planner.state import Move
+from plexrl.services.streams import StreamOrder
 
 
 @dataclass(slots=True)
@@ -45,6 +56,7 @@ class SwapStats:
     early_during_previous: int = 0  # of them: started while the node before was still computing
     bytes_moved: int = 0
     moves: int = 0
+    copies: int = 0  # copy calls of the moves (device <-> host: one per state once its tensors are one buffer)
     per_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -58,12 +70,13 @@ def hidden_share(blocking: float, prefetch: float, waited: float) -> float:
 
 class BackgroundMoves:
     """See the module docstring. `move` carries out one move (returns its bytes); `stats` and `lock` are the
-    service's (the lock guards the stats); `copy_stream`: a CUDA stream for the moves, or None."""
+    service's (the lock guards the stats); `order`: the service's stream order (its `background()` wraps
+    every batch of moves)."""
 
     def __init__(
-        self, name: str, move: Callable[[Move], int], stats: SwapStats, lock: threading.Lock, copy_stream: Any
+        self, name: str, move: Callable[[Move], int], stats: SwapStats, lock: threading.Lock, order: StreamOrder
     ) -> None:
-        self._move, self.stats, self._lock, self._copy_stream = move, stats, lock, copy_stream
+        self._move, self.stats, self._lock, self._streams = move, stats, lock, order
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-prefetch")
         self._order = threading.RLock()  # everything below
         self._inflight: dict[str, Future[int]] = {}  # job -> its latest queued background move
@@ -88,14 +101,7 @@ class BackgroundMoves:
                         raise RuntimeError(f"an earlier move of job {job_id} failed: {type(exc).__name__}: {exc}")
                 t0 = time.perf_counter()
                 total = 0
-                if self._copy_stream is not None:
-                    import torch
-
-                    with torch.cuda.stream(self._copy_stream):
-                        for m in moves:
-                            total += self._move(m)
-                    self._copy_stream.synchronize()
-                else:
+                with self._streams.background():  # the copy stream; its copies done when this block ends
                     for m in moves:
                         total += self._move(m)
                 with self._lock:

@@ -5,8 +5,11 @@ Before a node it applies the blocking moves the planner attached (evictions, the
 starts the attached prefetch in a background thread (a separate CUDA stream on GPU) so that the next job's
 state arrives while this node computes, and runs the node. It reports the node's own run time and the time
 it spent moving state (blocking swaps plus any wait for unfinished background moves) separately: the first
-is `busy`, the second `swap` in the accounting. In validate mode it checksums a job's state at swap-out and
-checks it at swap-in.
+is `busy`, the second `swap` in the accounting. A node ends when its device work does (`StreamOrder.node_end`,
+`plexrl/services/streams.py`): on CUDA its queued kernels count as its own time, and no copy of its jobs'
+tensors starts before them. In validate mode it checksums a job's state at swap-out and checks it at
+swap-in. Host copies are flat per-job buffers from the service's `HostPool` (pinned on CUDA, counted in
+`report()`).
 
 Early swaps (lookahead): an executor that sends a service's next node while one runs may start that node's
 swaps at once (`start_early`); they run on the background thread once the node before has applied its own
@@ -34,7 +37,10 @@ from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.generators import Generators
+from plexrl.services.host import HostPool
 from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
+from plexrl.services.streams import StreamOrder, stream_order
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
@@ -53,17 +59,14 @@ class NodeResult:
 
 
 def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
-    """Attach the output's metrics (and a session call's reply) to the report; a metrics() that raises fails
-    the node."""
-    from plexrl.sessions.operators import CallResult
-
+    """Attach the output's metrics (a session call's reply too) to the report; a metrics() that raises fails it."""
     if out is not None:
         try:
             report.metrics = {k: float(v) for k, v in out.metrics().items()}
         except Exception as exc:
             report.error = f"metrics of node {report.node!r}: {type(exc).__name__}: {exc}"
             return NodeResult(report, None)
-        if isinstance(out, CallResult):
+        if hasattr(out, "payload"):  # a session call's result (`plexrl.sessions.operators.CallResult`)
             report.reply = out.payload()
     return NodeResult(report, out)
 
@@ -107,18 +110,24 @@ class Service:
         spill_dir: str | Path | None = None,
         validate: bool = False,
         clock: Callable[[], float] = time.time,
+        host_memory: int | None = None,
+        order: StreamOrder | None = None,
     ) -> None:
+        """`host_memory`: the host tier's budget (the host pool stays within it); `order`: the stream order
+        (None: the device's, `stream_order`; tests pass a `RecordingOrder`)."""
         import torch
 
         self.service_id = service_id
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # one GPU per worker: its cuda:0
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.clock = clock
         self.validate = validate
         self._own_spill = spill_dir is None
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="plexrl-spill-"))
         self.jobs: dict[str, JobSpec] = {}
         self.engines: dict[str, Any] = {}
-        self.generators: dict[str, Any] = {}  # shared vLLM engines by generator key
+        self.generators = Generators(self.device, clock)  # shared vLLM engines by generator key
         self.bases: dict[str, Any] = {}  # shared LoRA bases by base key (plexrl/engines/lora.py)
         self.states: dict[str, sw.Placement] = {}
         self.stats = SwapStats()
@@ -126,24 +135,29 @@ class Service:
         self._released: set[str] = set()
         # (job, iteration, node, chunk) -> the SliceSlot of a sliced node whose generation is paused here
         self.paused: dict[tuple[str, int, str, int], Any] = {}
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.order = order if order is not None else stream_order(self.device)
+        self.host_pool = HostPool(pin=self.device.type == "cuda", limit=host_memory)
         # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
-        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, stream)
+        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, self.order)
 
     # -- jobs ---------------------------------------------------------------------------------------
     def load_job(self, job: JobSpec, tier: str = "device") -> int:
         """Create the job's engine from its starting model and put its state in `tier` (strict affinity: it
-        stays on this service). Returns the state's size in bytes."""
+        stays on this service). Returns the state's size in bytes. A job admitted to host or disk is built on
+        the host and its tensors go straight to that tier: the device never holds them before the planner
+        brings the job in (`plexrl.devices.build_device`; a LoRA job's adapter is made beside its shared base,
+        which the planner reserved on the device, and moved out)."""
+        from plexrl.devices import build_device
         from plexrl.engines.torch_engine import TorchEngine
         from plexrl.job.models import engine_options
-        from plexrl.sessions.engine import SessionEngine
-        from plexrl.sessions.spec import SessionSpec
 
         tok = job.tokenizer
         engine: Any
+        built_on = str(self.device)
         if job.config.model.lora is not None:
             engine = self._lora_engine(job)
         else:
+            built_on = build_device(str(self.device), tier)
             engine = TorchEngine(
                 job.model_path,
                 eos_id=tok.eos_token_id,
@@ -151,10 +165,10 @@ class Service:
                 device=str(self.device),
                 with_reference=uses_reference(job.graph),
                 attention=job.config.model.attention,
+                load_on=built_on,
                 **engine_options(job.config.model),  # dtype, gradient_checkpointing
             )
-        if isinstance(job, SessionSpec):  # a session: gradients between calls, the calls themselves
-            engine = SessionEngine(engine)
+        engine = getattr(job, "session_engine", lambda e: e)(engine)  # a session's (`plexrl.sessions.spec`)
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
         if job.generation == "vllm":
@@ -162,9 +176,24 @@ class Service:
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
         self._released.discard(job.job_id)
         self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
-        if tier != "device":
+        self.order.node_end([job.job_id])  # its build's kernels come before any move of it
+        if tier != "device" and built_on != str(self.device):
+            self._adopt(job.job_id, tier)
+        elif tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
         return self.states[job.job_id].nbytes
+
+    def _adopt(self, job_id: str, tier: str) -> None:
+        """The state of a job built on the host becomes its host copy (pinned on CUDA, as a swap-out's), then
+        goes on to `tier`; its live tensors are left empty on the device until the planner brings it in."""
+        state = self.states[job_id]
+        live = self.engines[job_id].state_tensors()
+        state.host, _ = sw.device_to_host(job_id, live, self.device, self.host_pool, self.order)
+        if self.validate:
+            state.checksum = sw.checksum(state.host.tensors())
+        state.tier = "host"
+        if tier != "host":
+            self._move(Move(job_id, "host", tier, 0))  # type: ignore[arg-type]
 
     def _lora_engine(self, job: JobSpec) -> Any:
         """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
@@ -185,50 +214,13 @@ class Service:
         )  # fmt: skip
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
-        """The job's VLLMEngine on the service's shared vLLM engine for its architecture (built on first use);
-        a LoRA job's VLLMLoRAEngine on the shared LoRA-enabled engine for its base (plexrl/engines/vllm_lora.py:
-        the base loaded once, each job's adapter under its own LoRARequest)."""
-        from plexrl.engines.vllm_engine import SharedLLM, VLLMEngine, generator_key
-        from plexrl.job.checks import generation_budget
-
-        budget = generation_budget(job.config, job.graph)  # None: the model's positions
-        lora = job.config.model.lora
-        if lora is not None:
-            from plexrl.engines.vllm_lora import SharedLoRALLM, VLLMLoRAEngine, lora_generator_key
-
-            key = lora_generator_key(job.model_path, lora.r, budget, job.config.vllm.block_size)
-            if key not in self.generators:
-                self.generators[key] = SharedLoRALLM(
-                    job.model_path, r=lora.r, eos_id=job.tokenizer.eos_token_id, pad_id=job.tokenizer.pad_token_id,
-                    kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20, max_model_len=budget,
-                    block_size=job.config.vllm.block_size, clock=self.clock,
-                )  # fmt: skip
-            return VLLMLoRAEngine(trainer, self.generators[key], job.job_id)
-        # jobs share an engine only at one max_model_len and block size
-        key = generator_key(job.model_path, budget, job.config.vllm.block_size)
-        if key not in self.generators:
-            self.generators[key] = SharedLLM(
-                job.model_path,
-                eos_id=job.tokenizer.eos_token_id,
-                pad_id=job.tokenizer.pad_token_id,
-                kv_cache_bytes=job.config.vllm.kv_cache_mb * 2**20,
-                max_model_len=budget,
-                block_size=job.config.vllm.block_size,
-                clock=self.clock,
-            )
-        return VLLMEngine(trainer, self.generators[key], job.job_id)
+        """The job's engine on the service's shared vLLM engine for it (`Generators.engine_for`)."""
+        return self.generators.engine_for(job, trainer)
 
     def _drop_generators(self, *, only_broken: bool = False) -> None:
-        """Shut down shared vLLM engines no job uses any more (or that failed); a job whose engine failed
-        gets a fresh one on its next generation."""
-        used = {id(e.llm) for e in self.engines.values() if hasattr(e, "llm")}
-        for key, llm in list(self.generators.items()):
-            if llm.broken or (not only_broken and id(llm) not in used):
-                llm.shutdown()
-                del self.generators[key]
-                for job_id, engine in self.engines.items():
-                    if getattr(engine, "llm", None) is llm:
-                        self.engines[job_id] = self._vllm_engine(self.jobs[job_id], engine.trainer)
+        """Retire the shared vLLM engines no job uses any more, shut down those that failed and give their jobs
+        fresh ones (`Generators.drop`)."""
+        self.generators.drop(self.engines, self.jobs, only_broken=only_broken)
 
     def tier(self, job_id: str) -> str:
         return self.states[job_id].tier
@@ -263,10 +255,8 @@ class Service:
         rows `chunk_rows(P, chunk, chunks)` of its chunk input, with per-chunk seeds. An earlier chunk's output
         is a part (its report carries no metrics); the last chunk gets the earlier parts (`parts`, in order,
         where they were made: this service) and its output is the concatenation of every chunk, the node's
-        output, with the whole node's metrics.
-
-        `call`: a session's call (`plexrl.sessions.calls`), which the node's operator runs (`OpContext.extra`);
-        its reply comes back in the report (`NodeReport.reply`)."""
+        output, with the whole node's metrics. `call`: a session's call (`plexrl.sessions.calls`), which the
+        node's operator runs (`OpContext.extra`); its reply comes back in the report (`NodeReport.reply`)."""
         job = self.jobs[job_id]
         swap_start = self.clock()
         moved = 0
@@ -301,41 +291,51 @@ class Service:
         node = job.graph.node(node_name)
         start = self.clock()
         slot = self._slice_slot(job, (job_id, iteration, node_name, chunk))
+        out: Any = None
+        failed: str | None = None
+        paused = False
         try:
             if chunks > 1:
                 inputs = chunk_inputs(node.operator, inputs, chunk, chunks, len(parts))
             ctx = self.context(job, iteration, node_name, chunk, chunks)
             ctx.slice = slot
-            if call is not None:
-                ctx.extra["call"] = call
+            ctx.extra["call"] = call  # (a session's, else None)
             out = node.operator.run(ctx, inputs, node.params)
             if chunks > 1 and chunk == chunks - 1:
                 pad_id = getattr(job.tokenizer, "pad_token_id", None) or 0
                 out = node.operator.output.concat([*parts, out], pad_id)  # type: ignore[attr-defined]
         except SlicePaused:  # its slice of decode steps ran; the generation waits here for the next slice
             self.paused[slot.key] = slot
-            report = NodeReport(job_id, iteration, node_name, None, start, self.clock(), swap_start, swap_end, moved,
-                                self._weight_loads(job_id), measured=measured, paused=True)  # fmt: skip
-            return NodeResult(report)
+            paused = True
         except Exception as exc:
             log.error("job %s node %s (iteration %d) failed: %s", job_id, node_name, iteration, exc,
                       exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
             self._drop_generators(only_broken=True)
-            error = f"{type(exc).__name__}: {exc}"
-            report = NodeReport(job_id, iteration, node_name, error, start, self.clock(), swap_start, swap_end, moved,
-                                self._weight_loads(job_id), measured=measured)  # fmt: skip
-            return NodeResult(report)
+            failed = f"{type(exc).__name__}: {exc}"
         finally:
             self.background.computing = None
-        end = self.clock()
-        report = NodeReport(job_id, iteration, node_name, None, start, end, swap_start, swap_end, moved,
-                            self._weight_loads(job_id), measured=measured)  # fmt: skip
-        if chunk < chunks - 1:
-            return NodeResult(report, out)  # a part: the last chunk reports the whole node's metrics
+        failed = self.node_end([job_id], failed)
+        if paused and failed is not None:
+            self.paused.pop(slot.key, None)
+        paused = paused and failed is None
+        report = NodeReport(job_id, iteration, node_name, failed, start, self.clock(), swap_start, swap_end, moved,
+                            self._weight_loads(job_id), measured=measured, paused=paused)  # fmt: skip
+        if failed is not None or paused or chunk < chunks - 1:  # a part: the last chunk reports the node's metrics
+            return NodeResult(report, None if failed or paused else out)
         result = _finish(report, out)
         if slot is not None and result.report.ok:
             result.report.metrics["slices"] = float(slot.slices)
         return result
+
+    def node_end(self, job_ids: Sequence[str], error: str | None) -> str | None:
+        """A node of `job_ids` returned: wait for its device work (`StreamOrder.node_end`), so that the caller's
+        clock reads its real end; returns the node's error, or the device's if the wait raised one."""
+        try:
+            self.order.node_end(job_ids)
+        except Exception as exc:  # an asynchronous device error surfaces here
+            log.error("jobs %s: the node's device work failed: %s", list(job_ids), exc)
+            return error or f"{type(exc).__name__}: {exc}"
+        return error
 
     def _slice_slot(self, job: JobSpec, key: tuple[str, int, str, int]) -> Any:
         """The SliceSlot of node `key` (job, iteration, node, chunk) if its job slices that node
@@ -370,8 +370,7 @@ class Service:
         if place.tier == "device":
             yield
             return
-        tensors = place.host if place.tier == "host" else sw.read_spill(place.disk)
-        assert tensors is not None
+        tensors = place.host.tensors() if place.host is not None else sw.read_spill(place.disk, place.layout)
         live = self.engines[job_id].state_tensors()
         kept = {k: t.data for k, t in live.items()}
         try:
@@ -407,6 +406,8 @@ class Service:
         state = self.states.pop(job_id, None)
         if state is not None and state.disk is not None:
             state.disk.unlink(missing_ok=True)
+        if state is not None and state.host is not None:
+            self.host_pool.give(state.host.buffer)
         engine = self.engines.pop(job_id, None)
         self.jobs.pop(job_id, None)
         if engine is not None and hasattr(engine, "shared"):  # a LoRA job: its adapter leaves the shared base
@@ -420,9 +421,8 @@ class Service:
         self.background.shutdown()
         for job_id in list(self.states):
             self.release(job_id)
-        for llm in self.generators.values():
-            llm.shutdown()
-        self.generators.clear()
+        self.generators.close()
+        self.host_pool.clear()
         if self._own_spill:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
@@ -440,9 +440,14 @@ class Service:
             "hidden_share": hidden_share(s.blocking_seconds, s.prefetch_seconds, s.prefetch_wait_seconds),
             "bytes_moved": s.bytes_moved,
             "moves": s.moves,
+            "copies": s.copies,  # copy calls of those moves (one each way per state once it is flat)
+            "host_bytes_held": self.host_pool.held_bytes,  # host buffers' pages, in use and kept
+            "pinned_bytes": self.host_pool.pinned_bytes,
+            "pinned_peak_bytes": self.host_pool.peak_bytes if self.host_pool.pin else 0,
             "bytes_to_tier": dict(s.per_tier),
-            "generation_engines": len(self.generators),
-            "weight_loads": sum(g.loads for g in self.generators.values()),
+            "generation_engines": self.generators.awake(),
+            "sleeping_engines": len(self.generators) - self.generators.awake(),
+            "weight_loads": self.generators.loads(),
         }
 
     # -- moves --------------------------------------------------------------------------------------
@@ -485,31 +490,11 @@ class Service:
         if move.src == move.dst:
             return 0
         live = self.engines[move.job_id].state_tensors()
-        pin = self.device.type == "cuda"
-        if move.src == "device":
-            state.nbytes = sw.nbytes(live)  # grows once the optimizer has state
-            state.host = sw.device_to_host(live, self.device)
-            if self.validate:
-                state.checksum = sw.checksum(state.host)
-        elif move.src == "disk":
-            assert state.disk is not None
-            state.host, state.disk = sw.disk_to_host(state.disk, pin), None
-        if move.dst == "disk":
-            assert state.host is not None
-            path = self.spill_dir / f"{move.job_id}.safetensors"
-            sw.host_to_disk(state.host, path)
-            state.disk, state.host = path, None
-        elif move.dst == "device":
-            assert state.host is not None
-            sw.host_to_device(live, state.host, self.device)
-            state.host = None
-            if self.validate and state.checksum is not None:
-                now = sw.checksum(live)
-                if now != state.checksum:
-                    raise sw.StateCorrupted(f"job {move.job_id}: state checksum changed between swap-out and swap-in")
-        state.tier = move.dst
+        copies = sw.carry_out(move.job_id, move.src, move.dst, state, live, device=self.device, pool=self.host_pool,
+                              order=self.order, spill_dir=self.spill_dir, validate=self.validate)  # fmt: skip
         with self._lock:
             self.stats.bytes_moved += state.nbytes
             self.stats.moves += 1
+            self.stats.copies += copies
             self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
         return state.nbytes

@@ -1,9 +1,14 @@
-"""Moving one job's state tensors between tiers: device (the engine's working tensors), host (CPU copies,
-pinned on CUDA) and disk (one safetensors file per job). The service calls these to carry out the
-StateManager's moves; nothing here decides anything.
+"""Moving one job's state tensors between tiers: device (the engine's working tensors), host (one flat buffer
+per job, pinned on CUDA: `plexrl.services.host`) and disk (one raw file per job, its bytes in the host
+buffer's layout). The service calls these to carry out the StateManager's moves; nothing here decides
+anything.
 
 A move swaps tensor *storage* in place (`t.data = ...`): the engine, its modules and its optimizer keep
 their tensor objects, so nothing needs rebuilding and the optimizer's per-parameter state stays attached.
+A swap-in gives the job ONE device buffer with every tensor a view of it, so a swap-out of a state that was
+swapped in before is one copy (`Layout.flat_of`), and a swap-in always is. Every copy goes through the
+service's `StreamOrder` (`plexrl.services.streams`): after the job's last node event, buffers made on a copy
+stream marked for the compute stream, host buffers handed back only once their copies are done.
 On CPU the device tier is the engine's working copy: a move still copies every byte into a fresh buffer
 and frees the old one, so budgets, accounting and bandwidth mean the same as on CUDA.
 """
@@ -18,6 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plexrl.services.host import HostCopy, HostPool, Layout
+from plexrl.services.streams import StreamOrder
+
 
 class StateCorrupted(RuntimeError):
     """A job's state read back from host or disk differs from what was written (validate mode)."""
@@ -25,11 +33,13 @@ class StateCorrupted(RuntimeError):
 
 @dataclass(slots=True)
 class Placement:
-    """Where one job's state is now, with its host copies or spill file when it is off device."""
+    """Where one job's state is now, with its host copy or spill file (and the layout of its bytes) when it
+    is off device."""
 
     tier: str = "device"
-    host: dict[str, Tensor] | None = None
+    host: HostCopy | None = None
     disk: Path | None = None
+    layout: Layout | None = None  # of the spill file (disk tier)
     checksum: str | None = None
     nbytes: int = 0
 
@@ -47,62 +57,119 @@ def checksum(tensors: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
-def device_to_host(live: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """Copy every live tensor to a new host buffer, then free the device storage."""
-    pin = device.type == "cuda"
-    host = {}
-    for name, t in live.items():
-        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        buf.copy_(t.detach(), non_blocking=pin)
-        host[name] = buf
-    if pin:
-        torch.cuda.current_stream(device).synchronize()
+def device_to_host(
+    job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder
+) -> tuple[HostCopy, int]:
+    """Copy every live tensor into one host buffer (one copy when they are views of one device buffer, else
+    one per tensor), then free the device storage. Returns the host copy and the number of copies."""
+    layout = Layout.of(live)
+    buf = pool.take(layout.nbytes)
+    try:
+        order.before_copy(job_id)
+        flat = layout.flat_of(live)
+        if flat is not None:
+            order.copy(job_id, buf, flat)
+            copies = 1
+        else:
+            views = layout.views(buf)
+            for name, t in live.items():
+                order.copy(job_id, views[name], t.detach())
+            copies = len(live)
+        order.synchronize()  # the bytes are on the host before the device storage goes
+    except BaseException:
+        pool.give(buf)
+        raise
     for t in live.values():
         t.data = torch.empty(0, dtype=t.dtype, device=device)
-    return host
+    return HostCopy(buf, layout), copies
 
 
-def host_to_device(live: dict[str, Tensor], host: dict[str, Tensor], device: torch.device) -> None:
-    """Give every live tensor fresh device storage filled from its host copy."""
-    missing = set(live) - set(host)
+def host_to_device(
+    job_id: str, live: dict[str, Tensor], host: HostCopy, device: torch.device, order: StreamOrder
+) -> int:
+    """Give every live tensor a view of ONE fresh device buffer filled from the host copy in one copy; the
+    host buffer is free once this returns. Returns the number of copies (1)."""
+    layout = host.layout
+    missing = set(live) - layout.names()
     if missing:
         raise StateCorrupted(f"host copy lacks {sorted(missing)[:3]}")
-    pin = device.type == "cuda"
+    order.before_copy(job_id)
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    order.allocated(flat)  # made on the copy stream in the background: the compute stream uses it next
+    order.copy(job_id, flat, host.buffer)
+    views = layout.views(flat)
     for name, t in live.items():
-        src = host[name]
-        buf = torch.empty(src.shape, dtype=src.dtype, device=device)
-        buf.copy_(src, non_blocking=pin)
-        t.data = buf
-    if pin:
-        torch.cuda.current_stream(device).synchronize()
+        t.data = views[name]
+    order.synchronize()  # the host buffer may be reused once this returns
+    return 1
 
 
-def host_to_disk(host: dict[str, Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
+def host_to_disk(host: HostCopy, path: Path) -> None:
+    """Write the host buffer's bytes as they are (the layout stays with the placement)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in host.items()}, str(path))
+    with open(path, "wb") as f:
+        f.write(host.buffer.numpy().data)
 
 
-def disk_to_host(path: Path, pin: bool) -> dict[str, Tensor]:
-    """Read a spilled state back. On CPU safetensors maps the file and the bytes are read by the next copy
-    (host -> device); the file is unlinked at once and its pages live until that copy drops the mapping."""
-    from safetensors.torch import load_file
+def _read_into(path: Path, buf: Tensor) -> None:
+    with open(path, "rb") as f:
+        got = f.readinto(buf.numpy().data)
+        if got != buf.numel() or f.read(1):
+            raise StateCorrupted(f"spill file {path} holds {path.stat().st_size} bytes, not {buf.numel()}")
 
-    host = load_file(str(path))
+
+def disk_to_host(path: Path, layout: Layout, pool: HostPool) -> HostCopy:
+    """Read a spilled state straight into a host buffer from `pool` (pinned on CUDA: no pageable copy on the
+    way), then remove the file."""
+    buf = pool.take(layout.nbytes)
+    try:
+        _read_into(path, buf)
+    except BaseException:
+        pool.give(buf)
+        raise
     path.unlink()
-    if pin:
-        host = {k: v.pin_memory() for k, v in host.items()}
-    return host
+    return HostCopy(buf, layout)
 
 
-def read_spill(path: Path | None) -> dict[str, Tensor]:
+def read_spill(path: Path | None, layout: Layout | None) -> dict[str, Tensor]:
     """A spilled state's tensors, read without consuming the file (a checkpoint of a job on disk)."""
-    from safetensors.torch import load_file
-
-    if path is None:
+    if path is None or layout is None:
         raise StateCorrupted("the job is on disk but has no spill file")
-    return load_file(str(path))
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    _read_into(path, buf)
+    return layout.views(buf)
+
+
+def carry_out(
+    job_id: str, src: str, dst: str, state: Placement, live: dict[str, Tensor], *, device: torch.device,
+    pool: HostPool, order: StreamOrder, spill_dir: Path, validate: bool,
+) -> int:  # fmt: skip
+    """Move one job's state from tier `src` to `dst` (the caller checked that it is on `src`), updating
+    `state`; in validate mode checksum it at swap-out and check it at swap-in. Returns the copy calls made."""
+    copies = 0
+    if src == "device":
+        state.nbytes = nbytes(live)  # grows once the optimizer has state
+        state.host, copies = device_to_host(job_id, live, device, pool, order)
+        if validate:
+            state.checksum = checksum(state.host.tensors())
+    elif src == "disk":
+        assert state.disk is not None and state.layout is not None
+        state.host, state.disk = disk_to_host(state.disk, state.layout, pool), None
+    assert state.host is not None
+    if dst == "disk":
+        path = spill_dir / f"{job_id}.spill"
+        host_to_disk(state.host, path)
+        state.disk, state.layout = path, state.host.layout
+        pool.give(state.host.buffer)
+        state.host = None
+    elif dst == "device":
+        copies += host_to_device(job_id, live, state.host, device, order)
+        pool.give(state.host.buffer)
+        state.host = None
+        if validate and state.checksum is not None and checksum(live) != state.checksum:
+            raise StateCorrupted(f"job {job_id}: state checksum changed between swap-out and swap-in")
+    state.tier = dst
+    return copies
 
 
 def save_checkpoint(obj: dict[str, object], path: Path) -> Path:

@@ -63,6 +63,13 @@ class SessionSpec(JobSpec):
         nodes = {n: dataclasses.replace(p, commits=n in COMMITS) for n, p in plan.nodes.items()}
         return dataclasses.replace(plan, nodes=nodes, baseline=(), open=True)
 
+    def session_engine(self, engine: Any) -> Any:
+        """Its engine on its service (`Service.load_job`): the job engine wrapped (`SessionEngine`: gradients
+        kept between calls, the calls themselves)."""
+        from plexrl.sessions.engine import SessionEngine
+
+        return SessionEngine(engine)
+
 
 def prepare_session(
     cfg: SessionConfig,

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexrl.planner import ORDERINGS, JobPlan, placement_policy
+from plexrl.planner import ORDERINGS, JobPlan, Planner, placement_policy
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.costs import _mix
@@ -270,8 +270,9 @@ def predict(
 
     def runner(n: int, place: str, f: Fitted) -> tuple[Runner, SimExecutor]:
         ex = SimExecutor(n, FittedCosts(f, seed), cpu_slots=cpu_slots, dispatch=dispatch_of(f), seed=seed)
-        r = Runner(ex, placement=placement_policy(place, max_load), ordering=ORDERINGS[ordering](), budgets=budgets,
-                   lookahead=lookahead)  # fmt: skip
+        planner = Planner(clock=ex.clock, placement=placement_policy(place, max_load), ordering=ORDERINGS[ordering](),
+                          lookahead=lookahead)  # fmt: skip
+        r = Runner(ex, planner, budgets=budgets)
         return r, ex
 
     iso: dict[str, float] = {}

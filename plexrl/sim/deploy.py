@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.planner import ORDERINGS, NodePlan, placement_policy
+from plexrl.planner import ORDERINGS, NodePlan, Planner, placement_policy
 from plexrl.planner.events import Placement
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
@@ -322,10 +322,8 @@ def run_deployment(
     # commits a service's next node before the running one ends, so a node that becomes ready meanwhile
     # (a 5 s weight sync that would free its job for a 500 s rollout) cannot overtake it
     spans = _TailSpans()
-    runner = Runner(
-        ex, hooks=[spans], placement=placement, ordering=ordering,
-        budgets=Budgets(device=device_budget(acc, eff, dep.kind)),
-    )  # fmt: skip
+    planner = Planner(clock=ex.clock, placement=placement, ordering=ordering)
+    runner = Runner(ex, planner, hooks=[spans], budgets=Budgets(device=device_budget(acc, eff, dep.kind)))
     runs = runner.run(jobs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
     if bad:
@@ -394,63 +392,4 @@ def tune_deployment(
     _, _, best, _ = min(tried, key=lambda t: (t[0], t[1]))
     out = run_deployment(sc, best, acc, tables)
     out.candidates = [(label, gph, step) for gph, step, _, label in tried]
-    return out
-
-
-def run_one(
-    sc: Scenario, dep: Deployment, acc: Accelerator | None = None, tables: dict[Any, StepTable] | None = None
-) -> DeploymentResult:
-    """A deployment as `plexrl simulate` runs it: tuned if it says `tune: true`; `plexrl-engine` by the
-    engine-level model (`plexrl.sim.engine`)."""
-    if dep.kind == "plexrl-engine":
-        from plexrl.sim.engine import run_engine_deployment
-
-        return run_engine_deployment(sc, dep, acc)
-    return tune_deployment(sc, dep, acc, tables) if dep.tune else run_deployment(sc, dep, acc, tables)
-
-
-@dataclass(slots=True)
-class ScenarioResult:
-    scenario: Scenario
-    results: list[DeploymentResult]
-    sweep: dict[str, list[DeploymentResult]] = field(default_factory=dict)  # accelerator -> results
-
-    def baseline(self, results: list[DeploymentResult] | None = None) -> DeploymentResult:
-        return next(r for r in results or self.results if r.name == self.scenario.baseline)
-
-    def strongest(self, results: list[DeploymentResult] | None = None) -> DeploymentResult:
-        """The cheapest baseline (colocated, split-sync, split-async; GPU-hours per step): what PlexRL must beat."""
-        return min((r for r in results or self.results if r.kind in BASELINES), key=lambda r: r.gpu_hours_per_step)
-
-    def headline(
-        self, results: list[DeploymentResult] | None = None, off_policy: bool = False
-    ) -> DeploymentResult | None:
-        """The cheapest PlexRL layout (on- or off-policy) whose step is at most `matched_step` x the strongest
-        baseline's, or None."""
-        base = self.strongest(results)
-        ok = [
-            r for r in results or self.results
-            if r.kind.startswith("plexrl") and r.off_policy == off_policy
-            and r.step_seconds <= self.scenario.matched_step * base.step_seconds
-        ]  # fmt: skip
-        return min(ok, key=lambda r: r.gpu_hours_per_step, default=None)
-
-    def saving(self, r: DeploymentResult, against: DeploymentResult) -> float:
-        return 1 - r.gpu_hours_per_step / against.gpu_hours_per_step
-
-    def slowdowns(self, r: DeploymentResult, results: list[DeploymentResult] | None = None) -> list[float]:
-        """Each job's completion time / the same job's under the strongest baseline."""
-        base = self.strongest(results)
-        return [r.jct[j] / base.jct[j] for j in sorted(r.jct)]
-
-
-def run_scenario(sc: Scenario, accelerators: dict[str, Accelerator] | None = None) -> ScenarioResult:
-    """Every deployment of the scenario, then (for `sweep_accelerators`, resolved in `accelerators`) again on
-    each other accelerator."""
-    tables: dict[Any, StepTable] = {}
-    out = ScenarioResult(sc, [run_one(sc, d, tables=tables) for d in sc.deployments])
-    for name in sc.sweep_accelerators:
-        acc = (accelerators or {})[name]
-        tables = {}
-        out.sweep[name] = [run_one(sc, d, acc, tables) for d in sc.deployments]
     return out

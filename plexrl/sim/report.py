@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.sim.config import Scenario, Trace, load_profiles
-from plexrl.sim.deploy import DeploymentResult, ScenarioResult, run_one
+from plexrl.sim.deploy import DeploymentResult
+from plexrl.sim.scenario import ScenarioResult, run_one
 from plexrl.sim.trace import DAY, PolicyResult, class_tables, run_policy, trace_jobs
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from plexrl.sim.config import Scenario
-from plexrl.sim.deploy import DeploymentResult, ScenarioResult, StepTable, run_one
+from plexrl.sim.deploy import DeploymentResult, StepTable
+from plexrl.sim.scenario import ScenarioResult, run_one
 
 
 def _work(sc: Scenario, **resp: float) -> Scenario:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl.hooks.base import Hook
-from plexrl.planner import ORDERINGS, placement_policy
+from plexrl.planner import ORDERINGS, Planner, placement_policy
 from plexrl.planner.policies import PlacementPolicy, ServiceView
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
@@ -316,10 +316,9 @@ def replay(tr: Trace, placement: str, jobs: list[SimJob], when: dict[str, float]
     cls = {a.job_id: tr.classes[a.cls] for a in arrivals(tr)}
     own = {j: c.rollout_accelerators if tr.deployment == "plexrl" else 0 for j, c in cls.items()}
     gate = FleetGate(placement_policy(placement, tr.max_load), own, tr.rollout_fleet)
-    runner = Runner(
-        ex, hooks=[busy_hook, _Release(gate)], placement=gate, ordering=ORDERINGS[tr.ordering](),
-        budgets=Budgets(device=device_budget(tr.accelerator, tr.efficiency, tr.deployment)),
-    )  # fmt: skip
+    planner = Planner(clock=ex.clock, placement=gate, ordering=ORDERINGS[tr.ordering]())
+    runner = Runner(ex, planner, hooks=[busy_hook, _Release(gate)],
+                    budgets=Budgets(device=device_budget(tr.accelerator, tr.efficiency, tr.deployment)))  # fmt: skip
     jobs_seen = runner.planner.jobs
     gate.ended = lambda job_id: jobs_seen[job_id].status in ("done", "failed", "cancelled")
     runs = runner.run(jobs, arrivals=when)

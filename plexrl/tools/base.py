@@ -9,9 +9,8 @@ wrong. Tools do not know about batches, tokens or loss masks; the agentic rollou
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,6 +19,9 @@ class ToolSpec(BaseModel):
     """What a tool is called and what it takes: `arguments` is the pydantic model of one call's arguments."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    # declared for a role (`plexrl.roles`): a class whose `spec` is a ToolSpec is a tool, no import needed there
+    __plexrl_role__: ClassVar[str] = "tool"
 
     name: str = Field(description="name the model uses to call the tool, e.g. 'python'")
     description: str = Field(description="one or two sentences telling the model what the tool does")
@@ -76,43 +78,3 @@ def parse_arguments(spec: ToolSpec, arguments: Any) -> BaseModel | str:
 def failed(error: str, started: float, output: str = "") -> ToolResult:
     """A failed `ToolResult` timed from `started` (a `time.perf_counter()` value)."""
     return ToolResult(ok=False, output=output, error=error, latency_s=time.perf_counter() - started)
-
-
-def _builtins() -> dict[str, Callable[..., Tool]]:
-    from plexrl.tools.calculator import Calculator
-    from plexrl.tools.python import PythonTool
-
-    return {"calculator": Calculator, "python": PythonTool}
-
-
-def get_tool(name: str, **params: Any) -> Tool:
-    """Build a tool: a built-in by name ("calculator", "python") or a user's own as "pkg.module:Factory",
-    where Factory is a tool class (a `ToolSpec` as its `spec`) or a factory declared with
-    `@plexrl.roles.declare("tool")` (`plexrl.roles`: nothing else of a module can be named); `params` go to
-    its constructor.
-
-    Raises ValueError for an unknown name, a module or attribute that cannot be found, or a factory that
-    does not return a Tool.
-    """
-    builtins = _builtins()
-    if name in builtins:
-        return builtins[name](**params)
-    hint = f"use a built-in tool ({', '.join(sorted(builtins))}) or a dotted path 'pkg.module:Factory'"
-    if ":" not in name:
-        raise ValueError(f"unknown tool {name!r}: {hint}")
-    from plexrl.roles import resolve
-
-    try:
-        factory = resolve(name, "tool")
-    except LookupError as exc:
-        raise ValueError(f"tool {name!r}: {exc}; {hint}") from None
-    try:
-        tool = factory(**params)
-    except Exception as exc:  # a user's tool with a bug: its error, named (validation builds tools)
-        raise ValueError(f"tool {name!r}: building it raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(tool, Tool) or not isinstance(getattr(tool, "spec", None), ToolSpec):
-        raise ValueError(
-            f"tool {name!r}: it returned {type(tool).__name__}, which is not a Tool "
-            "(needs a ToolSpec `spec` and create/execute/release methods)"
-        )
-    return tool

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, overload
 
 from plexrl.data.config import DataConfig
-from plexrl.data.dataset import FileDataset, Split, open_dataset
+from plexrl.data.dataset import FileDataset, Split, longest_prompt, open_dataset
 from plexrl.data.prompts import has_chat_template, prompt_ids, render_prompt
 from plexrl.data.rows import Row
 from plexrl.rewards import Reward, RewardResult, build_reward
@@ -152,6 +152,7 @@ class DatasetTask:
     accuracy: Reward  # the reward's first term alone: what `verify` computes
     dropped: dict[str, int] = field(default_factory=dict)
     max_answer_chars: int = 256  # what a check of held-out accuracy lets the model write (no warm start here)
+    longest_prompt: int | None = None  # tokens of the longest rendered prompt (or max_prompt_tokens): engine sizing
 
     alphabet: ClassVar[str] = ""  # a real tokenizer: nothing to build
     special_tokens: ClassVar[tuple[str, ...]] = ()
@@ -216,11 +217,15 @@ def make_dataset_task(
         return len(renderer.render(row)[1])
 
     data: FileDataset = open_dataset(cfg, cache_dir, count_tokens, renderer.fingerprint())
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir
+    longest = cfg.max_prompt_tokens  # the bound of the kept rows; unbounded: measured once (cached)
+    if longest is None:
+        longest = longest_prompt([data.train, data.held_out], cache, count_tokens, renderer.fingerprint())
     if len(data.held_out) == 0:
         log.warning("data: no held-out rows (set data.held_out or data.held_out_fraction to evaluate)")
     log.info("data: %d train rows, %d held-out rows from %s", len(data.train), len(data.held_out), cfg.train)
     train, held_out = DatasetView(data.train, renderer), DatasetView(data.held_out, renderer)
-    return DatasetTask(train, held_out, reward, build_reward(cfg.rewards[:1]), data.dropped)
+    return DatasetTask(train, held_out, reward, build_reward(cfg.rewards[:1]), data.dropped, longest_prompt=longest)
 
 
 __all__ = ["DatasetProblem", "DatasetTask", "DatasetView", "PromptRenderer", "load_tokenizer", "make_dataset_task"]

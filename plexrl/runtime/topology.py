@@ -1,5 +1,5 @@
 """How a `DaskExecutor`'s services sit on its workers: one worker each (`OneWorker`) or a worker group each
-(`WorkerGroupPlacement`, `ranks > 1`: one task per rank, `runtime/group.py`). The executor picks one at
+(`GroupTopology`, `ranks > 1`: one task per rank, `runtime/group.py`). The executor picks one at
 construction and hands it every task that touches a service: the start, a job's load, a service node with
 its ordering dependency, a group of co-scheduled rollouts (`group`), a save, a checkpoint, a release and the
 stop. Each keeps the order of its services' tasks (a task runs after the service's latest one, in the order
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Placement(Protocol):
+class Topology(Protocol):
     """The executor's service part (see the module docstring). `after`: futures a task must follow (the
     loads of the jobs it touches); the placement adds the service's own previous task."""
 
@@ -202,7 +202,7 @@ class OneWorker:
         return "task cancelled"
 
 
-class WorkerGroupPlacement:
+class GroupTopology:
     """Each service over `ranks` workers (consecutive by name) that form one process group: every task runs
     on every rank, each after that rank's previous task (`WorkerGroups.submit`); rank 0's future stands for
     it. A worker group needs all its ranks, so a worker that joins late does not become a service."""
@@ -320,6 +320,6 @@ class WorkerGroupPlacement:
         return "task cancelled"
 
 
-def placement_for(ex: DaskExecutor) -> Placement:
-    """`WorkerGroupPlacement` when the executor's services span several ranks, else `OneWorker`."""
-    return WorkerGroupPlacement(ex) if ex.ranks > 1 else OneWorker(ex)
+def topology_for(ex: DaskExecutor) -> Topology:
+    """`GroupTopology` when the executor's services span several ranks, else `OneWorker`."""
+    return GroupTopology(ex) if ex.ranks > 1 else OneWorker(ex)

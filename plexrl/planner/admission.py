@@ -1,0 +1,127 @@
+"""Per-user admission, as planner state (pure: no clock of its own, no thread, no I/O): which queued jobs the
+placement may weigh now, in which order, and when a held job may go in without any other event.
+
+A queued job is HELD while its user is at a limit (`UserLimits`):
+- `max_jobs`: the user's jobs placed on services (running) and not ended;
+- `max_share`: the user's share of the cluster's accelerator-seconds (`share`: their jobs' service seconds as
+  the planner's `Usage` decays them, over the alive services' capacity in the same window). A user with no job
+  running is never held by the quota, so a quota never locks a user out of an idle cluster.
+A held job's reason is the planner's (`Planner.view`, and a `JobHeld` instruction whenever it changes); a job
+held by the quota goes in at the time its user's share will have decayed under it (`release_at`, the planner's
+`wake_at`): no one polls.
+
+With `fair` (the fair-share setting), the queued jobs are weighed users first (`order`): the jobs of a user
+with no job running, then those of the users with the least decayed service time, each user's in arrival
+order; and a job of a user with no job running is placed even where the placement's load cap says no, on the
+least loaded service that holds its state, while another user runs more than one job (`squeeze`): one user's
+many jobs cannot keep another's single job out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from plexrl.planner.records import JobRecord
+from plexrl.planner.shares import Usage
+
+
+@dataclass(frozen=True, slots=True)
+class UserLimits:
+    """`max_jobs`: jobs of one user running at once (None: no limit); `max_share`: the share (0-1] of the
+    cluster's accelerator-seconds above which a user's further jobs wait (None: no quota)."""
+
+    max_jobs: int | None = None
+    max_share: float | None = None
+
+
+def running_by_user(jobs: Mapping[str, JobRecord]) -> Counter[str]:
+    """Each user's jobs placed and not ended."""
+    return Counter(j.plan.user for j in jobs.values() if j.status == "running")
+
+
+def share(usage: Usage, user: str, now: float, services: int) -> float:
+    """`user`'s share of the accelerator-seconds: their decayed service seconds over `services` accelerators'
+    capacity in the same window (half-life / ln 2 seconds, the mean age of a decayed second)."""
+    window = usage.half_life / math.log(2)
+    return usage.value(user, now) / (window * max(services, 1))
+
+
+def held(user: str, running: Counter[str], limits: UserLimits, usage: Usage, now: float, services: int) -> str | None:
+    """Why a queued job of `user` may not be placed now (None: it may)."""
+    n = running[user]
+    who = repr(user or "(none)")
+    if limits.max_jobs is not None and n >= limits.max_jobs:
+        return f"waiting: user {who} has {n} job(s) running, the limit is {limits.max_jobs}"
+    if limits.max_share is not None and n > 0:
+        used = share(usage, user, now, services)
+        if used >= limits.max_share:
+            return (
+                f"waiting: user {who} uses {used:.0%} of the accelerator-seconds (recent, decayed), the quota "
+                f"is {limits.max_share:.0%}"
+            )
+    return None
+
+
+def release_at(user: str, limits: UserLimits, usage: Usage, now: float, services: int) -> float | None:
+    """When `user`'s share will have decayed under the quota (None: no quota, or it is under it already).
+
+    >>> u = Usage(half_life=10.0)
+    >>> u.add("ann", 100.0, now=0.0)
+    >>> t = release_at("ann", UserLimits(max_share=0.5), u, 0.0, 1)
+    >>> round(share(u, "ann", t, 1), 6), share(u, "ann", t, 1) < 0.5
+    (0.5, True)
+    """
+    if limits.max_share is None:
+        return None
+    used = share(usage, user, now, services)
+    if used < limits.max_share:
+        return None
+    # a hair later than the exact solution: at that time the share is under the quota despite rounding
+    return now + usage.half_life * math.log2(used / limits.max_share) * (1 + 1e-9) + 1e-9
+
+
+def order(pending: Sequence[str], jobs: Mapping[str, JobRecord], running: Counter[str], usage: Usage,
+          now: float) -> list[str]:  # fmt: skip
+    """The queued jobs users first (see the module docstring); stable: each user's in arrival order."""
+    rank = {job_id: i for i, job_id in enumerate(pending)}
+
+    def key(job_id: str) -> tuple[bool, float, int]:
+        user = jobs[job_id].plan.user
+        return running[user] > 0, usage.value(user, now), rank[job_id]
+
+    return sorted(pending, key=key)
+
+
+def weigh(
+    pending: Sequence[str], jobs: Mapping[str, JobRecord], limits: UserLimits, usage: Usage, now: float,
+    services: int, *, fair: bool,
+) -> tuple[list[str], Counter[str], Callable[[str], str | None], Callable[[str], bool]]:  # fmt: skip
+    """What `placing.admissions` needs to weigh `pending` now: the order (users first with `fair`), the users'
+    running counts (the caller adds each job it places), why a job is held, and whether it is squeezed in."""
+    running = running_by_user(jobs)
+
+    def user(job_id: str) -> str:
+        return jobs[job_id].plan.user
+
+    ordered = order(pending, jobs, running, usage, now) if fair else list(pending)
+    return (
+        ordered, running, lambda j: held(user(j), running, limits, usage, now, services),
+        lambda j: fair and squeeze(user(j), running),
+    )  # fmt: skip
+
+
+def changed(before: Mapping[str, str], after: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(job, reason) for each job whose held reason changed ("" : no longer held), in job order."""
+    return [(j, after.get(j, "")) for j in sorted(set(before) | set(after)) if after.get(j, "") != before.get(j, "")]
+
+
+def squeeze(user: str, running: Counter[str]) -> bool:
+    """Whether a job of `user` goes in past the placement's load cap: they run nothing, another runs more than
+    one job."""
+    return running[user] == 0 and any(n > 1 for n in running.values())
+
+
+__all__ = ["UserLimits", "changed", "held", "order", "release_at", "running_by_user", "share", "squeeze", "weigh"]

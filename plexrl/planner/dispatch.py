@@ -1,0 +1,134 @@
+"""Which queued node each service runs next (`Dispatcher`), a part of `core.Planner` with its own counters:
+the ordering policy's pick, sent to run now or (lookahead) right after the running node, with the swaps that
+make its job resident, the prefetch of the job most likely next, and (co-scheduled rollouts) the members of
+its group. A job has at most one service node sent at a time, and sent jobs' states are never evicted.
+
+Pure: it changes the planner's records and appends `RunNode`s; the planner calls it once per event, for the
+services that event concerned (`dirty`), and owns everything it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from plexrl.planner import ahead, checkpoints
+from plexrl.planner.batches import gather, grouped_jobs, start_group
+from plexrl.planner.costs import CostModel
+from plexrl.planner.events import Instruction, RunNode
+from plexrl.planner.gaps import next_use
+from plexrl.planner.policies import OrderingPolicy, OrderingView
+from plexrl.planner.records import InvalidTransition, JobRecord, NodeStatus, ServiceRecord
+from plexrl.planner.slices import paused_jobs, slices_done
+from plexrl.planner.state import Move, NoRoom
+from plexrl.planner.views import next_job
+
+
+@dataclass(slots=True)
+class Dispatcher:
+    """The planner's records and policies it dispatches with (shared, not copied), the state table's setter
+    (`set_node`), the ordering view of a service, the history for an error, and its counters: nodes sent ahead
+    (lookahead), times a pick was held back (`hold_ahead`), groups sent and their members."""
+
+    jobs: dict[str, JobRecord]
+    services: dict[str, ServiceRecord]
+    costs: CostModel
+    ordering: OrderingPolicy
+    lookahead: bool
+    hold_ahead: bool
+    batch_rollouts: bool
+    clock: Callable[[], float]
+    set_node: Callable[[JobRecord, str, NodeStatus], None]
+    view_of: Callable[[ServiceRecord], OrderingView]
+    history: Callable[[str], str]
+    sent_ahead: int = 0
+    held_ahead: int = 0
+    groups_sent: int = 0
+    grouped_nodes: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """Its counters, by name."""
+        names = ("sent_ahead", "held_ahead", "groups_sent", "grouped_nodes")
+        return {name: getattr(self, name) for name in names}
+
+    def dispatch(self, dirty: set[str], out: list[Instruction]) -> None:
+        """Offer each service of `dirty` (in id order) its next work: a checkpoint first, alone
+        (`checkpoints.py`), else a node when it runs none, and (lookahead) one more to run right after."""
+        for service_id in sorted(dirty):
+            svc = self.services[service_id]
+            if not svc.alive:
+                continue
+            if svc.checkpoints or svc.checkpointing is not None:  # it goes next, alone (`checkpoints.py`)
+                started = checkpoints.start(svc)
+                if started is not None:
+                    out.append(started)
+                continue
+            if not svc.queue:
+                continue
+            if svc.running is None:
+                self.one(svc, out)
+            if self.lookahead and svc.running is not None and svc.next is None and svc.queue:
+                self.one(svc, out)
+
+    def one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
+        """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node."""
+        now = self.clock()
+        busy = {key[0] for key in (svc.running, svc.next) if key is not None} | grouped_jobs(svc)
+        candidates = [i for i, q in enumerate(svc.queue) if q.job_id not in busy]
+        if not candidates:
+            return
+        view = self.view_of(svc)
+        use_in = next_use(svc, self.jobs, self.costs.predict, now)
+        pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
+        while candidates:
+            pick = self.ordering.pick([svc.queue[i] for i in candidates], now, view)
+            if pick < 0:
+                return  # the ordering waits for a job about to be ready (`Slowdown.hold_s`): the next event decides
+            index = candidates[pick]
+            q = svc.queue[index]
+            why = ahead.waits(svc, self.jobs, q, busy, pinned, view, now, self.costs.predict, self.ordering,
+                              partner=self.batch_rollouts, preferred=self.hold_ahead) if busy else None  # fmt: skip
+            if why is not None:  # a partner (the group forms when the service frees) or a preferred node is due
+                self.held_ahead += why == "preferred"
+                return
+            try:
+                swaps = svc.state.make_resident(q.job_id, use_in, pinned)
+                break
+            except NoRoom as exc:
+                if busy:  # lookahead: the device cannot hold it beside the running job; send it later
+                    return
+                if pinned <= {q.job_id}:  # budgets are validated at submission
+                    raise InvalidTransition(self.history(str(exc))) from None
+                candidates.remove(index)  # it cannot run beside a paused generation (kept resident); another may
+        else:
+            return
+        job = self.jobs[q.job_id]
+        members, more = gather(svc, self.jobs, q, self.ordering, view, now, lambda j, keep: svc.state.make_resident(
+            j, use_in, keep), pinned) if self.batch_rollouts else ([], [])  # fmt: skip
+        swaps += more
+        svc.queue.pop(index)
+        taken = start_group(svc, q, members, ahead=svc.running is not None)
+        svc.prefetching, svc.resident = None, q.job_id
+        for entry in (q, *members):
+            self.set_node(self.jobs[entry.job_id], entry.node, "running")
+        if members:
+            self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
+        if svc.running is None:
+            svc.running, svc.running_since = (q.job_id, q.iteration, q.node), now
+        else:
+            svc.next = (q.job_id, q.iteration, q.node)
+            self.sent_ahead += 1
+        prefetch: list[Move] = []
+        nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | taken)
+        if nxt is not None:
+            prefetch = svc.state.prefetch(nxt, use_in, pinned | taken)
+            if prefetch:
+                svc.prefetching = nxt
+        chunks = job.plan.nodes[q.node].chunks
+        out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
+                           chunk=job.chunk.get(q.node, 0), chunks=chunks,
+                           slice=slices_done(job, q.node),
+                           group=tuple((m.job_id, m.iteration, m.node) for m in members)))  # fmt: skip
+
+
+__all__ = ["Dispatcher"]

@@ -1,0 +1,221 @@
+"""Flat host buffers for swapped-out states: one buffer per job state, its tensors as views (`Layout`), from a
+per-service pool (`HostPool`) that counts the host bytes it really holds.
+
+A state moves as ONE block: `Layout.of(tensors)` places every tensor at an aligned offset of one flat byte
+buffer, and `Layout.views(flat)` gives the tensors back as typed views of it. A job swapped in gets one device
+buffer with its tensors as views, so its next swap-out (and every one after) is one copy each way instead of
+one per tensor (a SmolLM2 state with AdamW is ~900 tensors); before its first swap-in it takes one copy per
+tensor into the one host buffer.
+
+Pinned memory: a CUDA service's host buffers are page-locked so that copies run as DMA beside the compute.
+PyTorch's pinned allocator (`pin_memory=True`) rounds every buffer up to a power of two and keeps freed blocks
+for ever, so a host tier budgeted at N bytes could lock up to 2N and never give them back. The pool instead
+allocates plain host memory and page-locks exactly that range (`cudaHostRegister`); `held_bytes` counts the
+pages really held (in use plus kept for reuse), `pinned_bytes` the same when pinned. Freed buffers are kept
+for the next swap-out of a state of about the same size (pinning costs time) as long as the pool stays within
+`limit` (the service's host budget: page-locked bytes never exceed what the host tier was granted) and keeps
+at most `keep` bytes idle; otherwise they are unpinned and freed.
+
+The pinning decision is a constructor argument (`pin`): a CPU test runs the same code with `pin=False` and
+checks the same byte counts (the pages a buffer covers). Nothing here decides what moves where.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ALIGN = 256  # bytes between slots: every view starts where a vectorised CUDA kernel may read it
+PAGE = 4096  # the unit page-locking works in
+
+
+def _up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One tensor's place in a flat buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each of a state's tensors sits in its flat byte buffer (`nbytes` long, slots `ALIGN`-aligned, in
+    the order given). `data_bytes`: the tensors' own bytes (what the planner budgets)."""
+
+    slots: tuple[Slot, ...]
+    nbytes: int
+    data_bytes: int
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, Tensor]) -> Layout:
+        slots, offset, data = [], 0, 0
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            slots.append(Slot(name, t.dtype, tuple(t.shape), offset, n))
+            offset = _up(offset + n, ALIGN)
+            data += n
+        return cls(tuple(slots), offset, data)
+
+    def names(self) -> set[str]:
+        return {s.name for s in self.slots}
+
+    def views(self, flat: Tensor) -> dict[str, Tensor]:
+        """The tensors as views of `flat` (uint8 [nbytes], on any device)."""
+        if flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
+            raise ValueError(f"a flat buffer of {self.nbytes} bytes is needed, got {flat.dtype} [{flat.numel()}]")
+        return {s.name: flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots}
+
+    def flat_of(self, tensors: Mapping[str, Tensor]) -> Tensor | None:
+        """The one buffer (uint8 [nbytes]) every tensor of `tensors` is a contiguous view of at its slot (a state
+        swapped in by `views`), so that one copy moves them all; None when they lie elsewhere."""
+        storage = None
+        for s in self.slots:
+            t = tensors[s.name]
+            if s.nbytes == 0:
+                continue
+            st = t.untyped_storage()
+            if storage is None:
+                storage = st
+                if st.nbytes() != self.nbytes:
+                    return None
+            elif st.data_ptr() != storage.data_ptr():
+                return None
+            if not t.is_contiguous() or t.storage_offset() * t.element_size() != s.offset:
+                return None
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8, device=tensors[self.slots[0].name].device).set_(storage)
+
+
+@dataclass(slots=True)
+class HostCopy:
+    """A state in host memory: its flat buffer (from a `HostPool`) and where each tensor sits in it."""
+
+    buffer: Tensor
+    layout: Layout
+
+    def tensors(self) -> dict[str, Tensor]:
+        return self.layout.views(self.buffer)
+
+
+def covered_bytes(ptr: int, nbytes: int) -> int:
+    """The bytes of the pages that [ptr, ptr + nbytes) touches: what page-locking it holds."""
+    if nbytes <= 0:
+        return 0
+    return _up(ptr + nbytes, PAGE) - (ptr // PAGE) * PAGE
+
+
+class HostPool:
+    """A service's host buffers (see the module docstring). Thread-safe. `pin`: page-lock them (CUDA);
+    `limit`: the host bytes the pool may hold, kept buffers included (None: no limit beyond `keep`); `keep`:
+    the most bytes kept idle for reuse (None: up to `limit`, the host tier's budget, which the planner would
+    fill anyway; without a limit, one buffer the size of the largest state seen)."""
+
+    def __init__(self, *, pin: bool, limit: int | None = None, keep: int | None = None) -> None:
+        self.pin, self.limit, self.keep = pin, limit, keep
+        self._lock = threading.Lock()
+        self._idle: list[Tensor] = []  # freed buffers kept for reuse
+        self._held: dict[int, int] = {}  # data_ptr -> bytes held for it (pages covered)
+        self._largest = 0
+        self._warned = False
+        self.held_bytes = 0  # host bytes held: buffers in use + kept
+        self.peak_bytes = 0
+        self.made = 0  # buffers allocated (each one page-locking when pinned)
+        self.reused = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.held_bytes if self.pin else 0
+
+    def take(self, nbytes: int) -> Tensor:
+        """A flat uint8 buffer of at least `nbytes` (exactly `nbytes` long; a kept one within 1/8 larger is
+        reused)."""
+        with self._lock:
+            self._largest = max(self._largest, nbytes)
+            fits = [b for b in self._idle if nbytes <= self._cap(b) <= nbytes + nbytes // 8 + PAGE]
+            if fits:
+                buf = min(fits, key=self._cap)
+                self._idle = [b for b in self._idle if b is not buf]
+                self.reused += 1
+                return buf[:nbytes]
+            while self._idle and self.limit is not None and self.held_bytes + nbytes > self.limit:
+                self._free(self._idle.pop(0))  # make room under the limit: the oldest kept buffer goes first
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        held = covered_bytes(buf.data_ptr(), nbytes)
+        if self.pin and nbytes > 0:
+            _register(buf)
+        with self._lock:
+            self._held[buf.data_ptr()] = held
+            self.held_bytes += held
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self.made += 1
+            if self.limit is not None and self.held_bytes > self.limit and not self._warned:
+                self._warned = True  # once: the planner budgets data bytes, the pool holds pages and padding
+                log.warning("host buffers hold %d bytes, over the host budget of %d (alignment padding or a "
+                            "state larger than planned)", self.held_bytes, self.limit)  # fmt: skip
+        return buf
+
+    def give(self, buf: Tensor) -> None:
+        """Hand back a buffer from `take` (its copies done): kept for reuse within `keep` and `limit`, else
+        freed."""
+        with self._lock:
+            base = self._base(buf)
+            if base is None:
+                return  # not ours (already freed, or a view of a read-only spill): nothing to do
+            keep = self.keep if self.keep is not None else self.limit if self.limit is not None else self._largest
+            idle = sum(self._cap(b) for b in self._idle)
+            if idle + self._cap(base) <= keep and (self.limit is None or self.held_bytes <= self.limit):
+                self._idle.append(base)
+            else:
+                self._free(base)
+
+    def clear(self) -> None:
+        """Free every kept buffer (buffers in use stay theirs' until handed back)."""
+        with self._lock:
+            while self._idle:
+                self._free(self._idle.pop())
+
+    def _cap(self, buf: Tensor) -> int:
+        return int(buf.untyped_storage().nbytes())
+
+    def _base(self, buf: Tensor) -> Tensor | None:
+        ptr = buf.untyped_storage().data_ptr()
+        if ptr not in self._held:
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
+
+    def _free(self, buf: Tensor) -> None:
+        ptr = buf.untyped_storage().data_ptr()
+        self.held_bytes -= self._held.pop(ptr, 0)
+        if self.pin and buf.numel() > 0:
+            _unregister(ptr)
+
+
+def _register(buf: Tensor) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel()} host bytes failed (error {int(err)}): the host "
+                           "may be out of lockable memory (ulimit -l) or services.host_memory too large")  # fmt: skip
+
+
+def _unregister(ptr: int) -> None:
+    err = torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(err) != 0:
+        log.warning("cudaHostUnregister failed (error %d)", int(err))
+
+
+__all__ = ["ALIGN", "PAGE", "HostCopy", "HostPool", "Layout", "Slot", "covered_bytes"]

@@ -1,0 +1,125 @@
+"""Flat per-job host buffers (B3, C3, C4 of the CUDA review), on CPU with the pinning decision off (`pin=False`:
+the same code path a CUDA service takes with it on):
+
+- a state moves as one block: its first swap-out copies each tensor into ONE host buffer, its swap-in is one
+  copy into ONE device buffer whose views the tensors become, and every swap after that is one copy each way;
+- the host bytes held are counted as the pages the buffers cover (what page-locking them holds), never a
+  power-of-two rounding; a freed buffer is reused by the next swap-out of a state of about its size, and the
+  pool stays within its host budget;
+- a spilled state is read straight into a pool buffer (no second copy), bit-exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY
+
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobSpec, prepare_job
+from plexrl.planner.state import Move
+from plexrl.services.host import ALIGN, PAGE, HostPool, Layout, covered_bytes
+from plexrl.services.service import Service
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> JobSpec:
+    cfg: dict[str, Any] = copy.deepcopy(TINY)
+    cfg["run_dir"] = str(tmp_path_factory.mktemp("host") / "runs")
+    cfg["tracking"]["mlflow"] = False
+    return prepare_job(load_job(cfg))
+
+
+def test_a_layout_places_every_tensor_aligned_and_its_views_round_trip() -> None:
+    tensors = {"a": torch.arange(5, dtype=torch.float32), "b": torch.ones(3, 2, dtype=torch.bfloat16),
+               "c": torch.tensor([7], dtype=torch.int64)}  # fmt: skip
+    layout = Layout.of(tensors)
+    assert [s.offset for s in layout.slots] == [0, ALIGN, 2 * ALIGN]
+    assert layout.data_bytes == 20 + 12 + 8 and layout.nbytes == 3 * ALIGN
+    flat = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    views = layout.views(flat)
+    for name, t in tensors.items():
+        views[name].copy_(t)
+    assert all(torch.equal(layout.views(flat)[k], v) for k, v in tensors.items())
+    assert layout.flat_of(views) is not None  # views of one buffer at their slots: one copy moves them
+    assert layout.flat_of(tensors) is None  # separate tensors: one copy each
+
+
+def test_the_pool_counts_the_pages_it_holds_reuses_a_freed_buffer_and_keeps_to_its_limit() -> None:
+    pool = HostPool(pin=False, limit=3 * 2**20)
+    a = pool.take(2**20 + 1)  # just over a power of two: the pinned allocator would hold 2 MiB for it
+    assert pool.held_bytes == covered_bytes(a.data_ptr(), 2**20 + 1) <= 2**20 + 2 * PAGE
+    assert pool.pinned_bytes == 0  # not pinned (CPU)
+    pool.give(a)
+    assert pool.held_bytes > 0  # kept for the next swap-out
+    b = pool.take(2**20)  # about the same size: the kept buffer again
+    assert b.data_ptr() == a.data_ptr() and (pool.made, pool.reused) == (1, 1)
+    pool.give(b)
+    c = pool.take(2 * 2**20 + 2**19)  # far larger: a new one, and the kept one goes to stay under the limit
+    assert pool.made == 2 and pool.held_bytes == covered_bytes(c.data_ptr(), c.numel()) <= 3 * 2**20
+    pool.give(c)
+    pool.clear()
+    assert pool.held_bytes == 0
+    assert HostPool(pin=True).pinned_bytes == 0  # the decision is the caller's: nothing held yet
+
+
+def test_a_state_moves_as_one_block_and_the_host_bytes_are_its_pages(job: JobSpec, tmp_path: Path) -> None:
+    svc = Service("s0", spill_dir=tmp_path / "spill", validate=True)
+    j = job.job_id
+    svc.load_job(job)
+    live = svc.engines[j].state_tensors()
+    want = {k: v.detach().clone() for k, v in live.items()}
+    n = len(live)
+    assert n > 10  # weights, reference-free AdamW moments: many tensors
+
+    svc.apply([Move(j, "device", "host", 0)])
+    state = svc.states[j]
+    assert state.host is not None
+    layout = state.host.layout
+    assert layout.data_bytes == state.nbytes and layout.nbytes - state.nbytes < ALIGN * n
+    report = svc.report()
+    assert report["copies"] == n  # first swap-out: the tensors lay apart, one copy each into ONE buffer
+    assert report["host_bytes_held"] == covered_bytes(state.host.buffer.data_ptr(), layout.nbytes)
+    assert report["pinned_bytes"] == 0
+
+    svc.apply([Move(j, "host", "device", 0)])
+    assert svc.report()["copies"] == n + 1  # swap-in: one copy, the tensors are views of one device buffer
+    assert len({t.untyped_storage().data_ptr() for t in live.values()}) == 1
+    assert all(torch.equal(live[k], want[k]) for k in want)
+
+    svc.apply([Move(j, "device", "host", 0), Move(j, "host", "device", 0)])
+    assert svc.report()["copies"] == n + 3  # from now on one copy each way
+    assert svc.host_pool.made == 1 and svc.host_pool.reused == 1  # the kept buffer served the second swap-out
+
+    # a spill: the bytes go to disk as they lie, and come back into a pool buffer, bit-exact
+    svc.apply([Move(j, "device", "host", 0), Move(j, "host", "disk", 0)])
+    assert svc.states[j].host is None and (tmp_path / "spill" / f"{j}.spill").stat().st_size == layout.nbytes
+    svc.apply([Move(j, "disk", "host", 0), Move(j, "host", "device", 0)])
+    assert all(torch.equal(live[k], want[k]) for k in want)
+    assert svc.host_pool.made == 1  # the disk read went into the kept buffer too
+    svc.release(j)
+    assert svc.host_pool.held_bytes <= covered_bytes(0, layout.nbytes) + PAGE  # at most the one kept buffer
+    svc.close()
+    assert svc.host_pool.held_bytes == 0
+
+
+def test_two_jobs_share_the_pool_within_the_host_budget(job: JobSpec) -> None:
+    a, b = (dataclasses.replace(job, job_id=name) for name in ("a", "b"))
+    probe = Service("probe")
+    size = probe.load_job(a)
+    probe.close()
+    budget = 2 * size + 2**20  # two states and their alignment padding
+    svc = Service("s0", host_memory=budget)
+    svc.load_job(a)
+    svc.load_job(b)
+    for _ in range(3):
+        svc.apply([Move("a", "device", "host", 0), Move("b", "device", "host", 0)])
+        assert svc.host_pool.held_bytes <= budget
+        svc.apply([Move("a", "host", "device", 0), Move("b", "host", "device", 0)])
+    assert svc.host_pool.peak_bytes <= budget and svc.host_pool.made == 2
+    svc.close()
