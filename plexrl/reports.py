@@ -5,6 +5,7 @@ module that imports nothing of plexrl. Small by construction: an output itself n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 Handle = int
 """Names one submitted unit of work (a job load or a node) and, for a node, its output."""
@@ -31,6 +32,9 @@ class NodeReport:
     # a slice of a sliced node that ended before the node (decode-step preemption): no output and no metrics;
     # its generation waits, paused, on the service for the node's next slice
     paused: bool = False
+    # a session's call (`plexrl.sessions`): its reply as plain data (`Reply` fields), the only part of a session
+    # node's output that leaves the service
+    reply: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

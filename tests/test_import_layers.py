@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "plexrl.data", "plexrl.episodes", "plexrl.viz")),
     ("engines", ("plexrl.engines",)),
     ("job", ("plexrl.job",)),
+    ("sessions", ("plexrl.sessions",)),  # a Tinker session's calls, losses, engine and spec (services run them)
     ("services", ("plexrl.services",)),
     ("operators", ("plexrl.operators", "plexrl.pipelines")),
     ("hooks", ("plexrl.hooks",)),

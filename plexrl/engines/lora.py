@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,10 +112,14 @@ class SharedBase:
             target_modules=list(targets),
             bias="none",
         )
-        if self.model is None:
-            self.model = get_peft_model(self.base, cfg, adapter_name=name)
-        else:
-            self.model.add_adapter(name, cfg)
+        with warnings.catch_warnings():  # an adapter on a tied output head (`lm_head`: a session's train_unembed)
+            # adapts the head only, the embedding stays the base's; peft warns about merging such an adapter,
+            # which PlexRL never does
+            warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+            if self.model is None:
+                self.model = get_peft_model(self.base, cfg, adapter_name=name)
+            else:
+                self.model.add_adapter(name, cfg)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for pname, p in self.model.named_parameters():

@@ -3,6 +3,7 @@
 from plexrl.planner.core import Planner
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import (
+    CallArrived,
     CheckpointFinished,
     FailJob,
     IterationDone,
@@ -21,6 +22,7 @@ from plexrl.planner.events import (
     RunNode,
     ServiceJoined,
     ServiceLost,
+    SessionClosing,
     StateMeasured,
     Tick,
 )
@@ -43,6 +45,7 @@ from plexrl.planner.state import Move, NoRoom, StateManager, Tier
 __all__ = [
     "ORDERINGS",
     "PLACEMENTS",
+    "CallArrived",
     "CheckpointFinished",
     "CostModel",
     "FailJob",
@@ -72,6 +75,7 @@ __all__ = [
     "RunNode",
     "ServiceJoined",
     "ServiceLost",
+    "SessionClosing",
     "Slowdown",
     "Spread",
     "SpreadBackfill",

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from plexrl.planner import checkpoints
+from plexrl.planner import checkpoints, sessions
 from plexrl.planner.admission import UserLimits, changed, release_at, weigh
 from plexrl.planner.batches import advance, member_finished
 from plexrl.planner.checks import any_violation, history
@@ -153,6 +153,7 @@ class Planner:
             JobCancelled: lambda ev, out: self._end_job(ev.job_id, "cancelled", ev.reason, out),
             JobFailed: lambda ev, out: self._end_job(ev.job_id, "failed", ev.reason, out),
             CheckpointFinished: self._checkpoint_finished,
+            **sessions.handlers(self),  # CallArrived, SessionClosing (`sessions.py`)
             Tick: lambda ev, out: self._tick(out),
         }
 
@@ -260,6 +261,7 @@ class Planner:
             seconds = record_slice(job, ev.node, ev.duration, ev.paused)  # a sliced node's: all its slices
             if not ev.paused:
                 self.costs.observe(ev.job_id, ev.node, seconds)
+                sessions.observe_call(job, self.costs, seconds)
             self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
         if plan.placement == "service":
@@ -339,7 +341,7 @@ class Planner:
                 self._dirty.add(svc.service_id)
                 out.append(PlaceJob(a.job_id, svc.service_id, a.tier))
                 job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
-                job.start_iteration()
+                job.start_iteration(now)
                 self._advance(job, out)
         self.pending = [j for j in self.pending if j in still]  # arrival order kept
         out += [JobHeld(j, why) for j, why in changed(self.held, held)]
@@ -359,14 +361,14 @@ class Planner:
             nodes, plan = job.nodes, job.plan.nodes
             baseline = job.iteration < 0
             for name in job.plan.baseline if baseline else (job.plan.order or tuple(plan)):
-                if nodes[name] == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
+                if nodes.get(name) == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
                     self._make_ready(job, name, out)
-            if job.remaining:
+            if job.remaining or (job.plan.open and not nodes):  # (an idle session: no call, no iteration)
                 return
             out.append(IterationDone(job.job_id, job.iteration))
             if getattr(self.placement, "uses_load", True):
                 self._admission_due = True  # its predicted load settled: a load-aware placement may change
-            if checkpoints.due(job.plan, job.iteration):  # held until `CheckpointFinished` (`checkpoints.py`)
+            if sessions.checkpoint_due(job) if job.plan.open else checkpoints.due(job.plan, job.iteration):  # (held)
                 checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
                 self._dirty.add(job.service)  # type: ignore[arg-type]
                 return
@@ -376,10 +378,10 @@ class Planner:
     def _next_iteration(self, job: JobRecord, out: list[Instruction]) -> bool:
         """Move a job whose iteration ended to its next one; False if that was its last (the job is done)."""
         job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
-        if job.iteration >= job.plan.iterations:
+        if job.iteration >= job.plan.iterations or (job.closing and job.call is None):  # (a session: `sessions.py`)
             self._end_job(job.job_id, "done", "", out)
             return False
-        job.start_iteration()
+        job.start_iteration(self.clock())
         return True
 
     def _checkpoint_finished(self, ev: CheckpointFinished, out: list[Instruction]) -> None:

@@ -30,6 +30,8 @@ class NodePlan:
     # a rollout that runs whole (neither chunked nor sliced) and whose operator has a batched form: with
     # `Planner(batch_rollouts=True)` it may share one engine call with other jobs' (`batches.py`)
     batchable: bool = False
+    # a session's call that changes the trained weights (an open plan's `checkpoint_every` counts these)
+    commits: bool = False
 
     def active(self, iteration: int, iterations: int) -> bool:
         return self.every is None or (iteration + 1) % self.every == 0 or iteration == iterations - 1
@@ -79,6 +81,9 @@ class JobPlan:
     # from its latest checkpoint) while attempt < `attempts` (`FailJob.again`: the planner's decision)
     attempt: int = 1
     attempts: int = 1
+    # a session (`sessions.py`): its nodes are the call kinds its client may send, every one a service node
+    # without edges; an iteration runs the one call that came (`CallArrived`), `iterations` bounds the numbering
+    open: bool = False
 
     @classmethod
     def of(
@@ -174,6 +179,22 @@ class CheckpointFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class CallArrived:
+    """A session's next call is waiting: `node`, its kind (a node of the job's open plan). One at a time: the next
+    comes only after the previous call's node finished (`sessions.py`)."""
+
+    job_id: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosing:
+    """A session gets no more calls: it ends (done) once no call runs (an announced one runs first)."""
+
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed: the driver sends it once the clock reaches `Planner.wake_at` (a node's backoff ended)."""
 
@@ -187,6 +208,8 @@ Event = (
     | JobCancelled
     | JobFailed
     | CheckpointFinished
+    | CallArrived
+    | SessionClosing
     | Tick
 )
 

@@ -8,13 +8,17 @@ import math
 from collections.abc import Callable
 
 from plexrl.planner.records import JobRecord, ServiceRecord
+from plexrl.planner.sessions import CLIENT
+from plexrl.planner.sessions import busy_fraction as session_busy_fraction
 
 
 def gap_after(job: JobRecord, node: str, predict: Callable[[str, str], float]) -> float:
     """Predicted seconds from the end of `node` until `job` can next use a service: the shortest way along its
     cpu successors to a service node (`predict(job_id, node)` seconds per cpu node), and, past the iteration's
     last node, through the next iteration's leading cpu nodes (once). 0 if a service node follows at once, or
-    if nothing follows at all."""
+    if nothing follows at all. A session's: its client's time until the next call (`sessions.CLIENT`)."""
+    if job.plan.open:
+        return predict(job.job_id, CLIENT)
     plan, succ, job_id = job.plan.nodes, job.successors, job.job_id
     memo: dict[tuple[str, int], float] = {}
 
@@ -68,7 +72,9 @@ def cpu_rests(job: JobRecord, predict: Callable[[str, str], float], now: float) 
 def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
     """Predicted busy fraction of `job` on its service: predicted service seconds per iteration (every chunk
     of a chunked node) over service + CPU seconds (nodes that run every k iterations count 1/k). Before any
-    observation the cost model's prior makes it the share of service nodes."""
+    observation the cost model's prior makes it the share of service nodes. A session's: `sessions.busy_fraction`."""
+    if job.plan.open:
+        return session_busy_fraction(job, predict)
     busy = gap = 0.0
     for name, node in job.plan.nodes.items():
         sec = predict(job.job_id, name) * node.chunks / (node.every or 1)
@@ -109,6 +115,6 @@ def projected_slowdown(job: JobRecord, predict: Callable[[str, str], float], now
     to finish is judged by how late it will end, not by how late it is now: a short job kept waiting cannot
     catch up later, a long one can (the others' end frees the service)."""
     placed = job.placed_at if job.placed_at is not None else now
-    left = max(job.plan.iterations - max(job.iteration, 0), 0)
+    left = 1 if job.plan.open else max(job.plan.iterations - max(job.iteration, 0), 0)  # (a session: its next call)
     rest = left * sum(predict(job.job_id, n) / (p.every or 1) for n, p in job.plan.nodes.items())
     return (now - placed + rest + 1.0) / (job.work_done + rest + 1.0)

@@ -66,7 +66,7 @@ def job_pace(job: _JobProgress, predict: Callable[[str, str], float], now: float
     """`Pace` of a job record: the rest is the iterations left times the predicted seconds per iteration
     (every node, in series; nodes that run every k iterations count 1/k), as `gaps.projected_slowdown` counts it."""
     placed = job.placed_at if job.placed_at is not None else now
-    left = max(job.plan.iterations - max(job.iteration, 0), 0)
+    left = 1 if job.plan.open else max(job.plan.iterations - max(job.iteration, 0), 0)  # (a session: its next call)
     per = {n: predict(job.job_id, n) * p.chunks / (p.every or 1) for n, p in job.plan.nodes.items()}
     service = sum(sec for n, sec in per.items() if job.plan.nodes[n].placement == "service")
     return Pace(now - placed, job.work_done, left * sum(per.values()), left * service)

@@ -22,6 +22,8 @@ from plexrl.planner.events import JobPlan
 from plexrl.planner.policies import QueuedNode
 from plexrl.planner.state import StateManager
 
+CLIENT = "<client>"  # a session's pseudo node: its client's time from a call's end to its next call (`sessions.py`)
+
 # a job's status: ONE vocabulary for the planner, a job's record (`JobRun`) and the server's journal
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 NodeStatus = Literal["waiting", "ready", "running", "paused", "backoff", "done"]
@@ -87,6 +89,11 @@ class JobRecord:
     slices: dict[str, SliceProgress] = field(default_factory=dict)
     # the iteration whose checkpoint the job waits for (queued or running on its service; `checkpoints.py`)
     checkpoint: int | None = None
+    # a session (`sessions.py`): its announced call not started yet, whether it is closing, its calls that
+    # changed the trained weights
+    call: str | None = None
+    closing: bool = False
+    commits: int = 0
 
     @classmethod
     def of(cls, job_id: str, plan: JobPlan, now: float) -> JobRecord:
@@ -98,11 +105,17 @@ class JobRecord:
         sources = tuple(name for name, node in plan.nodes.items() if not node.deps)
         return cls(job_id, plan, submitted_at=now, successors={n: tuple(s) for n, s in succ.items()}, sources=sources)
 
-    def start_iteration(self) -> None:
+    def start_iteration(self, now: float = 0.0) -> None:
         """Node states for `iteration`, as they start: the baseline pass (-1) has only the baseline nodes,
         without their deps; a normal iteration has every node, `waiting`, those inactive this iteration (`every`)
-        `done` from the start."""
-        if self.iteration < 0:
+        `done` from the start. A session's (`sessions.py`): its announced call's node, waiting, or none when no
+        call is announced (idle: its client is away from `now` on)."""
+        if self.plan.open:
+            self.nodes = {} if self.call is None else {self.call: "waiting"}
+            if self.call is None:
+                self.cpu_started[CLIENT] = now
+            self.call = None
+        elif self.iteration < 0:
             self.nodes = dict.fromkeys(self.plan.baseline, "waiting")
         else:
             active = {n: p.active(self.iteration, self.plan.iterations) for n, p in self.plan.nodes.items()}

@@ -27,6 +27,7 @@ from typing import Any
 from plexrl.hooks.base import HookList
 from plexrl.job.spec import JobRun
 from plexrl.planner import (
+    CallArrived,
     CheckpointFinished,
     FailJob,
     IterationDone,
@@ -42,6 +43,7 @@ from plexrl.planner import (
     StateMeasured,
 )
 from plexrl.planner.events import Event, Instruction
+from plexrl.runtime.calls import CallBoard
 from plexrl.runtime.executor import CheckpointReport, Executor, Finished, LoadReport, NodeTask
 from plexrl.runtime.inbox import Inbox
 from plexrl.runtime.ledger import Ledger
@@ -55,7 +57,8 @@ class Carrier:
     hooks and `on_closed` have seen it (a server's weeks of jobs); `on_closed`: called for every ended job,
     placed or not (the server's journal); `checkpoint_at(run, iteration)`: where a job's checkpoint goes (required
     for a job whose plan has a `checkpoint_every`: the planner sends `RunCheckpoint` after every k-th iteration
-    but the last)."""
+    but the last). `calls`: the sessions' calls (`calls.CallBoard`): a session's node takes its call there and
+    its report's reply goes back there."""
 
     def __init__(
         self,
@@ -67,10 +70,12 @@ class Carrier:
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
+        calls: CallBoard | None = None,
     ) -> None:
         self.executor, self.hooks, self.planner, self.inbox = executor, hooks, planner, inbox
         self.clock = executor.clock
         self.forget_ended, self.on_closed, self.checkpoint_at = forget_ended, on_closed, checkpoint_at
+        self.calls = calls
         self.runs: dict[str, JobRun] = {}
         self.late: list[JobRun] = []  # records of the jobs that came through `Runner.submit`
         self.ledger = Ledger()  # what is in flight under each handle, and each job's current iteration
@@ -114,9 +119,15 @@ class Carrier:
         inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
         last = ins.chunks > 1 and ins.chunk == ins.chunks - 1
         parts = tuple(it.parts.get(ins.node, ())) if last else ()  # the earlier chunks, joined by the last
+        call = None
+        if self.calls is not None and self.calls.has(run.job_id):  # a session: its node runs its next call
+            ticket = self.calls.take(run.job_id, ins.node)
+            if ticket is None:
+                return [self.fail(run, f"starting call {ins.node!r}", "no such call is waiting (runtime bug)")]
+            call = ticket.call
         task = NodeTask(
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
-            ins.chunk, ins.chunks, parts,
+            ins.chunk, ins.chunks, parts, call,
         )  # fmt: skip
         try:
             handle = self.executor.submit(task)
@@ -245,6 +256,10 @@ class Carrier:
         if forget:
             self.executor.forget(forget)
         events.append(finished)
+        if self.calls is not None and self.calls.has(run.job_id):  # a session: the reply goes to its client
+            nxt = self.calls.finished(run.job_id, rep.reply, rep.error)
+            if nxt is not None:  # its next call is waiting: announced after this one's end
+                events.append(CallArrived(run.job_id, nxt))
         return events
 
     def fail(self, run: JobRun, what: str, error: str) -> JobFailed:
@@ -279,7 +294,11 @@ class Carrier:
         except Exception as exc:
             self.close(run, "failed", f"could not ship the job to the executor: {type(exc).__name__}: {exc}")
             return []
-        return [JobSubmitted(run.job_id, plan)]
+        events: list[Event] = [JobSubmitted(run.job_id, plan)]
+        first = self.calls.started(run.job_id) if self.calls is not None else None
+        if first is not None:  # a session whose first call came before its job did
+            events.append(CallArrived(run.job_id, first))
+        return events
 
     def drop_attempt(self, job_id: str) -> None:
         """A job submitted again: forget what its previous attempt still has in flight or waiting."""
@@ -309,6 +328,8 @@ class Carrier:
         it = self.ledger.iters.pop(run.job_id, None)
         if it is not None:
             self.executor.forget(it.handles())
+        if self.calls is not None and self.runs.get(run.job_id) is run:  # a session's calls left fail with it
+            self.calls.drop(run.job_id, f"the session {status}" + (f": {reason}" if reason else ""))
         if run.started_at is not None:
             self.hooks.on_job_end(run)
         if self.on_closed is not None:  # every ended job, placed or not (the server's journal)

@@ -92,14 +92,16 @@ def _run_service_node(
     chunks: int,
     parts: list[NodeResult],
     seq: int,
+    call: Any,
     *after: Any,
 ) -> NodeResult:
     """`after`: futures this node must wait for (its job's load, the service's previous node); unused.
     `parts`: the earlier chunks' results of a chunked node's last chunk (made on this worker: no transfer).
-    `seq`: the node's number among the service's tasks in the order they were sent (`Service.run_node`)."""
+    `seq`: the node's number among the service's tasks in the order they were sent (`Service.run_node`).
+    `call`: a session's call that the node runs (None for a pipeline node)."""
     outs = [p.output for p in parts if p.output is not None]
     svc = _service(key)
-    result = svc.run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch, chunk, chunks, outs, seq)
+    result = svc.run_node(job_id, iteration, node, _outputs(inputs), swaps, prefetch, chunk, chunks, outs, seq, call)
     _publish(topic, handle, result.report)
     return result
 

@@ -48,6 +48,8 @@ class NodeTask:
     chunk: int = 0
     chunks: int = 1
     parts: tuple[Handle, ...] = ()
+    # a session's call (`plexrl.sessions.calls`, from the runner's `CallBoard`): the node runs it (`Service.run_node`)
+    call: Any = None
 
     @property
     def lane(self) -> str:

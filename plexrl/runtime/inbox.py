@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from plexrl.planner import JobCancelled
+from plexrl.planner.events import CallArrived, SessionClosing
 
 
 class Inbox:
@@ -26,6 +27,7 @@ class Inbox:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # an idle loop waits on it for a request
         self._cancels: deque[JobCancelled] = deque()
+        self._calls: deque[CallArrived | SessionClosing] = deque()  # sessions' calls and closes, in order
         self._submits: deque[Any] = deque()
         self._names: set[str] = set()  # job names a `submit` may not reuse (jobs not failed or cancelled)
         self._stop: str | None = None
@@ -42,6 +44,18 @@ class Inbox:
     def cancel(self, job_id: str, reason: str) -> None:
         with self._wake:
             self._cancels.append(JobCancelled(job_id, reason))
+            self._wake.notify_all()
+
+    def call_arrived(self, job_id: str, node: str) -> None:
+        """An idle session's next call is waiting (`calls.CallBoard.put`)."""
+        with self._wake:
+            self._calls.append(CallArrived(job_id, node))
+            self._wake.notify_all()
+
+    def close_session(self, job_id: str) -> None:
+        """A session gets no more calls (`Runner.close_session`)."""
+        with self._wake:
+            self._calls.append(SessionClosing(job_id))
             self._wake.notify_all()
 
     def stop(self, reason: str) -> None:
@@ -70,6 +84,12 @@ class Inbox:
             self._cancels.clear()
         return out
 
+    def take_calls(self) -> list[CallArrived | SessionClosing]:
+        with self._lock:
+            out = list(self._calls)
+            self._calls.clear()
+        return out
+
     def has_cancels(self) -> bool:
         with self._lock:
             return bool(self._cancels)
@@ -96,7 +116,7 @@ class Inbox:
                 self._wake.wait(timeout)
 
     def _any(self) -> bool:  # (lock held)
-        return bool(self._submits or self._cancels or self._stop is not None)
+        return bool(self._submits or self._cancels or self._calls or self._stop is not None)
 
 
 class Arrivals:

@@ -102,7 +102,7 @@ class InlineExecutor:
                 parts = [self.outputs[h] for h in task.parts]
                 with model_construction():
                     res = svc.run_node(task.job_id, task.iteration, task.node, inputs, task.swaps, task.prefetch,
-                                       task.chunk, task.chunks, parts)  # fmt: skip
+                                       task.chunk, task.chunks, parts, call=task.call)  # fmt: skip
         except Exception as exc:  # (the node's own errors come back in its report; this is anything else)
             now = self.clock()
             error = f"{type(exc).__name__}: {exc}"

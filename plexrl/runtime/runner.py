@@ -29,8 +29,9 @@ from typing import Any
 
 from plexrl.hooks.base import Hook, HookList, RunSummary
 from plexrl.job.spec import JobRun
-from plexrl.planner import JobCancelled, JobFailed, Planner, ServiceLost, Tick
+from plexrl.planner import JobCancelled, JobFailed, Planner, ServiceLost, Tick, sessions
 from plexrl.planner.events import Event
+from plexrl.runtime.calls import CallBoard
 from plexrl.runtime.carrier import Carrier
 from plexrl.runtime.executor import Executor
 from plexrl.runtime.inbox import Arrivals, Inbox
@@ -39,6 +40,7 @@ from plexrl.runtime.records import Budgets, RunnableSpec
 log = logging.getLogger(__name__)
 
 _RUNNING: weakref.WeakSet[Runner] = weakref.WeakSet()
+CALL_POLL = 0.02  # seconds: the longest a session's call waits for the loop while other work runs
 
 
 def running_runners() -> list[Runner]:
@@ -53,7 +55,9 @@ class Runner:
     it has one (the simulator's is infinite: its clock only moves to the next event), else 0.5 s. `budgets`:
     each service's tiers, given to the planner as the services join. `forget_ended`, `on_closed`,
     `checkpoint_at`: the carrier's (`Carrier`: a server's memory, its journal, where its checkpoints go; how
-    often is each job's plan's)."""
+    often is each job's plan's). `calls`: the sessions' calls (`calls.CallBoard`; a server's Tinker API puts
+    them there): while a session is open the loop looks at its inbox at least every `CALL_POLL` seconds, so a
+    call waits at most that long for the planner."""
 
     def __init__(
         self,
@@ -66,6 +70,7 @@ class Runner:
         forget_ended: bool = False,
         on_closed: Callable[[JobRun], None] | None = None,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
+        calls: CallBoard | None = None,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -77,8 +82,11 @@ class Runner:
         self.service_reports: dict[str, dict[str, Any]] = {}
         self.events_handled, self._arrivals = 0, Arrivals()  # (arrivals: jobs not yet submitted, the loop's alone)
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
+        self.calls = calls
+        if calls is not None:
+            calls.bind(self._inbox.call_arrived)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
-                               on_closed, checkpoint_at=checkpoint_at)  # fmt: skip
+                               on_closed, checkpoint_at=checkpoint_at, calls=calls)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
@@ -93,6 +101,11 @@ class Runner:
         job failed or was cancelled (a lost service failed it, say): then it may come again under its name, its
         new record replaces the old one in `runs`, and nothing of the old attempt reaches it."""
         self._inbox.submit(spec)
+
+    def close_session(self, job_id: str) -> None:
+        """A session gets no more calls (thread-safe): it ends (done) once its call in flight, if any, ended
+        (`planner/sessions.py`); calls of it still waiting fail."""
+        self._inbox.close_session(job_id)
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop the loop at the top of its next turn (thread-safe; a node already running is not interrupted,
@@ -158,6 +171,7 @@ class Runner:
         while True:
             events.extend(self._take_submits())  # before the cancels: a job can be cancelled right after it came
             events.extend(self._take_cancels())
+            events.extend(self._inbox.take_calls())  # sessions' calls (after a cancel: one that ended drops it)
             events.extend(self._take_arrivals())
             if (wake := self.planner.wake_at) is not None and wake <= self.clock():
                 events.append(Tick())  # a retry's backoff ended: the planner sends the node again
@@ -181,6 +195,9 @@ class Runner:
                 if self.planner.pending and not any(s.alive for s in self.planner.services.values()):
                     events.extend(self._without_services(until_stopped))
                     continue
+                if sessions.only_idle_left(self.planner.jobs.values()):
+                    self._inbox.wait()  # sessions wait for their clients' calls (or a close, a cancel, a stop)
+                    continue
                 raise RuntimeError("nothing is running but jobs are unfinished (runner bug)")
             timeout = self.poll
             if self._arrivals:  # wake up for the next arrival
@@ -188,6 +205,8 @@ class Runner:
             wake = self.planner.wake_at
             if wake is not None:  # and when the planner asks to be woken (the end of a retry's backoff)
                 timeout = min(timeout, max(wake - self.clock(), 0.0))
+            if self.calls is not None and self.calls.sessions():  # and often enough for a session's next call
+                timeout = min(timeout, CALL_POLL)
             finished = self.executor.wait(timeout)
             events.extend(self._services_changed())
             for f in finished:

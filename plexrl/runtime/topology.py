@@ -121,7 +121,7 @@ class OneWorker:
         fut = ex._on(
             sid, _run_service_node, ex._topic, handle, ex._key(sid), task.job_id, task.iteration, task.node,
             {p: w.future for p, w in inputs.items()}, task.swaps, task.prefetch, task.chunk, task.chunks,
-            [w.future for w in parts], seq, *after, key=key,
+            [w.future for w in parts], seq, task.call, *after, key=key,
         )  # fmt: skip
         self.last_on[sid] = fut
         if ahead and task.swaps and sid not in ex._lost:
@@ -254,6 +254,9 @@ class GroupTopology:
 
         ex, sid = self.ex, task.service_id
         assert sid is not None
+        if task.call is not None:
+            raise NotImplementedError("sessions (the Tinker API) do not run on worker groups (services.ranks > 1): "
+                                      "serve them from a server with services.ranks: 1")  # fmt: skip
         futs = self._each(sid, rank_node, lambda r: (
             ex._topic, handle, ex._key(sid), r, task.job_id, task.iteration, task.node,
             {p: w.ranks[r] if w.ranks else w.future for p, w in inputs.items()}, task.swaps, task.prefetch,

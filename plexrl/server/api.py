@@ -3,13 +3,15 @@
 
 Endpoints (JSON): POST /jobs (submit), GET /jobs (list), GET /jobs/{id} (status), POST /jobs/{id}/cancel,
 GET /jobs/{id}/events?after=SEQ (the journal's events: `plexrl logs`), GET /health; and the cluster page at /
-with its data at GET /cluster, and GET /metrics (Prometheus text): `plexrl/server/web.py`.
+with its data at GET /cluster, and GET /metrics (Prometheus text): `plexrl/server/web.py`. With `tinker.enabled`,
+the Tinker API under /api/v1 (`plexrl/server/tinker/`): sessions driven by the `tinker` SDK, as jobs.
 
 Contract:
 - A submission is answered 201 only after the job is in the journal. A bad one gets 400 (413: body too large)
   with `{"problems": [{"where", "message"}, ...]}` naming every problem, and nothing is written.
 - With a `token` or per-user tokens (`users`), every request must carry `Authorization: Bearer TOKEN`
-  (compared with `hmac.compare_digest` against every secret); otherwise 401 and nothing is done. A user's
+  (compared with `hmac.compare_digest` against every secret), or, under /api/v1 (the Tinker SDK's way),
+  `X-API-Key: tml-TOKEN`; otherwise 401 and nothing is done. A user's
   token makes the request that user's: submissions are recorded as theirs (a different `user` is 403) and
   they may cancel only their own jobs (403); `token` is the administrator's. Without any, the config only
   binds loopback. The page's shell and assets (`web.PUBLIC_PATHS`) carry no data and need no token.
@@ -29,7 +31,7 @@ import logging
 import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +75,14 @@ def _public(entry: JobEntry) -> dict[str, Any]:
     return out
 
 
-def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView) -> Any:
+def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, sessions: Any = None) -> Any:
     """The FastAPI application over `controller` (see the module docstring). `view`: the `ClusterView` among
-    the runner's hooks (given when the runner was built: `start_server`)."""
+    the runner's hooks (given when the runner was built: `start_server`); `sessions`: the Tinker API's
+    `Registry`, served under /api/v1 when given."""
     from plexrl.server.submissions import check_submission
+    from plexrl.server.tinker.routes import PREFIX as TINKER_PREFIX
+    from plexrl.server.tinker.routes import add_tinker_routes
+    from plexrl.server.tinker.routes import key_of as tinker_key
     from plexrl.server.web import PUBLIC_PATHS, add_web_routes
 
     app = FastAPI(title="PlexRL server", version="1", description="Submit, watch and cancel RLVR jobs.")
@@ -92,11 +98,18 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView) -> 
         request.state.user = None
         if secrets and request.url.path not in PUBLIC_PATHS:
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
+            if sessions is not None and request.url.path.startswith(TINKER_PREFIX) and not value:
+                scheme, value = "bearer", tinker_key(request)  # the SDK's `X-API-Key: tml-TOKEN`
             given = value.encode()
             # every secret is compared (constant time each), so the time taken does not say which one matched
             matches = [u for t, u in secrets if hmac.compare_digest(given, t)]
             if scheme.lower() != "bearer" or not matches:
-                return _problems(401, [Problem("authorization", "missing or wrong token (Authorization: Bearer ...)")])
+                refused = _problems(
+                    401, [Problem("authorization", "missing or wrong token (Authorization: Bearer ...)")]
+                )
+                if request.url.path.startswith(TINKER_PREFIX):  # (the SDK drops the client it asked with, unclosed)
+                    refused.headers["connection"] = "close"
+                return refused
             request.state.user = matches[0]
         return await call_next(request)
 
@@ -190,6 +203,8 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView) -> 
         return entry.as_dict()
 
     add_web_routes(app, view, controller, private)
+    if sessions is not None:
+        add_tinker_routes(app, sessions, open_server=not secrets)
     return app
 
 
@@ -204,6 +219,7 @@ def prepare_entry(
     modules: list[str] | None = None,
     device: str = "cpu",
     group: bool = False,
+    calls: Any = None,
 ) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
     with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
@@ -211,9 +227,14 @@ def prepare_entry(
     (a ConfigError above it, before any work); `modules`: the server's allow-list, in force while the job is
     compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since);
     `device` ("cpu" or "cuda") and `group` (services.ranks > 1): the services', whose defaults the job takes
-    (`plexrl.devices.job_defaults`) and where its warm start trains."""
+    (`plexrl.devices.job_defaults`) and where its warm start trains. A session's entry
+    (`kind: session`, written by the Tinker API only) becomes its `SessionSpec` (`prepare_session_entry`;
+    `calls`: the runner's `CallBoard`)."""
     import contextlib
     import dataclasses
+
+    if entry.config.get("kind") == "session":
+        return prepare_session_entry(entry, calls, cancel)
 
     from plexrl.job.load import load_job
     from plexrl.job.spec import prepare_job
@@ -242,6 +263,28 @@ def prepare_entry(
     )
 
 
+def prepare_session_entry(entry: JobEntry, calls: Any = None, cancel: threading.Event | None = None) -> Any:
+    """The spec of a journalled session: its calls opened on the board first (a call may come before its job);
+    resumed from its latest checkpoint. A session placed before (a restart, its service lost) without a
+    checkpoint fails: its client's state would be gone without a word."""
+    from plexrl.sessions.spec import SessionConfig, prepare_session
+
+    if calls is not None:
+        calls.open(entry.job_id)
+    cfg = SessionConfig.model_validate(entry.config)
+    if entry.attempt > 1 and entry.checkpoint is None:
+        raise RuntimeError(
+            "the session was interrupted (the server restarted or its service was lost) and has no checkpoint "
+            "(set the server's checkpoint_every); create a new training client from its last save_state"
+        )
+    after = entry.checkpoint_iteration
+    return prepare_session(
+        cfg, job_id=entry.job_id, user=entry.user, first_call=0 if after is None else after + 1,
+        resume_state=None if entry.checkpoint is None else Path(entry.checkpoint),
+        resume_run_id=entry.tracking.get("run_id") if entry.checkpoint is not None else None, cancel=cancel,
+    )  # fmt: skip
+
+
 @dataclass
 class RunningServer:
     """A started server: `url` to talk to, `stop()` to stop it gracefully (HTTP first, then the controller:
@@ -252,8 +295,11 @@ class RunningServer:
     journal: Journal
     http: Any
     thread: threading.Thread
+    sessions: Any = None  # the Tinker API's Registry (None: not served)
+    stopping: threading.Event = field(default_factory=threading.Event)  # stops the sessions' sweeper
 
     def stop(self, timeout: float = 120.0) -> bool:
+        self.stopping.set()
         self.http.should_exit = True
         self.thread.join(timeout)
         ok = self.controller.stop(timeout)
@@ -293,21 +339,42 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     every, where = cfg.checkpoint_every, cfg.checkpoints()
     view = ClusterView(lambda: controller.runner)  # what the page and /metrics show: a hook, on the runner's thread
 
+    backend = None
+    if cfg.tinker.enabled:  # sessions of the Tinker API: their calls go through the runner's CallBoard
+        from plexrl.server.tinker.server_backend import ControllerBackend
+
+        backend = ControllerBackend(journal)
+
     def build(more_hooks: Sequence[Any] = (), **parts: Any) -> Any:
-        return make(more_hooks=[view, *more_hooks], **parts)
+        if backend is None:
+            return make(more_hooks=[view, *more_hooks], **parts)
+        return make(more_hooks=[view, backend.hook, *more_hooks], calls=backend.board, **parts)
 
     if prepare is prepare_entry:
         services = cfg.cluster.services
         prepare = functools.partial(
             prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
             device=services.device, group=services.ranks > 1,
+            calls=None if backend is None else backend.board,
         )  # fmt: skip
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,
     )  # fmt: skip
+    sessions = None
+    if backend is not None:
+        from plexrl.job.pretrained import pretrained_path
+        from plexrl.server.tinker.registry import Registry
+
+        backend.attach(controller)
+        root, run_dir = where / "sessions", Path(cfg.run_dir).resolve()
+        sessions = Registry(cfg.tinker, backend, root, cfg.roots(), pretrained_path, run_dir=run_dir)
+        sessions.recover([e for e in journal.jobs() if not e.finished and e.config.get("kind") == "session"])
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # no Nagle on the connections (Linux: accepted sockets inherit it): a response written in two parts
+    # (headers, body) otherwise waits for the client's delayed ACK, 40 ms a request here
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((cfg.host, cfg.port))
     except OSError:
@@ -316,13 +383,16 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         raise
     sock.listen(128)
     controller.start()
-    app = create_app(controller, cfg, view)
+    app = create_app(controller, cfg, view, sessions)
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     thread = threading.Thread(target=lambda: asyncio.run(http.serve(sockets=[sock])), name="plexrl-http", daemon=True)
     thread.start()
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    return RunningServer(f"http://{shown}:{port}", controller, journal, http, thread)
+    running = RunningServer(f"http://{shown}:{port}", controller, journal, http, thread, sessions)
+    if sessions is not None:  # abandoned sessions end; sessions waiting for admission say why
+        threading.Thread(target=sessions.tick_until, args=(running.stopping,), name="tinker-sweep", daemon=True).start()
+    return running
 
 
 __all__ = ["RunningServer", "SubmitRequest", "create_app", "prepare_entry", "start_server"]

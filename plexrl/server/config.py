@@ -14,6 +14,7 @@ from plexrl.job.load import apply_overrides
 from plexrl.job.model_config import StrictModel
 from plexrl.runtime.config import RuntimeConfig
 from plexrl.runtime.tls import is_loopback
+from plexrl.server.tinker.config import TinkerConfig
 
 
 class ServerConfig(StrictModel):
@@ -81,6 +82,10 @@ class ServerConfig(StrictModel):
         description="Threads that prepare submitted jobs (task data, model build, warm start) at once; one user "
         "holds at most prepare_workers - 1 of them (at least 1), so one user's long warm starts do not hold up "
         "another's job. Each warm start trains on this machine's CPU (or its first GPU): keep it small.",
+    )
+    tinker: TinkerConfig = Field(
+        default_factory=TinkerConfig,  # type: ignore[arg-type]
+        description="The Tinker-compatible API under /api/v1: sessions driven by the `tinker` SDK, as jobs.",
     )
     max_warm_start_steps: int = Field(
         5000,

@@ -59,13 +59,15 @@ class NodeResult:
 
 
 def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
-    """Attach the output's metrics to the report; a metrics() that raises fails the node."""
+    """Attach the output's metrics (a session call's reply too) to the report; a metrics() that raises fails it."""
     if out is not None:
         try:
             report.metrics = {k: float(v) for k, v in out.metrics().items()}
         except Exception as exc:
             report.error = f"metrics of node {report.node!r}: {type(exc).__name__}: {exc}"
             return NodeResult(report, None)
+        if hasattr(out, "payload"):  # a session call's result (`plexrl.sessions.operators.CallResult`)
+            report.reply = out.payload()
     return NodeResult(report, out)
 
 
@@ -166,6 +168,7 @@ class Service:
                 load_on=built_on,
                 **engine_options(job.config.model),  # dtype, gradient_checkpointing
             )
+        engine = getattr(job, "session_engine", lambda e: e)(engine)  # a session's (`plexrl.sessions.spec`)
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
         if job.generation == "vllm":
@@ -239,6 +242,7 @@ class Service:
         chunks: int = 1,
         parts: Sequence[Batch] = (),
         seq: int | None = None,
+        call: Any = None,
     ) -> NodeResult:
         """Apply `swaps`, start `prefetch` in the background, run the node. Errors are returned.
 
@@ -251,7 +255,8 @@ class Service:
         rows `chunk_rows(P, chunk, chunks)` of its chunk input, with per-chunk seeds. An earlier chunk's output
         is a part (its report carries no metrics); the last chunk gets the earlier parts (`parts`, in order,
         where they were made: this service) and its output is the concatenation of every chunk, the node's
-        output, with the whole node's metrics."""
+        output, with the whole node's metrics. `call`: a session's call (`plexrl.sessions.calls`), which the
+        node's operator runs (`OpContext.extra`); its reply comes back in the report (`NodeReport.reply`)."""
         job = self.jobs[job_id]
         swap_start = self.clock()
         moved = 0
@@ -294,6 +299,7 @@ class Service:
                 inputs = chunk_inputs(node.operator, inputs, chunk, chunks, len(parts))
             ctx = self.context(job, iteration, node_name, chunk, chunks)
             ctx.slice = slot
+            ctx.extra["call"] = call  # (a session's, else None)
             out = node.operator.run(ctx, inputs, node.params)
             if chunks > 1 and chunk == chunks - 1:
                 pad_id = getattr(job.tokenizer, "pad_token_id", None) or 0

@@ -114,7 +114,7 @@
       cell(tr, j.job_id, j.hidden ? "hidden-job" : "");
       cell(tr, j.user || "–");
       cell(tr, j.status, "status-" + j.status);
-      cell(tr, j.iterations_done + " of " + j.iterations, "num");
+      cell(tr, j.iterations ? j.iterations_done + " of " + j.iterations : j.iterations_done + " calls", "num");
       cell(tr, num(j.reward, 3), "num");
       cell(tr, num(j.accuracy, 3), "num");
       cell(tr, num(j.slowdown, 2), "num");

@@ -1,0 +1,131 @@
+"""`CallBoard`: the calls of every session (a job with an open plan, `plexrl/planner/sessions.py`) waiting for
+the runner, per session in the order they came. The seam between whoever receives calls (the server's Tinker
+API, any thread) and the runner's loop:
+
+    open(job): calls may be put from now on; they wait, unannounced, until the runner submits the job
+    Carrier at the job's submission: started(job) --> the first waiting call's kind, if any --> CallArrived
+    put(job, kind, call, done) --(first waiting call of an idle, started session)--> notify(job, kind) --> CallArrived
+    Carrier at RunNode: take(job, kind) --> the call rides with the node (NodeTask.call)
+    Carrier at the node's report: finished(job, reply, error) --> done(...); the next waiting call's kind, if any,
+                                                                --> CallArrived (same loop turn)
+    a job that ends: drop(job, reason) --> every call of it still waiting or running fails with the reason
+
+One call of a session is announced at a time (`announced`): the next only once the previous one's node
+finished, so a session's calls run in the order they came, and the planner holds at most one per job.
+Thread-safe (one lock); `done` callbacks run on the runner's thread, outside the lock, and must not block.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Done = Callable[[dict[str, Any] | None, str | None], None]
+"""`done(reply, error)`: the call's reply (`plexrl.sessions.calls.Reply` as plain data), or None and why the
+call did not run (its node failed, its session ended)."""
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One call waiting for (or running on) its session's service."""
+
+    job_id: str
+    kind: str
+    call: Any
+    done: Done
+
+
+class CallBoard:
+    """See the module docstring. `notify(job_id, kind)` tells the runner that an idle session's next call is
+    waiting (`Runner` binds its inbox's; any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[Ticket]] = {}
+        self._running: dict[str, Ticket] = {}
+        self._announced: set[str] = set()
+        self._started: set[str] = set()  # sessions the runner has submitted (their calls may be announced)
+        self._notify: Callable[[str, str], None] | None = None
+
+    def bind(self, notify: Callable[[str, str], None]) -> None:
+        """The runner's way to be told (set once, when the runner is built)."""
+        self._notify = notify
+
+    def open(self, job_id: str) -> None:
+        """A session whose calls this board takes (before its job is submitted)."""
+        with self._lock:
+            self._queues.setdefault(job_id, deque())
+
+    def sessions(self) -> int:
+        """How many sessions are open here."""
+        with self._lock:
+            return len(self._queues)
+
+    def has(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._queues
+
+    def put(self, job_id: str, kind: str, call: Any, done: Done) -> None:
+        """Queue a call of session `job_id` (any thread); KeyError if the session is not open here."""
+        announce = None
+        with self._lock:
+            queue = self._queues[job_id]
+            queue.append(Ticket(job_id, kind, call, done))
+            if job_id in self._started and job_id not in self._announced:
+                self._announced.add(job_id)
+                announce = queue[0].kind
+        if announce is not None and self._notify is not None:
+            self._notify(job_id, announce)
+
+    def started(self, job_id: str) -> str | None:
+        """The runner submitted the session's job: its calls may be announced from now on; returns the kind of
+        the first one waiting (announced by the caller, after the job's submission), or None."""
+        with self._lock:
+            if job_id not in self._queues:
+                return None
+            self._started.add(job_id)
+            queue = self._queues[job_id]
+            if not queue or job_id in self._announced:
+                return None
+            self._announced.add(job_id)
+            return queue[0].kind
+
+    def take(self, job_id: str, kind: str) -> Ticket | None:
+        """The runner starts the session's announced call (of `kind`): it leaves the queue and runs; None if
+        the head of the queue is not such a call (a bug: the caller fails the job)."""
+        with self._lock:
+            queue = self._queues.get(job_id)
+            if not queue or queue[0].kind != kind or job_id in self._running:
+                return None
+            ticket = self._running[job_id] = queue.popleft()
+            return ticket
+
+    def finished(self, job_id: str, reply: dict[str, Any] | None, error: str | None) -> str | None:
+        """The running call's node ended: its `done` is told; returns the kind of the session's next waiting
+        call (announced from now on), or None (the session is idle)."""
+        with self._lock:
+            ticket = self._running.pop(job_id, None)
+            queue = self._queues.get(job_id)
+            nxt = queue[0].kind if queue else None
+            if nxt is None:
+                self._announced.discard(job_id)
+        if ticket is not None:
+            ticket.done(reply, error)
+        return nxt
+
+    def drop(self, job_id: str, reason: str) -> None:
+        """The session's job ended: every call still waiting or running fails with `reason`, and the board
+        forgets the session."""
+        with self._lock:
+            tickets = list(self._queues.pop(job_id, ()))
+            running = self._running.pop(job_id, None)
+            self._announced.discard(job_id)
+            self._started.discard(job_id)
+        for ticket in ([running] if running is not None else []) + tickets:
+            ticket.done(None, reason)
+
+
+__all__ = ["CallBoard", "Done", "Ticket"]

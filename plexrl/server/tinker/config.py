@@ -1,0 +1,55 @@
+"""The `tinker:` section of the server's YAML: the Tinker-compatible API on `plexrl serve` (docs/tutorial-your-loop.md,
+reference part). Limits bound what one call may ask for; the SDK learns the forward_backward ones from
+`/api/v1/client/config` and splits a larger batch into several calls itself."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TinkerConfig(BaseModel):
+    """The Tinker API of `plexrl serve` (the unmodified `tinker` SDK as client)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Serve the Tinker API under /api/v1 (sessions as jobs of the planner).")
+    models: list[str] = Field(
+        ["smollm2-135m-instruct"],
+        description="Base models a session may train, by pretrained short name (plexrl/pretrained.py); any model "
+        "directory under the server's allowed roots may be named by path as well.",
+    )
+    engine: str = Field(
+        "auto",
+        pattern="^(auto|vllm|torch)$",
+        description="Generation engine of a session's samples (a job's `engine:` rule): auto, vllm or torch.",
+    )
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank a session may ask for.")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator of every session adapter (alpha / r).")
+    full_finetuning: bool = Field(
+        True,
+        description="Allow full fine-tuning sessions (a PlexRL extension: create_lora_training_client with "
+        "`user_metadata={'plexrl.full_finetune': 'true'}`); their state is the whole model, its optimizer and "
+        "gradients (float32).",
+    )
+    max_body_bytes: int = Field(
+        8 << 20, ge=1 << 16, le=256 << 20, description="Largest request body of the Tinker API (a forward_backward)."
+    )
+    max_datums: int = Field(256, ge=1, le=65536, description="Datums of one forward_backward / forward call.")
+    max_tokens_per_call: int = Field(
+        65536, ge=16, description="Model-input tokens of one forward_backward / forward call, all datums together."
+    )
+    max_samples: int = Field(64, ge=1, le=4096, description="num_samples of one sample call.")
+    max_sample_tokens: int = Field(4096, ge=1, description="max_tokens of one sample call.")
+    max_sessions_per_user: int = Field(8, ge=1, description="Open training or sampling models of one user at once.")
+    session_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A session whose client sent nothing (no call, no heartbeat) for this long is ended and its "
+        "state checkpointed; the SDK heartbeats every 10 s while its program runs.",
+    )
+    poll_s: float = Field(
+        20.0, gt=0, le=40, description="How long a retrieve_future waits for a result before answering try_again."
+    )
+
+
+__all__ = ["TinkerConfig"]

@@ -1,0 +1,127 @@
+"""The futures of the Tinker API: every call a client sends is answered at once with a request id, and its
+result is fetched with `retrieve_future`, which waits here for it (a long poll: at most `poll_s` seconds, then
+`try_again`; the SDK asks again at once). Results are completed from any thread (the runner's, when the call's
+node ends) and awaited on the HTTP server's event loop without holding a thread per waiting client.
+
+A result is kept until `keep_s` after it was first fetched (the SDK may fetch again after a lost answer) and at
+most `max_age_s` after it was completed; an unknown id answers as a failed request (the server restarted, or the
+result was fetched long ago), never as a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["json", "proto", "error"]
+
+
+@dataclass(slots=True)
+class Future:
+    """One request's future: who may read it, what it waits for (`reason`: shown in try_again), its result."""
+
+    request_id: str
+    user: str | None
+    what: str
+    created: float
+    reason: str = ""
+    kind: Kind | None = None
+    payload: Any = None  # json: a dict; proto: bytes; error: (message, category)
+    done_at: float | None = None
+    fetched_at: float | None = None
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
+
+
+class Futures:
+    """See the module docstring. Thread-safe."""
+
+    def __init__(self, keep_s: float = 120.0, max_age_s: float = 3600.0) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, Future] = {}
+        self._ids = itertools.count(1)
+        self._tag = secrets.token_hex(4)  # ids of this server start, never those of an earlier one
+        self.keep_s, self.max_age_s = keep_s, max_age_s
+
+    def new(self, user: str | None, what: str, reason: str = "") -> Future:
+        """A pending future for a call of `user` (None: the administrator)."""
+        now = time.monotonic()
+        fut = Future(f"r{next(self._ids)}-{self._tag}", user, what, now, reason)
+        with self._lock:
+            self._sweep(now)
+            self._items[fut.request_id] = fut
+        return fut
+
+    def complete(self, request_id: str, kind: Kind, payload: Any) -> None:
+        """Set a future's result (the first one stands) and wake its waiters."""
+        with self._lock:
+            fut = self._items.get(request_id)
+            if fut is None or fut.kind is not None:
+                return
+            fut.kind, fut.payload, fut.done_at = kind, payload, time.monotonic()
+            waiters, fut.waiters = fut.waiters, []
+        for loop, waiter in waiters:
+            loop.call_soon_threadsafe(_wake, waiter)
+
+    def fail(self, request_id: str, message: str, category: str = "user") -> None:
+        self.complete(request_id, "error", (message, category))
+
+    def set_reason(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            fut = self._items.get(request_id)
+            if fut is not None:
+                fut.reason = reason
+
+    def get(self, request_id: str) -> Future | None:
+        with self._lock:
+            return self._items.get(request_id)
+
+    async def wait(self, request_id: str, timeout: float) -> Future | None:
+        """The future once it is done, or as it is after `timeout` seconds (None: unknown id)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            fut = self._items.get(request_id)
+            if fut is None:
+                return None
+            if fut.kind is None:
+                waiter: asyncio.Future[None] = loop.create_future()
+                fut.waiters.append((loop, waiter))
+            else:
+                waiter = None  # type: ignore[assignment]
+        if waiter is not None:
+            try:
+                await asyncio.wait_for(waiter, timeout)
+            except TimeoutError:
+                with self._lock:
+                    fut.waiters = [(lp, w) for lp, w in fut.waiters if w is not waiter]
+        with self._lock:
+            if fut.kind is not None and fut.fetched_at is None:
+                fut.fetched_at = time.monotonic()
+        return fut
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(1 for f in self._items.values() if f.kind is None)
+
+    def _sweep(self, now: float) -> None:
+        """Drop results fetched more than `keep_s` ago or completed more than `max_age_s` ago (lock held)."""
+        gone = [
+            rid
+            for rid, f in self._items.items()
+            if f.kind is not None
+            and ((f.fetched_at is not None and now - f.fetched_at > self.keep_s)
+                 or (f.done_at is not None and now - f.done_at > self.max_age_s))
+        ]  # fmt: skip
+        for rid in gone:
+            del self._items[rid]
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+__all__ = ["Future", "Futures"]

@@ -1,0 +1,297 @@
+"""What each request of the Tinker API does (`routes.py` calls these; the state they read and change is the
+`Registry`'s). Every function checks the request completely before it passes anything on (`decode.Refused`
+otherwise: nothing changed), and answers with what the SDK expects: an `UntypedAPIFuture`
+(`{"request_id", "model_id"}`) for a call, a plain response for the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from pathlib import Path
+from typing import Any
+
+from plexrl.server.tinker import decode as dec
+from plexrl.server.tinker import proto
+from plexrl.server.tinker.records import (
+    KEEP_SNAPSHOTS,
+    SamplerRecord,
+    checked_name,
+    file_of,
+    job_of,
+    parse_path,
+    read_owner,
+    tinker_path,
+)
+from plexrl.server.tinker.registry import Refused, Registry, replying
+from plexrl.sessions.calls import Load, Save
+
+TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+FULL_FINETUNE = "plexrl.full_finetune"  # user_metadata key: a full fine-tuning session (a PlexRL extension)
+
+
+# -- models ------------------------------------------------------------------------------------------
+def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA (or, by metadata, full) training client: its session job is submitted; the future completes
+    once its state is on a service."""
+    cfg = reg.cfg
+    lora = body.get("lora_config")
+    meta = body.get("user_metadata") or {}
+    full = isinstance(meta, dict) and str(meta.get(FULL_FINETUNE, "")).lower() == "true"
+    optimizer = body.get("optimizer_config") or {}
+    if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
+        raise Refused(400, "PlexRL serves the AdamW optimizer only (optimizer_config type 'adamw')")
+    if full and not cfg.full_finetuning:
+        raise Refused(400, "this server does not allow full fine-tuning sessions (tinker.full_finetuning: false)")
+    rank: int | None = None
+    targets: tuple[str, ...] = ()
+    if not full:
+        if not isinstance(lora, dict):
+            raise Refused(400, f"create_model needs a lora_config (or user_metadata {{'{FULL_FINETUNE}': 'true'}})")
+        rank = lora.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= cfg.max_lora_rank:
+            raise Refused(400, f"LoRA rank must be 1..{cfg.max_lora_rank} on this server")
+        targets = _targets(lora)
+    with reg.lock:
+        m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"), body.get("base_model"))
+        m.lora_rank, m.targets = rank, targets
+        if isinstance(lora, dict) and isinstance(lora.get("seed"), int) and not isinstance(lora["seed"], bool):
+            m.seed = lora["seed"] & 0x7FFFFFFF
+        fut = reg.futures.new(user, "create_model", "preparing the model")
+        m.waiting.append((fut.request_id, {"model_id": m.model_id, "type": "create_model"}))
+    try:
+        reg.open(m)
+    except Refused as exc:
+        reg.futures.fail(fut.request_id, exc.message)
+        raise
+    reg.futures.set_reason(fut.request_id, reg.waiting_reason(m))
+    return {"request_id": fut.request_id, "model_id": m.model_id}
+
+
+def get_info(reg: Registry, user: str | None, model_id: Any) -> dict[str, Any]:
+    with reg.lock:
+        m = reg.model(user, model_id)
+    tok = str(m.model_dir) if m.model_dir is not None else None
+    data = {"arch": "llama", "model_name": m.base_model, "tokenizer_id": tok}
+    return {"type": "get_info", "model_id": m.model_id, "model_name": m.base_model,
+            "is_lora": m.lora_rank is not None, "lora_rank": m.lora_rank, "model_data": data}  # fmt: skip
+
+
+def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
+    out: list[str] = []
+    if lora.get("train_attn", True):
+        out += TARGETS["attn"]
+    if lora.get("train_mlp", True):
+        out += TARGETS["mlp"]
+    if lora.get("train_unembed", True):
+        out.append("lm_head")
+    if not out:
+        raise Refused(400, "a LoRA adapter needs at least one of train_attn, train_mlp, train_unembed")
+    return tuple(out)
+
+
+def _limits_of(m: Any) -> dec.ModelLimits:
+    if m.limits is None:
+        raise Refused(400, f"model {m.model_id} is still being prepared; wait for its client")
+    limits: dec.ModelLimits = m.limits
+    return limits
+
+
+# -- training calls ----------------------------------------------------------------------------------
+def forward_backward(reg: Registry, user: str | None, wire: proto.WireForwardBackward) -> dict[str, Any]:
+    def finish(value: dict[str, Any]) -> tuple[str, Any]:
+        return "proto", proto.encode_forward_backward_output(value["outputs"], value["metrics"])
+
+    with reg.lock:
+        m = reg.model(user, wire.model_id)
+        with reg.turn(m, wire.seq_id):
+            call = dec.forward_backward(wire, _limits_of(m), reg.cfg)
+            return reg.ordered(m, wire.seq_id, call, finish)
+
+
+def optim_step(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    with reg.lock:
+        m = reg.model(user, body.get("model_id"))
+        with reg.turn(m, body.get("seq_id")):
+            call = dec.optim_step(body.get("adam_params", body.get("optim_params", body.get("optimizer_params"))))
+            return reg.ordered(m, body.get("seq_id"), call, lambda v: ("json", {"metrics": v.get("metrics") or {}}))
+
+
+def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    """save_state: the model's state under a name (`tinker://<model>/weights/<name>`)."""
+    with reg.lock:
+        m = reg.model(user, body.get("model_id"))
+        with reg.turn(m, body.get("seq_id")):
+            name = checked_name(body.get("path"), "the checkpoint name")
+            target = file_of(reg.root, m.model_id, "weights", name)
+            if target.exists() and not body.get("overwrite"):
+                raise Refused(400, f"checkpoint {name!r} exists; pass overwrite=True or another name")
+            answer = {"path": tinker_path(m.model_id, "weights", name), "type": "save_weights"}
+            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"), lambda v: ("json", answer))
+
+
+def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    """The model's trained weights for sampling: under a name (`tinker://<model>/sampler_weights/<name>`), or
+    as an unnamed snapshot bound to a new sampling client (`save_weights_and_get_sampling_client`; the latest
+    `KEEP_SNAPSHOTS` of a model are kept)."""
+    with reg.lock:
+        m = reg.model(user, body.get("model_id"))
+        with reg.turn(m, body.get("seq_id")):
+            if body.get("kind", "snapshot") != "snapshot":
+                raise Refused(400, "inflight sampling clients are not served by PlexRL; use kind='snapshot'")
+            name = body.get("path")
+            if name is not None:
+                target = file_of(reg.root, m.model_id, "sampler_weights", checked_name(name, "the sampler name"))
+                answer = {"path": tinker_path(m.model_id, "sampler_weights", name), "type": "save_weights_for_sampler"}
+                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), lambda v: ("json", answer))
+            s = reg.session(user, m.session_id)
+            seq = body.get("sampling_session_seq_id")
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
+                raise Refused(400, "save_weights_for_sampler needs a new sampling_session_seq_id (or a path)")
+            s.seqs.add(f"sample:{seq}")
+            sampler_id = f"{s.session_id}:sample:{seq}"
+            target = reg.root / job_of(m.model_id) / "snapshots" / f"{seq}-{secrets.token_hex(4)}.safetensors"
+
+            def bind(value: dict[str, Any]) -> tuple[str, Any]:
+                with reg.lock:
+                    record = SamplerRecord(sampler_id, s.session_id, m.user, m.model_id, m.base_model)
+                    record.weights, record.weights_id = target, value["weights_id"]
+                    reg.samplers[sampler_id] = record
+                    m.snapshots.append(target)
+                    for old in m.snapshots[:-KEEP_SNAPSHOTS]:
+                        old.unlink(missing_ok=True)
+                    m.snapshots = m.snapshots[-KEEP_SNAPSHOTS:]
+                return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+            return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
+
+
+def source(reg: Registry, user: str | None, path: Any) -> tuple[str, str, Path]:
+    """(model id, kind, file) of a saved `tinker://` path the user may read (404 otherwise, whether it exists or
+    not: another user's paths do not leak)."""
+    model_id, kind, name = parse_path(path)
+    owner = read_owner(reg.root, model_id)
+    found = file_of(reg.root, model_id, kind, name)
+    if owner is None or (user is not None and owner.get("user") != user) or not found.is_file():
+        raise Refused(404, f"no saved weights {path}")
+    return model_id, kind, found
+
+
+def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A client made from saved weights (`create_training_client_from_state[_with_optimizer]`): a new model
+    whose first call loads them; or (legacy `load_state`) a load on an existing model."""
+    src_model, _, found = source(reg, user, body.get("path"))
+    load = Load(str(found), bool(body.get("optimizer")))
+    if body.get("model_id") is not None:
+        with reg.lock:
+            m = reg.model(user, body.get("model_id"))
+            answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
+            return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+    owner = read_owner(reg.root, src_model) or {}
+    with reg.lock:
+        m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"),
+                          body.get("base_model") or owner.get("base_model"))  # fmt: skip
+        m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
+        fut = reg.futures.new(user, "load_weights", "preparing the model")
+    answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
+    reg.open(m, (load, replying(reg.futures, fut.request_id, lambda v: ("json", answer))))
+    return {"request_id": fut.request_id, "model_id": m.model_id}
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A sampling client: on the live model that saved its weights (reading them from the file), or on a job
+    opened for it (the base model through a zero adapter, or weights loaded from a path whose model ended)."""
+    model_path, base = body.get("model_path"), body.get("base_model")
+    seq = body.get("sampling_session_seq_id")
+    load: Load | None = None
+    owner: dict[str, Any] = {"lora_rank": 1, "targets": list(TARGETS["attn"])}  # a zero adapter: the base itself
+    with reg.lock:
+        s = reg.session(user, body.get("session_id"))
+        if model_path is not None:
+            src_model, kind, found = source(reg, user, model_path)
+            live = reg.models.get(src_model)
+            if kind == "sampler_weights" and live is not None and live.status != "ended" and live.user == user:
+                if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
+                    raise Refused(400, "create_sampling_session needs a new sampling_session_seq_id")
+                s.seqs.add(f"sample:{seq}")
+                sid = f"{s.session_id}:sample:{seq}"
+                record = SamplerRecord(sid, s.session_id, user, live.model_id, live.base_model, model_path)
+                record.weights, record.weights_id = found, _weights_id(found)
+                reg.samplers[sid] = record
+                return {"type": "create_sampling_session", "sampling_session_id": sid}
+            owner = read_owner(reg.root, src_model) or {}
+            base = base or owner.get("base_model")
+            load = Load(str(found), False)
+        m = reg.new_model(user, s.session_id, seq, base, kind="sample")
+        m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
+        if m.lora_rank is None and not reg.cfg.full_finetuning:
+            raise Refused(400, "that checkpoint is a full fine-tune, which this server does not load")
+        record = reg.samplers[m.model_id] = SamplerRecord(m.model_id, s.session_id, user, m.model_id, m.base_model,
+                                                           model_path)  # fmt: skip
+
+    def loaded(reply: dict[str, Any] | None, error: str | None) -> None:
+        why = error if reply is None else reply.get("error")
+        if why:
+            record.broken = f"loading {model_path} failed: {why}"
+
+    reg.open(m, None if load is None else (load, loaded))
+    return {"type": "create_sampling_session", "sampling_session_id": m.model_id}
+
+
+def get_sampler(reg: Registry, user: str | None, sampler_id: str) -> dict[str, Any]:
+    with reg.lock:
+        s = reg.sampler(user, sampler_id)
+    return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
+
+
+def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    """One sample request of a sampling client: a call of the job that serves it, with the sampler's weights;
+    its seed, when the request names none, from the model's seed and the request's numbers (`sample_seed`)."""
+    sid = body.get("sampling_session_id")
+    if sid is None:
+        raise Refused(400, "sample without a sampling client is not served; create_sampling_client first")
+    seq = body.get("seq_id") or 0
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise Refused(400, "seq_id must be a non-negative integer")
+    with reg.lock:
+        s = reg.sampler(user, sid)
+        if s.broken is not None:
+            raise Refused(400, f"sampling session {sid}: {s.broken}")
+        m = reg.model(user, s.model_id)
+        call = dec.sample(body, _limits_of(m), reg.cfg, dec.sample_seed(m.seed, sid.rsplit(":", 1)[-1], seq))
+        if s.weights is not None:
+            call = dataclasses.replace(call, weights=str(s.weights), weights_id=s.weights_id)
+        fut = reg.futures.new(m.user, "sample")
+        job_id = m.job_id
+
+    def finish(value: dict[str, Any]) -> tuple[str, Any]:
+        return "proto", proto.encode_sample_response(value["sequences"], value.get("prompt_logprobs"))
+
+    reg.backend.call(job_id, "sample", call, replying(reg.futures, fut.request_id, finish))
+    ids = [f"{sid}/{seq}/{i}" for i in range(call.num_samples)]
+    return {"request_id": fut.request_id, "model_id": None, "sample_sequence_ids": ids}
+
+
+def _weights_id(path: Path) -> str | None:
+    """The weights id a sampler file was saved with (its safetensors metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata() or {}
+    return meta.get("weights_id")
+
+
+__all__ = [
+    "FULL_FINETUNE",
+    "asample",
+    "create_model",
+    "create_sampler",
+    "forward_backward",
+    "get_info",
+    "get_sampler",
+    "load_weights",
+    "optim_step",
+    "save_for_sampler",
+    "save_weights",
+    "source",
+]

@@ -1,0 +1,429 @@
+"""`Registry`: the state behind the Tinker API (`routes.py`; the operations themselves: `handlers.py`). A
+training client is ONE session job (`plexrl.sessions`), opened through a `Backend` (the controller's on `plexrl
+serve`: the journal records it); each of its calls, and each sample of a sampling client, becomes a call of a
+job, run as a node the planner places and orders among every other job's nodes. Replies complete the request's
+future (`futures.py`), which the client polls.
+
+Who may see what: every session, model, sampler, saved path and future belongs to the user whose key created
+it; another user's gets the answer of one that does not exist (404), so ids do not leak. The administrator
+(`user` None) reaches everything.
+
+Order: a training client's requests carry consecutive `seq_id`s; they are passed on in that order (one that
+comes early waits for those before it, a repeated one gets the first one's future). Calls of one job run in the
+order passed on (`plexrl.runtime.calls`).
+
+Lifetime: a session whose client sent nothing (no call, no heartbeat) for `session_timeout_s` is ended by
+`sweep` and its models' jobs close with a checkpoint; `finish` (the client's `close`) closes them at once. A
+model's job that ends fails the requests still waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from plexrl.server.tinker import decode as dec
+from plexrl.server.tinker.config import TinkerConfig
+from plexrl.server.tinker.futures import Futures
+from plexrl.server.tinker.records import (
+    ClientSession,
+    ModelRecord,
+    SamplerRecord,
+    file_of,
+    job_of,
+    tinker_path,
+    write_owner,
+)
+from plexrl.sessions.calls import Call, Save, unpack
+from plexrl.sessions.spec import SessionConfig
+
+log = logging.getLogger(__name__)
+
+Refused = dec.Refused
+MAX_AHEAD = 1024  # a training request may come at most this many seq ids before its turn
+Done = Callable[[dict[str, Any] | None, str | None], None]
+Finish = Callable[[dict[str, Any]], tuple[str, Any]]
+"""How a call's reply value becomes its future's result: ("json", a dict) or ("proto", bytes)."""
+
+
+class Backend(Protocol):
+    """How the registry reaches the runner: open a session job, pass it calls, close it. The backend tells the
+    registry (`bind`) when a job is on its service (`job_ready`) and when it ended (`job_ended`)."""
+
+    def bind(self, registry: Registry) -> None: ...
+
+    def open(self, cfg: SessionConfig, user: str) -> str:
+        """Submit the session job of `cfg` (prepared in the background); returns its job id at once. Calls may be
+        passed on from then: they wait for the job."""
+        ...
+
+    def call(self, job_id: str, kind: str, call: Call, done: Done) -> None:
+        """Pass a call on to the job (in the order of these calls)."""
+
+    def close(self, job_id: str) -> None:
+        """No more calls: the job ends once its call in flight did (calls still waiting fail)."""
+
+    def reason(self, job_id: str) -> str:
+        """What the job waits for, if anything (admission, a service), in words."""
+        ...
+
+    def status(self, job_id: str) -> tuple[str, str]:
+        """The job's status and reason as the server records them ("" when unknown)."""
+        ...
+
+
+class Registry:
+    """See the module docstring. `root`: where sessions' files go; `roots`: where a model may be named by path;
+    `resolve_pretrained`: a pretrained short name's directory (converting it on first use); `run_dir`: where
+    sessions keep their MLflow store (the server's)."""
+
+    def __init__(
+        self,
+        cfg: TinkerConfig,
+        backend: Backend,
+        root: Path,
+        roots: list[Path],
+        resolve_pretrained: Callable[[str], Path],
+        clock: Callable[[], float] = time.monotonic,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.cfg, self.backend, self.root, self.roots = cfg, backend, root, roots
+        self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
+        self.resolve_pretrained, self.clock = resolve_pretrained, clock
+        self.futures = Futures()
+        self.lock = threading.Lock()
+        self.sessions: dict[str, ClientSession] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.samplers: dict[str, SamplerRecord] = {}
+        self.by_job: dict[str, ModelRecord] = {}
+        self._early: dict[str, list[tuple[str, ...]]] = {}  # news of a job before `open` recorded it
+        backend.bind(self)
+
+    # -- ownership (lock held) -------------------------------------------------------------------------
+    def session(self, user: str | None, session_id: Any, *, live: bool = True) -> ClientSession:
+        s = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if s is None or (user is not None and s.user != user):
+            raise Refused(404, f"no session {session_id!r}")
+        if live and s.ended is not None:
+            raise Refused(410, f"session {session_id} ended ({s.ended}); start a new ServiceClient")
+        s.last_seen = self.clock()
+        return s
+
+    def model(self, user: str | None, model_id: Any) -> ModelRecord:
+        m = self.models.get(model_id) if isinstance(model_id, str) else None
+        if m is None or (user is not None and m.user != user):
+            raise Refused(404, f"no model {model_id!r}")
+        if m.status == "ended":
+            raise Refused(410, f"model {model_id} ended ({m.reason}); its saved weights stay loadable by path")
+        self.session(user, m.session_id, live=False)
+        return m
+
+    def sampler(self, user: str | None, sampler_id: Any) -> SamplerRecord:
+        s = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
+        if s is None or (user is not None and s.user != user):
+            raise Refused(404, f"no sampling session {sampler_id!r}")
+        return s
+
+    # -- sessions --------------------------------------------------------------------------------------
+    def create_session(self, user: str) -> dict[str, Any]:
+        with self.lock:
+            sid = "s" + secrets.token_hex(8)
+            self.sessions[sid] = ClientSession(sid, user, self.clock())
+        return {"type": "create_session", "session_id": sid, "info_message": f"PlexRL session {sid} (user {user!r})"}
+
+    def heartbeat(self, user: str | None, session_id: Any) -> dict[str, Any]:
+        with self.lock:
+            self.session(user, session_id)
+        return {"type": "session_heartbeat"}
+
+    def finish(self, user: str | None, session_id: Any, reason: str, save: bool = False) -> None:
+        """End a session: its models' and samplers' jobs close; with `save`, each training model saves its state
+        first (a call like any other: `tinker://<model>/weights/ended-<n>`, loadable by its owner later)."""
+        with self.lock:
+            s = self.session(user, session_id, live=False)
+            if s.ended is not None:
+                return
+            s.ended = reason
+            models = [self.models[m] for m in s.models if self.models[m].status != "ended" and self.models[m].job_id]
+        for m in models:
+            if not save or m.sampler_only:
+                self.backend.close(m.job_id)
+                continue
+            name = f"ended-{secrets.token_hex(4)}"
+            target = file_of(self.root, m.model_id, "weights", name)
+            path = tinker_path(m.model_id, "weights", name)
+
+            def saved(reply: dict[str, Any] | None, error: str | None, m: ModelRecord = m, path: str = path) -> None:
+                why = error if reply is None else reply.get("error")
+                if why:
+                    log.error("session model %s: saving its state before it ends failed: %s", m.model_id, why)
+                else:
+                    log.warning("session model %s ended (%s); its state is at %s", m.model_id, reason, path)
+                    with self.lock:
+                        m.saved = path
+                self.backend.close(m.job_id)
+
+            self.backend.call(m.job_id, "save", Save(str(target), "state"), saved)
+
+    def sweep(self) -> list[str]:
+        """End the sessions whose client sent nothing for `session_timeout_s`, checkpointing their models;
+        returns their ids."""
+        now = self.clock()
+        limit = self.cfg.session_timeout_s
+        with self.lock:
+            stale = [s for s in self.sessions.values() if s.ended is None and now - s.last_seen > limit]
+        for s in stale:
+            log.warning("session %s of %r: no call or heartbeat for %.0f s; ending it, its state checkpointed",
+                        s.session_id, s.user, now - s.last_seen)  # fmt: skip
+            self.finish(None, s.session_id, f"no call or heartbeat for {limit:.0f} s", True)
+        return [s.session_id for s in stale]
+
+    def tick(self) -> None:
+        """Once a second or so: end abandoned sessions (`sweep`); models still opening learn what their job
+        waits for (admission: shown in try_again), or that it ended before it came up."""
+        self.sweep()
+        with self.lock:
+            opening = [m for m in self.models.values() if m.status == "opening" and m.job_id]
+        for m in opening:
+            status, reason = self.backend.status(m.job_id)
+            if status in ("done", "failed", "cancelled"):
+                self.job_ended(m.job_id, status, reason)
+                continue
+            for rid, _ in list(m.waiting):
+                self.futures.set_reason(rid, reason or "waiting for a service")
+
+    def tick_until(self, stop: threading.Event, every: float = 1.0) -> None:
+        """`tick` every `every` seconds until `stop` is set (the server's sweeper thread)."""
+        while not stop.wait(every):
+            try:
+                self.tick()
+            except Exception:  # the sweeper must outlive a bad tick
+                log.exception("the Tinker API's sweep failed")
+
+    def recover(self, entries: list[Any]) -> None:
+        """At a server start, before the controller resubmits them: the journal's unfinished sessions, so their
+        clients' calls find their models again (their numbering goes on from what the client sends next)."""
+        for e in entries:
+            cfg = SessionConfig.model_validate(e.config)
+            client = cfg.client
+            sid, model_id = str(client.get("session_id", "")), str(client.get("model_id", ""))
+            if not sid or not model_id:
+                continue
+            s = self.sessions.setdefault(sid, ClientSession(sid, e.user, self.clock()))
+            s.models.append(model_id)
+            kind, seq = model_id.split(":")[1], model_id.split(":")[2]
+            s.seqs.add(f"{kind}:{seq}")
+            lora = cfg.model.lora
+            m = ModelRecord(model_id, e.job_id, sid, e.user, str(client.get("base_model", "")), seed=cfg.seed)
+            m.model_dir = Path(cfg.model.path) if cfg.model.path else None
+            m.lora_rank, m.targets = (lora.r, tuple(lora.target_modules)) if lora is not None else (None, ())
+            m.limits = _limits(m.model_dir) if m.model_dir is not None else None
+            m.next_seq, m.sampler_only = None, bool(client.get("sampler_only"))
+            self.models[model_id] = m
+            self.by_job[e.job_id] = m
+            if m.sampler_only:
+                self.samplers[model_id] = SamplerRecord(model_id, sid, e.user, model_id, m.base_model)
+            log.info("session model %s (job %s of %r) recovered from the journal", model_id, e.job_id, e.user)
+
+    # -- models ----------------------------------------------------------------------------------------
+    def base_dir(self, name: Any) -> Path:
+        """The directory of a base model named by pretrained short name (converted on first use) or by path
+        under the allowed roots (one answer for a path outside them, whether it exists or not)."""
+        self.check_base(name)
+        if name in self.cfg.models:
+            return self.resolve_pretrained(name)
+        return Path(name).resolve()
+
+    def check_base(self, name: Any) -> None:
+        """Refused unless `name` is a served pretrained name or a model directory under the allowed roots."""
+        if not isinstance(name, str) or not name or len(name) > 4096:
+            raise Refused(400, "base_model must be a model name")
+        if name in self.cfg.models:
+            return
+        if "/" in name:
+            path = Path(name).resolve()
+            if any(path.is_relative_to(r) for r in self.roots) and (path / "config.json").is_file():
+                return
+        served = ", ".join(self.cfg.models) or "none by name"
+        roots = ", ".join(str(r) for r in self.roots)
+        raise Refused(400, f"unknown base_model {name!r}: this server trains {served}, or a model directory under "
+                           f"its allowed roots ({roots})")  # fmt: skip
+
+    def new_model(self, user: str, session_id: Any, seq: Any, base_model: Any, kind: str = "train") -> ModelRecord:
+        """Record a model of a session (lock held): its ids, after the checks that need no model file."""
+        s = self.session(user, session_id)
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 10**9:
+            raise Refused(400, f"{kind} seq id must be an integer in [0, 1e9)")
+        if f"{kind}:{seq}" in s.seqs:
+            raise Refused(400, f"session {s.session_id} already has {kind} client {seq}")
+        mine = sum(1 for m in self.models.values() if m.user == user and m.status != "ended")
+        if mine >= self.cfg.max_sessions_per_user:
+            raise Refused(400, f"user {user!r} has {mine} open models, the server's max_sessions_per_user; "
+                               "close a ServiceClient first")  # fmt: skip
+        self.check_base(base_model)
+        model_id = f"{s.session_id}:{kind}:{seq}"
+        m = ModelRecord(model_id, "", s.session_id, user, str(base_model), seed=seq, sampler_only=kind == "sample")
+        s.seqs.add(f"{kind}:{seq}")
+        s.models.append(model_id)
+        self.models[model_id] = m
+        return m
+
+    def open(self, m: ModelRecord, first: tuple[Call, Done] | None = None) -> None:
+        """Open the model's job (lock NOT held: a pretrained base converts on first use): its base found, its
+        limits read, its files' owner written, its job submitted; `first`: a call it runs before any other."""
+        try:
+            model_dir = self.base_dir(m.base_model)
+            limits = _limits(model_dir)
+        except Refused:
+            self._forget(m)
+            raise
+        except Exception as exc:
+            self._forget(m)
+            raise Refused(400, f"the base model {m.base_model!r} cannot be read: {type(exc).__name__}: {exc}") from None
+        m.model_dir = model_dir
+        write_owner(self.root, m)
+        job_id = self.backend.open(self.session_config(m, model_dir), m.user)
+        with self.lock:
+            m.job_id, m.limits = job_id, limits
+            self.by_job[job_id] = m
+            early = self._early.pop(job_id, [])
+        for news in early:
+            self.job_ready(job_id) if news[0] == "ready" else self.job_ended(job_id, news[1], news[2])
+        if first is not None:
+            self.backend.call(job_id, first[0].kind, first[0], first[1])
+
+    def _forget(self, m: ModelRecord) -> None:
+        """A model that could not be opened leaves no trace (its seq id may be used again)."""
+        with self.lock:
+            self.models.pop(m.model_id, None)
+            s = self.sessions.get(m.session_id)
+            if s is not None:
+                kind = m.model_id.split(":")[1]
+                s.seqs.discard(f"{kind}:{m.model_id.split(':')[2]}")
+                if m.model_id in s.models:
+                    s.models.remove(m.model_id)
+
+    def session_config(self, m: ModelRecord, model_dir: Path) -> SessionConfig:
+        model: dict[str, Any] = {"path": str(model_dir)}
+        if m.lora_rank is not None:
+            model["lora"] = {"r": m.lora_rank, "alpha": self.cfg.lora_alpha, "target_modules": list(m.targets)}
+        client = {"model_id": m.model_id, "session_id": m.session_id, "base_model": m.base_model,
+                  "sampler_only": m.sampler_only}  # fmt: skip
+        return SessionConfig.model_validate({
+            "kind": "session", "name": job_of(m.model_id), "seed": m.seed, "run_dir": str(self.run_dir),
+            "engine": self.cfg.engine, "model": model, "client": client,
+        })  # fmt: skip
+
+    def job_ready(self, job_id: str) -> None:
+        """The backend's news: the job's state is on its service; the model's waiting futures complete."""
+        with self.lock:
+            m = self.by_job.get(job_id)
+            if m is None:
+                self._early.setdefault(job_id, []).append(("ready",))
+                return
+            if m.status != "opening":
+                return
+            m.status, m.reason = "open", ""
+            waiting, m.waiting = m.waiting, []
+        for rid, result in waiting:
+            self.futures.complete(rid, "json", result)
+
+    def job_ended(self, job_id: str, status: str, reason: str) -> None:
+        """The backend's news: the job ended (or never started); the requests still waiting for it fail (its
+        calls fail themselves)."""
+        with self.lock:
+            m = self.by_job.get(job_id)
+            if m is None:
+                self._early.setdefault(job_id, []).append(("ended", status, reason))
+                return
+            if m.status == "ended":
+                return
+            m.status, m.reason = (
+                "ended",
+                (reason or status) + (f"; its state was saved at {m.saved}" if m.saved else ""),
+            )
+            waiting = [rid for _, _, rid, _ in m.held.values()] + [rid for rid, _ in m.waiting]
+            m.held.clear()
+            m.waiting = []
+        for rid in waiting:
+            self.futures.fail(rid, f"the model's session job {status}: {reason}", "server")
+
+    def waiting_reason(self, m: ModelRecord) -> str:
+        return self.backend.reason(m.job_id) if m.job_id else "preparing the model"
+
+    # -- calls -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def turn(self, m: ModelRecord, seq: Any) -> Iterator[None]:
+        """The checks of the owner's training request `seq` (lock held): one that refuses it still uses its turn,
+        as the SDK counts it sent (its next request carries the next seq id)."""
+        try:
+            yield
+        except Refused:
+            if isinstance(seq, int) and not isinstance(seq, bool) and seq == m.next_seq:
+                m.next_seq += 1
+                self._flush(m)
+            raise
+
+    def _flush(self, m: ModelRecord) -> None:
+        """Pass on the held requests whose turn has come (lock held)."""
+        while m.next_seq is not None and m.next_seq in m.held:
+            kind, c, rid, fin = m.held.pop(m.next_seq)
+            self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
+            m.next_seq += 1
+
+    def ordered(self, m: ModelRecord, seq: Any, call: Call, finish: Finish) -> dict[str, Any]:
+        """Pass a training request on in seq-id order (lock held); its future's answer."""
+        if seq is None:
+            seq = m.next_seq if m.next_seq is not None else 0
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise Refused(400, "seq_id must be a non-negative integer")
+        if m.next_seq is None:
+            m.next_seq = seq  # (a model resumed after a restart: its client's numbering goes on)
+        if seq in m.seen:
+            return {"request_id": m.seen[seq], "model_id": m.model_id}
+        if seq < m.next_seq or seq > m.next_seq + MAX_AHEAD:
+            raise Refused(400, f"seq_id {seq} is out of order (the next is {m.next_seq})")
+        fut = self.futures.new(m.user, call.kind)
+        m.seen[seq] = fut.request_id
+        if len(m.seen) > 4 * MAX_AHEAD:
+            for old in sorted(m.seen)[: len(m.seen) - 2 * MAX_AHEAD]:
+                del m.seen[old]
+        m.held[seq] = (call.kind, call, fut.request_id, finish)
+        self._flush(m)
+        return {"request_id": fut.request_id, "model_id": m.model_id}
+
+
+def replying(futures: Futures, request_id: str, finish: Finish) -> Done:
+    """The `done(reply, error)` of a call: the reply's value made the future's result (`finish`), a refusal on
+    the service a user error, a call that did not run a server error."""
+
+    def done(reply: dict[str, Any] | None, error: str | None) -> None:
+        if reply is None:
+            futures.fail(request_id, error or "the call did not run", "server")
+        elif reply.get("error"):
+            futures.fail(request_id, str(reply["error"]), "user")
+        else:
+            try:
+                kind, payload = finish(unpack(reply.get("value") or {}))
+            except Exception as exc:  # a reply we cannot encode: the server's fault, said so
+                log.exception("encoding the reply of request %s failed", request_id)
+                futures.fail(request_id, f"encoding the reply failed: {type(exc).__name__}: {exc}", "server")
+                return
+            futures.complete(request_id, kind, payload)  # type: ignore[arg-type]
+
+    return done
+
+
+def _limits(model_dir: Path) -> dec.ModelLimits:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return dec.ModelLimits(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048)))
+
+
+__all__ = ["Backend", "Done", "Finish", "Refused", "Registry", "replying"]

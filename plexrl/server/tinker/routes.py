@@ -1,0 +1,237 @@
+"""The Tinker API's HTTP routes (FastAPI), under /api/v1, for the unmodified `tinker` SDK. The protocol, what each
+route returns and what is refused: docs/tutorial-your-loop.md, "Reference".
+
+Authentication is the server's (`api.create_app`'s middleware): the SDK sends its key as `X-API-Key`, and the key
+of a PlexRL token is `tml-<token>` (the SDK insists on that prefix). A server without tokens (loopback only)
+takes the key's rest as the user's name (`tml-ann`: user ann), as it takes `--user` from `plexrl submit`.
+
+Errors: a refused request gets its 4xx with `{"detail": sentence}` and changes nothing; a call that fails later
+(on the service) fails its future with `{"error", "category"}`, which the SDK raises as `RequestFailedError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+
+from plexrl.server.tinker import handlers, proto
+from plexrl.server.tinker.decode import Refused
+from plexrl.server.tinker.registry import Registry
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/api/v1"
+KEY_PREFIX = "tml-"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def key_of(request: Request) -> str:
+    """The token part of the SDK's key (`X-API-Key: tml-<token>`), or "" without one."""
+    return request.headers.get("x-api-key", "").removeprefix(KEY_PREFIX)
+
+
+def _refused(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status, headers={"x-should-retry": "false"})
+
+
+def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) -> None:
+    """Serve the Tinker API on `app`. `open_server`: no tokens are configured (loopback only): the user is the
+    name in the client's key; otherwise it is the identity the auth middleware put in `request.state.user`
+    (None: the administrator)."""
+    router = APIRouter(prefix=PREFIX)
+    cfg = registry.cfg
+
+    def who(request: Request) -> str | None:
+        if not open_server:
+            user: str | None = getattr(request.state, "user", None)
+            return user
+        name = key_of(request)
+        if name and not NAME.fullmatch(name):
+            raise Refused(401, "without server tokens the key names its user: tml-<name>, [A-Za-z0-9_.-]{1,64}")
+        return name
+
+    def owner(request: Request) -> str:
+        return who(request) or ""
+
+    async def body_of(request: Request) -> bytes:
+        if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+            raise Refused(415, "compressed request bodies are not served; the server's client config says so")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > cfg.max_body_bytes):
+            raise Refused(
+                413, f"the body is larger than this server's {cfg.max_body_bytes} bytes (tinker.max_body_bytes)"
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise Refused(413, f"the body is larger than this server's {cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def json_of(request: Request) -> dict[str, Any]:
+        raw = await body_of(request)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise Refused(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "the body must be a JSON object")
+        return body
+
+    async def guarded(call: Any) -> Any:
+        try:
+            out = await call
+        except Refused as exc:
+            return _refused(exc.status, exc.message)
+        return out
+
+    @router.get("/healthz")
+    async def healthz() -> Any:
+        return {"status": "ok"}
+
+    @router.get("/get_server_capabilities")
+    async def capabilities() -> Any:
+        models = [{"model_name": m, "trainable": True, "sampleable": True} for m in cfg.models]
+        return {"supported_models": models}
+
+    @router.post("/client/config")
+    async def client_config() -> Any:
+        # (the SDK fetches this with a client it never closes: closing the connection here leaves it nothing open)
+        return JSONResponse({
+            "pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
+            "proto_compress_fwdbwd": False, "fwdbwd_max_chunk_len": cfg.max_datums,
+            "fwdbwd_max_chunk_bytes_count": cfg.max_body_bytes // 2, "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False, "sample_join_sampling_session": False,
+        }, headers={"connection": "close"})  # fmt: skip
+
+    @router.post("/client/dynamic_config")
+    async def dynamic_config() -> Any:
+        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+
+    @router.post("/telemetry")
+    async def telemetry(request: Request) -> Any:
+        return {"status": "accepted"}  # (dropped: PlexRL tracks runs in MLflow)
+
+    @router.post("/cancel_future")
+    async def cancel_future() -> Any:
+        return Response(status_code=200)
+
+    async def run(fn: Any, *args: Any) -> Any:
+        return await run_in_threadpool(fn, *args)
+
+    @router.post("/create_session")
+    async def create_session(request: Request) -> Any:
+        async def go() -> Any:
+            await json_of(request)
+            return await run(registry.create_session, owner(request))
+
+        return await guarded(go())
+
+    @router.post("/session_heartbeat")
+    async def heartbeat(request: Request) -> Any:
+        async def go() -> Any:
+            body = await json_of(request)
+            return await run(registry.heartbeat, who(request), body.get("session_id"))
+
+        return await guarded(go())
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> Any:
+        async def go() -> Any:
+            body = await json_of(request)
+            reason: dict[str, Any] = body["reason"] if isinstance(body.get("reason"), dict) else {}
+            why = f"finished by its client ({reason.get('type', 'success')})"
+            await run(registry.finish, who(request), session_id, why)
+            return {}
+
+        return await guarded(go())
+
+    def posting(path: str, fn: Any, creates: bool = False) -> None:
+        """A JSON POST route to `fn(registry, user, body)`; `creates`: what it makes belongs to the caller."""
+
+        async def handler(request: Request) -> Any:
+            async def go() -> Any:
+                body = await json_of(request)
+                return await run(fn, registry, owner(request) if creates else who(request), body)
+
+            return await guarded(go())
+
+        router.post(path, operation_id="tinker" + path.replace("/", "_"))(handler)
+
+    posting("/create_model", handlers.create_model, creates=True)
+    posting("/optim_step", handlers.optim_step)
+    posting("/save_weights", handlers.save_weights)
+    posting("/save_weights_for_sampler", handlers.save_for_sampler)
+    posting("/load_weights", handlers.load_weights, creates=True)
+    posting("/create_sampling_session", handlers.create_sampler, creates=True)
+    posting("/asample", handlers.asample)
+
+    @router.post("/get_info")
+    async def get_info(request: Request) -> Any:
+        async def go() -> Any:
+            body = await json_of(request)
+            return await run(handlers.get_info, registry, who(request), body.get("model_id"))
+
+        return await guarded(go())
+
+    @router.post("/forward_backward")
+    async def forward_backward(request: Request) -> Any:
+        async def go() -> Any:
+            raw = await body_of(request)
+            if "protobuf" not in request.headers.get("content-type", ""):
+                raise Refused(415, "forward_backward takes a protobuf body (the SDK's); JSON is not served")
+            try:
+                wire = await run(proto.decode_forward_backward, raw)
+            except proto.WireError as exc:
+                raise Refused(400, f"malformed forward_backward body: {exc}") from None
+            return await run(handlers.forward_backward, registry, who(request), wire)
+
+        return await guarded(go())
+
+    @router.get("/samplers/{sampler_id}")
+    async def sampler(sampler_id: str, request: Request) -> Any:
+        async def go() -> Any:
+            return await run(handlers.get_sampler, registry, who(request), sampler_id)
+
+        return await guarded(go())
+
+    @router.post("/retrieve_future")
+    async def retrieve(request: Request) -> Any:
+        async def go() -> Any:
+            body = await json_of(request)
+            rid = body.get("request_id")
+            fut = await registry.futures.wait(rid, cfg.poll_s) if isinstance(rid, str) else None
+            user = who(request)
+            if fut is None or (user is not None and fut.user != user):
+                msg = f"unknown request {rid!r}: it never existed here, or the server restarted since (send it again)"
+                return {"error": msg, "category": "server"}
+            if fut.kind is None:  # (the SDK asks again at once: this answer came after `poll_s`)
+                state = "paused_capacity" if fut.reason else "active"
+                return {"type": "try_again", "request_id": rid, "queue_state": state,
+                        "queue_state_reason": fut.reason or None}  # fmt: skip
+            if fut.kind == "proto":
+                return Response(fut.payload, media_type="application/x-protobuf")
+            if fut.kind == "error":
+                message, category = fut.payload
+                return {"error": message, "category": category}
+            return fut.payload
+
+        return await guarded(go())
+
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    async def unserved(rest: str) -> Any:
+        return _refused(
+            404, f"PlexRL does not serve {PREFIX}/{rest} of the Tinker API (see docs/tutorial-your-loop.md)"
+        )
+
+    app.include_router(router)
+
+
+__all__ = ["KEY_PREFIX", "PREFIX", "add_tinker_routes", "key_of"]

@@ -1,0 +1,56 @@
+"""The node operator of a session's open plan: every call kind (`calls.CALL_KINDS`) is a service node of this
+one operator, named after the kind, so the planner's cost model learns each kind's time apart. The call itself
+rides with the node (`OpContext.extra["call"]`, set by the service from the executor's task); the reply goes
+back in the node's report (`NodeReport.reply`), the only part of a session node's output that leaves the
+service."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from plexrl.batch import Batch
+from plexrl.graph import Pipeline, PipelineGraph
+from plexrl.operator import OpContext, operator
+from plexrl.sessions.calls import CALL_KINDS, Reply, pack
+from plexrl.sessions.engine import session_engine
+
+SESSION_PIPELINE = "session"  # the graph name of every session's plan
+
+
+@dataclass(slots=True)
+class CallResult(Batch):
+    """A call's reply; `metrics()` are the call's own (its row in the session's MLflow run)."""
+
+    reply: Reply
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.reply.metrics, "refused": float(self.reply.error is not None)}
+
+    def payload(self) -> dict[str, Any]:
+        """The reply as plain, msgpack-able data (what a report carries across processes: `calls.pack`)."""
+        packed: dict[str, Any] = pack(dataclasses.asdict(self.reply))
+        return packed
+
+
+@operator(placement="service")
+def session_call(ctx: OpContext) -> CallResult:
+    """Run the call that came with this node on the session's engine (`SessionEngine.run`)."""
+    call = ctx.extra.get("call")
+    if call is None:
+        raise ValueError(f"node {ctx.node!r} of session {ctx.job_id} ran without its call")
+    if call.kind != ctx.node:
+        raise ValueError(f"node {ctx.node!r} of session {ctx.job_id} got a {call.kind!r} call")
+    return CallResult(session_engine(ctx.engine).run(call, generator=ctx.engine))
+
+
+def session_graph() -> PipelineGraph:
+    """The session's plan: one service node per call kind, no edges (each iteration runs the one that came)."""
+    p = Pipeline(SESSION_PIPELINE)
+    for kind in CALL_KINDS:
+        p.add(kind, session_call)
+    return p.build()
+
+
+__all__ = ["SESSION_PIPELINE", "CallResult", "session_call", "session_graph"]
