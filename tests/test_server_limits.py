@@ -119,7 +119,7 @@ def test_a_job_past_the_servers_time_limit_fails_with_the_reason(tmp_path: Path)
         assert c.request("GET", "/health")["ok"] is True
 
 
-HOLD_GIL = '''
+HOLD_GIL = """
 from plexrl import operator, Rewards
 
 
@@ -129,7 +129,7 @@ def hold_gil(rewards: Rewards) -> Rewards:
 
     re.match(r"(a|a)*b", "a" * 64)  # backtracking in C: holds the GIL for ~2**64 steps
     return rewards
-'''
+"""
 
 
 @contextmanager
