@@ -11,7 +11,9 @@ server config's `http:` section), and `serve`, which runs uvicorn over the liste
   longest without a whole request (idle, or half-sent); only when every connection is busy with a request is
   the new one closed. Idle or half-sent connections thus cannot lock anyone out: a real request always finds
   room, and the server never reaches the process's open-file limit (raised at start to what the count needs:
-  `open_files`), where every accept would fail.
+  `open_files`: the count, `FILES_SPARE`, and a few bursts of `BACKLOG` connections the event loop accepts
+  before any of them is counted and evicted; with less, the count is lowered to fit), where every accept, and
+  every file the server opens (the journal, a model, a worker's pipe), would fail.
 uvicorn's own `limit_concurrency` (503 for a request beyond it) is set just above the count, as a backstop, and
 its `timeout_keep_alive` to the idle limit. A request being handled is not timed: its route bounds its work.
 
@@ -35,6 +37,8 @@ from plexrl.job.model_config import StrictModel
 log = logging.getLogger(__name__)
 
 FILES_SPARE = 256  # open files kept for everything but connections (journal, workers' pipes, Dask, models)
+BACKLOG = 128  # the listening queue, and the most connections the event loop accepts at once
+BURSTS = 3  # accepted bursts that can be open before their connections are counted (and evicted)
 
 
 class HttpConfig(StrictModel):
@@ -169,16 +173,16 @@ def uvicorn_server(app: Any, cfg: HttpConfig) -> Any:
     """The uvicorn `Server` for `app` with `cfg`'s limits (not started)."""
     import uvicorn
 
-    limit = open_files(cfg.max_connections + FILES_SPARE)
+    limit = open_files(cfg.max_connections + FILES_SPARE + BURSTS * BACKLOG)
     connections = cfg.max_connections
-    if limit != resource.RLIM_INFINITY and limit < connections + FILES_SPARE:
-        connections = max(8, limit - FILES_SPARE)
+    if limit != resource.RLIM_INFINITY and limit < connections + FILES_SPARE + BURSTS * BACKLOG:
+        connections = max(8, limit - FILES_SPARE - BURSTS * BACKLOG)
         log.warning("the open-file limit is %d: at most %d connections at once (http.max_connections)", limit,
                     connections)  # fmt: skip
         cfg = cfg.model_copy(update={"max_connections": connections})
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", http=bounded_protocol(cfg),
-        limit_concurrency=connections + 1, timeout_keep_alive=max(1, int(cfg.idle_timeout_s)),
+        limit_concurrency=connections + 1, timeout_keep_alive=max(1, int(cfg.idle_timeout_s)), backlog=BACKLOG,
     )  # fmt: skip
     return uvicorn.Server(config)
 
