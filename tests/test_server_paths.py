@@ -12,7 +12,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +142,8 @@ def test_a_fifo_fails_its_job_at_once_and_the_server_stops_promptly(tmp_path: Pa
             reason = failed_reason(srv, job_id)
         assert "not a regular file" in reason, reason
     finally:  # (a reader blocked on the FIFO, on a build without the fix, is let go)
-        try:
+        with suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
 
 
 def test_a_huge_file_without_a_newline_is_refused_not_read_as_one_line(tmp_path: Path, smol_tiny: Path) -> None:
