@@ -354,10 +354,17 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
 
     if prepare is prepare_entry:
         services = cfg.cluster.services
-        prepare = functools.partial(
-            prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
+        options: dict[str, Any] = dict(
+            max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
             device=services.device, group=services.ranks > 1, files=ServerFiles(cfg), limits=cfg.limits,
         )  # fmt: skip
+        prepare = functools.partial(prepare_entry, **options)
+        if cfg.limits.prepare_memory is not None:  # first in a child process, within its memory and time
+            from plexrl.server.preparation import prepare_isolated
+
+            limits = cfg.limits
+            prepare = functools.partial(prepare_isolated, memory=int(limits.prepare_memory),  # type: ignore[arg-type]
+                                        timeout_s=limits.prepare_timeout_s, **options)  # fmt: skip
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,
