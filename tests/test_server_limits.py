@@ -21,14 +21,14 @@ from plexrl.errors import ConfigError
 from plexrl.server.api import RunningServer, start_server
 from plexrl.server.client import Client, ServerError
 from plexrl.server.config import ServerConfig
-from plexrl.server.housekeeping import Housekeeping
-from plexrl.server.limits import JobLimits
 from plexrl.server.submissions import check_submission
 
 
-def refused(tmp_path: Path, job: dict[str, Any], limits: JobLimits | None = None, *more: Path) -> str:
+def refused(tmp_path: Path, job: dict[str, Any], limits: Any = None, *more: Path) -> str:
     """The problems of a submission the server's default limits refuse (check_submission: what POST /jobs runs);
     `more`: allowed roots besides tmp_path/runs."""
+    from plexrl.server.limits import JobLimits
+
     roots = [(tmp_path / "runs").resolve(), *(m.resolve() for m in more)]
     with pytest.raises(ConfigError) as err:
         check_submission(yaml.safe_dump(job), [], run_dir=roots[0], roots=roots, modules=["plexrl"],
@@ -77,6 +77,8 @@ def test_an_enormous_valid_job_is_refused_naming_its_field(
 
 
 def test_a_lora_rank_and_a_reward_time_limit_over_the_servers_are_refused(tmp_path: Path, smol_tiny: Path) -> None:
+    from plexrl.server.limits import JobLimits
+
     (tmp_path / "runs").mkdir()
     job = tiny(model={"path": str(smol_tiny), "lora": {"r": 1024}})
     assert "model.lora.r" in refused(tmp_path, job, JobLimits(max_lora_r=256), smol_tiny)
@@ -103,6 +105,8 @@ def test_the_open_jobs_together_are_bounded(tmp_path: Path) -> None:
 
 
 def test_a_job_past_the_servers_time_limit_fails_with_the_reason(tmp_path: Path) -> None:
+    from plexrl.server.housekeeping import Housekeeping
+
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({**TINY, "iterations": 10**5}))
     with serving(tmp_path, limits={"max_run_s": 3600}) as srv:
