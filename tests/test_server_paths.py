@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -188,7 +189,7 @@ def test_with_private_jobs_bob_cannot_use_anns_files(tmp_path: Path, smol_tiny: 
         ann_dirs = [runs / "jobs" / ann_id / "model", runs / "users" / "ann" / "jobs" / ann_id / "model",
                     runs / "users" / "ann" / "cache", runs / "server" / "checkpoints" / ann_id]  # fmt: skip
         for where in ann_dirs:
-            where.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(smol_tiny, where, dirs_exist_ok=True)  # a real model there (ann's finished one)
             for job in (
                 data_job(where, str(shared)),  # his model
                 {**data_job(where, str(shared)), "model": {"path": str(where), "lora": {"r": 4}}},  # his LoRA base

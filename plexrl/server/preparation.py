@@ -36,6 +36,7 @@ from plexrl.errors import ConfigError, Problem
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the parent looks at the cancellation event while the child works
+CHILD_OPTIONS = frozenset({"max_warm_start_steps", "modules", "device", "group", "files", "limits"})
 
 
 class PreparationFailed(RuntimeError):
@@ -57,8 +58,9 @@ def prepare_isolated(
     from plexrl.job.models import PreparationCancelled
     from plexrl.server.api import prepare_entry
 
-    if entry.config.get("kind", "job") == "job":
-        run_child(entry, kwargs, memory, timeout_s, cancel)
+    if entry.config.get("kind", "job") == "job":  # (a Tinker session has nothing to build: no child)
+        sent = {k: v for k, v in kwargs.items() if k in CHILD_OPTIONS}  # (a session's CallBoard stays here)
+        run_child(entry, sent, memory, timeout_s, cancel)
         if cancel is not None and cancel.is_set():
             raise PreparationCancelled("the preparation was cancelled")
     return prepare_entry(entry, cancel=cancel, **kwargs)
