@@ -11,6 +11,7 @@ import os
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -60,13 +61,22 @@ def test_idle_and_half_sent_connections_cannot_lock_anyone_out_and_are_closed(tm
         assert c.request("GET", "/health")["ok"] is True
 
 
-def test_a_client_that_hangs_up_mid_body_costs_no_traceback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_client_that_hangs_up_costs_no_traceback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Clients that close mid-body, or reset the connection (RST: SO_LINGER 0) while the server reads or answers:
+    asyncio logged each reset as a 'Fatal read error on socket transport' with its traceback."""
     caplog.set_level(logging.INFO)
     with serving(tmp_path) as srv:
-        for _ in range(20):
+        for i in range(40):
             s = connect(srv.url)
             s.sendall(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100000\r\n\r\n" + b"{" + b" " * 5000)  # fmt: skip
+            if i % 2:  # a reset, not a close
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        for _ in range(20):
+            s = connect(srv.url)
+            s.sendall(b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 50)  # pipelined: answers pending
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             s.close()
         assert Client(srv.url).request("GET", "/health")["ok"] is True
         wait_for(lambda: srv.controller.journal.jobs() == [], "nothing journalled")

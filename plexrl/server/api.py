@@ -363,7 +363,7 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
             from plexrl.server.preparation import prepare_isolated
 
             limits = cfg.limits
-            prepare = functools.partial(prepare_isolated, memory=int(limits.prepare_memory),  # type: ignore[arg-type]
+            prepare = functools.partial(prepare_isolated, prepare=prepare_entry, memory=int(limits.prepare_memory),  # type: ignore[arg-type]
                                         timeout_s=limits.prepare_timeout_s, **options)  # fmt: skip
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,

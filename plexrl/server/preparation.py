@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from plexrl.errors import ConfigError, Problem
@@ -47,23 +48,23 @@ def prepare_isolated(
     entry: Any,
     cancel: threading.Event | None = None,
     *,
+    prepare: Callable[..., Any],
     memory: int | None,
     timeout_s: float,
     **kwargs: Any,
 ) -> Any:
-    """The job's spec (`api.prepare_entry(entry, cancel=cancel, **kwargs)`), after the same preparation ran in a
-    child process within `memory` bytes of address space and `timeout_s` seconds; see the module docstring.
-    Raises `ConfigError` (the job's problems), `PreparationFailed`, or `PreparationCancelled` when `cancel` is
-    set meanwhile (the child killed)."""
+    """The job's spec (`prepare(entry, cancel=cancel, **kwargs)`: `api.prepare_entry`), after the same
+    preparation ran in a child process within `memory` bytes of address space and `timeout_s` seconds; see the
+    module docstring. Raises `ConfigError` (the job's problems), `PreparationFailed`, or `PreparationCancelled`
+    when `cancel` is set meanwhile (the child killed)."""
     from plexrl.job.models import PreparationCancelled
-    from plexrl.server.api import prepare_entry
 
     if entry.config.get("kind", "job") == "job":  # (a Tinker session has nothing to build: no child)
         sent = {k: v for k, v in kwargs.items() if k in CHILD_OPTIONS}  # (a session's CallBoard stays here)
         run_child(entry, sent, memory, timeout_s, cancel)
         if cancel is not None and cancel.is_set():
             raise PreparationCancelled("the preparation was cancelled")
-    return prepare_entry(entry, cancel=cancel, **kwargs)
+    return prepare(entry, cancel=cancel, **kwargs)
 
 
 def run_child(
