@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 from plexrl.data.config import RewardTerm
 from plexrl.errors import ConfigError, Problem
+from plexrl.logs import REPEATS
 from plexrl.reward_builtins import (
     BUILTINS,
     ChoiceParams,
@@ -69,6 +70,7 @@ from plexrl.reward_workers import POOL, Outcome, TermWorker, score_term
 from plexrl.roles import current_allowed, declare, resolve
 
 log = logging.getLogger(__name__)
+log.addFilter(REPEATS)  # a warning per failed call: a few lines a minute per kind, then a count (plexrl/logs.py)
 
 BATCHED_ATTR = "__plexrl_reward_batched__"
 MAX_TIMEOUTS_IN_A_ROW = 5  # a term whose calls time out this many times in a row fails its job

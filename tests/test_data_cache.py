@@ -141,7 +141,9 @@ def test_two_users_one_data_file_submitted_together_to_a_server(tmp_path: Path, 
 
     users = {"ann": "a" * 20, "bob": "b" * 20}
     roots = [str(tmp_path), str(smol_tiny.parent)]
-    with serving(tmp_path, prepare=prepare, prepare_workers=4, users=users, allowed_roots=roots) as srv:
+    # jobs not private: all four share one run_dir and so one data cache (private jobs would get one each)
+    with serving(tmp_path, prepare=prepare, prepare_workers=4, users=users, allowed_roots=roots,
+                 private_jobs=False) as srv:  # fmt: skip
         submissions = [(user, k) for user in users for k in range(2)]
         for user, k in submissions:
             (tmp_path / f"{user}{k}.yaml").write_text(

@@ -32,7 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves: import nothing of plexrl above themselves
     ("leaves", ("plexrl.devices", "plexrl.cache_files", "plexrl.errors", "plexrl.yamlio", "plexrl.batch",
                 "plexrl.reports", "plexrl.accounting", "plexrl.job.sizes", "plexrl.job.construction",
-                "plexrl.services.ranks", "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams")),
+                "plexrl.services.ranks", "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams",
+                "plexrl.paths", "plexrl.logs")),
     ("planner", ("plexrl.planner",)),  # pure: events in, instructions out
     # what a config may name, and the typed pieces it is made of: roles, operators' model, tools, data, rewards
     ("declared", ("plexrl", "plexrl.roles", "plexrl.operator", "plexrl.graph", "plexrl.tools", "plexrl.verifiers",

@@ -6,14 +6,16 @@ shards of a `datasets.Dataset.save_to_disk` directory read as they are (pyarrow 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from plexrl.cache_files import key_lock, write_atomic
 from plexrl.data.config import ColumnMap
 from plexrl.data.rows import DataError, Layout, Row, data_problem, detect_layout, file_key, raise_problems, to_row
 from plexrl.errors import Problem
+from plexrl.paths import LineTooLong, check_path, current_policy, open_file, read_lines
 
 
 class ArrowRows:
@@ -48,18 +50,22 @@ class ArrowRows:
 
 
 def read_arrow(files: Sequence[Path], stream: bool) -> Any:
+    """The files as one table, each memory-mapped from the descriptor `plexrl.paths.open_file` opened (a
+    regular file, allowed by the policy in force): never a FIFO, never the target of a link swapped in."""
     import pyarrow as pa
 
     tables = []
     for f in files:
-        source = pa.memory_map(str(f), "r")
-        reader = pa.ipc.open_stream(source) if stream else pa.ipc.open_file(source)
-        tables.append(reader.read_all())
+        with open_file(f, "data") as fh:
+            source = pa.memory_map(f"/proc/self/fd/{fh.fileno()}", "r")
+            reader = pa.ipc.open_stream(source) if stream else pa.ipc.open_file(source)
+            tables.append(reader.read_all())
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-def _saved_dataset_files(path: Path) -> tuple[Path, ...]:
-    """The Arrow shards of a directory written by `datasets.Dataset.save_to_disk` (its state.json)."""
+def _saved_dataset_files(path: Path, where: str) -> tuple[Path, ...]:
+    """The Arrow shards of a directory written by `datasets.Dataset.save_to_disk` (its state.json), each allowed
+    by the policy in force (a name in state.json cannot lead out of the directory's roots)."""
     state = path / "state.json"
     if not state.is_file():
         found = "a DatasetDict (pick a split: its sub-directory)" if (path / "dataset_dict.json").is_file() else ""
@@ -68,17 +74,21 @@ def _saved_dataset_files(path: Path) -> tuple[Path, ...]:
             str(path),
         )
     try:
-        names = [f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
+        with open_file(state, where) as fh:
+            names = [f["filename"] for f in json.loads(fh.read(1 << 20).decode("utf-8"))["_data_files"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(
             [data_problem(state, f"unreadable state.json ({exc}); save the dataset again")], str(path)
         ) from None
     if not names:
         raise DataError([data_problem(path, "the dataset has no data files (no rows)")], str(path))
-    return tuple(path / n for n in names)
+    files = tuple(check_path(path / str(n), where) for n in names)
+    for f in files:
+        open_file(f, where).close()  # a regular file, within the size bound
+    return files
 
 
-def _to_arrow(path: Path, cache_dir: Path) -> Path:
+def _to_arrow(path: Path, cache_dir: Path, where: str) -> Path:
     """An Arrow IPC copy of a parquet or csv file under `cache_dir`, written once per file version (under the
     key's lock, into a unique temporary file: plexrl/cache_files.py)."""
     out = cache_dir / f"{path.stem}-{file_key(path)}.arrow"
@@ -86,29 +96,20 @@ def _to_arrow(path: Path, cache_dir: Path) -> Path:
         return out
     with key_lock(out):
         if not out.is_file():
-            _write_arrow(path, out)
+            _write_arrow(path, out, where)
     return out
 
 
-def _write_arrow(path: Path, out: Path) -> None:
+def _write_arrow(path: Path, out: Path, where: str) -> None:
     import pyarrow as pa
 
-    if path.stat().st_size == 0:
-        raise DataError(
-            [data_problem(path, "the file is empty; point data.train / data.held_out at a file with data")], str(path)
-        )
-    try:
-        if path.suffix.lower() == ".csv":
-            _check_utf8_lines(path)
-            import pyarrow.csv as pcsv
-
-            table = pcsv.read_csv(str(path))
-        else:
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(str(path))
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError([data_problem(path, f"cannot read the file: {exc}")], str(path)) from None
+    with open_file(path, where) as fh:  # the policy, a regular file, the size bound: on this descriptor
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise DataError(
+                [data_problem(path, "the file is empty; point data.train / data.held_out at a file with data")],
+                str(path),
+            )
+        table = _read_table(fh, path)
 
     def write(tmp: Path) -> None:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -117,10 +118,37 @@ def _write_arrow(path: Path, out: Path) -> None:
     write_atomic(out, write)
 
 
-def _check_utf8_lines(path: Path) -> None:
+def _read_table(fh: BinaryIO, path: Path) -> Any:
+    """The table of an open csv or parquet file. A csv's lines are checked first (UTF-8, each within the line
+    bound); a parquet file's rows, once decompressed, must stay within the policy's size bound too (its footer
+    says how large they are: a small file that expands to gigabytes is refused before it is read)."""
+    import pyarrow as pa
+
+    try:
+        if path.suffix.lower() == ".csv":
+            _check_utf8_lines(fh, path)
+            fh.seek(0)
+            import pyarrow.csv as pcsv
+
+            return pcsv.read_csv(fh)
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(fh).metadata
+        policy = current_policy()
+        expanded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if policy is not None and policy.max_bytes is not None and expanded > policy.max_bytes:
+            why = f"its rows take {expanded} bytes once decompressed; this server reads at most {policy.max_bytes}"
+            raise DataError([data_problem(path, why + " (limits.max_data_bytes)")], str(path))
+        fh.seek(0)
+        return pq.read_table(fh)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError([data_problem(path, f"cannot read the file: {exc}")], str(path)) from None
+
+
+def _check_utf8_lines(fh: BinaryIO, path: Path) -> None:
     problems = []
-    with path.open("rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
+    try:
+        for line_no, raw in enumerate(read_lines(fh), start=1):
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -131,6 +159,8 @@ def _check_utf8_lines(path: Path) -> None:
                         max(line_no - 2, 0),
                     )
                 )
+    except LineTooLong as exc:
+        raise DataError([data_problem(path, str(exc))], str(path)) from None
     raise_problems(problems, path)
 
 
@@ -204,12 +234,13 @@ def _check_arrow(rows: ArrowRows) -> ArrowRows:
     return rows
 
 
-def open_arrow(path: Path, cache_dir: Path, mapping: ColumnMap) -> ArrowRows:
-    """The checked rows of a parquet or csv file (copied to Arrow under `cache_dir`) or a save_to_disk dir."""
+def open_arrow(path: Path, cache_dir: Path, mapping: ColumnMap, where: str = "data") -> ArrowRows:
+    """The checked rows of a parquet or csv file (copied to Arrow under `cache_dir`) or a save_to_disk dir
+    (`where`: the config field that names it, for refusals)."""
     if path.is_dir():
-        files = _saved_dataset_files(path)
+        files = _saved_dataset_files(path, where)
         return _check_arrow(ArrowRows(path, files, True, _arrow_layout(path, files, True, mapping)))
-    arrow = (_to_arrow(path, cache_dir),)
+    arrow = (_to_arrow(path, cache_dir, where),)
     return _check_arrow(ArrowRows(path, arrow, False, _arrow_layout(path, arrow, False, mapping)))
 
 

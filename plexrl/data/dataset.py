@@ -24,6 +24,7 @@ from plexrl.cache_files import key_lock, write_atomic
 from plexrl.data.config import DataConfig
 from plexrl.data.files import open_rows
 from plexrl.data.rows import DataError, Row, RowSource, data_problem, file_key, save_npy
+from plexrl.paths import check_path
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,15 @@ def open_dataset(
     docstring says. `count_tokens` is required when `cfg.max_prompt_tokens` is set."""
     import numpy as np
 
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir
-    train_src = open_rows(cfg.train, cache_dir, cfg.columns)
+    # the caches are written: under the policy in force, only where the job may write (plexrl/paths.py)
+    cache_dir = (
+        check_path(cfg.cache_dir, "data.cache_dir", write=True)
+        if cfg.cache_dir
+        else check_path(cache_dir, "run_dir", write=True)
+    )
+    train_src = open_rows(cfg.train, cache_dir, cfg.columns, "data.train")
     if cfg.held_out is not None:
-        held_src = open_rows(cfg.held_out, cache_dir, cfg.columns)
+        held_src = open_rows(cfg.held_out, cache_dir, cfg.columns, "data.held_out")
         train, held = Split(train_src), Split(held_src)
     elif cfg.held_out_fraction > 0:
         n = len(train_src)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 from plexrl.cache_files import write_atomic
 from plexrl.data.config import ColumnMap
 from plexrl.errors import ConfigError, Problem
+from plexrl.paths import current_policy
 
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
 MAX_PROBLEMS = 20  # problems listed in one DataError (the count of the rest is given)
@@ -58,6 +59,12 @@ class Layout:
         return ".".join(self.answer)
 
 
+def _shown(columns: Sequence[str]) -> str:
+    """The file's columns for a message: listed for `plexrl run`; not where a server's file policy is in force
+    (a refusal there says what is missing, never what another file holds)."""
+    return "" if current_policy() is not None else f" (columns: {list(columns)})"
+
+
 def detect_layout(columns: Sequence[str], mapping: ColumnMap, path: Path | str) -> Layout:
     """The layout of a file with these top-level `columns`; raises `DataError` naming the missing column.
 
@@ -71,7 +78,7 @@ def detect_layout(columns: Sequence[str], mapping: ColumnMap, path: Path | str) 
     problems = []
     if prompt not in columns:
         fix = "set data.columns.prompt to the column that holds the prompt" if mapping.prompt is None else "fix it"
-        problems.append(data_problem(path, f"no prompt column {prompt!r} (columns: {list(columns)}); {fix}", 0, prompt))
+        problems.append(data_problem(path, f"no prompt column {prompt!r}{_shown(columns)}; {fix}", 0, prompt))
     if mapping.answer is not None:
         answer = tuple(mapping.answer.split("."))
         kind: Literal["verl", "trl", "mapped"] = "mapped"
@@ -84,7 +91,7 @@ def detect_layout(columns: Sequence[str], mapping: ColumnMap, path: Path | str) 
             problems.append(
                 data_problem(
                     path,
-                    f"no answer column: none of reward_model, {', '.join(ANSWER_COLUMNS)} (columns: {list(columns)})"
+                    f"no answer column: none of reward_model, {', '.join(ANSWER_COLUMNS)}{_shown(columns)}"
                     "; set data.columns.answer to the column of the ground truth",
                     0,
                     "answer",
@@ -94,7 +101,7 @@ def detect_layout(columns: Sequence[str], mapping: ColumnMap, path: Path | str) 
         problems.append(
             data_problem(
                 path,
-                f"no answer column {answer[0]!r} (columns: {list(columns)}); fix data.columns.answer",
+                f"no answer column {answer[0]!r}{_shown(columns)}; fix data.columns.answer",
                 0,
                 ".".join(answer),
             )

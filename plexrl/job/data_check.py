@@ -20,11 +20,12 @@ from pathlib import Path
 from plexrl.data.config import DataConfig
 from plexrl.data.rows import Row
 from plexrl.job.tasks.dataset import PromptRenderer
+from plexrl.paths import resolve
 
 
 def data_cache_dir(cfg: DataConfig, run_dir: str | Path) -> Path:
     """Where a job keeps its data caches: `data.cache_dir`, else `<run_dir>/cache/data` (absolute)."""
-    return Path(cfg.cache_dir).expanduser().resolve() if cfg.cache_dir else Path(run_dir).resolve() / "cache" / "data"
+    return resolve(cfg.cache_dir) if cfg.cache_dir else resolve(run_dir) / "cache" / "data"
 
 
 def check_data(cfg: DataConfig, cache_dir: Path, tokenizer_dir: Path | None) -> list[str]:

@@ -16,6 +16,7 @@ from plexrl.job.config import JobConfig
 from plexrl.job.generation import GenerationSizes, generation_sizes, sizing_problems
 from plexrl.job.load import LoadedJob
 from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
+from plexrl.paths import resolve
 from plexrl.planner.events import JobPlan, NodePlan, RetryPlan
 from plexrl.planner.records import JobStatus
 
@@ -221,7 +222,7 @@ def prepare_job(
 
         prepared = prepare_model(cfg.model, cfg.task, cfg.warm_start, None, cfg.seed, run_dir, cancel, device)
         check_cancelled(cancel, "the preparation (after the model)")
-        cache = Path(cfg.data.cache_dir).resolve() if cfg.data.cache_dir else run_dir / "cache" / "data"
+        cache = resolve(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache" / "data"
         task = make_dataset_task(cfg.data, prepared.tokenizer, tokenizer_dir=prepared.path, cache_dir=cache)
     else:
         task = make_task(cfg.task)

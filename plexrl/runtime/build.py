@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def make_executor(cfg: RuntimeConfig) -> Executor:
+def make_executor(cfg: RuntimeConfig, *, cpu_node_s: float | None = None) -> Executor:
     """The executor the section asks for: in-process (`driver: local`) or a Dask cluster. On CUDA each service
     rank gets its own GPU (`plexrl.devices`: a local cluster's workers see one GPU each through
-    `CUDA_VISIBLE_DEVICES`, the CPU pool none)."""
+    `CUDA_VISIBLE_DEVICES`, the CPU pool none). `cpu_node_s`: a server's time limit per CPU node (each runs in
+    a process killed past it: `runtime/cpu_nodes.py`)."""
     from plexrl.devices import configure_process, inline_devices, visible_gpus, worker_envs
 
     s = cfg.services
@@ -41,8 +42,9 @@ def make_executor(cfg: RuntimeConfig) -> Executor:
         configure_process(s.device, s.deterministic)  # this process runs the services
         devices = inline_devices(s.device, s.count, s.devices, visible_gpus() if cuda else [])
         return InlineExecutor(
-            services=s.count, devices=devices, validate=cfg.validate_state, clock=time.time, host_memory=host
-        )
+            services=s.count, devices=devices, validate=cfg.validate_state, clock=time.time, host_memory=host,
+            cpu_node_s=cpu_node_s,
+        )  # fmt: skip
     from plexrl.runtime.dask import DaskExecutor, TLSFiles
 
     env: dict[str, dict[str, str]] = {}
@@ -55,6 +57,7 @@ def make_executor(cfg: RuntimeConfig) -> Executor:
         device=s.device, validate=cfg.validate_state, ranks=s.ranks, group_timeout=s.group_timeout,
         host=cfg.dask_host, tls=TLSFiles(t.ca_file, t.cert, t.key) if t is not None else None,
         pin_cores=cfg.pin_cores, worker_env=env, deterministic=s.deterministic, host_memory=host,
+        cpu_node_s=cpu_node_s,
     )  # fmt: skip
 
 

@@ -98,11 +98,15 @@ class DaskExecutor:
         worker_env: dict[str, dict[str, str]] | None = None,
         deterministic: bool = False,
         host_memory: int | None = None,
+        cpu_node_s: float | None = None,
     ) -> None:
-        """`worker_env`: a local cluster's worker environments by worker name (`plexrl.devices.worker_envs`:
-        each service rank's `CUDA_VISIBLE_DEVICES` and CUDA settings, the CPU pool's empty GPU list);
-        `deterministic`: torch's deterministic algorithms in every service worker (`devices.configure_process`)."""
+        """`cpu_node_s`: each CPU node runs in a process of its worker, killed past this many seconds (a server's
+        `limits.max_cpu_node_s`, `runtime/cpu_nodes.py`); `worker_env`: a local cluster's worker environments by
+        worker name (`plexrl.devices.worker_envs`: each service rank's `CUDA_VISIBLE_DEVICES` and CUDA settings,
+        the CPU pool's empty GPU list); `deterministic`: torch's deterministic algorithms in every service worker
+        (`devices.configure_process`)."""
         self.clock = time.time
+        self.cpu_node_s = cpu_node_s
         self.worker_env = worker_env or {}
         self.deterministic = deterministic
         self.host_memory = host_memory  # each service's host tier (its pinned pool stays within it)
@@ -303,7 +307,7 @@ class DaskExecutor:
             inputs = {port: self._work[h].future for port, h in task.inputs.items()}
             fut = self.client.submit(
                 _run_cpu_node, self._topic, handle, self._specs[task.job_id], task.iteration, task.node, inputs, 1,
-                workers=None if task.inline else self.cpu_workers, pure=False, key=key,
+                self.cpu_node_s, workers=None if task.inline else self.cpu_workers, pure=False, key=key,
             )  # fmt: skip
             ranks: list[Any] = []
         else:

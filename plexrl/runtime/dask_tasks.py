@@ -173,13 +173,20 @@ def _start_swaps(key: str, seq: int, swaps: Sequence[Move], *after: Any) -> str:
 
 
 def _run_cpu_node(
-    topic: str, handle: int, spec: Any, iteration: int, node: str, inputs: dict[str, NodeResult], threads: int
-) -> NodeResult:
+    topic: str, handle: int, spec: Any, iteration: int, node: str, inputs: dict[str, NodeResult], threads: int,
+    limit_s: float | None = None,
+) -> NodeResult:  # fmt: skip
+    """`limit_s`: run it in a worker process of this worker, killed past that many seconds (runtime/cpu_nodes.py)."""
     import torch
 
     if not _SERVICES and torch.get_num_threads() != threads:  # never change a service worker's threads
         torch.set_num_threads(threads)
-    result = run_cpu_node(spec, iteration, node, _outputs(inputs), time.time)
+    if limit_s is not None:
+        from plexrl.runtime.cpu_nodes import run_bounded
+
+        result = run_bounded(spec, iteration, node, _outputs(inputs), time.time, limit_s)
+    else:
+        result = run_cpu_node(spec, iteration, node, _outputs(inputs), time.time)
     _publish(topic, handle, result.report)
     return result
 

@@ -34,10 +34,14 @@ class InlineExecutor:
         spill_dir: str | Path | None = None,
         devices: list[str] | None = None,
         host_memory: int | None = None,
+        cpu_node_s: float | None = None,
     ) -> None:
         """`devices`: the torch device of each service (`plexrl.devices.inline_devices`: one GPU each on CUDA);
-        None: every service on `device`; `host_memory`: each service's host tier (its host pool stays within it)."""
+        None: every service on `device`; `host_memory`: each service's host tier (its host pool stays within it);
+        `cpu_node_s`: run each CPU node in a worker process, killed past this many seconds (a server's
+        `limits.max_cpu_node_s`: `runtime/cpu_nodes.py`); None: here, in this thread."""
         self.clock = clock
+        self.cpu_node_s = cpu_node_s
         self.host_memory = host_memory
         self.n_services, self.device, self.validate, self.spill_dir = services, device, validate, spill_dir
         self.devices = list(devices) if devices is not None else [device] * services
@@ -67,6 +71,10 @@ class InlineExecutor:
 
     def unship(self, job_id: str) -> None:
         self.specs.pop(job_id, None)
+        if self.cpu_node_s is not None:
+            from plexrl.runtime.cpu_nodes import POOL
+
+            POOL.forget(job_id)
         for key in [k for k in self._load_failed if k[0] == job_id]:
             del self._load_failed[key]
 
@@ -95,7 +103,12 @@ class InlineExecutor:
             return handle
         try:
             inputs = {port: self.outputs[h] for port, h in task.inputs.items()}
-            if task.service_id is None:
+            if task.service_id is None and self.cpu_node_s is not None:
+                from plexrl.runtime.cpu_nodes import run_bounded
+
+                spec = self.specs[task.job_id]
+                res = run_bounded(spec, task.iteration, task.node, inputs, self.clock, self.cpu_node_s)
+            elif task.service_id is None:
                 res = run_cpu_node(self.specs[task.job_id], task.iteration, task.node, inputs, self.clock)
             else:
                 svc = self.services[task.service_id]

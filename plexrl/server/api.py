@@ -20,15 +20,19 @@ Contract:
   of another user's job stay readable, without its failure reason, MLflow run and checkpoint (`hidden: true`);
   the administrator reads everything.
 - Request bodies are read up to `max_body_bytes` and refused beyond it, whatever Content-Length says.
-- 503 when the controller is unhealthy (its runner died) or stopping.
+- 503 when the controller is unhealthy (its runner died) or stopping, or the disk is too full (`min_free_disk`).
+- Every request first passes `guard.RequestGuard` (Host, and for a request that changes anything its content
+  type and Origin: 421, 415, 403), whatever the route; connections are bounded in number and time
+  (`http.py`). A job is refused (400, naming the field) over the server's `limits` (`limits.py`), including the
+  limits on all open jobs together; its paths are the user's (`files.py`, checked again where opened).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import socket
+import sqlite3
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,6 +83,10 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     """The FastAPI application over `controller` (see the module docstring). `view`: the `ClusterView` among
     the runner's hooks (given when the runner was built: `start_server`); `sessions`: the Tinker API's
     `Registry`, served under /api/v1 when given."""
+    from plexrl.server.files import ServerFiles
+    from plexrl.server.guard import RequestGuard, host_names
+    from plexrl.server.housekeeping import DiskCheck
+    from plexrl.server.limits import open_jobs_of
     from plexrl.server.submissions import check_submission
     from plexrl.server.tinker.routes import PREFIX as TINKER_PREFIX
     from plexrl.server.tinker.routes import add_tinker_routes
@@ -90,8 +98,10 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     secrets: list[tuple[bytes, str | None]] = [(t.encode(), u) for u, t in sorted((cfg.users or {}).items())]
     if cfg.token:
         secrets.append((cfg.token.encode(), None))
-    roots, modules, run_dir = cfg.roots(), list(cfg.allowed_modules), Path(cfg.run_dir).resolve()
+    roots, modules = cfg.roots(), list(cfg.allowed_modules)
     private = cfg.jobs_private()
+    files, disk = ServerFiles(cfg), DiskCheck([Path(cfg.journal).resolve(), cfg.checkpoints()], cfg.min_free_disk)
+    open_jobs = open_jobs_of(controller.journal, modules)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
@@ -126,10 +136,16 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     def shown(entry: JobEntry, who: str | None, config: bool = False) -> dict[str, Any]:
         return entry.as_dict(config) if readable(entry, who) else _public(entry)
 
+    @app.exception_handler(sqlite3.Error)
+    async def _journal_failed(request: Request, exc: sqlite3.Error) -> Any:
+        why = f"the journal cannot be written now ({exc}); try again later"  # a full disk, most likely
+        return _problems(503, [Problem("server", why)])
+
     @app.get("/health")
     def health() -> Any:
-        ok = controller.healthy
-        body = {"ok": ok, "error": repr(controller.failure) if controller.failure else None}
+        full = disk.problem()
+        ok = controller.healthy and full is None
+        body = {"ok": ok, "error": repr(controller.failure) if controller.failure else full}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.post("/jobs", status_code=201)
@@ -150,6 +166,9 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
             return _problems(400, where)
         if not controller.healthy:
             return _problems(503, [Problem("server", "not accepting jobs (stopping, or its runner failed)")])
+        full = disk.problem()
+        if full is not None:
+            return _problems(503, [Problem("disk", full)])
         who: str | None = request.state.user
         if who is not None and req.user and req.user != who:
             return _problems(403, [Problem("user", f"this token is user {who!r}'s; it cannot submit as {req.user!r}")])
@@ -157,17 +176,24 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
 
         def accept() -> JobEntry:
             ok = check_submission(
-                req.yaml, req.set, run_dir=run_dir, roots=roots, modules=modules,
+                req.yaml, req.set, run_dir=files.run_dir(user), roots=roots, modules=modules,
                 checkpoint_every=cfg.checkpoint_every, max_warm_start_steps=cfg.max_warm_start_steps,
+                policy=files.policy(user), limits=cfg.limits,
             )  # fmt: skip
-            return controller.submit(ok.name, ok.config, ok.iterations, user)
+            with open_jobs.lock:  # the per-server limits and the journalling, as one step
+                full = open_jobs.check(ok.memory, cfg.limits)
+                if full:
+                    raise ConfigError(full, "server")
+                entry = controller.submit(ok.name, ok.config, ok.iterations, user)
+                open_jobs.add(entry.job_id, ok.memory)
+            return entry
 
         try:
             entry = await run_in_threadpool(accept)
         except ConfigError as exc:
             return _problems(400, exc.problems)
-        except RuntimeError as exc:
-            return _problems(503, [Problem("server", str(exc))])
+        except (RuntimeError, OSError, sqlite3.Error) as exc:  # stopping; the journal cannot write (disk full)
+            return _problems(503, [Problem("server", f"{type(exc).__name__}: {exc}")])
         return JSONResponse(entry.as_dict(), status_code=201)
 
     @app.get("/jobs")
@@ -205,6 +231,7 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     add_web_routes(app, view, controller, private)
     if sessions is not None:
         add_tinker_routes(app, sessions, open_server=not secrets)
+    app.add_middleware(RequestGuard, hosts=host_names(cfg.host, cfg.http.allowed_hosts))  # outermost: every route
     return app
 
 
@@ -220,6 +247,8 @@ def prepare_entry(
     device: str = "cpu",
     group: bool = False,
     calls: Any = None,
+    files: Any = None,
+    limits: Any = None,
 ) -> Any:
     """The runner's spec of a journalled job: validated again, task and warm-started model built (cached);
     with a checkpoint, set to resume after it (same MLflow run). `cancel`: the controller's cancellation event
@@ -227,9 +256,11 @@ def prepare_entry(
     (a ConfigError above it, before any work); `modules`: the server's allow-list, in force while the job is
     compiled and prepared (a journalled job is checked again: the owner may have narrowed the list since);
     `device` ("cpu" or "cuda") and `group` (services.ranks > 1): the services', whose defaults the job takes
-    (`plexrl.devices.job_defaults`) and where its warm start trains. A session's entry
-    (`kind: session`, written by the Tinker API only) becomes its `SessionSpec` (`prepare_session_entry`;
-    `calls`: the runner's `CallBoard`)."""
+    (`plexrl.devices.job_defaults`) and where its warm start trains; `files` (`ServerFiles`): the user's file
+    policy, checked again on the journalled paths (the owner may have narrowed `allowed_roots` since) and in
+    force wherever a file is opened; `limits` (`JobLimits`): the job's footprint checked again likewise. A
+    session's entry (`kind: session`, written by the Tinker API only) becomes its `SessionSpec`
+    (`prepare_session_entry`; `calls`: the runner's `CallBoard`)."""
     import contextlib
     import dataclasses
 
@@ -238,10 +269,27 @@ def prepare_entry(
 
     from plexrl.job.load import load_job
     from plexrl.job.spec import prepare_job
+    from plexrl.paths import check_tree, file_policy
     from plexrl.roles import allowed_modules
 
-    with allowed_modules(modules) if modules is not None else contextlib.nullcontext():
+    policy = files.policy(entry.user) if files is not None else None
+    with allowed_modules(modules) if modules is not None else contextlib.nullcontext(), file_policy(policy):
+        if policy is not None:
+            from plexrl.server.submissions import path_problems
+
+            refused = path_problems(entry.config, policy)
+            if refused:
+                raise ConfigError(refused, entry.job_id)
         loaded = load_job(entry.config)
+        if limits is not None:
+            from plexrl.job.footprint import footprint
+            from plexrl.server.limits import job_problems, reward_timeouts
+
+            over = job_problems(footprint(loaded), limits, reward_timeouts(loaded.config.model_dump()))
+            if over:
+                raise ConfigError(over, entry.job_id)
+        if loaded.config.model.path is not None:  # a library opens its files: each checked now
+            check_tree(loaded.config.model.path, "model.path")
         from plexrl.job.devices import device_jobs, group_problems
 
         loaded = device_jobs(device, group, [loaded])[0]
@@ -295,6 +343,7 @@ class RunningServer:
     journal: Journal
     http: Any
     thread: threading.Thread
+    housekeeping: Any = None  # its `Housekeeping` (time limits, checkpoint retention)
     sessions: Any = None  # the Tinker API's Registry (None: not served)
     stopping: threading.Event = field(default_factory=threading.Event)  # stops the sessions' sweeper
 
@@ -302,6 +351,8 @@ class RunningServer:
         self.stopping.set()
         self.http.should_exit = True
         self.thread.join(timeout)
+        if self.housekeeping is not None:
+            self.housekeeping.stop()
         ok = self.controller.stop(timeout)
         self.journal.close()
         return ok and not self.thread.is_alive()
@@ -316,12 +367,14 @@ def server_runner(
     not in memory) and its timeline drops each job's spans once written. `hooks`, then `more_hooks`: after the
     standard ones (tests; the controller's journal hook); `parts` (`on_closed`, `checkpoint_at`): the
     controller's (`controller.RunnerFactory`)."""
-    from plexrl.runtime.build import build_runner
+    from plexrl.runtime.build import build_runner, make_executor
     from plexrl.runtime.jobs import standard_hooks
 
     run_dir = Path(cfg.run_dir).resolve()
     standard = standard_hooks(run_dir, progress=False, mlflow=cfg.mlflow, keep_ended=False)
     hooks = [*standard, *(hooks or []), *more_hooks]
+    if executor is None:  # its CPU nodes in processes killed past the server's limit (runtime/cpu_nodes.py)
+        executor = make_executor(cfg.cluster, cpu_node_s=cfg.limits.max_cpu_node_s)
     return build_runner(cfg.cluster, hooks, executor, forget_ended=True, **parts)
 
 
@@ -332,7 +385,10 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     journal hook join its hooks when it is built, nothing afterwards."""
     import functools
 
-    import uvicorn
+    from plexrl.logs import limit_repeats
+    from plexrl.server.files import ServerFiles
+    from plexrl.server.housekeeping import Housekeeping
+    from plexrl.server.http import serve, uvicorn_server
 
     make: RunnerFactory = runner if runner is not None else functools.partial(server_runner, cfg)
     journal = Journal(cfg.journal)
@@ -352,11 +408,18 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
 
     if prepare is prepare_entry:
         services = cfg.cluster.services
-        prepare = functools.partial(
-            prepare_entry, max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
-            device=services.device, group=services.ranks > 1,
+        options: dict[str, Any] = dict(
+            max_warm_start_steps=cfg.max_warm_start_steps, modules=list(cfg.allowed_modules),
+            device=services.device, group=services.ranks > 1, files=ServerFiles(cfg), limits=cfg.limits,
             calls=None if backend is None else backend.board,
         )  # fmt: skip
+        prepare = functools.partial(prepare_entry, **options)
+        if cfg.limits.prepare_memory is not None:  # first in a child process, within its memory and time
+            from plexrl.server.preparation import prepare_isolated
+
+            limits = cfg.limits
+            prepare = functools.partial(prepare_isolated, prepare=prepare_entry, memory=int(limits.prepare_memory),  # type: ignore[arg-type]
+                                        timeout_s=limits.prepare_timeout_s, **options)  # fmt: skip
     controller = Controller(
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,
@@ -382,14 +445,19 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         sock.close()
         raise
     sock.listen(128)
+    limit_repeats("uvicorn", "uvicorn.error", "asyncio")  # a flood of one line costs a few lines a minute
     controller.start()
+    house = Housekeeping(journal, controller, where, max_run_s=cfg.limits.max_run_s,
+                         retention_s=cfg.checkpoint_retention_s)  # fmt: skip
+    controller.on_end = house.wake
+    house.start()
     app = create_app(controller, cfg, view, sessions)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    thread = threading.Thread(target=lambda: asyncio.run(http.serve(sockets=[sock])), name="plexrl-http", daemon=True)
+    http = uvicorn_server(app, cfg.http)  # connections bounded in number and time (http.py)
+    thread = threading.Thread(target=serve, args=(http, sock), name="plexrl-http", daemon=True)
     thread.start()
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    running = RunningServer(f"http://{shown}:{port}", controller, journal, http, thread, sessions)
+    running = RunningServer(f"http://{shown}:{port}", controller, journal, http, thread, house, sessions)
     if sessions is not None:  # abandoned sessions end; sessions waiting for admission say why
         threading.Thread(target=sessions.tick_until, args=(running.stopping,), name="tinker-sweep", daemon=True).start()
     return running

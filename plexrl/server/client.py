@@ -35,7 +35,7 @@ class Client:
         """One request; the decoded JSON answer. Raises ServerError on any non-2xx answer or no answer."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
+        if data is not None or method not in ("GET", "HEAD"):  # (the server refuses another type: guard.py)
             req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")

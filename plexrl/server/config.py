@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ByteSize, Field, ValidationError, model_validator
 
 from plexrl.errors import ConfigError, Problem, pydantic_problem
 from plexrl.job.load import apply_overrides
 from plexrl.job.model_config import StrictModel
 from plexrl.runtime.config import RuntimeConfig
 from plexrl.runtime.tls import is_loopback
+from plexrl.server.http import HttpConfig
+from plexrl.server.limits import JobLimits
 from plexrl.server.tinker.config import TinkerConfig
 
 
@@ -49,7 +51,10 @@ class ServerConfig(StrictModel):
     journal: str = Field("runs/server/journal.db", description="The sqlite journal (WAL); reuse it to recover.")
     run_dir: str = Field("runs", description="Default run_dir of submitted jobs; the server's timelines go here.")
     allowed_roots: list[str] | None = Field(
-        None, description="A job's run_dir and model.path must lie under one of these (default: [run_dir])."
+        None,
+        description="Every path a job names (run_dir, model.path, data files and cache) must lie under one of "
+        "these (default: [run_dir]); checked at submission and again where each file is opened. With private "
+        "jobs a job writes only in its user's directory, <run_dir>/users/<user> (plexrl/server/files.py).",
     )
     allowed_modules: list[str] = Field(
         ["plexrl"],
@@ -90,8 +95,28 @@ class ServerConfig(StrictModel):
     max_warm_start_steps: int = Field(
         5000,
         ge=0,
-        description="Largest `warm_start.max_steps` a submitted job may ask for (a warm start runs in the server "
-        "process); a job above it is refused, or fails its preparation with the reason.",
+        description="Largest `warm_start.max_steps` a submitted job may ask for (a warm start runs in the job's "
+        "preparation); a job above it is refused, or fails its preparation with the reason.",
+    )
+    limits: JobLimits = Field(
+        default_factory=JobLimits,  # type: ignore[arg-type]
+        description="What one job, and all open jobs together, may cost: sizes checked before a job is accepted, "
+        "times and memory enforced while it is prepared and runs (plexrl/server/limits.py).",
+    )
+    http: HttpConfig = Field(
+        default_factory=HttpConfig,  # type: ignore[arg-type]
+        description="The names the server answers to and its connections' limits (plexrl/server/http.py).",
+    )
+    checkpoint_retention_s: float = Field(
+        86400.0,
+        ge=0,
+        description="Seconds the checkpoints of a cancelled or failed job are kept (for a look, or a resubmission) "
+        "before they are removed; a done job's go at once. 0: removed when the job ends.",
+    )
+    min_free_disk: ByteSize = Field(
+        ByteSize(1 << 30),
+        description="Free bytes the disk of the journal and checkpoints must keep: below it /health answers 503 "
+        "and submissions are refused (the server stays up; running jobs go on, their checkpoints may fail).",
     )
 
     @model_validator(mode="before")

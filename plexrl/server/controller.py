@@ -40,9 +40,11 @@ What it does NOT do: authentication (`user` is what the client says), or decide 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import inspect
 import logging
 import shutil
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -72,7 +74,12 @@ class JournalHook(Hook):
     A checkpoint is written to a new file `<dir>/<job>/after-<iteration>.pt` (atomically), THEN journalled
     (`on_checkpoint`), THEN the previous file is removed: a crash at any point leaves the journal naming a
     complete file. A checkpoint that cannot be written (disk full) is journalled as `checkpoint_failed`; the
-    job goes on and the previous checkpoint stays the one to resume from."""
+    job goes on and the previous checkpoint stays the one to resume from.
+
+    A journal write that fails because the disk is full (`disk_full`) does not stop the runner: the hook waits
+    (the runner's thread, so every job waits with it) and writes again every `DISK_RETRY_S` seconds until it
+    succeeds (someone freed space; the retention sweep removed old checkpoints) or the server stops (`stopping`);
+    meanwhile /health answers 503 (`housekeeping.DiskCheck`) and the server stays up. Nothing goes unjournalled."""
 
     required = True
 
@@ -84,9 +91,11 @@ class JournalHook(Hook):
         checkpoint_every: int | None = None,
         checkpoint_dir: Path | None = None,
         lock: threading.Lock | None = None,
+        stopping: threading.Event | None = None,
     ) -> None:
         # `cancel(job, reason)`: the runner's; `costs(job)`: the planner's node times, kept with a checkpoint
-        self.journal, self.cancel, self.costs = journal, cancel, costs
+        self.journal: Any = _Durable(journal, stopping or threading.Event())
+        self.cancel, self.costs = cancel, costs
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         # the controller's: a cancel (journal: cancelled) cannot come between the check and `placed`
         self.lock = lock or threading.Lock()
@@ -125,6 +134,44 @@ class JournalHook(Hook):
         self.journal.checkpoint(run.job_id, iteration, str(path), self.costs(run.job_id))
         if previous and previous != str(path):
             Path(previous).unlink(missing_ok=True)
+
+
+DISK_RETRY_S = 5.0
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` says the disk (or the user's quota) is full: ENOSPC, EDQUOT, sqlite's SQLITE_FULL."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(exc, sqlite3.Error) and "full" in str(exc).lower()
+
+
+class _Durable:
+    """The journal as `JournalHook` writes it: every call that fails because the disk is full is made again every
+    `DISK_RETRY_S` seconds until it succeeds or `stopping` is set (then it raises, as before)."""
+
+    def __init__(self, journal: Journal, stopping: threading.Event) -> None:
+        self._journal, self._stopping = journal, stopping
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._journal, name)
+        if not callable(attr):
+            return attr
+
+        def durably(*args: Any, **kwargs: Any) -> Any:
+            told = False
+            while True:
+                try:
+                    return attr(*args, **kwargs)
+                except (OSError, sqlite3.Error) as exc:
+                    if not disk_full(exc) or self._stopping.is_set():
+                        raise
+                    if not told:
+                        log.error("the journal cannot be written (%s): every job waits until the disk has room", exc)
+                        told = True
+                    self._stopping.wait(DISK_RETRY_S)
+
+        return durably
 
 
 RunnerFactory = Callable[..., Runner]
@@ -172,7 +219,9 @@ class Controller:
         self._takes_cancel = _takes_cancel(prepare)
         self.checkpoint_dir = checkpoint_dir
         self._lock = threading.Lock()  # orders a cancel and a hand-over (or a placement) of the same job
-        hook = JournalHook(journal, self._cancel_in_runner, self._costs, checkpoint_every, checkpoint_dir, self._lock)
+        self.stopping = threading.Event()  # set once `stop` has asked the runner to stop
+        hook = JournalHook(journal, self._cancel_in_runner, self._costs, checkpoint_every, checkpoint_dir, self._lock,
+                           self.stopping)  # fmt: skip
         self.checkpoint_every = checkpoint_every or 0  # every job's plan gets it (`JobSpec.checkpoint_every`)
         ckpt: dict[str, Any] = {"checkpoint_at": hook.checkpoint_path} if checkpoint_every else {}
         self.runner = runner(more_hooks=[hook], on_closed=self._closed, **ckpt)
@@ -182,7 +231,8 @@ class Controller:
         self._todo: list[tuple[str, str]] = []  # (job id, user) to prepare, arrival order; guarded by _lock
         self._preparing: dict[str, tuple[threading.Event, str]] = {}  # job id -> (cancel, user); by _lock
         self._stopping = False
-        self.stopping = threading.Event()  # set once `stop` has asked the runner to stop
+        self.on_end: Callable[[], None] = lambda: None  # told when a job ends (the housekeeping's wake)
+        self._durable: Any = _Durable(journal, self.stopping)  # the runner's and preparations' writes
         self._threads: list[threading.Thread] = []
 
     def _cancel_in_runner(self, job_id: str, reason: str) -> None:
@@ -222,8 +272,8 @@ class Controller:
             for cancel, _ in self._preparing.values():
                 cancel.set()
             self._wake.notify_all()
+        self.stopping.set()  # (first: a journal write waiting for disk space gives up)
         self.runner.stop(STOP_REASON)
-        self.stopping.set()
         for t in self._threads:
             t.join(max(deadline - time.monotonic(), 0.0))
         return not any(t.is_alive() for t in self._threads)
@@ -254,7 +304,22 @@ class Controller:
                 if preparing is not None:  # its preparation stops at its next check
                     preparing[0].set()
                 self.runner.cancel(job_id, reason)
+        self.on_end()
         return self.journal.get(job_id)
+
+    def fail(self, job_id: str, reason: str) -> None:
+        """End an open job as `failed` with `reason` (a server limit: `housekeeping`): recorded first, then the
+        runner (or its preparation) stops it, as `cancel` does."""
+        with self._lock:
+            entry = self.journal.get(job_id)
+            if entry is None or entry.finished:
+                return
+            self.journal.finish(job_id, "failed", reason)
+            preparing = self._preparing.get(job_id)
+            if preparing is not None:
+                preparing[0].set()
+            self.runner.cancel(job_id, reason)
+        self.on_end()
 
     # -- threads ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -330,7 +395,7 @@ class Controller:
                 log.info("job %s: preparation stopped: %s: %s", job_id, type(exc).__name__, exc)
                 return
             log.exception("preparing job %s failed", job_id)
-            self.journal.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")
+            self._durable.finish(job_id, "failed", f"preparing the job failed: {type(exc).__name__}: {exc}")
             return
         with self._lock:  # a cancel (journal: cancelled) cannot come between this check and the hand-over
             now = self.journal.get(job_id)
@@ -342,19 +407,20 @@ class Controller:
         """Runner.on_closed (runner thread): a job ended, placed or not. The planner decided whether a job of a
         lost service is placed again (`run.again`): then it is requeued here and prepared again."""
         if run.status == "cancelled" and run.error == STOP_REASON:
-            self.journal.interrupt(run.job_id, STOP_REASON)
+            self._durable.interrupt(run.job_id, STOP_REASON)
             return
         if run.status == "failed" and run.service_lost and run.again and not self._stopping:
-            again = self.journal.requeue(run.job_id, run.error)
+            again = self._durable.requeue(run.job_id, run.error)
             if again is not None:
                 after = again.checkpoint_iteration
                 how = "from scratch" if after is None else f"from the checkpoint after iteration {after}"
                 log.warning("job %s: %s; placed again %s (attempt %d)", run.job_id, run.error, how, again.attempt)
                 self._enqueue(run.job_id, again.user)
                 return
-        self.journal.finish(run.job_id, run.status, run.error)
-        if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure, for a post-mortem
-            shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)
+        self._durable.finish(run.job_id, run.status, run.error)
+        if run.status == "done" and self.checkpoint_dir is not None:  # kept after a failure (for a post-mortem)
+            shutil.rmtree(self.checkpoint_dir / run.job_id, ignore_errors=True)  # until the retention removes them
+        self.on_end()
 
 
 def _takes_cancel(prepare: Callable[..., Any]) -> bool:

@@ -406,7 +406,15 @@ class _Transaction:
         self.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        self.db.execute("ROLLBACK" if kind is not None else "COMMIT")
+        if kind is not None:
+            self.db.execute("ROLLBACK")
+            return
+        try:
+            self.db.execute("COMMIT")
+        except sqlite3.Error:  # (a disk that filled up): nothing of it is kept, and the next BEGIN can start
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
 
 
 __all__ = ["TERMINAL", "TRANSITIONS", "JobEntry", "Journal", "JournalError", "JournalEvent"]

@@ -37,6 +37,7 @@ from plexrl.data.config import DataConfig
 from plexrl.data.dataset import FileDataset, Split, longest_prompt, open_dataset
 from plexrl.data.prompts import has_chat_template, prompt_ids, render_prompt
 from plexrl.data.rows import Row
+from plexrl.paths import resolve
 from plexrl.rewards import Reward, RewardResult, build_reward
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ def make_dataset_task(
         return len(renderer.render(row)[1])
 
     data: FileDataset = open_dataset(cfg, cache_dir, count_tokens, renderer.fingerprint())
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir
+    cache = resolve(cfg.cache_dir) if cfg.cache_dir else cache_dir
     longest = cfg.max_prompt_tokens  # the bound of the kept rows; unbounded: measured once (cached)
     if longest is None:
         longest = longest_prompt([data.train, data.held_out], cache, count_tokens, renderer.fingerprint())

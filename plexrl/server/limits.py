@@ -1,0 +1,211 @@
+"""What one job, and all open jobs together, may cost on this server: `JobLimits` (the server config's `limits:`
+section), checked on a submission's `Footprint` (`plexrl.job.footprint`) BEFORE the job is journalled, so that
+no accepted job can exhaust the server (issue 38). A job over a limit is refused with 400, naming the job's
+field, its value, the limit and the setting that holds it.
+
+Checked at submission (`job_problems`): iterations, the model's parameters, the estimated memory (state, vLLM
+engine, one rollout batch), the KV cache, a rollout batch's tokens, the task's train and evaluation sizes, the
+LoRA rank, warm-start steps, and every reward term's `timeout_s` (`max_reward_timeout_s`). Checked against the
+jobs already open (queued or running: `OpenJobs`): their count and the sum of their memory.
+
+Enforced while the job runs, elsewhere: `max_run_s` and `max_iterations` (`plexrl.server.housekeeping`: a job
+running longer fails with the reason), `max_cpu_node_s` (a CPU node that passes it fails its job:
+`plexrl.runtime.cpu_nodes`), `max_data_bytes` and `max_line_bytes` (where data files are read:
+`plexrl.paths`), `prepare_memory` and `prepare_timeout_s` (the preparation's own process:
+`plexrl.server.preparation`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ByteSize, Field
+
+from plexrl.errors import Problem
+from plexrl.job.footprint import Footprint
+from plexrl.job.model_config import StrictModel
+
+GiB = 1 << 30
+
+
+class JobLimits(StrictModel):
+    """Per-job and per-server limits on what jobs may cost (see plexrl/server/limits.py and docs/operations.md)."""
+
+    max_iterations: int = Field(100_000, ge=1, description="Largest `iterations` a job may ask for.")
+    max_run_s: float | None = Field(
+        7 * 86400.0,
+        gt=0,
+        description="Wall-clock seconds a job may run per placement (from the moment it is placed); past it the "
+        "job fails with the reason. None: no limit.",
+    )
+    max_parameters: int = Field(
+        8_000_000_000, ge=1, description="Largest model (parameters; a built model's counted from its sizes)."
+    )
+    max_job_bytes: ByteSize = Field(
+        ByteSize(64 * GiB),
+        description="Largest estimated memory of one job: its state (weights, optimizer, reference, critic), its "
+        "vLLM engine (weights + KV cache) and one rollout batch.",
+    )
+    max_kv_cache_bytes: ByteSize = Field(ByteSize(32 * GiB), description="Largest vLLM KV cache of one job.")
+    max_rollout_tokens: int = Field(
+        16 << 20, ge=1, description="Largest rollout batch: n x batch_size sequences x (prompt + response tokens)."
+    )
+    max_train_size: int = Field(2_000_000, ge=16, description="Largest generated train split (`task.train_size`).")
+    max_eval_size: int = Field(
+        100_000, ge=8, description="Largest evaluation (task, warm start or pipeline `eval_size`)."
+    )
+    max_lora_r: int = Field(256, ge=1, description="Largest LoRA rank (`model.lora.r`).")
+    max_reward_timeout_s: float = Field(
+        60.0, gt=0, le=600, description="Largest `timeout_s` of a reward term (each call's time limit)."
+    )
+    max_cpu_node_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description="Wall-clock seconds one CPU node may run; past it the node's process is killed and its job "
+        "fails (the server and other jobs go on). None: no limit (the node runs in the worker itself).",
+    )
+    max_data_bytes: ByteSize = Field(ByteSize(16 * GiB), description="Largest data file a job may name.")
+    max_line_bytes: ByteSize = Field(ByteSize(64 << 20), description="Longest line of a jsonl or csv data file.")
+    max_open_jobs: int = Field(1000, ge=1, description="Jobs queued or running at once, all users together.")
+    max_open_bytes: ByteSize = Field(
+        ByteSize(1024 * GiB), description="Sum of the estimated memory of the jobs queued or running at once."
+    )
+    prepare_memory: ByteSize | None = Field(
+        ByteSize(16 * GiB),
+        description="Address space of a job's preparation process (task build, model build, warm start: run "
+        "outside the server process); past it the preparation fails with the reason. None: prepare in the "
+        "server process (tests, trusted setups).",
+    )
+    prepare_timeout_s: float = Field(
+        4 * 3600.0, gt=0, description="Wall-clock seconds a job's preparation may take before it is killed."
+    )
+
+
+def job_problems(fp: Footprint, limits: JobLimits, timeouts: dict[str, float]) -> list[Problem]:
+    """Why a job with this footprint exceeds `limits` (empty: it fits). `timeouts`: each reward term's config
+    field (`data.rewards[i].timeout_s`) -> its value."""
+    checks: list[tuple[str, int | float, int | float, str, Callable[[float], str]]] = [
+        ("iterations", fp.iterations, limits.max_iterations, "max_iterations", _count),
+        ("parameters", fp.parameters, limits.max_parameters, "max_parameters", _count),
+        ("kv_cache_bytes", fp.kv_cache_bytes, limits.max_kv_cache_bytes, "max_kv_cache_bytes", _bytes),
+        ("rollout_tokens", fp.rollout_tokens, limits.max_rollout_tokens, "max_rollout_tokens", _count),
+        ("train_size", fp.train_size, limits.max_train_size, "max_train_size", _count),
+        ("eval_size", fp.eval_size, limits.max_eval_size, "max_eval_size", _count),
+        ("lora_r", fp.lora_r, limits.max_lora_r, "max_lora_r", _count),
+    ]
+    problems = []
+    for key, value, limit, setting, show in checks:
+        if value > limit:
+            problems.append(
+                Problem(
+                    fp.fields[key],
+                    f"{show(value)} ({key.replace('_', ' ')}); this server takes at most {show(limit)} "
+                    f"(limits.{setting}): lower it",
+                )
+            )
+    if fp.memory_bytes > limits.max_job_bytes and not problems:
+        parts = f"state {_bytes(fp.state_bytes)}, engine {_bytes(fp.engine_bytes)}, rollouts {_bytes(fp.rollout_bytes)}"
+        biggest = max(("state_bytes", "engine_bytes", "rollout_bytes"), key=lambda k: getattr(fp, k))
+        problems.append(
+            Problem(
+                fp.fields[biggest],
+                f"the job needs about {_bytes(fp.memory_bytes)} ({parts}); this server takes at most "
+                f"{_bytes(limits.max_job_bytes)} per job (limits.max_job_bytes): make it smaller",
+            )
+        )
+    for where, seconds in timeouts.items():
+        if seconds > limits.max_reward_timeout_s:
+            problems.append(
+                Problem(
+                    where,
+                    f"{seconds:g} s per call; this server allows at most {limits.max_reward_timeout_s:g} s "
+                    "(limits.max_reward_timeout_s): lower it",
+                )
+            )
+    return problems
+
+
+def _count(x: float) -> str:
+    return f"{int(x):,}"
+
+
+def _bytes(x: float) -> str:
+    return f"{x / GiB:.3g} GiB" if x >= GiB else f"{x / (1 << 20):.3g} MiB"
+
+
+class OpenJobs:
+    """The memory of the jobs open on this server (queued or running), for the per-server limits. Thread-safe.
+    `open_ids()` lists the open jobs (the journal's); `weigh(job_id)` estimates one not seen at submission (a
+    job recovered from the journal), 0 when it cannot."""
+
+    def __init__(self, open_ids: Callable[[], set[str]], weigh: Callable[[str], int]) -> None:
+        self.open_ids, self.weigh = open_ids, weigh
+        self.lock = threading.Lock()  # held across `check` and the journalling of the job (`admit`)
+        self._bytes: dict[str, int] = {}
+
+    def check(self, memory: int, limits: JobLimits) -> list[Problem]:
+        """Why one more job of `memory` bytes does not fit now (call with `lock` held)."""
+        open_now = self.open_ids()
+        for gone in set(self._bytes) - open_now:
+            del self._bytes[gone]
+        for job_id in open_now - set(self._bytes):
+            self._bytes[job_id] = self.weigh(job_id)
+        problems = []
+        if len(open_now) >= limits.max_open_jobs:
+            problems.append(
+                Problem(
+                    "server",
+                    f"{len(open_now)} jobs are queued or running, this server's limit (limits.max_open_jobs); "
+                    "submit again when some have ended",
+                )
+            )
+        total = sum(self._bytes.values())
+        if total + memory > limits.max_open_bytes:
+            problems.append(
+                Problem(
+                    "server",
+                    f"the open jobs need about {_bytes(total)} and this one {_bytes(memory)}: more than this "
+                    f"server's {_bytes(limits.max_open_bytes)} (limits.max_open_bytes); submit again when some "
+                    "have ended",
+                )
+            )
+        return problems
+
+    def add(self, job_id: str, memory: int) -> None:
+        """A job was journalled (call with `lock` held)."""
+        self._bytes[job_id] = memory
+
+
+def open_jobs_of(journal: Any, modules: list[str]) -> OpenJobs:
+    """The `OpenJobs` of a server's journal: its queued and running jobs; one recovered from the journal weighed
+    from its journalled config (compiled under the allow-list `modules`; 0 if it no longer compiles)."""
+
+    def open_ids() -> set[str]:
+        return {e.job_id for status in ("queued", "running") for e in journal.jobs(status, 1_000_000)}
+
+    def weigh(job_id: str) -> int:
+        from plexrl.job.footprint import footprint
+        from plexrl.job.load import load_job
+        from plexrl.roles import allowed_modules
+
+        entry = journal.get(job_id)
+        if entry is None or entry.config.get("kind", "job") != "job":
+            return 0
+        try:
+            with allowed_modules(modules):
+                return footprint(load_job(entry.config)).memory_bytes
+        except Exception:
+            return 0
+
+    return OpenJobs(open_ids, weigh)
+
+
+def reward_timeouts(config: dict[str, Any]) -> dict[str, float]:
+    """Each reward term's `timeout_s` by its field, from a validated config dumped as a dict."""
+    terms = (config.get("data") or {}).get("rewards") or []
+    return {f"data.rewards[{i}].timeout_s": float(t.get("timeout_s", 0)) for i, t in enumerate(terms)}
+
+
+__all__ = ["JobLimits", "OpenJobs", "job_problems", "open_jobs_of", "reward_timeouts"]
