@@ -102,7 +102,7 @@ def test_each_hand_over_moves_the_whole_state_out_and_in_with_no_prefetch() -> N
     the next one's in, and never prefetches; the planned mode keeps both resident after the first swap-ins."""
     moved: dict[str, list[Move]] = {}
     for name, policy in (("time-slicing", TimeSlicing()), ("hrrs", Hrrs())):
-        p = planner(policy)
+        p = planner(policy, exclusive=name == "time-slicing")
         p.handle(ServiceJoined("s0", device_bytes=20 * MB, host_bytes=100 * MB))
         todo = service_runs(p.handle(JobSubmitted("a", SIMPLE))) + service_runs(p.handle(JobSubmitted("b", SIMPLE)))
         runs = [(r, frozenset[str]()) for r in todo]  # each service node with the jobs ended before it was sent
