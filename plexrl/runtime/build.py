@@ -46,7 +46,7 @@ def make_executor(cfg: RuntimeConfig) -> Executor:
     from plexrl.runtime.dask import DaskExecutor, TLSFiles
 
     env: dict[str, dict[str, str]] = {}
-    if cfg.scheduler is None:
+    if cfg.scheduler is None and cfg.launcher is None:  # a launcher's workers get their GPUs from it
         visible = visible_gpus() if cuda else []
         env = worker_envs(s.device, s.count, s.ranks, s.devices, visible, deterministic=s.deterministic)
     t = cfg.dask_tls
@@ -55,6 +55,7 @@ def make_executor(cfg: RuntimeConfig) -> Executor:
         device=s.device, validate=cfg.validate_state, ranks=s.ranks, group_timeout=s.group_timeout,
         host=cfg.dask_host, tls=TLSFiles(t.ca_file, t.cert, t.key) if t is not None else None,
         pin_cores=cfg.pin_cores, worker_env=env, deterministic=s.deterministic, host_memory=host,
+        launcher=cfg.launcher,
     )  # fmt: skip
 
 

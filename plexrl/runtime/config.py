@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, model_validator
 
 from plexrl.job.model_config import StrictModel
+from plexrl.runtime.launchers import KubernetesLauncher, Launcher
 from plexrl.runtime.tls import is_loopback
 
 
@@ -164,6 +165,12 @@ class RuntimeConfig(DaskNetwork):
     each rule about it is checked here, once."""
 
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
+    launcher: Launcher | None = Field(
+        None,
+        description="driver: dask: start the workers on a Slurm cluster (kind: slurm, dask-jobqueue) or on "
+        "Kubernetes (kind: kubernetes, dask-kubernetes) instead of this machine: one worker per GPU and the CPU "
+        "pool as its own job class (plexrl/runtime/launchers.py; docs/operations.md).",
+    )
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
@@ -225,6 +232,18 @@ class RuntimeConfig(DaskNetwork):
     def _rules(self) -> RuntimeConfig:
         if self.scheduler is not None and self.driver != "dask":
             raise ValueError("`scheduler` needs `driver: dask`")
+        if self.launcher is not None and (self.driver != "dask" or self.scheduler is not None):
+            raise ValueError("`launcher` starts a Dask cluster: set driver: dask and no `scheduler`")
+        if (
+            isinstance(self.launcher, KubernetesLauncher)
+            and self.dask_tls is None
+            and not self.allow_plaintext_scheduler
+        ):
+            raise ValueError(
+                "launcher: kubernetes runs the Dask scheduler in a pod, reached over the network: give `dask_tls` "
+                "(its files also in the launcher's tls_secret), or set allow_plaintext_scheduler: true in a namespace "
+                "whose NetworkPolicy admits only the server and the workers (docs/operations.md)"
+            )
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
         if self.batch_rollouts and self.ordering == "time-slicing":

@@ -98,11 +98,13 @@ class DaskExecutor:
         worker_env: dict[str, dict[str, str]] | None = None,
         deterministic: bool = False,
         host_memory: int | None = None,
+        launcher: Any = None,
     ) -> None:
         """`worker_env`: a local cluster's worker environments by worker name (`plexrl.devices.worker_envs`:
         each service rank's `CUDA_VISIBLE_DEVICES` and CUDA settings, the CPU pool's empty GPU list);
         `deterministic`: torch's deterministic algorithms in every service worker (`devices.configure_process`)."""
         self.clock = time.time
+        self.launcher = launcher  # Slurm or Kubernetes starts the workers (`runtime/launchers.py`), not this machine
         self.worker_env = worker_env or {}
         self.deterministic = deterministic
         self.host_memory = host_memory  # each service's host tier (its pinned pool stays within it)
@@ -161,7 +163,14 @@ class DaskExecutor:
                 f"scheduler {self.scheduler!r} speaks TLS but no certificates are given: set `dask_tls` "
                 "(ca_file, cert, key), or distributed.comm.tls in Dask's configuration"
             )
-        if self.scheduler is None:
+        if self.launcher is not None:
+            from plexrl.runtime.launchers import start_cluster
+
+            dask.config.set({"distributed.scheduler.active-memory-manager.start": False})  # as below
+            self.cluster = start_cluster(self.launcher, workers=self.n_services * self.ranks,
+                                         cpu_threads=self.cpu_threads, host=self.host, tls=self.tls)  # fmt: skip
+            self.client = Client(self.cluster, security=security)
+        elif self.scheduler is None:
             # Dask's nanny exports MALLOC_TRIM_THRESHOLD_ to its workers; glibc then stops adapting its mmap
             # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
             # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
@@ -194,7 +203,8 @@ class DaskExecutor:
         else:
             self.client = Client(self.scheduler, security=security)
         # a local cluster: every worker it was given (a service missing at start would never be used)
-        self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=120)
+        wait = self.launcher.start_timeout_s if self.launcher is not None else 120
+        self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=wait)
         info = self.client.scheduler_info()["workers"]
         gpu = sorted((w.get("name", a), a) for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1)
         if not gpu:
@@ -205,7 +215,7 @@ class DaskExecutor:
         self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
         if not self.cpu_workers:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
-        if self.pin_cores and self.scheduler is None:
+        if self.pin_cores and self.scheduler is None and self.launcher is None:
             self._pin([a for _, a in gpu])
         if self.deterministic:
             from plexrl.devices import configure_process
