@@ -198,6 +198,7 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
     for s in res.report.services:
         print(f"    {s.service}: busy {s.busy:.1f}s (weight loads {s.weights:.2f}s of it) swap {s.swap:.2f}s "
               f"startup {s.startup:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")  # fmt: skip
+    startup_timeline(res.spans)
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
@@ -216,6 +217,21 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
         busy / (cluster.config.services.count * makespan) if makespan > 0 else float("nan"),
         {h.job_id: curve(h.history) for h in res.jobs},
     )
+
+
+def startup_timeline(spans: Sequence[Any]) -> None:
+    """Where the first seconds went (issue 41 item 4), on the run's clock from the runner's start (after the
+    cluster started): each job's load on its service and its first service node."""
+    loads = sorted((s for s in spans if s.kind == "load"), key=lambda s: s.start)
+    first: dict[str, float] = {}
+    for s in spans:
+        if s.kind == "node" and s.lane != "cpu":
+            first[s.job] = min(first.get(s.job, s.start), s.start)
+    if not first:
+        return
+    parts = ", ".join(f"{s.job} load {s.start:.2f}-{s.end:.2f}s, first node {first.get(s.job, float('nan')):.2f}s"
+                      for s in loads)  # fmt: skip
+    print(f"    start-up: first service node at {min(first.values()):.2f}s; {parts}")
 
 
 def one_rep(cluster: LoadedCluster, iso_driver: str, orderings: Sequence[str]) -> Rep:
