@@ -165,6 +165,7 @@ class Mux:
     waits: list[float] = dataclasses.field(default_factory=list)
     duty: float = float("nan")
     curves: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)
+    swap: tuple[float, float, float, int] = (0.0, 0.0, float("nan"), 0)  # blocking, background, hidden, bytes
 
 
 @dataclasses.dataclass(slots=True)
@@ -216,6 +217,7 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
         phase_waits(res.spans, plans_of(res.jobs)),
         busy / (cluster.config.services.count * makespan) if makespan > 0 else float("nan"),
         {h.job_id: curve(h.history) for h in res.jobs},
+        (blocking, prefetch, hidden, moved),
     )
 
 
