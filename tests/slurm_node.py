@@ -72,7 +72,10 @@ def start(root: Path, timeout: float = 60.0) -> SlurmNode:
     host = socket.gethostname().split(".")[0]
     node = SlurmNode(root / "slurm.conf")
     node.conf.write_text(_conf(root, host))
-    if not _munge_answers():
+    if not _munge_answers():  # a fresh machine: the package's key (or a new one), the socket's directory
+        if not Path("/etc/munge/munge.key").is_file() and shutil.which("mungekey"):
+            subprocess.run(["mungekey", "--create"], check=True, timeout=30)
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
         subprocess.run(["munged", "--force", f"--pid-file={root}/munged.pid", f"--log-file={root}/log/munged.log"],
                        check=True, timeout=30)  # fmt: skip
         node.pids.append(int((root / "munged.pid").read_text()))
