@@ -296,8 +296,7 @@ class Planner:
     # -- retries (`retries.Backoffs`) ------------------------------------------------------------------
     @property
     def wake_at(self) -> float | None:
-        """When the planner next needs a `Tick` (the earliest end of a backoff, or the time a job held by its
-        user's quota may go in); None: no event is due."""
+        """When the planner next needs a `Tick` (a backoff's end, a quota-held job's way in); None: none due."""
         times = [t for t in (self._backing.wake_at(self.jobs), self._release_at) if t is not None]
         return min(times) if times else None
 
@@ -486,8 +485,7 @@ class Planner:
 
     # -- checks --------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check every invariant (`checks.any_violation`); raise `InvalidTransition` with history on the first
-        violation."""
+        """Check every invariant (`checks.any_violation`); raise `InvalidTransition` with history on the first."""
         problem = any_violation(self.jobs, self.services)
         if problem is not None:
             raise InvalidTransition(self._history(problem))
