@@ -58,6 +58,7 @@ from typing import Any
 from plexrl.planner.state import Tier
 from plexrl.runtime.dask_tasks import _run_cpu_node, _start_and_warm, _warm_up
 from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
+from plexrl.runtime.launchers import start_cluster
 from plexrl.runtime.tls import LOOPBACK, TLSFiles, is_loopback
 from plexrl.runtime.topology import Topology, topology_for
 
@@ -104,7 +105,7 @@ class DaskExecutor:
         each service rank's `CUDA_VISIBLE_DEVICES` and CUDA settings, the CPU pool's empty GPU list);
         `deterministic`: torch's deterministic algorithms in every service worker (`devices.configure_process`)."""
         self.clock = time.time
-        self.launcher = launcher  # Slurm or Kubernetes starts the workers (`runtime/launchers.py`), not this machine
+        self.launcher = launcher  # Slurm or Kubernetes starts the workers (`runtime/launchers.py`)
         self.worker_env = worker_env or {}
         self.deterministic = deterministic
         self.host_memory = host_memory  # each service's host tier (its pinned pool stays within it)
@@ -163,12 +164,9 @@ class DaskExecutor:
                 f"scheduler {self.scheduler!r} speaks TLS but no certificates are given: set `dask_tls` "
                 "(ca_file, cert, key), or distributed.comm.tls in Dask's configuration"
             )
-        if self.launcher is not None:
-            from plexrl.runtime.launchers import start_cluster
-
-            dask.config.set({"distributed.scheduler.active-memory-manager.start": False})  # as below
-            self.cluster = start_cluster(self.launcher, workers=self.n_services * self.ranks,
-                                         cpu_threads=self.cpu_threads, host=self.host, tls=self.tls)  # fmt: skip
+        if self.launcher is not None:  # Slurm or Kubernetes starts the workers; returns once they joined
+            self.cluster = start_cluster(self.launcher, self.n_services * self.ranks, self.cpu_threads, self.host,
+                                         self.tls)  # fmt: skip
             self.client = Client(self.cluster, security=security)
         elif self.scheduler is None:
             # Dask's nanny exports MALLOC_TRIM_THRESHOLD_ to its workers; glibc then stops adapting its mmap
@@ -203,8 +201,7 @@ class DaskExecutor:
         else:
             self.client = Client(self.scheduler, security=security)
         # a local cluster: every worker it was given (a service missing at start would never be used)
-        wait = self.launcher.start_timeout_s if self.launcher is not None else 120
-        self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=wait)
+        self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=120)
         info = self.client.scheduler_info()["workers"]
         gpu = sorted((w.get("name", a), a) for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1)
         if not gpu:

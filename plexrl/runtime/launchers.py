@@ -275,13 +275,24 @@ def _start_kubernetes(launcher: KubernetesLauncher, workers: int, cpu_threads: i
 
 
 def start_cluster(
-    launcher: SlurmLauncher | KubernetesLauncher, *, workers: int, cpu_threads: int, host: str, tls: TLSFiles | None
+    launcher: SlurmLauncher | KubernetesLauncher, workers: int, cpu_threads: int, host: str, tls: TLSFiles | None
 ) -> Any:
-    """The launcher's Dask cluster (a `distributed.deploy.Cluster`), its workers asked for: `workers` GPU
-    workers and the CPU pool. The caller connects a Client to it and waits for them (`start_timeout_s`)."""
+    """The launcher's Dask cluster (a `distributed.deploy.Cluster`) once its `workers` GPU workers and the CPU
+    pool have joined (at most `start_timeout_s`; a Slurm queue may hold the jobs a while). The scheduler runs
+    without Dask's active memory manager, as the local cluster's (`DaskExecutor.start` says why)."""
+    import dask
+
+    dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
     if isinstance(launcher, SlurmLauncher):
-        return _start_slurm(launcher, workers, cpu_threads, host, tls)
-    return _start_kubernetes(launcher, workers, cpu_threads, tls)
+        cluster = _start_slurm(launcher, workers, cpu_threads, host, tls)
+    else:
+        cluster = _start_kubernetes(launcher, workers, cpu_threads, tls)
+    try:
+        cluster.wait_for_workers(workers + 1, timeout=launcher.start_timeout_s)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
 
 
 __all__ = [
