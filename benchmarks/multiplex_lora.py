@@ -13,7 +13,10 @@ switch swaps the adapters and their AdamW moments, megabytes, never the base; 0:
 Two arms in every repetition, seeds identical (benchmarks/multiplex.py's lean and multiplexed arms):
 (a) alone: each job by itself in this process on the local driver (the dedicated baseline: its own service,
     its own copy of the base), its cost = 1 service x its wall time;
-(b) multiplexed: all jobs on ONE service of the config's driver with `--orderings`.
+(b) multiplexed: all jobs on ONE service of the config's driver with `--orderings`, and (unless
+    `--no-time-slicing`) with `time-slicing`, the llm-d / OpenRL design on our executor (benchmarks/multiplex.py;
+    here the shared base stays on the service: a hand-over moves the holder's adapter and moments, while an
+    OpenRL job, a process of its own, would move its whole GPU state, base included: this flatters time-slicing).
 Printed: every job's slowdown (multiplexed completion / alone) next to the slowdown bound and the goal
 (<= 1.5), and training steps per accelerator-second, multiplexed / alone (goal >= 2.5x, the anchor being
 SkyRL's 2.81x experiment throughput on one node), next to its bound (`plexrl.accounting.cost_bound`: the jobs'
@@ -54,7 +57,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' helpers, run from anywhere
 
 from _smol_short import short_copy
-from multiplex import Alone, Mux, run_alone, run_mux, spread, with_iterations
+from multiplex import SLICING, Alone, Mux, against_slicing, run_alone, run_mux, spread, with_iterations
 
 from plexrl.cluster import LoadedCluster, load_cluster
 
@@ -164,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="multiplexed arm: co-schedule the jobs' rollouts into one vLLM call (needs --engine vllm)",
     )
+    ap.add_argument("--no-time-slicing", action="store_true", help="skip the time-slicing arm (the llm-d / OpenRL "
+                    "design on our executor, run by default beside the orderings)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="2 jobs, 1 layer, 1 iteration of 2 x 2, local (tests)")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="plexrl-multiplex-lora-") if args.smoke else None
@@ -194,12 +199,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_torch(cluster.config.services.threads)
     run_alone(with_iterations(dataclasses.replace(cluster, jobs=cluster.jobs[:1]), 1), "local", "warm-up")
     orderings = args.orderings.split(",")
+    if not args.no_time_slicing and SLICING not in orderings:
+        orderings.append(SLICING)  # the llm-d / OpenRL design on our executor, side by side
     # with --batch-rollouts every ordering runs twice in each repetition: its rollouts one call per job, then
     # co-scheduled into one vLLM call (cluster batch_rollouts: true), side by side against the same alone arm
     arms = {o: cluster for o in orderings}
     if args.batch_rollouts:
         batched = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"batch_rollouts": True}))
-        arms.update({f"{o}+batched": batched for o in orderings})
+        arms.update({f"{o}+batched": batched for o in orderings if o != SLICING})  # one job's node at a time
     lean: list[dict[str, Alone]] = []
     mux: dict[str, list[Mux]] = {o: [] for o in arms}
     for i in range(args.reps):
@@ -212,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             mux[arm].append(run_mux(loaded, arm.split("+")[0]))
     for arm in arms:
         report(lean, mux[arm], arm)
+    against_slicing(lean, mux)
     print(f"({args.reps} repetition(s); mean +- sample sd [min, max]; base: {model})")
     if tmp is not None:
         tmp.cleanup()

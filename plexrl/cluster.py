@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,9 @@ class ClusterJob(StrictModel):
     config: str | None = Field(None, description="Job YAML path, relative to the cluster file.")
     set: dict[str, Any] = Field(default_factory=dict, description="Overrides, e.g. {seed: 1, iterations: 50}.")
     job: dict[str, Any] | None = Field(None, description="An inline job config instead of a file.")
+    user: str = Field(
+        "", max_length=64, description="Who the job belongs to (fair share and per-user limits, as a server's users)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ClusterJob:
@@ -160,7 +163,8 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     cfg = loaded.config
     run_dir = Path(cfg.run_dir).resolve()
     warm = "cuda" if cfg.services.device == "cuda" and visible_gpus() else "cpu"  # where warm starts train
-    specs = [prepare_job(job, device=warm) for job in loaded.jobs]
+    users = [j.user for j in cfg.jobs] if len(cfg.jobs) == len(loaded.jobs) else [""] * len(loaded.jobs)
+    specs = [replace(prepare_job(job, device=warm), user=u) for job, u in zip(loaded.jobs, users, strict=True)]
     extra = list(hooks)
     hooks = standard_hooks(run_dir, progress=progress, mlflow=any(j.config.tracking.mlflow for j in loaded.jobs))
     out_dir = run_dir / "clusters" / f"{cfg.name}-{int(time.time())}"

@@ -28,7 +28,8 @@ EXPECTED = {
     "client_bytes": "client bytes/iteration",
     "dask_overhead": "ratio dask / in-process",
     "engine_choice": "vLLM / torch time",
-    "multiplex": "multiplexed / lean",
+    "multiplex": "/ time-slicing: cost",  # the time-slicing arm ran beside the default ordering
+    "multiplex_real": "state moves against the memory-copy bound",
     "pipeline_overhead": "ratio plexrl / hand",
     "real_model": "seeds at >= 85% within 20 minutes",
     "rollout": "wrapper/raw",

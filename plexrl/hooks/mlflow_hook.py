@@ -6,9 +6,12 @@ pipeline DAG, the timeline, and the final model. Uses `MlflowClient` with explic
 can be tracked at once. Default store: `sqlite:///<run_dir>/mlflow.db`; `tracking.uri` or the environment
 variable MLFLOW_TRACKING_URI overrides it.
 
-A job whose tracking fails (its experiment cannot be created, the store refuses a write) loses tracking for
-itself only: `HookList` turns this hook off for that job and keeps it on for the others. What the hook keeps
-per job is dropped at the job's end (a server runs jobs for weeks).
+A job's run is created at its start (its id goes to `job.tracking` at once); its params and artifacts (the
+config, the job YAML, a picture of the DAG: the slow part) are written on a background thread while the job's
+load runs on its service, and every later call for that job waits for them first. A job whose tracking fails
+(its experiment cannot be created, the store refuses a write) loses tracking for itself only: `HookList` turns
+this hook off for that job (at the call where the failure surfaces) and keeps it on for the others. What the
+hook keeps per job is dropped at the job's end (a server runs jobs for weeks).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,21 @@ class MlflowHook(Hook):
         self.clients: dict[str, Any] = {}
         self.runs: dict[str, str] = {}
         self.logged: dict[str, int] = {}  # a resumed job's last step already in its run (not logged twice)
+        self._starting: dict[str, Future[None]] = {}  # job -> its run being created (`on_job_start`)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _started(self, job_id: str) -> None:
+        """Wait until the job's run exists (raises what creating it raised)."""
+        fut = self._starting.pop(job_id, None)
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        """Wait for runs still being created, then stop the background thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._starting.clear()
 
     def _client(self, job: JobRun) -> Any:
         from mlflow.tracking import MlflowClient
@@ -58,8 +77,8 @@ class MlflowHook(Hook):
         return self.clients[uri]
 
     def on_job_start(self, job: JobRun) -> None:
-        from mlflow.entities import Param
-
+        """Create (or, resumed, reopen) the job's run here, so its id is in `job.tracking` at once (the server
+        journals it); log its params and artifacts on the background thread (see the module docstring)."""
         client = self._client(job)
         resume = getattr(job.spec, "resume_run_id", None)
         if resume:  # resumed from a checkpoint (plexrl serve): continue the same run, params already logged
@@ -77,9 +96,16 @@ class MlflowHook(Hook):
         else:
             exp_id = exp.experiment_id
         run = client.create_run(exp_id, run_name=job.job_id, tags={"plexrl.pipeline": job.graph.name})
-        run_id = run.info.run_id
-        self.runs[job.job_id] = run_id
-        job.tracking.update(run_id=run_id, experiment_id=exp_id)
+        self.runs[job.job_id] = run.info.run_id
+        job.tracking.update(run_id=run.info.run_id, experiment_id=exp_id)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-start")
+        self._starting[job.job_id] = self._pool.submit(self._start, job, client, run.info.run_id)
+
+    def _start(self, job: JobRun, client: Any, run_id: str) -> None:
+        """The new run's params and artifacts (the config, the resolved job YAML, a picture of the DAG)."""
+        from mlflow.entities import Param
+
         params = flatten(job.config.model_dump(mode="json"))
         params.update({f"warm_start_result.{k}": v for k, v in job.spec.warm_start.items()})
         params["pipeline.graph"] = json.dumps(job.graph.describe())
@@ -103,6 +129,7 @@ class MlflowHook(Hook):
     def on_iteration_end(self, job: JobRun, iteration: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
+        self._started(job.job_id)
         run_id = self.runs.get(job.job_id)
         if run_id is None:
             return
@@ -114,6 +141,10 @@ class MlflowHook(Hook):
         self._client(job).log_batch(run_id, metrics=rows)
 
     def on_job_end(self, job: JobRun) -> None:
+        try:
+            self._started(job.job_id)
+        except Exception:
+            log.exception("could not create the MLflow run of job %s", job.job_id)
         run_id = self.runs.pop(job.job_id, None)
         self.logged.pop(job.job_id, None)
         if run_id is None:

@@ -99,6 +99,7 @@ class Planner:
         batch_rollouts: bool = False,
         user_limits: UserLimits | None = None,
         fair_admission: bool = False,
+        exclusive: bool = False,
         log_size: int = 200,
         max_instructions_per_event: int = 100_000,
     ) -> None:
@@ -109,9 +110,9 @@ class Planner:
         # lookahead: while a service runs a node, the next one (of another job) is already chosen and sent,
         # so a driver whose round trip is not free (Dask) can start it the moment the first one ends
         self.lookahead = lookahead
+        self.exclusive = exclusive  # whole states out and in at each hand-over, no prefetch (`StateManager.exclusive`)
         # lookahead holds a pick back when a node the ordering prefers is due before the running one ends
-        # (`ahead.hold`); None: as the ordering says (its `hold_ahead`: io-first's job classes gain from it, HRRS's
-        # per-node ratios lose its early swaps and gain nothing)
+        # (`ahead.hold`); None: as the ordering says (io-first's `hold_ahead`; HRRS loses its early swaps with it)
         self.hold_ahead = hold_ahead if hold_ahead is not None else bool(getattr(self.ordering, "hold_ahead", False))
         # a cpu node observed to take less than this (seconds) is marked `inline`: an executor whose pool
         # round trip costs more than the node itself may run it next to its inputs (None: never)
@@ -211,7 +212,8 @@ class Planner:
             raise InvalidTransition(self._history(f"service {ev.service_id!r} joined twice"))
         self._admission_due = True
         budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
-        self.services[ev.service_id] = ServiceRecord(ev.service_id, state=StateManager(ev.service_id, budgets))  # type: ignore[arg-type]
+        state = StateManager(ev.service_id, budgets, exclusive=self.exclusive)  # type: ignore[arg-type]
+        self.services[ev.service_id] = ServiceRecord(ev.service_id, state=state)
 
     def _service_lost(self, ev: ServiceLost, out: list[Instruction]) -> None:
         svc = self.services.get(ev.service_id)
@@ -296,8 +298,7 @@ class Planner:
     # -- retries (`retries.Backoffs`) ------------------------------------------------------------------
     @property
     def wake_at(self) -> float | None:
-        """When the planner next needs a `Tick` (the earliest end of a backoff, or the time a job held by its
-        user's quota may go in); None: no event is due."""
+        """When the planner next needs a `Tick` (a backoff's end, a quota-held job's way in); None: none due."""
         times = [t for t in (self._backing.wake_at(self.jobs), self._release_at) if t is not None]
         return min(times) if times else None
 
@@ -486,8 +487,7 @@ class Planner:
 
     # -- checks --------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check every invariant (`checks.any_violation`); raise `InvalidTransition` with history on the first
-        violation."""
+        """Check every invariant (`checks.any_violation`); raise `InvalidTransition` with history on the first."""
         problem = any_violation(self.jobs, self.services)
         if problem is not None:
             raise InvalidTransition(self._history(problem))

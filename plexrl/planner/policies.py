@@ -110,6 +110,10 @@ class OrderingView:
     due: Callable[[], Mapping[str, float]] = lambda: {}
     # a job's `Pace` (`job_pace`): only `Deadline` asks
     pace: Callable[[str], Pace] = lambda job_id: Pace(0.0, 0.0, 0.0)
+    # whether the node continues the phase of the job that ran last here: it follows that job's last node with
+    # no off-service work between (every dependency a service node, or the next chunk or slice of a node under
+    # way; `views.continues_phase`); only `TimeSlicing` asks
+    continues: Callable[[QueuedNode], bool] = lambda q: False
 
 
 class OrderingPolicy(Protocol):
@@ -390,6 +394,30 @@ class IoFirst:
         return mine[self.inner.pick([queue[i] for i in mine], now, view)]
 
 
+class TimeSlicing:
+    """Exclusive time-slicing, the llm-d / OpenRL design on our executor: a FIFO lock per service, taken for
+    each phase and given back after it. llm-d's RL time-slicing (GKE's OpenRL on top) shares a GPU group
+    between independent RL jobs this way (`acquire()` before a rollout or a training step, `yield()` after it,
+    waiters first come first served, the whole GPU state of the holder snapshotted to host at each hand-over;
+    nothing prefetched, nothing sent ahead, no job's DAG or gaps looked at).
+
+    Here: the queued nodes run in the order they became ready, except that the job holding the lock keeps it
+    for the rest of its phase (a node that `OrderingView.continues` goes first: one `acquire()` ... `yield()`
+    for consecutive service nodes). `exclusive`: the planner's state moves go with it (`StateManager.exclusive`:
+    one job's state on device at a time, the others off whole, no prefetch); `settings.policies_of` turns
+    lookahead and fair share off for it. So both arms run on the same executor and services and differ only
+    in these policies."""
+
+    name = "time-slicing"
+    exclusive = True
+
+    def pick(self, queue: list[QueuedNode], now: float, view: OrderingView) -> int:
+        for i, q in enumerate(queue):
+            if view.continues(q):
+                return i  # the lock holder's phase goes on
+        return 0  # the lock goes to the first waiter (the queue comes in ready order)
+
+
 PLACEMENTS: dict[str, Callable[[], PlacementPolicy]] = {
     "isolated": Isolated,
     "pack": Pack,
@@ -414,4 +442,5 @@ ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {
     "slowdown": Slowdown,
     "deadline": Deadline,
     "io-first": IoFirst,
+    "time-slicing": TimeSlicing,
 }

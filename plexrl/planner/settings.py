@@ -45,6 +45,9 @@ class PlannerSettings(Protocol):
     def batch_rollouts(self) -> bool: ...
 
     @property
+    def state_moves(self) -> str: ...  # "planned" (the StateManager's) or "exclusive" (time-slicing's)
+
+    @property
     def validate_state(self) -> bool: ...
 
     @property
@@ -61,16 +64,20 @@ def policies_of(section: PlannerSettings) -> dict[str, Any]:
     back as `hold_ahead` says) and cpu nodes shorter than a round trip run next to their inputs (on the
     in-process driver neither: nothing is gained). Per user (`admission.py`): `max_jobs_per_user` and
     `max_share_per_user` hold a user's further queued jobs; with `fair_share` the queued jobs are weighed users
-    first."""
+    first. `state_moves: exclusive` (implied by `ordering: time-slicing`): the StateManager's exclusive mode."""
     order = ORDERINGS[section.ordering]()
-    if section.fair_share:
+    # exclusive time-slicing (the llm-d / OpenRL design, `policies.TimeSlicing`): FIFO by ready time, whole-state
+    # moves at each hand-over, nothing sent ahead: no fair share, no lookahead, whatever else the section says
+    slicing = section.ordering == "time-slicing"
+    if section.fair_share and not slicing:
         order = FairShare(order)
     dask = section.driver == "dask"
     return dict(
         placement=placement_policy(section.placement, section.max_load),
         ordering=order,
         usage=Usage(section.share_half_life_s),
-        lookahead=dask and section.lookahead,
+        exclusive=slicing or section.state_moves == "exclusive",
+        lookahead=dask and section.lookahead and not slicing,
         hold_ahead=section.hold_ahead,
         inline_below=INLINE_BELOW_S if dask else None,
         batch_rollouts=section.batch_rollouts,

@@ -12,6 +12,11 @@ room, otherwise the victim itself goes to disk. So the state needed last sits in
 A shared generation engine (vLLM: one weight copy plus its KV cache) is a fixed resident of the device tier
 while one of its jobs is placed here: admitting the first job of an engine reserves it, releasing the last
 frees it. Not done here: timing, checksums, actually moving tensors (the service does that).
+
+`exclusive` (the state-movement mode of exclusive time-slicing, the llm-d / OpenRL design): one job's state
+on device at a time. Making a job resident first moves every other job's state off device, whole, whether
+or not the budget could hold them side by side (a hand-over snapshots the previous holder's state to host),
+and nothing is ever prefetched. Shared engines stay (they are the service's, not a job's).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class StateManager:
     # each job uses; an engine stays while one of its jobs is placed here and is never evicted
     engines: dict[str, int] = field(default_factory=dict)
     engine_of: dict[str, str] = field(default_factory=dict)
+    exclusive: bool = False  # one job's state on device at a time; no prefetch (see the module docstring)
     # bytes used per tier, recomputed after any change (every write below goes through `_changed`)
     _used: dict[Tier, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -101,7 +107,13 @@ class StateManager:
         largest = max(self.size.values(), default=0)
         if extra and budget is not None and largest + sum(self.engines.values()) + extra > budget:
             return False  # a new engine must leave every placed job room to run beside the engines
-        return any(self.free(t) - (extra if t == "device" else 0) >= nbytes for t in TIERS)
+        return any(self.free(t) - (extra if t == "device" else 0) >= nbytes for t in self._admit_tiers())
+
+    def _admit_tiers(self) -> tuple[Tier, ...]:
+        """The tiers a new state may start in: any, or below device in the `exclusive` mode while another
+        state is there."""
+        taken = self.exclusive and any(t == "device" for t in self.where.values())
+        return TIERS[1:] if taken else TIERS
 
     def on_device(self, job_id: str) -> bool:
         return self.where.get(job_id) == "device"
@@ -118,7 +130,7 @@ class StateManager:
             self.engines.setdefault(engine[0], engine[1])
             self._used.clear()
             self.engine_of[job_id] = engine[0]
-        for tier in TIERS:
+        for tier in self._admit_tiers():
             if self.free(tier) >= nbytes:
                 self.size[job_id] = nbytes
                 self._put(job_id, tier)
@@ -155,8 +167,15 @@ class StateManager:
         if src == "device":
             return []
         snapshot = dict(self.where)
+        keep = pinned | {job_id}
         try:
-            moves = self._room_on("device", self.size[job_id], next_use, pinned | {job_id}, None)
+            moves: list[Move] = []
+            if self.exclusive:  # the hand-over: every other state off device, whole, latest next use first
+                others = sorted((j for j, t in self.where.items() if t == "device" and j not in keep),
+                                key=lambda j: (-next_use.get(j, math.inf), j))  # fmt: skip
+                for other in others:
+                    moves += self._demote(other, TIERS[1:], next_use, keep)
+            moves += self._room_on("device", self.size[job_id], next_use, keep, None)
         except NoRoom:
             self._restore(snapshot)
             raise
@@ -165,8 +184,9 @@ class StateManager:
         return moves
 
     def prefetch(self, job_id: str, next_use: Mapping[str, float], pinned: set[str]) -> list[Move]:
-        """Like `make_resident`, but only evicting jobs needed later than `job_id`; [] if that is not enough."""
-        if self.where.get(job_id, "device") == "device":
+        """Like `make_resident`, but only evicting jobs needed later than `job_id`; [] if that is not enough,
+        and always [] in the `exclusive` mode (no prefetch)."""
+        if self.exclusive or self.where.get(job_id, "device") == "device":
             return []
         horizon = next_use.get(job_id, math.inf)
         snapshot = dict(self.where)
@@ -234,6 +254,8 @@ class StateManager:
                 raise AssertionError(
                     f"service {self.service_id}: tier {tier} over budget ({self.used(tier)} > {self.budgets[tier]})"
                 )
+        if self.exclusive and sum(t == "device" for t in self.where.values()) > 1:
+            raise AssertionError(f"service {self.service_id}: exclusive, but {self.where} has several on device")
         if set(self.where) != set(self.size):
             raise AssertionError(f"service {self.service_id}: state records out of step")
         if set(self.engine_of.values()) != set(self.engines) or not set(self.engine_of) <= set(self.where):

@@ -40,7 +40,19 @@ def ordering_view(
         lambda u: usage.value(u, now), lambda j: projected_slowdown(jobs[j], costs.predict, now),
         lambda: due(svc, jobs, costs.predict, gap_after, now),
         lambda j: job_pace(jobs[j], costs.predict, now),
+        lambda q: q.job_id == resident and continues_phase(jobs[q.job_id], q.node),
     )  # fmt: skip
+
+
+def continues_phase(job: JobRecord, node: str) -> bool:
+    """Whether `node` of `job` continues the job's phase on its service (`OrderingView.continues`, asked of the
+    job that ran last there): the next chunk or slice of a node under way, or a node whose dependencies are all
+    service nodes (it became ready as the job's previous service node ended, with no off-service work between)."""
+    if job.chunk.get(node, 0) > 0 or job.nodes.get(node) == "paused":
+        return True
+    plan = job.plan.nodes
+    deps = plan[node].deps
+    return bool(deps) and all(plan[d].placement == "service" for d in deps)
 
 
 def next_job(
@@ -121,4 +133,4 @@ def planner_view(
     return PlannerView(queues, views)
 
 
-__all__ = ["JobView", "PlannerView", "QueueView", "next_job", "ordering_view", "planner_view"]
+__all__ = ["JobView", "PlannerView", "QueueView", "continues_phase", "next_job", "ordering_view", "planner_view"]

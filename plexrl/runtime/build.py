@@ -48,7 +48,7 @@ def make_executor(cfg: RuntimeConfig, *, cpu_node_s: float | None = None) -> Exe
     from plexrl.runtime.dask import DaskExecutor, TLSFiles
 
     env: dict[str, dict[str, str]] = {}
-    if cfg.scheduler is None:
+    if cfg.scheduler is None and cfg.launcher is None:  # a launcher's workers get their GPUs from it
         visible = visible_gpus() if cuda else []
         env = worker_envs(s.device, s.count, s.ranks, s.devices, visible, deterministic=s.deterministic)
     t = cfg.dask_tls
@@ -58,6 +58,7 @@ def make_executor(cfg: RuntimeConfig, *, cpu_node_s: float | None = None) -> Exe
         host=cfg.dask_host, tls=TLSFiles(t.ca_file, t.cert, t.key) if t is not None else None,
         pin_cores=cfg.pin_cores, worker_env=env, deterministic=s.deterministic, host_memory=host,
         cpu_node_s=cpu_node_s,
+        launcher=cfg.launcher,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, model_validator
 
 from plexrl.job.model_config import StrictModel
+from plexrl.runtime.launchers import KubernetesLauncher, Launcher
 from plexrl.runtime.tls import is_loopback
 
 
@@ -164,6 +165,12 @@ class RuntimeConfig(DaskNetwork):
     each rule about it is checked here, once."""
 
     cpu_threads: int = Field(2, ge=1, description="Threads of the local CPU-pool worker.")
+    launcher: Launcher | None = Field(
+        None,
+        description="driver: dask: start the workers on a Slurm cluster (kind: slurm, dask-jobqueue) or on "
+        "Kubernetes (kind: kubernetes, dask-kubernetes) instead of this machine: one worker per GPU and the CPU "
+        "pool as its own job class (plexrl/runtime/launchers.py; docs/operations.md).",
+    )
     services: ServicesConfig = Field(default_factory=ServicesConfig)  # type: ignore[arg-type]
     placement: Literal["isolated", "pack", "spread", "spread+backfill"] = Field(
         "spread+backfill", description="Placement policy."
@@ -172,12 +179,20 @@ class RuntimeConfig(DaskNetwork):
         1.0, gt=0, le=64,
         description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this.",
     )  # fmt: skip
-    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first"] = Field(
+    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first", "time-slicing"] = Field(
         "hrrs",
         description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware), "
         "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns), "
-        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end) or "
-        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs).",
+        "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end), "
+        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs) or "
+        "time-slicing (the llm-d / OpenRL design, for comparison: a FIFO lock per service held for a phase, the "
+        "whole state moved out and in at each hand-over, no prefetch, lookahead or fair share).",
+    )
+    state_moves: Literal["planned", "exclusive"] = Field(
+        "planned",
+        description="planned: the StateManager keeps as many states on device as fit, evicting by next use, "
+        "and prefetches; exclusive: one job's state on device at a time, every other one moved off whole at "
+        "each hand-over, nothing prefetched (implied by ordering: time-slicing).",
     )
     lookahead: bool = Field(
         True, description="dask: send a service its next node while one runs (saves a round trip per node)."
@@ -217,8 +232,23 @@ class RuntimeConfig(DaskNetwork):
     def _rules(self) -> RuntimeConfig:
         if self.scheduler is not None and self.driver != "dask":
             raise ValueError("`scheduler` needs `driver: dask`")
+        if self.launcher is not None and (self.driver != "dask" or self.scheduler is not None):
+            raise ValueError("`launcher` starts a Dask cluster: set driver: dask and no `scheduler`")
+        if (
+            isinstance(self.launcher, KubernetesLauncher)
+            and self.dask_tls is None
+            and not self.allow_plaintext_scheduler
+        ):
+            raise ValueError(
+                "launcher: kubernetes runs the Dask scheduler in a pod, reached over the network: give `dask_tls` "
+                "(its files also in the launcher's tls_secret), or set allow_plaintext_scheduler: true in a namespace "
+                "whose NetworkPolicy admits only the server and the workers (docs/operations.md)"
+            )
         if self.services.ranks > 1 and self.driver != "dask":
             raise ValueError("services.ranks > 1 (worker groups) needs driver: dask; set driver: dask or ranks: 1")
+        if self.batch_rollouts and self.ordering == "time-slicing":
+            raise ValueError("ordering: time-slicing runs one job's node at a time (the llm-d / OpenRL design): set "
+                             "batch_rollouts: false, or another ordering")  # fmt: skip
         if self.batch_rollouts and self.services.ranks > 1:
             raise ValueError("batch_rollouts does not run on worker groups (services.ranks > 1); set services.ranks: "
                              "1 or batch_rollouts: false")  # fmt: skip

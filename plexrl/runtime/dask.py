@@ -58,6 +58,7 @@ from typing import Any
 from plexrl.planner.state import Tier
 from plexrl.runtime.dask_tasks import _run_cpu_node, _start_and_warm, _warm_up
 from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
+from plexrl.runtime.launchers import start_cluster
 from plexrl.runtime.tls import LOOPBACK, TLSFiles, is_loopback
 from plexrl.runtime.topology import Topology, topology_for
 
@@ -99,6 +100,7 @@ class DaskExecutor:
         deterministic: bool = False,
         host_memory: int | None = None,
         cpu_node_s: float | None = None,
+        launcher: Any = None,
     ) -> None:
         """`cpu_node_s`: each CPU node runs in a process of its worker, killed past this many seconds (a server's
         `limits.max_cpu_node_s`, `runtime/cpu_nodes.py`); `worker_env`: a local cluster's worker environments by
@@ -107,6 +109,7 @@ class DaskExecutor:
         (`devices.configure_process`)."""
         self.clock = time.time
         self.cpu_node_s = cpu_node_s
+        self.launcher = launcher  # Slurm or Kubernetes starts the workers (`runtime/launchers.py`)
         self.worker_env = worker_env or {}
         self.deterministic = deterministic
         self.host_memory = host_memory  # each service's host tier (its pinned pool stays within it)
@@ -165,7 +168,11 @@ class DaskExecutor:
                 f"scheduler {self.scheduler!r} speaks TLS but no certificates are given: set `dask_tls` "
                 "(ca_file, cert, key), or distributed.comm.tls in Dask's configuration"
             )
-        if self.scheduler is None:
+        if self.launcher is not None:  # Slurm or Kubernetes starts the workers; returns once they joined
+            self.cluster = start_cluster(self.launcher, self.n_services * self.ranks, self.cpu_threads, self.host,
+                                         self.tls)  # fmt: skip
+            self.client = Client(self.cluster, security=security)
+        elif self.scheduler is None:
             # Dask's nanny exports MALLOC_TRIM_THRESHOLD_ to its workers; glibc then stops adapting its mmap
             # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
             # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
@@ -209,7 +216,7 @@ class DaskExecutor:
         self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
         if not self.cpu_workers:
             raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
-        if self.pin_cores and self.scheduler is None:
+        if self.pin_cores and self.scheduler is None and self.launcher is None:
             self._pin([a for _, a in gpu])
         if self.deterministic:
             from plexrl.devices import configure_process

@@ -236,11 +236,11 @@ class Runner:
 
     def _take_arrivals(self) -> list[Event]:
         """Submit (and ship) the jobs whose arrival time has come."""
-        return [e for job_id in self._arrivals.due(self.clock()) for e in self.carrier.ship(self.runs[job_id])]
+        return self.carrier.ship_all([self.runs[job_id] for job_id in self._arrivals.due(self.clock())])
 
     def _take_submits(self) -> list[Event]:
         """Ship and submit the jobs that came through `submit` (a job that cannot be shipped fails alone)."""
-        return [e for spec in self._inbox.take_submits() for e in self.carrier.ship(self.carrier.new_run(spec, True))]
+        return self.carrier.ship_all([self.carrier.new_run(spec, True) for spec in self._inbox.take_submits()])
 
     def _take_cancels(self) -> list[JobCancelled]:
         out = self._inbox.take_cancels()

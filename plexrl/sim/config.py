@@ -147,7 +147,7 @@ class LoRA(StrictModel):
                                    "a single job's rollout merges its adapter into its weights: none.")  # fmt: skip
 
 
-Kind = Literal["colocated", "split-sync", "split-async", "plexrl", "plexrl-shared", "plexrl-engine"]
+Kind = Literal["colocated", "split-sync", "split-async", "plexrl", "plexrl-shared", "plexrl-engine", "time-slicing"]
 
 
 class Deployment(StrictModel):
@@ -164,6 +164,11 @@ class Deployment(StrictModel):
       same continuous batches (another job's sequences fill a job's long tail), their trainings time-slice the
       pool (`plexrl.sim.engine`; an engine-level model, not the planner). LoRA scenarios: one base, resident
       once, each job's adapter; otherwise every job's rollout weights on the pool at once (if they fit).
+    - time-slicing: exclusive time-slicing, the llm-d / OpenRL design: `jobs_per_pool` colocated jobs share one
+      pool by a FIFO lock taken at each phase (rollout, then switch + train) and released after it; at each
+      hand-over the holder's whole state goes to host and the next one's comes in, at the accelerator's host
+      link bandwidth plus `switch_fixed_s` each way; nothing prefetched, no lookahead, no ordering
+      (`plexrl.planner.policies.TimeSlicing`, `StateManager(exclusive=True)`). LoRA jobs do not share a base.
     """
 
     name: str = Field(description="Label in the report.")
@@ -198,8 +203,8 @@ class Deployment(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:
-        if self.pool_scale != 1 and not self.kind.startswith("plexrl"):
-            raise ValueError(f"kind {self.kind!r}: pool_scale is for the plexrl kinds")
+        if self.pool_scale != 1 and not self.kind.startswith("plexrl") and self.kind != "time-slicing":
+            raise ValueError(f"kind {self.kind!r}: pool_scale is for the plexrl kinds and time-slicing")
         if self.kind in ("colocated", "split-sync", "split-async") and self.jobs_per_pool != 1:
             raise ValueError(f"kind {self.kind!r} gives each job its own accelerators: jobs_per_pool must be 1")
         if self.overlap == "one-step" and self.kind != "plexrl":
@@ -211,8 +216,8 @@ class Deployment(StrictModel):
         if self.kind == "plexrl-engine" and (self.tail or self.resident or self.overlap != "none" or self.tune):
             raise ValueError("kind plexrl-engine takes no tail, resident, overlap or tune (its rollout shares the "
                              "pool's engine; see docs/simulator.md)")  # fmt: skip
-        if self.resident and self.kind not in ("colocated", "plexrl-shared"):
-            raise ValueError("resident is for kinds colocated and plexrl-shared (rollout on the pool)")
+        if self.resident and self.kind not in ("colocated", "plexrl-shared", "time-slicing"):
+            raise ValueError("resident is for kinds colocated, plexrl-shared and time-slicing (rollout on the pool)")
         return self
 
 
@@ -306,7 +311,11 @@ class Trace(StrictModel):
     burst: float = Field(0.0, ge=0, le=1, description="Share of jobs arriving in weekday working hours bursts "
                          "(the rest uniformly).")  # fmt: skip
     classes: list[JobClass] = Field(min_length=1, description="The job mix.")
-    placements: list[str] = Field(["isolated", "pack", "spread", "spread+backfill"], description="Policies.")
+    placements: list[str] = Field(
+        ["isolated", "pack", "spread", "spread+backfill"],
+        description="Policies (and `time-slicing`: spread+backfill's admission, each pool run by the llm-d / OpenRL "
+        "design: a FIFO lock per phase, whole-state switches).",
+    )
     ordering: str = Field("hrrs", description="Ordering policy for every placement.")
     max_load: float = Field(1.0, gt=0, description="Load cap of pack and spread+backfill.")
     rollout_samples: int = Field(16, ge=1, description="Rollout durations simulated per class and drawn from.")

@@ -289,6 +289,7 @@ class SampledCosts:
     seed: int
     swap_bandwidth: float
     load_bandwidth: float
+    move_fixed_s: float = 0.0  # seconds every move pays besides its bytes (time-slicing's switch cost each way)
     _keys: dict[str, int] = field(default_factory=dict)
 
     def index(self, job_id: str, iteration: int) -> int:
@@ -304,7 +305,7 @@ class SampledCosts:
         return samples[self.index(job.job_id, iteration) % len(samples)]
 
     def swap_seconds(self, nbytes: int) -> float:
-        return nbytes / self.swap_bandwidth
+        return nbytes / self.swap_bandwidth + (self.move_fixed_s if nbytes else 0.0)
 
     def load_seconds(self, job: SimJob, nbytes: int) -> float:
         return nbytes / self.load_bandwidth

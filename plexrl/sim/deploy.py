@@ -7,7 +7,8 @@ engine-level model of `plexrl.sim.engine`).
 Graphs (`[svc]`: on the job's planner service; `[own]`: on the job's own rollout accelerators, which the
 planner does not share; `[cpu]`: the CPU pool):
 
-    colocated, plexrl-shared:     rollout[svc] -> verify[cpu] -> switch[svc] -> train[svc]
+    colocated, plexrl-shared,
+    time-slicing:                 rollout[svc] -> verify[cpu] -> switch[svc] -> train[svc]
     split-sync, plexrl:           rollout[own] -> verify[cpu] -> train[svc] -> sync[svc]
     split-async, plexrl one-step: rollout[own] -> verify[cpu] --+
                                   train[svc] (last step's batch) -+-> sync[svc]   (warm-up rollout first)
@@ -56,7 +57,8 @@ from plexrl.sim.costs import (
     train_state_bytes,
 )
 
-SHARED_ROLLOUT = ("colocated", "plexrl-shared", "plexrl-engine")  # rollout runs on the pool (its service)
+SLICING = "time-slicing"  # the llm-d / OpenRL design: colocated jobs sharing a pool by an exclusive FIFO lock
+SHARED_ROLLOUT = ("colocated", "plexrl-shared", "plexrl-engine", SLICING)  # rollout runs on the pool (its service)
 BASELINES = ("colocated", "split-sync", "split-async")
 OVERLAPPED = "split-async"
 
@@ -313,16 +315,17 @@ def run_deployment(
         for i in range(n)
     ]  # fmt: skip
     services = math.ceil(n / dep.jobs_per_pool)
-    costs = SampledCosts(sc.seed, acc.host_gbps * GB, acc.disk_gbps * GB)
+    slicing = dep.kind == SLICING  # every hand-over: the whole state out and in, plus the fixed switch cost each way
+    costs = SampledCosts(sc.seed, acc.host_gbps * GB, acc.disk_gbps * GB, eff.switch_fixed_s if slicing else 0.0)
     ex = SimExecutor(services, costs)
     shared = dep.kind.startswith("plexrl")
-    placement = placement_policy(dep.placement if shared else "isolated")
-    ordering = ORDERINGS[dep.ordering if shared else "fifo"]()
+    placement = placement_policy(dep.placement if shared or slicing else "isolated")
+    ordering = ORDERINGS[SLICING if slicing else dep.ordering if shared else "fifo"]()
     # no lookahead: it exists to hide a real driver's round trip (which the simulator does not model) and it
     # commits a service's next node before the running one ends, so a node that becomes ready meanwhile
     # (a 5 s weight sync that would free its job for a 500 s rollout) cannot overtake it
     spans = _TailSpans()
-    planner = Planner(clock=ex.clock, placement=placement, ordering=ordering)
+    planner = Planner(clock=ex.clock, placement=placement, ordering=ordering, exclusive=slicing)
     runner = Runner(ex, planner, hooks=[spans], budgets=Budgets(device=device_budget(acc, eff, dep.kind)))
     runs = runner.run(jobs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]

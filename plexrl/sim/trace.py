@@ -8,7 +8,8 @@ from its placement to its end, and waits to be placed while the fleet is full), 
 whole life (strict affinity); graph rollout[own] -> (tool[cpu] -> rollout2[own]) -> verify[cpu] ->
 train[pool] -> sync[pool]. `deployment: plexrl-shared`: rollout and training both on the pool
 (rollout[pool] -> ... -> switch[pool] -> train[pool]). The sharing placements (pack, spread,
-spread+backfill) let the planner interleave the jobs' nodes in each other's gaps. `isolated` is what a user
+spread+backfill) let the planner interleave the jobs' nodes in each other's gaps; `time-slicing` admits as
+spread+backfill and runs each pool as the llm-d / OpenRL design would (`deploy.py`). `isolated` is what a user
 would book without PlexRL: each job its own allocation of its class's `train_accelerators` (plus its
 `rollout_accelerators` under plexrl) out of the whole cluster, first come first served (a job waits until
 enough accelerators are free and every earlier job has started); isolated jobs do not interact, so their
@@ -41,7 +42,7 @@ from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.config import GB, JobClass, Trace, TrainLayout
 from plexrl.sim.costs import SampledCosts, switch_seconds, sync_seconds
-from plexrl.sim.deploy import StepTable, device_budget, job_graph, job_state, step_table
+from plexrl.sim.deploy import SLICING, StepTable, device_budget, job_graph, job_state, step_table
 
 DAY = 86_400.0
 
@@ -310,13 +311,18 @@ def replay(tr: Trace, placement: str, jobs: list[SimJob], when: dict[str, float]
     if placement == "isolated":
         raise ValueError("isolated is replayed by replay_isolated (user-sized allocations), not on the pools")
     t0 = time.perf_counter()
-    costs = SampledCosts(tr.seed, tr.accelerator.host_gbps * GB, tr.accelerator.disk_gbps * GB)
+    # `time-slicing`: the pools admit as spread+backfill and run their jobs under the llm-d / OpenRL design (a FIFO
+    # lock per pool held for a phase, the whole state out and in at each hand-over plus switch_fixed_s each way)
+    slicing = placement == SLICING
+    fixed = tr.efficiency.switch_fixed_s if slicing else 0.0
+    costs = SampledCosts(tr.seed, tr.accelerator.host_gbps * GB, tr.accelerator.disk_gbps * GB, fixed)
     ex = SimExecutor(tr.services, costs)
     busy_hook = _Busy()
     cls = {a.job_id: tr.classes[a.cls] for a in arrivals(tr)}
     own = {j: c.rollout_accelerators if tr.deployment == "plexrl" else 0 for j, c in cls.items()}
-    gate = FleetGate(placement_policy(placement, tr.max_load), own, tr.rollout_fleet)
-    planner = Planner(clock=ex.clock, placement=gate, ordering=ORDERINGS[tr.ordering]())
+    gate = FleetGate(placement_policy("spread+backfill" if slicing else placement, tr.max_load), own, tr.rollout_fleet)
+    ordering = ORDERINGS[SLICING if slicing else tr.ordering]()
+    planner = Planner(clock=ex.clock, placement=gate, ordering=ordering, exclusive=slicing)
     runner = Runner(ex, planner, hooks=[busy_hook, _Release(gate)],
                     budgets=Budgets(device=device_budget(tr.accelerator, tr.efficiency, tr.deployment)))  # fmt: skip
     jobs_seen = runner.planner.jobs

@@ -1,0 +1,110 @@
+"""What the multiplexing benchmarks print for each arm beyond cost and slowdowns, read from a run's timeline spans
+(`plexrl.hooks.timeline.Span`) and its jobs' records: the llm-d / OpenRL figures, so that PlexRL and exclusive
+time-slicing (`ordering: time-slicing`, the llm-d / OpenRL design on our executor) are compared on the same terms.
+
+- hand-overs: on each service, two consecutive node spans of different jobs; the switch is the blocking swap
+  seconds the second job's node waited for (its state in, the holder's out), and the gap is the wall time from
+  the first node's end to the second's start (swaps, round trips, nothing running);
+- per-phase queue wait: a phase is a run of one job's service nodes with no off-service work between (a node
+  whose dependencies are all service nodes continues its phase); the wait is from the moment the phase's first
+  node was ready (its dependencies' latest end; a source node: the end of the job's previous iteration) to
+  the start of its swaps, or of the node when nothing moved;
+- curves: a job's per-iteration metrics without the timing keys (what must be identical in every arm).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+VOLATILE = ("time/", "tokens_per_s")  # the metrics that depend on the machine's speed, not on what was learned
+
+
+def curve(history: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
+    """A job's metric rows without the timing keys."""
+    return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
+
+
+def same_curve(a: Sequence[Mapping[str, float]], b: Sequence[Mapping[str, float]]) -> bool:
+    """Equal rows, key for key (NaN equals NaN)."""
+
+    def same(x: float, y: float) -> bool:
+        return x == y or (x != x and y != y)
+
+    return len(a) == len(b) and all(
+        ra.keys() == rb.keys() and all(same(ra[k], rb[k]) for k in ra) for ra, rb in zip(a, b, strict=True)
+    )
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _service_nodes(spans: Iterable[Any], services: set[str]) -> list[Any]:
+    return [s for s in spans if s.kind == "node" and s.lane in services]
+
+
+def hand_overs(spans: Sequence[Any]) -> list[tuple[float, float]]:
+    """(switch seconds, gap seconds) of every hand-over on every service (see the module docstring)."""
+    swaps = [s for s in spans if s.kind == "swap"]
+    services = {s.lane for s in swaps} | {s.lane for s in spans if s.kind == "node" and s.lane.startswith("service")}
+    out = []
+    for lane in sorted(services):
+        nodes = sorted((s for s in _service_nodes(spans, {lane})), key=lambda s: s.start)
+        mine = [s for s in swaps if s.lane == lane]
+        for prev, cur in itertools.pairwise(nodes):
+            if prev.job == cur.job:
+                continue
+            switch = sum(s.end - s.start for s in mine if s.job == cur.job and prev.end - 1e-6 <= s.start <= cur.start)
+            out.append((switch, max(cur.start - prev.end, 0.0)))
+    return out
+
+
+def phase_waits(spans: Sequence[Any], plans: Mapping[str, Mapping[str, tuple[str, tuple[str, ...]]]]) -> list[float]:
+    """Every phase's queue wait (see the module docstring). `plans`: job -> node -> (placement, deps)."""
+    ends: dict[tuple[str, int, str], float] = {}
+    starts: dict[tuple[str, int, str], float] = {}
+    last: dict[tuple[str, int], float] = {}
+    first: dict[str, float] = {}
+    for s in spans:
+        if s.kind != "node":
+            continue
+        key = (s.job, s.iteration, s.node)
+        ends[key] = max(ends.get(key, s.end), s.end)  # a chunked node: its last chunk's end
+        starts[key] = min(starts.get(key, s.start), s.start)
+        last[(s.job, s.iteration)] = max(last.get((s.job, s.iteration), s.end), s.end)
+        first[s.job] = min(first.get(s.job, s.start), s.start)
+    swaps_by_job: dict[str, list[tuple[float, float]]] = {}
+    for s in spans:
+        if s.kind == "swap":
+            swaps_by_job.setdefault(s.job, []).append((s.start, s.end))
+    waits = []
+    for (job, it, node), start in starts.items():
+        plan = plans.get(job, {})
+        placement, deps = plan.get(node, ("cpu", ()))
+        if placement != "service" or it < 0:
+            continue
+        if deps and all(plan[d][0] == "service" for d in deps):
+            continue  # it continues a phase
+        if deps:
+            ready = max((ends[(job, it, d)] for d in deps if (job, it, d) in ends), default=None)
+        else:
+            ready = last.get((job, it - 1), first.get(job))
+        if ready is None:
+            continue
+        began = start
+        for a, b in swaps_by_job.get(job, []):
+            if ready - 1e-6 <= a and b <= start + 1e-6:
+                began = min(began, a)
+        waits.append(max(began - ready, 0.0))
+    return waits
+
+
+def plans_of(runs: Iterable[Any]) -> dict[str, dict[str, tuple[str, tuple[str, ...]]]]:
+    """job -> node -> (placement, deps) of finished runs (`JobRun.graph`)."""
+    return {r.job_id: {n.name: (n.placement, tuple(r.graph.deps(n.name))) for n in r.graph.nodes} for r in runs}
+
+
+__all__ = ["VOLATILE", "curve", "hand_overs", "median", "phase_waits", "plans_of", "same_curve"]
