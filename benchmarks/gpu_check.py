@@ -315,9 +315,11 @@ def peak(device: torch.device) -> Iterator[dict[str, float]]:
 
 
 def run_jobs(specs: list[Any], device: torch.device, budgets: Any = None) -> tuple[list[Any], dict[str, Any]]:
+    from plexrl.planner import Planner
     from plexrl.runtime import InlineExecutor, Runner
 
-    runner = Runner(InlineExecutor(services=1, device=str(device)), budgets=budgets)
+    executor = InlineExecutor(services=1, device=str(device))
+    runner = Runner(executor, Planner(clock=executor.clock), budgets=budgets)
     runs = runner.run(specs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
     if bad:
