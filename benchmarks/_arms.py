@@ -63,7 +63,7 @@ def hand_overs(spans: Sequence[Any]) -> list[tuple[float, float]]:
 
 
 def phase_waits(spans: Sequence[Any], plans: Mapping[str, Mapping[str, tuple[str, tuple[str, ...]]]]) -> list[float]:
-    """Every phase's queue wait (see the module docstring). `plans`: job -> node -> (placement, deps)."""
+    """Every phase's queue wait (see the module docstring). `plans`: job -> node -> (runs_on, deps)."""
     ends: dict[tuple[str, int, str], float] = {}
     starts: dict[tuple[str, int, str], float] = {}
     last: dict[tuple[str, int], float] = {}
@@ -83,8 +83,8 @@ def phase_waits(spans: Sequence[Any], plans: Mapping[str, Mapping[str, tuple[str
     waits = []
     for (job, it, node), start in starts.items():
         plan = plans.get(job, {})
-        placement, deps = plan.get(node, ("cpu", ()))
-        if placement != "service" or it < 0:
+        runs_on, deps = plan.get(node, ("cpu", ()))
+        if runs_on != "service" or it < 0:
             continue
         if deps and all(plan[d][0] == "service" for d in deps):
             continue  # it continues a phase
@@ -103,8 +103,8 @@ def phase_waits(spans: Sequence[Any], plans: Mapping[str, Mapping[str, tuple[str
 
 
 def plans_of(runs: Iterable[Any]) -> dict[str, dict[str, tuple[str, tuple[str, ...]]]]:
-    """job -> node -> (placement, deps) of finished runs (`JobRun.graph`)."""
-    return {r.job_id: {n.name: (n.placement, tuple(r.graph.deps(n.name))) for n in r.graph.nodes} for r in runs}
+    """job -> node -> (runs_on, deps) of finished runs (`JobRun.graph`)."""
+    return {r.job_id: {n.name: (n.runs_on, tuple(r.graph.deps(n.name))) for n in r.graph.nodes} for r in runs}
 
 
 __all__ = ["VOLATILE", "curve", "hand_overs", "median", "phase_waits", "plans_of", "same_curve"]

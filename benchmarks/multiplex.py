@@ -114,7 +114,7 @@ def per_iteration(job: Any) -> float:
 
 def service_seconds(job: Any) -> float:
     """Mean seconds per iteration the job's service nodes themselves ran (no queueing, no swaps)."""
-    names = [n.name for n in job.graph.nodes if n.placement == "service"]
+    names = [n.name for n in job.graph.nodes if n.runs_on == "service"]
     rows = job.history[1:]
     return sum(r.get(f"time/{n}", 0.0) for r in rows for n in names) / max(len(rows), 1)
 
@@ -205,8 +205,8 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
     c = res.planner
     print(f"    planner: {c['sent_ahead']} nodes sent ahead ({c['held_ahead']} times held back), "
-          f"{c['groups_sent']} co-scheduled groups of "
-          f"{c['grouped_nodes']} rollouts", flush=True)  # fmt: skip
+          f"{c['cohorts_sent']} co-scheduled cohorts of "
+          f"{c['cohort_members']} rollouts", flush=True)  # fmt: skip
     busy = sum(s.busy for s in res.report.services)
     return Mux(
         {h.job_id: (h.finished_at or 0.0) - first for h in res.jobs},

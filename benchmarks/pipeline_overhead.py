@@ -35,7 +35,7 @@ def hand_loop(job: Any, iterations: int) -> float:
             if not node.active(it, iterations):
                 continue
             inputs = {p: outputs[s] for p, s in node.inputs.items()}
-            if node.placement == "service":
+            if node.runs_on == "service":
                 outputs[node.name] = service.run_node(job.job_id, it, node.name, inputs).output
             else:
                 ctx = OpContext(job.job_id, it, node.name, job.config.seed, job.task, job.tokenizer)

@@ -103,7 +103,7 @@ def rank_main(rank: int, model: str, port: int, args: argparse.Namespace) -> dic
     from plexrl.engines.fsdp_engine import FSDPEngine
     from plexrl.planner.state import Move
     from plexrl.runtime.group import GroupSpec, join, leave
-    from plexrl.services.group import RankService, ShardPlacement, _storages
+    from plexrl.services.group import RankService, ShardLocation, _storages
 
     torch.set_num_threads(args.threads)
     state = join(GroupSpec("bench", 2, "127.0.0.1", port, timeout_s=120), rank, "cpu")
@@ -113,7 +113,7 @@ def rank_main(rank: int, model: str, port: int, args: argparse.Namespace) -> dic
         svc = RankService("service-0", state)
         svc.engines["j"] = engine
         nbytes = sum(s.nbytes() for s in _storages(engine.state_tensors())[0].values())
-        svc.states["j"] = ShardPlacement("device", nbytes=nbytes)
+        svc.states["j"] = ShardLocation("device", nbytes=nbytes)
         switches = []
         for _ in range(args.switches):
             dist.barrier()  # both ranks switch at once, as a group service does

@@ -77,7 +77,7 @@ def group_advantages(
     return torch.where(flat, torch.zeros_like(adv), adv).float().view(-1)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def grpo_advantage(
     rollouts: Rollouts,
     rewards: Rewards,
@@ -182,13 +182,13 @@ def token_normalized_advantages(
     return torch.where(m > 0, adv, torch.zeros_like(adv)).float()
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def rloo_advantage(rollouts: Rollouts, rewards: Rewards) -> Advantages:
     """REINFORCE leave-one-out advantages (Ahmadian et al., 2024); see `leave_one_out_advantages`."""
     return Advantages(values=leave_one_out_advantages(rewards.values, rollouts.group_size))
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def reinforce_pp_advantage(
     rollouts: Rollouts,
     rewards: Rewards,

@@ -45,14 +45,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
     return adv, (adv + values) * mask
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def value_estimate(rollouts: Rollouts, ctx: OpContext) -> Values:
     """The critic's V for every response token of the rollout ([N, L], 0 elsewhere)."""
     values = ctx.engine.values(rollouts.input_ids, rollouts.attention_mask)
     return Values(values=values * rollouts.response_mask)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def gae_advantage(
     rollouts: Rollouts,
     rewards: Rewards,
@@ -101,7 +101,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def train_critic(
     rollouts: Rollouts,
     advantages: Advantages,

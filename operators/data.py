@@ -22,7 +22,7 @@ def epoch_order(seed: int, epoch: int, size: int) -> tuple[int, ...]:
     return tuple(order)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def sample_prompts(ctx: OpContext, *, batch_size: Annotated[int, Field(ge=1, le=65536)] = 64) -> Prompts:
     """Take the next `batch_size` prompts of the train split.
 

@@ -10,7 +10,7 @@ from plexrl.batch import EvalStats
 from plexrl.operator import OpContext, operator
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def evaluate(
     ctx: OpContext,
     *,

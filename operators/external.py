@@ -20,7 +20,7 @@ from plexrl.batch import Rewards, Rollouts
 from plexrl.operator import OpContext, operator
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def remote_verify(
     rollouts: Rollouts,
     ctx: OpContext,

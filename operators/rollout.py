@@ -11,7 +11,7 @@ from plexrl.batch import LogProbs, Prompts, Rollouts
 from plexrl.operator import OpContext, operator
 
 
-@operator(placement="service", chunk_input="prompts", sliceable=True)
+@operator(runs_on="service", chunk_input="prompts", sliceable=True)
 def rollout(
     prompts: Prompts,
     ctx: OpContext,
@@ -132,7 +132,7 @@ def rollout_together(
 rollout.batched = rollout_together  # type: ignore[attr-defined]  # (`Operator.batched`: services/batched.py)
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def logprob(rollouts: Rollouts, ctx: OpContext, *, which: Literal["reference", "policy"] = "reference") -> LogProbs:
     """Per-token log-probs [N, L] of the rollout under the reference or the current policy (the
     rollout's temperature applied, as in the behaviour log-probs)."""

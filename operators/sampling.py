@@ -76,7 +76,7 @@ def select_rows(ro: Rollouts, rows: Tensor) -> Rollouts:
     )  # fmt: skip
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def keep_informative(
     rollouts: Rollouts,
     rewards: Rewards,
@@ -116,7 +116,7 @@ def keep_informative(
     )
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def refill_prompts(
     pool: RolloutPool,
     ctx: OpContext,
@@ -138,13 +138,13 @@ def refill_prompts(
     return prompts_of(picked, ctx.tokenizer)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def pool_rollouts(pool: RolloutPool) -> Rollouts:
     """The pool's rollout rows (aligned with `pool_rewards` of the same pool)."""
     return pool.rollouts
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def pool_rewards(pool: RolloutPool) -> Rewards:
     """The pool's rewards (aligned with `pool_rollouts` of the same pool)."""
     return pool.rewards

@@ -28,7 +28,7 @@ def overlong_penalties(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
     return torch.clamp(over / max(buffer, 1), max=1.0).neg() + 0.0  # + 0.0 turns -0.0 into 0.0
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def overlong_penalty(
     rollouts: Rollouts,
     rewards: Rewards,

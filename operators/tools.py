@@ -47,7 +47,7 @@ def task_tool(name: str | None, ctx: OpContext) -> Tool | None:
     return get_tool(chosen) if chosen else None
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def start_episodes(
     prompts: Prompts,
     ctx: OpContext,
@@ -63,7 +63,7 @@ def start_episodes(
     return start(prompts, n=n, temperature=temperature, token_budget=token_budget, prefix=prefix)
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def agent_turn(
     episodes: Episodes, ctx: OpContext, *, max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 16
 ) -> Episodes:
@@ -74,7 +74,7 @@ def agent_turn(
     return take_turn(ctx.engine, ctx.tokenizer, episodes, max_new_tokens=max_new_tokens, seed=ctx.seed("turn"))
 
 
-@operator(placement="cpu", inline=False)
+@operator(runs_on="cpu", inline=False)
 def call_tools(
     episodes: Episodes,
     ctx: OpContext,
@@ -91,7 +91,7 @@ def call_tools(
     return run_tools(episodes, impl, ctx.tokenizer, max_output_tokens=max_output_tokens, concurrency=concurrency)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def finish_episodes(episodes: Episodes, ctx: OpContext) -> EpisodeRollouts:
     """Close the episodes (still running after the last turn: "turns") and pad them into a Rollouts batch
     for verify / advantage / train, tool output masked out. Logs per-sample means: turns, tool_calls,
@@ -101,7 +101,7 @@ def finish_episodes(episodes: Episodes, ctx: OpContext) -> EpisodeRollouts:
     return finish(episodes, ctx.tokenizer)
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def evaluate_agent(
     ctx: OpContext,
     *,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
-@operator(placement="service", moved={name: moved(name) for name in MOVED})
+@operator(runs_on="service", moved={name: moved(name) for name in MOVED})
 def train(
     rollouts: Rollouts,
     advantages: Advantages,

@@ -6,7 +6,7 @@ from plexrl.batch import Rewards, Rollouts
 from plexrl.operator import OpContext, operator
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def verify(rollouts: Rollouts, ctx: OpContext, *, correct_reward: float = 1.0, wrong_reward: float = 0.0) -> Rewards:
     """Score each completion with the task's pure verifier: `correct_reward` if exactly right, else
     `wrong_reward` (malformed output included; it never raises). Rows without a reference answer get

@@ -145,7 +145,7 @@ class ClusterResult:
     timeline: Path | None
     tracking: dict[str, str] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)  # what the timeline recorded (nodes, swaps, loads)
-    # the planner's counts: nodes sent ahead (lookahead), co-scheduled groups sent and their members
+    # the planner's counts: nodes sent ahead (lookahead), co-scheduled cohorts sent and their members
     planner: dict[str, int] = field(default_factory=dict)
 
 
@@ -182,8 +182,8 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
     runs = runner.run(specs)
     counts = runner.planner.counts()
     log.info(
-        "planner: %(sent_ahead)d nodes sent ahead (%(held_ahead)d times held back), %(groups_sent)d groups of "
-        "%(grouped_nodes)d rollouts",
+        "planner: %(sent_ahead)d nodes sent ahead (%(held_ahead)d times held back), %(cohorts_sent)d cohorts of "
+        "%(cohort_members)d rollouts",
         counts,
     )
     return ClusterResult(

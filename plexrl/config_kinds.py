@@ -212,7 +212,7 @@ def _job_lines(path: Path | None, overrides: list[str], raw: Any) -> tuple[str, 
     loaded = load_job(path, overrides, parsed=raw)
     lines = [f"pipeline {loaded.graph.name!r} with {len(loaded.graph.order)} nodes"]
     for node in loaded.graph.describe():
-        lines.append(f"  {node['name']:<12} {node['placement']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")
+        lines.append(f"  {node['name']:<12} {node['runs_on']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")
     cfg = loaded.config
     if cfg.data is not None:  # open the files as run would (same errors), resolve the rewards
         from plexrl.job.data_check import check_data, data_cache_dir

@@ -23,7 +23,7 @@ import networkx as nx
 from pydantic import BaseModel
 
 from plexrl.errors import ConfigError, Problem
-from plexrl.operator import Operator, Placement, resolve_operator
+from plexrl.operator import Operator, RunsOn, resolve_operator
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +58,8 @@ class Node:
     every: int | None
 
     @property
-    def placement(self) -> Placement:
-        return self.operator.placement
+    def runs_on(self) -> RunsOn:
+        return self.operator.runs_on
 
     def active(self, iteration: int, iterations: int) -> bool:
         """Whether this node runs in `iteration` (0-based) of a job with `iterations` iterations."""
@@ -97,7 +97,7 @@ class PipelineGraph:
             {
                 "name": n.name,
                 "op": n.operator.ref,
-                "placement": n.placement,
+                "runs_on": n.runs_on,
                 "inputs": dict(n.inputs),
                 "params": _plain(n.params),
                 **({"every": n.every} if n.every else {}),

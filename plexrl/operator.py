@@ -1,8 +1,8 @@
 """Operators: typed, reusable units of RLVR work.
 
-An operator is a plain function wrapped by `@operator(placement=...)`:
+An operator is a plain function wrapped by `@operator(runs_on=...)`:
 
-    @operator(placement="cpu")
+    @operator(runs_on="cpu")
     def verify(rollouts: Rollouts, ctx: OpContext, *, correct_reward: float = 1.0) -> Rewards: ...
 
 - positional parameters annotated with a `Batch` subclass are the *inputs* (an `X | None = None` input is
@@ -16,9 +16,10 @@ the named input's type slices rows (`rows(start, stop)`, and `len`) and the outp
 (`concat(parts, pad_id)`), so that the service may run the node as C chunks, chunk k on rows
 `batch.chunk_rows(P, k, C)` of that input, and hand downstream nodes the concatenation of the C outputs.
 
-The placement says where a node of the operator runs: `service` (inside the job's LLM service, with the
-engine in `ctx.engine`) or `cpu` (the CPU pool; `ctx.engine` is None). Operators never import mlflow and
-never touch another job's state.
+`runs_on` says where a node of the operator runs: `service` (inside the job's LLM service, with the
+engine in `ctx.engine`) or `cpu` (the CPU pool; `ctx.engine` is None). ("Placement" is another thing: where
+a JOB goes, the planner's placement policy.) Operators never import mlflow and never touch another job's
+state.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from plexrl.batch import Batch
 from plexrl.errors import Problem
 
-Placement = Literal["service", "cpu"]
+RunsOn = Literal["service", "cpu"]
 
 
 @dataclass(slots=True)
@@ -103,7 +104,7 @@ class Operator:
     def __init__(
         self,
         fn: Callable[..., Batch],
-        placement: Placement,
+        runs_on: RunsOn,
         name: str | None = None,
         *,
         inline: bool = True,
@@ -111,10 +112,10 @@ class Operator:
         sliceable: bool = False,
         moved: dict[str, str] | None = None,
     ) -> None:
-        if placement not in ("service", "cpu"):
-            raise ValueError(f"placement must be 'service' or 'cpu', got {placement!r}")
+        if runs_on not in ("service", "cpu"):
+            raise ValueError(f"runs_on must be 'service' or 'cpu', got {runs_on!r}")
         self.fn = fn
-        self.placement: Placement = placement
+        self.runs_on: RunsOn = runs_on
         # inline=False: never run in the driver process, even when fast (tool calls, untrusted code)
         self.inline = inline
         self.name = name or fn.__name__
@@ -146,7 +147,7 @@ class Operator:
             raise TypeError(f"operator {self.ref}: return annotation must be a Batch subclass, got {out!r}")
         self.output: type[Batch] = out
         self.chunk_input = chunk_input  # the row-sliceable input of a chunkable service operator (`chunkable`)
-        if sliceable and placement != "service":
+        if sliceable and runs_on != "service":
             raise TypeError(f"operator {self.ref}: only service operators run in slices (sliceable=True)")
         self.sliceable = sliceable  # its generation may pause between decode steps (`OpContext.slice`)
         # former parameters -> the sentence that says what replaces each (an old config's error names it)
@@ -167,7 +168,7 @@ class Operator:
         return self.chunk_input is not None
 
     def _check_chunkable(self, port: str) -> None:
-        if self.placement != "service":
+        if self.runs_on != "service":
             raise TypeError(f"operator {self.ref}: only service operators run in chunks (chunk_input={port!r})")
         if port not in self.inputs:
             raise TypeError(f"operator {self.ref}: chunk_input {port!r} is not one of its inputs {list(self.inputs)}")
@@ -225,7 +226,7 @@ class Operator:
         return out
 
     def __repr__(self) -> str:
-        return f"Operator({self.ref}, placement={self.placement!r})"
+        return f"Operator({self.ref}, runs_on={self.runs_on!r})"
 
 
 def _port_type(hint: Any) -> tuple[type[Batch] | None, bool]:
@@ -239,24 +240,35 @@ def _port_type(hint: Any) -> tuple[type[Batch] | None, bool]:
 
 
 def operator(
-    placement: Placement,
+    runs_on: RunsOn | None = None,
     name: str | None = None,
     *,
     inline: bool = True,
     chunk_input: str | None = None,
     sliceable: bool = False,
     moved: dict[str, str] | None = None,
+    placement: object = None,
 ) -> Callable[[Callable[..., Batch]], Operator]:
-    """Decorator turning a typed function into an `Operator` (see the module docstring). `inline=False` keeps
-    a cpu operator on the CPU pool even when it is fast (the DaskDriver otherwise runs CPU nodes observed
-    under `inline_below` in the driver process): use it for tool calls and anything that runs untrusted code.
-    `chunk_input`: the input a chunked node slices by rows (a chunkable service operator, see above).
-    `sliceable`: a service operator whose generation runs in slices of decode steps when its node is in the
-    job's `slices` (it generates through `plexrl.engines.slicing.generate_slice` with `ctx.slice`). `moved`:
-    former parameter -> the sentence naming what replaces it (a config that still sets one gets that error)."""
+    """Decorator turning a typed function into an `Operator` (see the module docstring). `runs_on`: "service"
+    or "cpu" (required). `inline=False` keeps a cpu operator on the CPU pool even when it is fast (the
+    DaskDriver otherwise runs CPU nodes observed under `inline_below` in the driver process): use it for tool
+    calls and anything that runs untrusted code. `chunk_input`: the input a chunked node slices by rows (a
+    chunkable service operator, see above). `sliceable`: a service operator whose generation runs in slices of
+    decode steps when its node is in the job's `slices` (it generates through
+    `plexrl.engines.slicing.generate_slice` with `ctx.slice`). `moved`: former parameter -> the sentence
+    naming what replaces it (a config that still sets one gets that error). `placement`: the former name of
+    `runs_on`, refused with a TypeError that names it ("placement" is where a job goes)."""
+    if placement is not None:
+        raise TypeError(
+            f"@operator(placement={placement!r}) is now @operator(runs_on={placement!r}): where a node runs is "
+            "`runs_on` ('service' or 'cpu'); 'placement' names where a job goes (the planner's placement policy)"
+        )
+    if runs_on is None:
+        raise TypeError("@operator needs runs_on='service' (in the job's LLM service) or runs_on='cpu' (the CPU pool)")
+    where: RunsOn = runs_on
 
     def wrap(fn: Callable[..., Batch]) -> Operator:
-        return Operator(fn, placement, name, inline=inline, chunk_input=chunk_input, sliceable=sliceable, moved=moved)
+        return Operator(fn, where, name, inline=inline, chunk_input=chunk_input, sliceable=sliceable, moved=moved)
 
     return wrap
 

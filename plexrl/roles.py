@@ -33,7 +33,7 @@ ROLE_ATTR = "__plexrl_role__"
 # ASCII identifiers only: what the scan of a config sees is exactly what the import would use
 REF = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)", re.ASCII)
 HOW = {
-    "operator": "decorate the function with @plexrl.operator(placement=...)",
+    "operator": "decorate the function with @plexrl.operator(runs_on=...)",
     "pipeline": "decorate the builder with @plexrl.pipeline_builder",
     "tool": "give the class a ToolSpec as its `spec` (see plexrl/tools/base.py), or decorate the factory with "
     '@plexrl.roles.declare("tool")',

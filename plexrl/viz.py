@@ -21,7 +21,7 @@ def draw_pipeline(graph: PipelineGraph, path: Path) -> Path:
         for name in names:
             g.nodes[name]["layer"] = layer
     pos = nx.multipartite_layout(g, subset_key="layer")
-    colors = ["#4C78A8" if graph.node(n).placement == "service" else "#F58518" for n in g.nodes]
+    colors = ["#4C78A8" if graph.node(n).runs_on == "service" else "#F58518" for n in g.nodes]
     labels = {n: n if graph.node(n).operator.name == n else f"{n}\n({graph.node(n).operator.name})" for n in g.nodes}
     layers = nx.get_node_attributes(g, "layer")
     width = max(6.0, 2.4 * (1 + max(layers.values(), default=0)))

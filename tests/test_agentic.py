@@ -256,9 +256,9 @@ def test_grpo_tools_unrolls_turns_into_service_and_cpu_nodes() -> None:
     assert [n for n in graph.order if n in chain] == chain
     for a, b in itertools.pairwise(chain):
         assert a in graph.deps(b), (a, b)
-    assert {graph.node(n).placement for n in ("turn0", "turn2", "train", "evaluate")} == {"service"}
+    assert {graph.node(n).runs_on for n in ("turn0", "turn2", "train", "evaluate")} == {"service"}
     tools = graph.node("tools1")
-    assert tools.placement == "cpu" and tools.operator.inline is False
+    assert tools.runs_on == "cpu" and tools.operator.inline is False
     with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
         load_job({"pipeline": {"name": "grpo_tools", "params": {"tool": "abacus"}}})
 

@@ -3,11 +3,11 @@ tiny LoRA jobs rolling out on one shared vLLM engine on one local service, their
 call (on the CPU build: on CUDA the equality is in distribution, docs/gpu.md). Every job completes; each
 rollout's tokens equal the job's rollout without batching and its log-probs
 agree within 1e-5; each job's metrics equal its unbatched run within that tolerance; the planner records the
-groups, and each member is accounted a share of the call (the shares tile it). Skipped without vLLM.
+cohorts, and each member is accounted a share of the call (the shares tile it). Skipped without vLLM.
 
 The reference is the same jobs multiplexed WITHOUT batching, which equals each job alone exactly
 (tests/test_lora_vllm.py proves that), run once for the module. The same batching on the Dask executor
-(`DaskExecutor.submit_group`) learns the same."""
+(`DaskExecutor.submit_cohort`) learns the same."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class Recording(InlineExecutor):
         self._keep(task, handle)
         return handle
 
-    def submit_group(self, tasks: Any) -> list[Handle]:
-        handles = super().submit_group(tasks)
+    def submit_cohort(self, tasks: Any) -> list[Handle]:
+        handles = super().submit_cohort(tasks)
         for task, handle in zip(tasks, handles, strict=True):
             self._keep(task, handle)
         return handles
@@ -109,21 +109,21 @@ def test_two_lora_jobs_rollouts_batched_in_one_vllm_call_sample_what_each_sample
     runs_of[True] = runner.run(specs(smol32, tmp_path / "runs"))
     planners[True] = runner.planner
     assert [r.status for r in runs_of[True]] == ["done"] * 3, [r.error for r in runs_of[True]]
-    assert planners[False].counts()["groups_sent"] == 0
+    assert planners[False].counts()["cohorts_sent"] == 0
     assert (
-        planners[True].counts()["groups_sent"] >= 1 and planners[True].counts()["grouped_nodes"] >= 2
+        planners[True].counts()["cohorts_sent"] >= 1 and planners[True].counts()["cohort_members"] >= 2
     )  # rollouts ran as one call
-    alone, grouped = record[False].rollouts, record[True].rollouts
-    assert alone.keys() == grouped.keys() and len(alone) == 6
+    alone, together = record[False].rollouts, record[True].rollouts
+    assert alone.keys() == together.keys() and len(alone) == 6
     for key, (ids, logprobs) in alone.items():
-        got_ids, got_lp = grouped[key]
+        got_ids, got_lp = together[key]
         assert torch.equal(got_ids, ids), key
         assert float((got_lp - logprobs).abs().max()) <= 1e-5, key
     same_metrics(runs_of[True], runs_of[False])
-    # a group's members were reported consecutive shares of one call: spans that touch, not one span each
+    # a cohort's members were reported consecutive shares of one call: spans that touch, not one span each
     starts = sorted(spans.spans.values())
     touching = sum(1 for (s0, e0), (s1, e1) in itertools.pairwise(starts) if e0 == s1 and e1 > s1 >= s0)
-    assert touching >= planners[True].counts()["grouped_nodes"] - planners[True].counts()["groups_sent"]
+    assert touching >= planners[True].counts()["cohort_members"] - planners[True].counts()["cohorts_sent"]
 
 
 def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatched(
@@ -131,9 +131,9 @@ def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatch
     unbatched: tuple[list[Any], Recording, Any],
     tmp_path: Path,
 ) -> None:
-    """The same three jobs on ONE Dask service with `batch_rollouts` (`DaskExecutor.submit_group`: a group is
+    """The same three jobs on ONE Dask service with `batch_rollouts` (`DaskExecutor.submit_cohort`: a cohort is
     one task on the service's worker, each member's output stays there as the input of its job's next nodes):
-    groups form, every job completes, and each job's metrics equal the unbatched run within 1e-5."""
+    cohorts form, every job completes, and each job's metrics equal the unbatched run within 1e-5."""
     from plexrl.runtime.build import build_runner
     from plexrl.runtime.config import RuntimeConfig
     from plexrl.runtime.dask import DaskExecutor
@@ -146,5 +146,5 @@ def test_batched_rollouts_on_the_dask_executor_learn_what_the_jobs_learn_unbatch
     runner = build_runner(RuntimeConfig.model_validate(section), [], executor)
     runs = runner.run(specs(smol32, tmp_path / "runs"))
     assert [r.status for r in runs] == ["done"] * 3, [r.error for r in runs]
-    assert runner.planner.counts()["groups_sent"] >= 1 and runner.planner.counts()["grouped_nodes"] >= 2
+    assert runner.planner.counts()["cohorts_sent"] >= 1 and runner.planner.counts()["cohort_members"] >= 2
     same_metrics(runs, unbatched[0])

@@ -70,15 +70,15 @@ def test_a_job_that_cannot_be_shipped_fails_alone_and_its_name_is_free_again() -
     assert [s.job_id for s in c.inbox.take_submits()] == [spec.job_id]
 
 
-class Grouping(SimExecutor):
-    """The simulator, with a `submit_group` that keeps what it was given (each task then runs as submitted)."""
+class CohortKeeper(SimExecutor):
+    """The simulator, with a `submit_cohort` that keeps what it was given (each task then runs as submitted)."""
 
     def __init__(self) -> None:
         super().__init__(1, SeededCosts())
-        self.groups: list[list[object]] = []
+        self.cohorts: list[list[object]] = []
 
-    def submit_group(self, tasks: list[typing.Any]) -> list[int]:
-        self.groups.append(list(tasks))
+    def submit_cohort(self, tasks: list[typing.Any]) -> list[int]:
+        self.cohorts.append(list(tasks))
         return [self.submit(t) for t in tasks]
 
 
@@ -93,25 +93,25 @@ def placed(ex: SimExecutor) -> tuple[Carrier, list[str]]:
     return c, [s.job_id for s in specs]
 
 
-def test_a_group_goes_to_the_executor_as_one_call_and_a_failing_lead_leaves_the_others_running() -> None:
+def test_a_cohort_goes_to_the_executor_as_one_call_and_a_failing_lead_leaves_the_others_running() -> None:
     from plexrl.planner import Move
 
-    ex = Grouping()
+    ex = CohortKeeper()
     c, (a, b) = placed(ex)
     swap = (Move(b, "host", "device", 1),)
-    group = RunNode(a, 0, "rollout", "service", "service-0", swap, group=((b, 0, "rollout"),))
-    assert c.carry_out(group) == []
-    (sent,) = ex.groups
+    cohort = RunNode(a, 0, "rollout", "service", "service-0", swap, cohort=((b, 0, "rollout"),))
+    assert c.carry_out(cohort) == []
+    (sent,) = ex.cohorts
     assert [(t.job_id, t.swaps) for t in sent] == [(a, swap), (b, ())]  # type: ignore[attr-defined]
     nodes = [(p.job_id, p.node) for p in c.ledger.pending.values() if p.kind == "node"]
     assert sorted(nodes) == [(a, "rollout"), (b, "rollout")]  # a handle each
-    c.failing.add(a)  # a's job is being failed: its group still runs b's rollout, with the group's swaps
-    assert c.carry_out(group) == []
-    assert [(t.job_id, t.swaps) for t in ex.groups[-1]] == [(b, swap)]  # type: ignore[attr-defined]
+    c.failing.add(a)  # a's job is being failed: its cohort still runs b's rollout, with the cohort's swaps
+    assert c.carry_out(cohort) == []
+    assert [(t.job_id, t.swaps) for t in ex.cohorts[-1]] == [(b, swap)]  # type: ignore[attr-defined]
 
 
-def test_an_executor_that_cannot_run_groups_fails_their_jobs_naming_the_local_driver() -> None:
+def test_an_executor_that_cannot_run_cohorts_fails_their_jobs_naming_the_local_driver() -> None:
     c, (a, b) = placed(SimExecutor(1, SeededCosts()))
-    events = c.carry_out(RunNode(a, 0, "rollout", "service", "service-0", group=((b, 0, "rollout"),)))
+    events = c.carry_out(RunNode(a, 0, "rollout", "service", "service-0", cohort=((b, 0, "rollout"),)))
     assert [e.job_id for e in events] == [a, b]  # type: ignore[union-attr]
     assert all(isinstance(e, JobFailed) and "driver: local" in e.reason for e in events)

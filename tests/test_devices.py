@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+import plexrl.devices.assignment
 import plexrl.devices.base
 import plexrl.devices.engines
-import plexrl.devices.placement
 from plexrl.devices import (
     CPU,
     Device,
@@ -49,7 +49,7 @@ def with_free(dev: Device, free: int) -> Device:
     return Device(dev.kind, dev.index, dev.total, free, dev.capability, dev.name)
 
 
-@pytest.mark.parametrize("module", [plexrl.devices.base, plexrl.devices.engines, plexrl.devices.placement])
+@pytest.mark.parametrize("module", [plexrl.devices.base, plexrl.devices.engines, plexrl.devices.assignment])
 def test_doctests(module: Any) -> None:
     assert doctest.testmod(module).failed == 0
 

@@ -136,7 +136,7 @@ def test_dapo_with_refill_runs_and_logs_the_pool(tiny_config: dict[str, Any]) ->
         assert row["train/rows"] + row["train/rows_skipped"] == groups * 4
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def logprob_gap(rollouts: Rollouts, logprobs: LogProbs) -> EvalStats:
     """Largest |log-prob under the current policy - behaviour log-prob| over the response tokens."""
     gap = ((logprobs.values - rollouts.behaviour_logprobs) * rollouts.response_mask).abs().max()

@@ -77,7 +77,7 @@ def test_operator_exception_fails_the_job_with_its_message(tiny_config: dict[str
     }
     (tmp_path / "failing_ops.py").write_text(
         "from plexrl import operator, Rewards\n"
-        "@operator(placement='cpu')\n"
+        "@operator(runs_on='cpu')\n"
         "def explode(rewards: Rewards) -> Rewards:\n"
         "    raise ValueError('tool crashed')\n"
     )
@@ -100,7 +100,7 @@ def test_multiplexed_job_learns_exactly_as_alone_and_failures_stay_isolated(
     tiny_config["tracking"]["mlflow"] = False
     (tmp_path / "bad_eval.py").write_text(
         "from plexrl import operator, EvalStats, OpContext\n"
-        "@operator(placement='service')\n"
+        "@operator(runs_on='service')\n"
         "def bad_eval(ctx: OpContext) -> EvalStats:\n"
         "    raise RuntimeError('evaluator down')\n"
     )

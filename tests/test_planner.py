@@ -72,7 +72,7 @@ def test_single_job_runs_nodes_in_dependency_order_with_periodic_eval() -> None:
     )
     assert [i for i in seen if isinstance(i, IterationDone)] == [IterationDone("a", k) for k in range(3)]
     assert seen[-1] == JobDone("a", "s0")
-    assert all(i.service_id == "s0" for i in seen if isinstance(i, RunNode) and i.placement == "service")
+    assert all(i.service_id == "s0" for i in seen if isinstance(i, RunNode) and i.runs_on == "service")
     assert p.jobs["a"].status == "done" and p.finished
 
 

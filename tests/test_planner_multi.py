@@ -60,7 +60,7 @@ def test_placements_isolate_pack_and_spread() -> None:
     assert placed(Isolated()) == ["s0", "s1"]  # the third job is queued
     assert placed(Pack(max_load=math.inf)) == ["s0", "s0", "s0"]  # uncapped: all on the fullest service
     # capped (the default, max_load 1.0): the prior load of a GRPO job is its share of service nodes
-    load = sum(n.placement == "service" for n in GRPO.nodes.values()) / len(GRPO.nodes)
+    load = sum(n.runs_on == "service" for n in GRPO.nodes.values()) / len(GRPO.nodes)
     per_service = int(1.0 // load + 1e-9)
     assert placed(Pack(), n_jobs=per_service + 1) == ["s0"] * per_service + ["s1"]
     assert placed(Spread()) == ["s0", "s1", "s0"]
@@ -97,7 +97,7 @@ def test_swaps_and_prefetch_follow_the_device_budget() -> None:
     assert isinstance(ra, RunNode) and ra.swaps == () and ra.prefetch == ()  # a is resident; b needs nothing yet
     assert p.handle(NodeFinished("b", 0, "prompts")) == []  # b's rollout waits for the service
     out = p.handle(NodeFinished("a", 0, "rollout"))
-    (rb,) = [i for i in out if isinstance(i, RunNode) and i.placement == "service"]
+    (rb,) = [i for i in out if isinstance(i, RunNode) and i.runs_on == "service"]
     assert rb.job_id == "b" and [(m.job_id, m.src, m.dst) for m in rb.swaps] == [
         ("a", "device", "host"),
         ("b", "host", "device"),
@@ -165,15 +165,15 @@ def test_jobs_of_one_architecture_share_one_engine_reservation() -> None:
 
 # -- property test ------------------------------------------------------------------------------------
 def random_plan(rng: random.Random, state_bytes: int) -> JobPlan:
-    """A random DAG: each node depends on some earlier ones; placements mixed; some periodic."""
+    """A random DAG: each node depends on some earlier ones; service and cpu nodes mixed; some periodic."""
     names = [f"n{i}" for i in range(rng.randint(1, 6))]
     nodes = {}
     for i, name in enumerate(names):
         deps = tuple(sorted(rng.sample(names[:i], k=rng.randint(0, min(i, 2)))))
         every = rng.choice([None, None, None, 2, 3])
-        placement = rng.choice(["cpu", "service"])
-        chunks = rng.choice([1, 1, 3]) if placement == "service" else 1  # function-level preemption
-        nodes[name] = NodePlan(placement, deps, every, chunks=chunks)
+        runs_on = rng.choice(["cpu", "service"])
+        chunks = rng.choice([1, 1, 3]) if runs_on == "service" else 1  # function-level preemption
+        nodes[name] = NodePlan(runs_on, deps, every, chunks=chunks)
     baseline = tuple(n for n in names if nodes[n].every is not None and not nodes[n].deps)[:1]
     engine = rng.choice([None, None, ("vllm-a", 60), ("vllm-b", 30)])  # a shared generation engine
     user = rng.choice(["ann", "bob"])

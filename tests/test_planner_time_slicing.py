@@ -55,7 +55,7 @@ def planner(ordering: object, clock: Clock | None = None, **kw: object) -> Plann
 
 
 def service_runs(out: list[object]) -> list[RunNode]:
-    return [i for i in out if isinstance(i, RunNode) and i.placement == "service"]
+    return [i for i in out if isinstance(i, RunNode) and i.runs_on == "service"]
 
 
 def finish(p: Planner, i: RunNode, duration: float = 1.0) -> list[object]:
@@ -114,7 +114,7 @@ def test_each_hand_over_moves_the_whole_state_out_and_in_with_no_prefetch() -> N
             ended |= {o.job_id for o in out if isinstance(o, JobDone)}
             runs += [(o, frozenset(ended)) for o in service_runs(out)]
             todo += service_runs(out)
-            cpu += [o for o in out if isinstance(o, RunNode) and o.placement == "cpu"]
+            cpu += [o for o in out if isinstance(o, RunNode) and o.runs_on == "cpu"]
         assert p.finished
         service = [r for r, _ in runs]
         if name == "time-slicing":

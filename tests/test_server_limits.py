@@ -127,7 +127,7 @@ HOLD_GIL = """
 from plexrl import operator, Rewards
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def hold_gil(rewards: Rewards) -> Rewards:
     import re
 

@@ -78,7 +78,7 @@ def test_a_paused_node_is_queued_again_until_its_last_slice_and_the_cost_model_l
 
 
 def service_runs(out: list[object]) -> list[RunNode]:
-    return [i for i in runs(out) if i.placement == "service"]
+    return [i for i in runs(out) if i.runs_on == "service"]
 
 
 def paused_beside(p: Planner) -> RunNode:

@@ -121,16 +121,16 @@ def test_a_cpu_service_orders_nothing() -> None:
     assert isinstance(Service("s0").order, HostOrder)
 
 
-def test_a_co_scheduled_group_records_one_event_for_every_member_before_its_end(
+def test_a_co_scheduled_cohort_records_one_event_for_every_member_before_its_end(
     job: JobSpec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`run_group`'s one engine call (here a stand-in batched form of `evaluate`) ends with ONE event for all of
+    """`run_cohort`'s one engine call (here a stand-in batched form of `evaluate`) ends with ONE event for all of
     its members' jobs, waited for before the call's end is read."""
     import types
 
     import torch
 
-    from plexrl.services.batched import Member, run_group
+    from plexrl.services.batched import Member, run_cohort
 
     a, b = (dataclasses.replace(job, job_id=name) for name in ("a", "b"))
     clock = Clock(step=1.0)
@@ -141,7 +141,7 @@ def test_a_co_scheduled_group_records_one_event_for_every_member_before_its_end(
     out = types.SimpleNamespace(attention_mask=torch.ones(2, 3), metrics=lambda: {})
     op = a.graph.node("evaluate").operator
     monkeypatch.setattr(op, "batched", lambda ctxs, inputs, params: [out for _ in ctxs], raising=False)
-    results = run_group(svc, [Member("a", -1, "evaluate", {}), Member("b", -1, "evaluate", {})], (), ())
+    results = run_cohort(svc, [Member("a", -1, "evaluate", {}), Member("b", -1, "evaluate", {})], (), ())
     assert all(r.report.ok for r in results), [r.report.error for r in results]
     ends = [(job_id, value) for call, _, job_id, value in order.log if call == "node_end"][-2:]
     assert [j for j, _ in ends] == ["a", "b"] and ends[0][1] == ends[1][1]

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from plexrl.batch import Rewards, Rollouts
 from plexrl.config_kinds import check_config
 from plexrl.errors import ConfigError
 from plexrl.graph import NodeSpec, Pipeline, compile_pipeline
@@ -157,7 +158,7 @@ pipeline:
     path.write_text(text)
     loaded = load_job(path)
     node = loaded.graph.node("shaped")
-    assert node.operator.ref == "user_ops:length_penalty" and node.placement == "cpu"
+    assert node.operator.ref == "user_ops:length_penalty" and node.runs_on == "cpu"
     assert node.params.model_dump() == {"per_token": 0.05}
     path.write_text(text.replace("user_ops:length_penalty", "user_ops:not_an_operator"))
     (msg,) = problems_of(path)
@@ -165,6 +166,30 @@ pipeline:
     path.write_text(text.replace("user_ops:length_penalty", "no_such_pkg.ops:x"))
     (msg,) = problems_of(path)
     assert "cannot import module 'no_such_pkg.ops'" in msg
+
+
+def test_the_former_placement_keyword_of_operator_is_refused_naming_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a node runs is `runs_on`; "placement" is where a job goes. An operator still declared with
+    `placement=` fails where it is declared, and a job naming it gets that error with the fix."""
+    from plexrl.operator import operator
+
+    def score(rollouts: Rollouts, rewards: Rewards) -> Rewards: ...
+
+    with pytest.raises(TypeError, match=r"@operator\(placement='cpu'\) is now @operator\(runs_on='cpu'\)"):
+        operator(placement="cpu")(score)
+    with pytest.raises(TypeError, match="needs runs_on='service'"):
+        operator()(score)
+    assert operator(runs_on="cpu")(score).runs_on == "cpu" and operator("service")(score).runs_on == "service"
+    (tmp_path / "old_ops.py").write_text(
+        "from plexrl import operator\nfrom plexrl.batch import Rewards\n\n\n"
+        '@operator(placement="cpu")\ndef same(rewards: Rewards) -> Rewards:\n    return rewards\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    node = {"name": "same", "op": "old_ops:same", "inputs": {"rewards": "verify"}}
+    msgs = problems_of(explicit(lambda nodes: nodes.insert(3, node)))
+    assert any("old_ops" in m and "is now @operator(runs_on='cpu')" in m for m in msgs), msgs
 
 
 def test_every_shipped_yaml_validates() -> None:
@@ -186,7 +211,7 @@ def test_main_job_yaml_equals_embedded_defaults() -> None:
 def test_remote_verifier_is_a_cpu_node_with_a_validated_latency() -> None:
     graph = load_job({"pipeline": {"name": "grpo", "params": {"verifier_latency_s": 0.3}}}).graph
     node = graph.node("verify")
-    assert node.operator.name == "remote_verify" and node.placement == "cpu"
+    assert node.operator.name == "remote_verify" and node.runs_on == "cpu"
     assert node.params.model_dump()["latency_s"] == 0.3
     with pytest.raises(ConfigError, match="verifier_latency_s"):
         load_job({"pipeline": {"name": "grpo", "params": {"verifier_latency_s": -1}}})

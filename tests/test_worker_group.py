@@ -240,7 +240,7 @@ def test_cluster_config_with_ranks_validates(tmp_path: Path) -> None:
         ClusterConfig.model_validate({"driver": "local", "services": {"ranks": 2}, "jobs": [{"config": "x.yaml"}]})
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def kill_rank1(ctx: OpContext, rollouts: Rollouts) -> EvalStats:
     """Rank 1's process dies (SIGKILL) while rank 0 is inside a collective (the broadcast of log-probs)."""
     if ctx.engine.rank == 1:

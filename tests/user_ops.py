@@ -9,7 +9,7 @@ from plexrl.batch import EvalStats, Rewards, Rollouts
 from plexrl.operator import OpContext
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def length_penalty(rollouts: Rollouts, rewards: Rewards, *, per_token: float = 0.01) -> Rewards:
     """Subtract `per_token` per response token from each reward."""
     return Rewards(values=rewards.values - per_token * rollouts.response_lengths.float(), correct=rewards.correct)
@@ -19,7 +19,7 @@ def not_an_operator() -> None:
     """A plain function: naming it as an operator must be refused."""
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def kill_own_worker(ctx: OpContext, *, at_iteration: int = 1) -> EvalStats:
     """Simulate a lost machine: the process that hosts this job's service dies mid-node."""
     if ctx.iteration >= at_iteration:
@@ -27,7 +27,7 @@ def kill_own_worker(ctx: OpContext, *, at_iteration: int = 1) -> EvalStats:
     return EvalStats(accuracy=0.0, response_length=0.0, size=0)
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def kill_own_worker_once(ctx: OpContext, *, at_iteration: int = 1, marker: str = "") -> EvalStats:
     """`kill_own_worker` the first time only: the process dies at `at_iteration` unless `marker` exists (it
     creates it first), so that the job resumed elsewhere from its checkpoint runs through."""
@@ -41,7 +41,7 @@ def kill_own_worker_once(ctx: OpContext, *, at_iteration: int = 1, marker: str =
 RUNS: dict[tuple[str, int], int] = {}  # (job, iteration) -> runs of `flaky_length_penalty` (in-process only)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def flaky_length_penalty(
     ctx: OpContext, rollouts: Rollouts, rewards: Rewards, *, per_token: float = 0.25, fail_runs: int = 2
 ) -> Rewards:
@@ -53,7 +53,7 @@ def flaky_length_penalty(
     return Rewards(values=rewards.values - per_token * rollouts.response_lengths.float(), correct=rewards.correct)
 
 
-@operator(placement="cpu")
+@operator(runs_on="cpu")
 def first_token_parity(rollouts: Rollouts, rewards: Rewards) -> Rewards:
     """1 where the response's first token id is even: a learnable signal for a random model with a large
     vocabulary (which never samples eos, so lengths never vary)."""

@@ -30,6 +30,18 @@ nothing of PlexRL but itself, so the engines and services below the job can use 
 
 from __future__ import annotations
 
+from plexrl.devices.assignment import (
+    build_device,
+    configure_process,
+    cores_per_service,
+    cuda_env,
+    deterministic_env,
+    inline_devices,
+    resolve_device,
+    service_gpus,
+    worker_env,
+    worker_envs,
+)
 from plexrl.devices.base import (
     CPU,
     CUDA_CONTEXT_BYTES,
@@ -65,18 +77,6 @@ from plexrl.devices.engines import (
     vllm_headroom,
     vllm_need,
     vllm_problem,
-)
-from plexrl.devices.placement import (
-    build_device,
-    configure_process,
-    cores_per_service,
-    cuda_env,
-    deterministic_env,
-    inline_devices,
-    resolve_device,
-    service_gpus,
-    worker_env,
-    worker_envs,
 )
 
 __all__ = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from plexrl.devices.assignment import service_gpus
 from plexrl.devices.base import (
     CUDA_CONTEXT_BYTES,
     FRAGMENTATION_SHARE,
@@ -17,7 +18,6 @@ from plexrl.devices.base import (
     Shape,
     dtype_bytes,
 )
-from plexrl.devices.placement import service_gpus
 
 SERVER_HEADROOM_SHARE = 0.10  # of the total: what a server (its jobs unknown at start) keeps beside the budget
 

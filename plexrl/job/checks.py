@@ -53,7 +53,7 @@ def chunk_problems(chunks: dict[str, int], graph: PipelineGraph) -> list[Problem
         op = graph.node(name).operator
         if count == 1:
             continue
-        if op.placement != "service":
+        if op.runs_on != "service":
             why = f"node {name!r} ({op.name}) runs on the CPU pool; only service nodes run in chunks: remove it"
             problems.append(Problem(where, why))
         elif not op.chunkable:

@@ -59,7 +59,7 @@ class JobSpec:
         chunks, sliced = self.config.chunks, self.config.slices
         nodes = {
             n.name: NodePlan(
-                n.placement,
+                n.runs_on,
                 tuple(self.graph.deps(n.name)),
                 n.every,
                 n.operator.inline,

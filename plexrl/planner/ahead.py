@@ -26,7 +26,7 @@ def waits(
     partner: bool, preferred: bool,
 ) -> Literal["partner", "preferred"] | None:  # fmt: skip
     """Why `pick`, about to be sent ahead of the node running on `svc`, should not go yet: `partner` (with
-    co-scheduled rollouts, `batches.worth_waiting`: a job of its engine is due, the group forms when the
+    co-scheduled rollouts, `batches.worth_waiting`: a job of its engine is due, the cohort forms when the
     service frees) or `preferred` (`hold`); None: send it. Both look as far as the running node's rest."""
     if svc.running is None or not (partner or preferred):
         return None

@@ -6,17 +6,17 @@ batchable (`NodePlan.batchable`: a rollout that runs whole, neither chunked nor 
 shared-engine key (`JobPlan.engine[0]`), so one key means one engine on a service. When the planner sends such
 a node (to run now, or ahead), `gather` adds the other queued nodes of that key on that service, of distinct
 jobs, in the ordering policy's order, each only if its state can be made resident beside the members already
-taken (a member that does not fit is left queued), up to the smallest `batch` of the members. The group is
-ONE `RunNode` (the first member's, `group` naming the others) whose swaps make every member resident. With
-lookahead a group is also sent ahead, to run right after the node or group running (`ServiceRecord.next_group`,
+taken (a member that does not fit is left queued), up to the smallest `batch` of the members. The cohort is
+ONE `RunNode` (the first member's, `cohort` naming the others) whose swaps make every member resident. With
+lookahead a cohort is also sent ahead, to run right after the node or cohort running (`ServiceRecord.next_cohort`,
 `next` one of its members, every member resident beside the running ones); it runs once those end (`advance`).
 A batchable node that would go ahead alone waits instead when another job of its key will have its batchable
-node ready before the running node is predicted to end (`worth_waiting`): both then run as one group when the
+node ready before the running node is predicted to end (`worth_waiting`): both then run as one cohort when the
 service frees, instead of one after the other.
 
-While the group runs, `ServiceRecord.group` holds every member and `running` one of them still running; each
+While the cohort runs, `ServiceRecord.cohort` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
-executor reports each member a consecutive share of the group's span (`shares`: proportional to the tokens of
+executor reports each member a consecutive share of the cohort's span (`shares`: proportional to the tokens of
 its calls), so the cost model learns each member's share, the service's busy time counts once and each job's
 accounted seconds are its share. Pure helpers of `core.Planner`.
 """
@@ -50,7 +50,7 @@ def gather(
     make_resident: Callable[[str, set[str]], list[Move]],
     pinned: set[str],
 ) -> tuple[list[QueuedNode], list[Move]]:
-    """The other members of `lead`'s group (taken off nothing: the caller pops them) and the moves that make
+    """The other members of `lead`'s cohort (taken off nothing: the caller pops them) and the moves that make
     them resident, in order. `make_resident(job, pinned)` raises `NoRoom` when the job does not fit beside
     `pinned`; such a job stays queued. Empty when `lead` has no batch key."""
     key = batch_key(jobs[lead.job_id], lead.node)
@@ -91,12 +91,12 @@ def next_service_node(job: JobRecord) -> str | None:
     iteration's first active one (None after its last iteration)."""
     plan, order = job.plan, job.plan.order or tuple(job.plan.nodes)
     for name in order:
-        if plan.nodes[name].placement == "service" and job.nodes.get(name) in ("waiting", "ready"):
+        if plan.nodes[name].runs_on == "service" and job.nodes.get(name) in ("waiting", "ready"):
             return name
     it = job.iteration + 1
     if it >= plan.iterations:
         return None
-    active = [n for n in order if plan.nodes[n].placement == "service" and plan.nodes[n].active(it, plan.iterations)]
+    active = [n for n in order if plan.nodes[n].runs_on == "service" and plan.nodes[n].active(it, plan.iterations)]
     return active[0] if active else None
 
 
@@ -112,7 +112,7 @@ def worth_waiting(
         return False
     for q in svc.queue:
         if q.job_id != lead.job_id and q.job_id not in pinned and batch_key(jobs[q.job_id], q.node) == key:
-            return False  # a group can form now
+            return False  # a cohort can form now
     for job_id, rest in due().items():
         if job_id == lead.job_id or rest > window:
             continue
@@ -122,55 +122,55 @@ def worth_waiting(
     return False
 
 
-def start_group(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode], ahead: bool) -> set[str]:
-    """`lead` (already off the queue) starts with `members` (taken off it here) as one group, now or (`ahead`)
+def start_cohort(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode], ahead: bool) -> set[str]:
+    """`lead` (already off the queue) starts with `members` (taken off it here) as one cohort, now or (`ahead`)
     after what runs; its jobs."""
     if members:
         svc.queue = [e for e in svc.queue if all(e is not m for m in members)]
         keys = {(e.job_id, e.iteration, e.node) for e in (lead, *members)}
         if ahead:
-            svc.next_group = keys
+            svc.next_cohort = keys
         else:
-            svc.group = keys
+            svc.cohort = keys
     return {lead.job_id, *(m.job_id for m in members)}
 
 
-def grouped_jobs(svc: ServiceRecord) -> set[str]:
-    """The jobs of every member of the group running and of the group sent ahead."""
-    return {k[0] for k in svc.group} | {k[0] for k in svc.next_group}
+def cohort_jobs(svc: ServiceRecord) -> set[str]:
+    """The jobs of every member of the cohort running and of the cohort sent ahead."""
+    return {k[0] for k in svc.cohort} | {k[0] for k in svc.next_cohort}
 
 
 def advance(svc: ServiceRecord, now: float) -> None:
-    """What ran ended (a node, or a group's last member): what was sent ahead, a node or a group, runs now."""
+    """What ran ended (a node, or a cohort's last member): what was sent ahead, a node or a cohort, runs now."""
     svc.running, svc.next, svc.running_since = svc.next, None, now
-    svc.group, svc.next_group = svc.next_group, set()
+    svc.cohort, svc.next_cohort = svc.next_cohort, set()
 
 
-def leave_groups(svc: ServiceRecord, job_id: str, now: float) -> None:
-    """An ended job's members of the running group and of the one sent ahead: dropped (`next` or `running`
-    passes to another member; an emptied running group frees the service)."""
-    for key in sorted(k for k in svc.next_group if k[0] == job_id):
-        svc.next_group.discard(key)
+def leave_cohorts(svc: ServiceRecord, job_id: str, now: float) -> None:
+    """An ended job's members of the running cohort and of the one sent ahead: dropped (`next` or `running`
+    passes to another member; an emptied running cohort frees the service)."""
+    for key in sorted(k for k in svc.next_cohort if k[0] == job_id):
+        svc.next_cohort.discard(key)
         if svc.next == key:
-            svc.next = min(svc.next_group) if svc.next_group else None
-    for key in sorted(k for k in svc.group if k[0] == job_id):
+            svc.next = min(svc.next_cohort) if svc.next_cohort else None
+    for key in sorted(k for k in svc.cohort if k[0] == job_id):
         if member_finished(svc, key):
             advance(svc, now)
 
 
 def member_finished(svc: ServiceRecord, key: Key) -> bool:
-    """A member of the group `svc` runs ended (or its job did): drop it. True when the service is free."""
-    svc.group.discard(key)
-    if svc.group:
+    """A member of the cohort `svc` runs ended (or its job did): drop it. True when the service is free."""
+    svc.cohort.discard(key)
+    if svc.cohort:
         if svc.running == key:
-            svc.running = min(svc.group)  # another member still running stands for the group
+            svc.running = min(svc.cohort)  # another member still running stands for the cohort
         return False
     return True
 
 
 def shares(start: float, end: float, weights: Sequence[float]) -> list[tuple[float, float]]:
     """Consecutive spans that tile [start, end], one per member, proportional to `weights` (equal when they
-    sum to zero): what each member of a group is reported to have taken."""
+    sum to zero): what each member of a cohort is reported to have taken."""
     total = float(sum(weights))
     n = len(weights)
     fractions = [w / total for w in weights] if total > 0 else [1.0 / n] * n
@@ -183,26 +183,26 @@ def shares(start: float, end: float, weights: Sequence[float]) -> list[tuple[flo
 
 
 def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:
-    """The first broken invariant of groups, described; None when all hold: a group's members are running
+    """The first broken invariant of cohorts, described; None when all hold: a cohort's members are running
     service nodes of distinct jobs placed on its service, with their states on device, and `running` is one."""
     for svc in services.values():
-        if svc.next_group and svc.next not in svc.next_group:
-            return f"{svc.service_id}: next {svc.next} is not one of its group sent ahead {sorted(svc.next_group)}"
-        if svc.group and svc.running not in svc.group:
-            return f"{svc.service_id}: running {svc.running} is not one of its group {sorted(svc.group)}"
-        both = svc.group | svc.next_group
+        if svc.next_cohort and svc.next not in svc.next_cohort:
+            return f"{svc.service_id}: next {svc.next} is not one of its cohort sent ahead {sorted(svc.next_cohort)}"
+        if svc.cohort and svc.running not in svc.cohort:
+            return f"{svc.service_id}: running {svc.running} is not one of its cohort {sorted(svc.cohort)}"
+        both = svc.cohort | svc.next_cohort
         if len({k[0] for k in both}) < len(both):
-            return f"{svc.service_id}: a job twice in its groups {sorted(svc.group)} / {sorted(svc.next_group)}"
+            return f"{svc.service_id}: a job twice in its cohorts {sorted(svc.cohort)} / {sorted(svc.next_cohort)}"
         for job_id, iteration, node in both:
             job = jobs[job_id]
             if job.service != svc.service_id or job.status != "running" or not svc.state.on_device(job_id):
-                return f"{svc.service_id}: group member {job_id} not placed there with its state on device"
+                return f"{svc.service_id}: cohort member {job_id} not placed there with its state on device"
             if job.iteration != iteration or job.nodes.get(node) != "running":
-                return f"{svc.service_id}: group member {job_id}/{node} not marked running"
+                return f"{svc.service_id}: cohort member {job_id}/{node} not marked running"
     return None
 
 
 __all__ = [
-    "advance", "batch_key", "gather", "grouped_jobs", "leave_groups", "member_finished", "next_service_node", "shares",
-    "start_group", "violation", "worth_waiting",
+    "advance", "batch_key", "cohort_jobs", "gather", "leave_cohorts", "member_finished", "next_service_node", "shares",
+    "start_cohort", "violation", "worth_waiting",
 ]  # fmt: skip

@@ -1,5 +1,5 @@
 """The planner's invariants, checked after every event in tests and with `validate=True` (see `core`): a
-service runs at most one node (plus one sent ahead; or one group of co-scheduled rollouts, checked in
+service runs at most one node (plus one sent ahead; or one cohort of co-scheduled rollouts, checked in
 `batches.py`), of a job placed on it, whose state is on device; what a service queues belongs to its jobs;
 every tier within budget; states recorded = jobs placed; a job's count of nodes left matches its node states;
 its nodes in backoff are cpu nodes with a backoff end. Pure: reads the planner's records, changes nothing."""
@@ -14,7 +14,7 @@ from plexrl.planner.records import JobRecord, ServiceRecord
 
 def any_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecord]) -> str | None:
     """The first broken invariant of all: the core's (`first_violation`), then those of slices, co-scheduled
-    groups and checkpoints (each in its own module)."""
+    cohorts and checkpoints (each in its own module)."""
     from plexrl.planner import batches, checkpoints, slices
 
     return (first_violation(jobs, services) or slices.violation(jobs, services)
@@ -61,9 +61,9 @@ def first_violation(jobs: Mapping[str, JobRecord], services: Mapping[str, Servic
             if job.service is None or job.job_id not in services[job.service].jobs:
                 return f"{job.job_id} placed but not on its service"
             waiting = {n for n, s in job.nodes.items() if s == "backoff"}
-            if waiting != set(job.backoff) or any(job.plan.nodes[n].placement != "cpu" for n in waiting):
+            if waiting != set(job.backoff) or any(job.plan.nodes[n].runs_on != "cpu" for n in waiting):
                 return f"{job.job_id}: nodes in backoff {sorted(waiting)} != backoff times {sorted(job.backoff)}"
-            running = [n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].placement == "service"]
+            running = [n for n, s in job.nodes.items() if s == "running" and job.plan.nodes[n].runs_on == "service"]
             if len(running) > 1:
                 return f"{job.job_id} runs {running} at once on one service"
         elif job.status == "queued" and job.service is not None:

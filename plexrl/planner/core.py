@@ -177,7 +177,7 @@ class Planner:
         return self.costs.of_job(job_id)
 
     def counts(self) -> dict[str, int]:
-        """Nodes sent ahead (lookahead), times a pick was held back, co-scheduled groups sent and their members."""
+        """Nodes sent ahead (lookahead), times a pick was held back, co-scheduled cohorts sent and their members."""
         return self._dispatcher.counts()
 
     sent_ahead = property(lambda self: self._dispatcher.sent_ahead, doc="Nodes sent ahead (`counts`).")
@@ -256,7 +256,7 @@ class Planner:
         plan = job.plan.nodes[ev.node]
         job.cpu_started.pop(ev.node, None)
         runs = job.runs.pop(ev.node, 1)
-        if ev.paused and (not ev.ok or plan.placement != "service"):
+        if ev.paused and (not ev.ok or plan.runs_on != "service"):
             raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} paused, but only a service node can"))
         if ev.ok:
             job.work_done += ev.duration
@@ -266,17 +266,17 @@ class Planner:
                 sessions.observe_call(job, self.costs, seconds)
             self._gaps.pop(ev.job_id, None)
             self.costs.observe_swap(ev.swap_bytes, ev.swap_seconds)
-        if plan.placement == "service":
+        if plan.runs_on == "service":
             svc = self.services[job.service] if job.service else None
             key = (ev.job_id, ev.iteration, ev.node)
-            if svc is None or (svc.running != key and key not in svc.group):
+            if svc is None or (svc.running != key and key not in svc.cohort):
                 raise InvalidTransition(self._history(f"{ev.node} of {ev.job_id} finished but was not running"))
-            if not svc.group or member_finished(svc, key):
+            if not svc.cohort or member_finished(svc, key):
                 advance(svc, self.clock())
             self.usage.add(job.plan.user, ev.duration + ev.swap_seconds, self.clock())
         if not ev.ok:
             retry = job.plan.retry
-            if plan.placement == "cpu" and retry is not None and runs < retry.attempts:
+            if plan.runs_on == "cpu" and retry is not None and runs < retry.attempts:
                 out.append(self._backing.back_off(job, ev, runs, self.clock(), self._set_node))
                 return
             after = f" (after {runs} runs)" if runs > 1 else ""
@@ -399,7 +399,7 @@ class Planner:
 
     def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
         self._set_node(job, name, "ready")
-        if job.plan.nodes[name].placement == "cpu":
+        if job.plan.nodes[name].runs_on == "cpu":
             self._set_node(job, name, "running")
             job.cpu_started[name] = self.clock()
             out.append(RunNode(job.job_id, job.iteration, name, "cpu", None, inline=self._tiny(job, name)))

@@ -1,7 +1,7 @@
 """Which queued node each service runs next (`Dispatcher`), a part of `core.Planner` with its own counters:
 the ordering policy's pick, sent to run now or (lookahead) right after the running node, with the swaps that
 make its job resident, the prefetch of the job most likely next, and (co-scheduled rollouts) the members of
-its group. A job has at most one service node sent at a time, and sent jobs' states are never evicted.
+its cohort. A job has at most one service node sent at a time, and sent jobs' states are never evicted.
 
 Pure: it changes the planner's records and appends `RunNode`s; the planner calls it once per event, for the
 services that event concerned (`dirty`), and owns everything it is given.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from plexrl.planner import ahead, checkpoints
-from plexrl.planner.batches import gather, grouped_jobs, start_group
+from plexrl.planner.batches import cohort_jobs, gather, start_cohort
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Instruction, RunNode
 from plexrl.planner.gaps import next_use
@@ -28,7 +28,7 @@ from plexrl.planner.views import next_job
 class Dispatcher:
     """The planner's records and policies it dispatches with (shared, not copied), the state table's setter
     (`set_node`), the ordering view of a service, the history for an error, and its counters: nodes sent ahead
-    (lookahead), times a pick was held back (`hold_ahead`), groups sent and their members."""
+    (lookahead), times a pick was held back (`hold_ahead`), cohorts sent and their members."""
 
     jobs: dict[str, JobRecord]
     services: dict[str, ServiceRecord]
@@ -43,12 +43,12 @@ class Dispatcher:
     history: Callable[[str], str]
     sent_ahead: int = 0
     held_ahead: int = 0
-    groups_sent: int = 0
-    grouped_nodes: int = 0
+    cohorts_sent: int = 0
+    cohort_members: int = 0
 
     def counts(self) -> dict[str, int]:
         """Its counters, by name."""
-        names = ("sent_ahead", "held_ahead", "groups_sent", "grouped_nodes")
+        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members")
         return {name: getattr(self, name) for name in names}
 
     def dispatch(self, dirty: set[str], out: list[Instruction]) -> None:
@@ -73,7 +73,7 @@ class Dispatcher:
     def one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
         """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node."""
         now = self.clock()
-        busy = {key[0] for key in (svc.running, svc.next) if key is not None} | grouped_jobs(svc)
+        busy = {key[0] for key in (svc.running, svc.next) if key is not None} | cohort_jobs(svc)
         candidates = [i for i, q in enumerate(svc.queue) if q.job_id not in busy]
         if not candidates:
             return
@@ -88,7 +88,7 @@ class Dispatcher:
             q = svc.queue[index]
             why = ahead.waits(svc, self.jobs, q, busy, pinned, view, now, self.costs.predict, self.ordering,
                               partner=self.batch_rollouts, preferred=self.hold_ahead) if busy else None  # fmt: skip
-            if why is not None:  # a partner (the group forms when the service frees) or a preferred node is due
+            if why is not None:  # a partner (the cohort forms when the service frees) or a preferred node is due
                 self.held_ahead += why == "preferred"
                 return
             try:
@@ -107,12 +107,12 @@ class Dispatcher:
             j, use_in, keep), pinned) if self.batch_rollouts else ([], [])  # fmt: skip
         swaps += more
         svc.queue.pop(index)
-        taken = start_group(svc, q, members, ahead=svc.running is not None)
+        taken = start_cohort(svc, q, members, ahead=svc.running is not None)
         svc.prefetching, svc.resident = None, q.job_id
         for entry in (q, *members):
             self.set_node(self.jobs[entry.job_id], entry.node, "running")
         if members:
-            self.groups_sent, self.grouped_nodes = self.groups_sent + 1, self.grouped_nodes + len(taken)
+            self.cohorts_sent, self.cohort_members = self.cohorts_sent + 1, self.cohort_members + len(taken)
         if svc.running is None:
             svc.running, svc.running_since = (q.job_id, q.iteration, q.node), now
         else:
@@ -128,7 +128,7 @@ class Dispatcher:
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
                            chunk=job.chunk.get(q.node, 0), chunks=chunks,
                            slice=slices_done(job, q.node),
-                           group=tuple((m.job_id, m.iteration, m.node) for m in members)))  # fmt: skip
+                           cohort=tuple((m.job_id, m.iteration, m.node) for m in members)))  # fmt: skip
 
 
 __all__ = ["Dispatcher"]

@@ -11,14 +11,14 @@ from typing import Literal
 
 from plexrl.planner.state import Move, Tier
 
-Placement = Literal["service", "cpu"]
+RunsOn = Literal["service", "cpu"]  # where a node runs (a job's place is `PlaceJob`)
 
 
 @dataclass(frozen=True, slots=True)
 class NodePlan:
     """What the planner needs to know of one pipeline node."""
 
-    placement: Placement
+    runs_on: RunsOn
     deps: tuple[str, ...] = ()
     every: int | None = None
     # a cpu node that may run next to its inputs, outside the CPU pool, when it is predicted to be tiny
@@ -229,7 +229,7 @@ class RunNode:
     job_id: str
     iteration: int
     node: str
-    placement: Placement
+    runs_on: RunsOn
     service_id: str | None = None
     swaps: tuple[Move, ...] = ()  # carry out in order before the node (they make the job resident)
     prefetch: tuple[Move, ...] = ()  # start in the background while the node runs (the next job's state)
@@ -240,7 +240,7 @@ class RunNode:
     attempt: int = 1  # which run of the node this is (> 1: after failed runs and their backoff, `RetryPlan`)
     # co-scheduled rollouts (`batches.py`): the other members (job, iteration, node) run in the same engine
     # call as this node; `swaps` make every member resident
-    group: tuple[tuple[str, int, str], ...] = ()
+    cohort: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ def gap_after(job: JobRecord, node: str, predict: Callable[[str, str], float]) -
         nxt = job.sources if wrap and depth == 0 else succ[name]
         best = math.inf
         for s in nxt:
-            if plan[s].placement == "service":
+            if plan[s].runs_on == "service":
                 best = 0.0
                 break
             best = min(best, predict(job_id, s) + reach(s, depth + wrap))
@@ -47,7 +47,7 @@ def next_use(
     there, the predicted rest of its CPU nodes in flight otherwise (`cpu_rests`: a retry's backoff counts), inf
     with nothing in flight."""
     soon = {q.job_id for q in svc.queue} | {c[0] for c in svc.checkpoints}  # (a checkpoint: its next iteration)
-    for key in (svc.running, svc.next, svc.checkpointing, *svc.group, *svc.next_group):
+    for key in (svc.running, svc.next, svc.checkpointing, *svc.cohort, *svc.next_cohort):
         if key is not None:
             soon.add(key[0])
     out: dict[str, float] = {}
@@ -78,7 +78,7 @@ def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float
     busy = gap = 0.0
     for name, node in job.plan.nodes.items():
         sec = predict(job.job_id, name) * node.chunks / (node.every or 1)
-        if node.placement == "service":
+        if node.runs_on == "service":
             busy += sec
         else:
             gap += sec
@@ -98,7 +98,7 @@ def due(
     negative when overdue). Jobs with nothing in flight are left out."""
     queued = {q.job_id for q in svc.queue}
     out: dict[str, float] = {}
-    for key in (svc.running, svc.next, *svc.group, *svc.next_group):
+    for key in (svc.running, svc.next, *svc.cohort, *svc.next_cohort):
         if key is not None and key[0] not in queued:
             out[key[0]] = gap(key[0], key[2])
     for job_id in svc.jobs - queued - out.keys():

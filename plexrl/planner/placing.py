@@ -5,7 +5,7 @@
   policy said no), or goes to a service, whose `StateManager` has admitted its state (the tier it landed in).
   A generator: the planner places each job before the next one is weighed, so later views (and the users'
   running counts) see the jobs, loads and free memory that placement changed;
-- `leave`: drop an ended job from its service's queue, running, group and sent-ahead slots, states and pointers.
+- `leave`: drop an ended job from its service's queue, running, cohort and sent-ahead slots, states and pointers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from plexrl.planner import checkpoints
-from plexrl.planner.batches import advance, leave_groups
+from plexrl.planner.batches import advance, leave_cohorts
 from plexrl.planner.policies import PlacementPolicy, ServiceView
 from plexrl.planner.records import JobRecord, ServiceRecord
 from plexrl.planner.state import Tier
@@ -121,9 +121,9 @@ def leave(svc: ServiceRecord, job_id: str, now: float) -> None:
     """Drop an ended job from `svc`: its queued nodes, its running or sent-ahead node (the driver abandons
     their results; the service runs `next` once an abandoned running node ends), its state and pointers."""
     svc.queue = [q for q in svc.queue if q.job_id != job_id]
-    if svc.next is not None and svc.next[0] == job_id and not svc.next_group:
+    if svc.next is not None and svc.next[0] == job_id and not svc.next_cohort:
         svc.next = None
-    leave_groups(svc, job_id, now)  # a member of a co-scheduled group, running or sent ahead
+    leave_cohorts(svc, job_id, now)  # a member of a co-scheduled cohort, running or sent ahead
     if svc.running is not None and svc.running[0] == job_id:
         advance(svc, now)
     checkpoints.leave(svc, job_id)
@@ -140,7 +140,7 @@ def emptied(svc: ServiceRecord) -> None:
     svc.queue.clear()
     svc.checkpoints.clear()
     svc.running = svc.next = svc.checkpointing = None
-    svc.group, svc.next_group = set(), set()
+    svc.cohort, svc.next_cohort = set(), set()
     svc.resident = svc.prefetching = None
 
 

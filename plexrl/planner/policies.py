@@ -68,7 +68,7 @@ def job_pace(job: _JobProgress, predict: Callable[[str, str], float], now: float
     placed = job.placed_at if job.placed_at is not None else now
     left = 1 if job.plan.open else max(job.plan.iterations - max(job.iteration, 0), 0)  # (a session: its next call)
     per = {n: predict(job.job_id, n) * p.chunks / (p.every or 1) for n, p in job.plan.nodes.items()}
-    service = sum(sec for n, sec in per.items() if job.plan.nodes[n].placement == "service")
+    service = sum(sec for n, sec in per.items() if job.plan.nodes[n].runs_on == "service")
     return Pace(now - placed, job.work_done, left * sum(per.values()), left * service)
 
 
@@ -396,7 +396,7 @@ class IoFirst:
 
 class TimeSlicing:
     """Exclusive time-slicing, the llm-d / OpenRL design on our executor: a FIFO lock per service, taken for
-    each phase and given back after it. llm-d's RL time-slicing (GKE's OpenRL on top) shares a GPU group
+    each phase and given back after it. llm-d's RL time-slicing (GKE's OpenRL on top) shares a set of GPUs
     between independent RL jobs this way (`acquire()` before a rollout or a training step, `yield()` after it,
     waiters first come first served, the whole GPU state of the holder snapshotted to host at each hand-over;
     nothing prefetched, nothing sent ahead, no job's DAG or gaps looked at).

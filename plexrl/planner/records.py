@@ -137,9 +137,9 @@ class ServiceRecord:
     resident: str | None = None  # the job that ran last here (its state is on device)
     prefetching: str | None = None
     next: tuple[str, int, str] | None = None  # lookahead: dispatched to run right after `running`
-    # co-scheduled rollouts (`batches.py`): every member of the group running here, `running` among them
-    group: set[tuple[str, int, str]] = field(default_factory=set)
-    next_group: set[tuple[str, int, str]] = field(default_factory=set)  # lookahead: a group sent ahead, `next` in it
+    # co-scheduled rollouts (`batches.py`): every member of the cohort running here, `running` among them
+    cohort: set[tuple[str, int, str]] = field(default_factory=set)
+    next_cohort: set[tuple[str, int, str]] = field(default_factory=set)  # lookahead: a cohort sent ahead, `next` in it
     # checkpoints (`checkpoints.py`): (job, iteration) waiting for the service, in order, and the one running
     checkpoints: list[tuple[str, int]] = field(default_factory=list)
     checkpointing: tuple[str, int] | None = None

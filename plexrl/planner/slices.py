@@ -68,7 +68,7 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
             continue
         for node, status in job.nodes.items():
             if status == "paused":
-                if job.plan.nodes[node].placement != "service" or node not in job.slices:
+                if job.plan.nodes[node].runs_on != "service" or node not in job.slices:
                     return f"{job.job_id}/{node} paused without a slice recorded"
                 svc = services[job.service] if job.service is not None else None
                 if svc is None or not svc.state.on_device(job.job_id):

@@ -52,7 +52,7 @@ def continues_phase(job: JobRecord, node: str) -> bool:
         return True
     plan = job.plan.nodes
     deps = plan[node].deps
-    return bool(deps) and all(plan[d].placement == "service" for d in deps)
+    return bool(deps) and all(plan[d].runs_on == "service" for d in deps)
 
 
 def next_job(

@@ -94,8 +94,8 @@ class Carrier:
     # -- instructions in ------------------------------------------------------------------------------
     def carry_out(self, ins: Instruction) -> list[Event]:
         """Do one instruction; the events it causes at once (a job that failed to load or to send a node)."""
-        if ins.job_id in self.failing and not isinstance(ins, FailJob) and not getattr(ins, "group", ()):
-            return []  # the job is being failed; do no more of its work (a group's other members still run)
+        if ins.job_id in self.failing and not isinstance(ins, FailJob) and not getattr(ins, "cohort", ()):
+            return []  # the job is being failed; do no more of its work (a cohort's other members still run)
         return self._table[type(ins)](self.runs[ins.job_id], ins)
 
     def _place(self, run: JobRun, ins: PlaceJob) -> list[Event]:
@@ -111,8 +111,8 @@ class Carrier:
         return []
 
     def _run_node(self, run: JobRun, ins: RunNode) -> list[Event]:
-        if ins.group:
-            return self._run_group(ins)
+        if ins.cohort:
+            return self._run_cohort(ins)
         lane = ins.service_id or "cpu"
         self.hooks.before_node(run, ins.iteration, ins.node, lane, self.clock())
         it = self.ledger.iters[run.job_id]
@@ -137,12 +137,12 @@ class Carrier:
         self.ledger.sent(handle, Pending("node", run.job_id, lane, ins.iteration, ins.node, task, ins.attempt))
         return []
 
-    def _run_group(self, ins: RunNode) -> list[Event]:
-        """Co-scheduled rollouts (`planner/batches.py`): the members, this node and `ins.group`, go to the
-        executor as one group (`submit_group`: one engine call), the swaps and prefetch with the first; each
+    def _run_cohort(self, ins: RunNode) -> list[Event]:
+        """Co-scheduled rollouts (`planner/batches.py`): the members, this node and `ins.cohort`, go to the
+        executor as one cohort (`submit_cohort`: one engine call), the swaps and prefetch with the first; each
         member has its own handle. Members of jobs being failed are left out (the planner drops them)."""
         lane = ins.service_id or "cpu"
-        keys = [(ins.job_id, ins.iteration, ins.node), *ins.group]
+        keys = [(ins.job_id, ins.iteration, ins.node), *ins.cohort]
         tasks: list[NodeTask] = []
         for job_id, iteration, node in keys:
             if job_id in self.failing:
@@ -156,15 +156,15 @@ class Carrier:
                                   ins.prefetch if first else ()))  # fmt: skip
         if not tasks:
             return []
-        submit_group = getattr(self.executor, "submit_group", None)
+        submit_cohort = getattr(self.executor, "submit_cohort", None)
         try:
-            if submit_group is None:
+            if submit_cohort is None:
                 raise TypeError(f"{type(self.executor).__name__} cannot run co-scheduled rollouts "
                                 "(batch_rollouts); use driver: local or turn batch_rollouts off")  # fmt: skip
-            handles = submit_group(tasks)
+            handles = submit_cohort(tasks)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            return [self.fail(self.runs[t.job_id], f"sending group {keys} to {lane}", error) for t in tasks]
+            return [self.fail(self.runs[t.job_id], f"sending cohort {keys} to {lane}", error) for t in tasks]
         for handle, task in zip(handles, tasks, strict=True):
             self.ledger.sent(handle, Pending("node", task.job_id, lane, task.iteration, task.node, task, 1))
         return []

@@ -3,7 +3,7 @@
 One service per worker that has a `GPU` resource. The `Service` object (engines and job states) lives in
 that worker process (a registry in `dask_tasks`, filled by a start-up task), so job state stays resident
 there; every service task is pinned to its worker. CPU nodes are ordinary tasks on the CPU-pool workers.
-With `ranks > 1` each service spans a worker group instead: the executor's `placement` (chosen at
+With `ranks > 1` each service spans a worker group instead: the executor's `topology` (chosen at
 construction, `runtime/topology.py`) carries every service task out one way or the other.
 
 Data stays where it is made: a node task returns its `NodeResult` (report + output) and that future is
@@ -17,7 +17,7 @@ A cpu node the planner marks `inline` (predicted shorter than a round trip) may 
 including the service worker that holds its input, instead of only the CPU pool (Dask picks the worker by
 where the data is); nodes of operators declared `inline=False` (tool calls, untrusted code) never are.
 
-Co-scheduled rollouts (`batch_rollouts`, `submit_group`): a group of several jobs' rollouts is ONE task on
+Co-scheduled rollouts (`batch_rollouts`, `submit_cohort`): a cohort of several jobs' rollouts is ONE task on
 the service's worker (one engine call), one place in the service's order; each member's handle is a small
 task there that picks its result out, so its output stays on the worker like a node's (single-rank
 services only).
@@ -326,10 +326,10 @@ class DaskExecutor:
         self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node, ranks=ranks)
         return handle
 
-    def submit_group(self, tasks: Sequence[NodeTask]) -> list[Handle]:
+    def submit_cohort(self, tasks: Sequence[NodeTask]) -> list[Handle]:
         """Co-scheduled rollouts (`planner/batches.py`): `tasks`, nodes of distinct jobs on one service, run as
-        ONE task on its worker (one engine call, `services.batched.run_group`), after the members' loads and
-        the service's previous task; the first task's swaps and prefetch are the group's. One handle per task,
+        ONE task on its worker (one engine call, `services.batched.run_cohort`), after the members' loads and
+        the service's previous task; the first task's swaps and prefetch are the cohort's. One handle per task,
         in order, each with its own report and its output on the worker (a later node's input, as after
         `submit`). A member whose load failed is reported not run. Worker groups refuse it (NotImplementedError)."""
         handles = [next(self._ids) for _ in tasks]
@@ -337,8 +337,8 @@ class DaskExecutor:
         after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
         inputs = [{p: self._work[h] for p, h in t.inputs.items()} for t in tasks]
         first = tasks[0]
-        key = f"group-{first.job_id}-{first.iteration}-{first.node}-{self.token}-{handles[0]}"
-        futs = self.topology.group(tasks, handles, inputs, after, key)
+        key = f"cohort-{first.job_id}-{first.iteration}-{first.node}-{self.token}-{handles[0]}"
+        futs = self.topology.cohort(tasks, handles, inputs, after, key)
         for h, t, fut in zip(handles, tasks, futs, strict=True):
             self._work[h] = _Work(fut, True, t.lane, t.job_id, t.iteration, t.node)
         return handles
@@ -470,7 +470,7 @@ class DaskExecutor:
 
     def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
         """A task on the service, after the job's load and the service's previous task, and before the next
-        one: the same order in which the runner sent them (the placement keeps it)."""
+        one: the same order in which the runner sent them (the topology keeps it)."""
         handle = next(self._ids)
         refused = "lost" if service_id in self._lost else None
         if refused is None:

@@ -1,5 +1,5 @@
 """What the `DaskExecutor` runs inside the Dask workers: a service's start, the job loads, the node tasks,
-co-scheduled rollout groups, saves, checkpoints, releases and the stop. A worker's `Service` lives in the
+co-scheduled rollout cohorts, saves, checkpoints, releases and the stop. A worker's `Service` lives in the
 worker's registry (`plexrl.services.registry.SERVICES`, one per executor token and service id), so a job's
 state stays resident in that worker process between tasks. A node task publishes its small `NodeReport` as a Dask event
 before it returns (`registry.publish`); its return value stays on the worker as the node's output."""
@@ -106,7 +106,7 @@ def _run_service_node(
     return result
 
 
-def _run_service_group(
+def _run_service_cohort(
     topic: str,
     handles: list[int],
     key: str,
@@ -117,13 +117,13 @@ def _run_service_group(
     seq: int,
     *after: Any,
 ) -> list[NodeResult]:
-    """Co-scheduled rollouts (`services.batched.run_group`): the members (job, iteration, node, inputs), nodes
+    """Co-scheduled rollouts (`services.batched.run_cohort`): the members (job, iteration, node, inputs), nodes
     of distinct jobs, in ONE engine call, taking one place (`seq`) in the service's order; publishes each
     member's report under its own handle and returns every member's result, in order (`_member` picks one
     out: that member's output). A member whose job's load failed (`loads`: the members' loads, or is not
     loaded here) is reported not run; the swaps still happen (the planner counts on them). Never raises:
     anything that fails comes back in the members' reports. `after`: the futures it must follow; unused."""
-    from plexrl.services.batched import Member, run_group
+    from plexrl.services.batched import Member, run_cohort
 
     service_id = key.rpartition("/")[2]
     results: list[NodeResult | None] = [None] * len(members)
@@ -143,7 +143,7 @@ def _run_service_group(
             results[i] = NodeResult(NodeReport(job_id, iteration, node, error, now, now))
         if run:
             batch = [Member(*members[i][:3], _outputs(members[i][3])) for i in run]
-            for i, res in zip(run, run_group(svc, batch, swaps, prefetch, seq), strict=True):
+            for i, res in zip(run, run_cohort(svc, batch, swaps, prefetch, seq), strict=True):
                 results[i] = res
         else:
             with svc.in_order(seq):
@@ -161,7 +161,7 @@ def _run_service_group(
 
 
 def _member(results: list[NodeResult], i: int) -> NodeResult:
-    """Member `i`'s result of a group (`_run_service_group`): its handle's future, its output kept here."""
+    """Member `i`'s result of a cohort (`_run_service_cohort`): its handle's future, its output kept here."""
     return results[i]
 
 

@@ -126,11 +126,11 @@ class InlineExecutor:
         self._done.append(Finished(handle, res.report))
         return handle
 
-    def submit_group(self, tasks: Sequence[NodeTask]) -> list[Handle]:
+    def submit_cohort(self, tasks: Sequence[NodeTask]) -> list[Handle]:
         """Co-scheduled rollouts (`planner/batches.py`): `tasks`, nodes of distinct jobs on one service, run in
-        ONE engine call (`services.batched.run_group`); the first task's swaps and prefetch are the group's. One
+        ONE engine call (`services.batched.run_cohort`); the first task's swaps and prefetch are the cohort's. One
         handle and one report per task, in order. A member whose load failed is reported not run."""
-        from plexrl.services.batched import Member, run_group
+        from plexrl.services.batched import Member, run_cohort
 
         handles = [next(self._ids) for _ in tasks]
         sid = tasks[0].service_id
@@ -152,7 +152,7 @@ class InlineExecutor:
             return handles
         try:
             with model_construction():
-                results = run_group(svc, members, tasks[0].swaps, tasks[0].prefetch)
+                results = run_cohort(svc, members, tasks[0].swaps, tasks[0].prefetch)
         except Exception as exc:  # (the nodes' own errors come back in their reports; this is anything else)
             now = self.clock()
             error = f"{type(exc).__name__}: {exc}"

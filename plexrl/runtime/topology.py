@@ -1,7 +1,7 @@
 """How a `DaskExecutor`'s services sit on its workers: one worker each (`OneWorker`) or a worker group each
 (`GroupTopology`, `ranks > 1`: one task per rank, `runtime/group.py`). The executor picks one at
 construction and hands it every task that touches a service: the start, a job's load, a service node with
-its ordering dependency, a group of co-scheduled rollouts (`group`), a save, a checkpoint, a release and the
+its ordering dependency, a cohort of co-scheduled rollouts (`cohort`), a save, a checkpoint, a release and the
 stop. Each keeps the order of its services' tasks (a task runs after the service's latest one, in the order
 the runner sent them).
 
@@ -20,7 +20,7 @@ from plexrl.runtime.dask_tasks import (
     _load_job,
     _member,
     _release,
-    _run_service_group,
+    _run_service_cohort,
     _run_service_node,
     _save_model,
     _start_service,
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 class Topology(Protocol):
     """The executor's service part (see the module docstring). `after`: futures a task must follow (the
-    loads of the jobs it touches); the placement adds the service's own previous task."""
+    loads of the jobs it touches); the topology adds the service's own previous task."""
 
     groups: WorkerGroups | None  # the worker groups, when services span several ranks
     joins: bool  # a GPU worker that joins late can become a service of its own
@@ -52,7 +52,7 @@ class Topology(Protocol):
         self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
     ) -> tuple[Any, list[Any]]: ...
 
-    def group(
+    def cohort(
         self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
     ) -> list[Any]: ...
 
@@ -128,10 +128,10 @@ class OneWorker:
             self._start_early(sid, seq, task, key)
         return fut, []
 
-    def group(
+    def cohort(
         self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
     ) -> list[Any]:
-        """Co-scheduled rollouts: ONE task on the service worker (`_run_service_group`, one place in the
+        """Co-scheduled rollouts: ONE task on the service worker (`_run_service_cohort`, one place in the
         service's order; sent ahead, its swaps start early as a node's do) and, per member, a small task there
         that picks the member's result out (no GPU slot): that member's future, its output kept on the worker."""
         ex, sid = self.ex, tasks[0].service_id
@@ -142,7 +142,7 @@ class OneWorker:
                    for t, ins in zip(tasks, inputs, strict=True)]  # fmt: skip
         loads = {t.job_id: ex._loaded[t.job_id] for t in tasks if t.job_id in ex._loaded}
         fut = ex._on(
-            sid, _run_service_group, ex._topic, handles, ex._key(sid), members, loads, tasks[0].swaps,
+            sid, _run_service_cohort, ex._topic, handles, ex._key(sid), members, loads, tasks[0].swaps,
             tasks[0].prefetch, seq, *after, key=key,
         )  # fmt: skip
         self.last_on[sid] = fut
@@ -264,7 +264,7 @@ class GroupTopology:
         ), after, key)  # fmt: skip
         return futs[0], futs
 
-    def group(
+    def cohort(
         self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
     ) -> list[Any]:
         raise NotImplementedError(

@@ -1,7 +1,7 @@
 """Co-scheduled rollouts on a `Service` (`Planner(batch_rollouts=True)`, `plexrl/planner/batches.py`): the
-members of a group, rollout nodes of distinct jobs on one shared engine, run as ONE engine call.
+members of a cohort, rollout nodes of distinct jobs on one shared engine, run as ONE engine call.
 
-`run_group` applies the group's swaps once (they make every member resident), starts its prefetch, then calls
+`run_cohort` applies the cohort's swaps once (they make every member resident), starts its prefetch, then calls
 the members' operator's batched form (`Operator.batched`, e.g. `operators.rollout.rollout_together`: one
 `vllm_lora.generate_together`) and returns one `NodeResult` per member, in order, each with its own weight
 loads (its adapter's sync) and metrics. The call's span is split among the members in proportion to the tokens
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One member of a group: its node and inputs (input port -> batch)."""
+    """One member of a cohort: its node and inputs (input port -> batch)."""
 
     job_id: str
     iteration: int
@@ -42,15 +42,15 @@ class Member:
     inputs: dict[str, Batch]
 
 
-def run_group(
+def run_cohort(
     svc: Service,
     members: Sequence[Member],
     swaps: Sequence[Move],
     prefetch: Sequence[Move],
     seq: int | None = None,
 ) -> list[NodeResult]:
-    """See the module docstring. `seq`: the group's number among the service's ordered tasks (an executor
-    that sends work ahead, `Service.run_node`'s `seq`; None: none): the group takes that one place, and the
+    """See the module docstring. `seq`: the cohort's number among the service's ordered tasks (an executor
+    that sends work ahead, `Service.run_node`'s `seq`; None: none): the cohort takes that one place, and the
     next task's early swaps may start once its swaps are applied and its prefetch queued."""
     from plexrl.services.service import NodeResult, _finish
 
@@ -62,7 +62,7 @@ def run_group(
             early = svc.background.claim(seq)
             if early is None:
                 moved = svc.apply(swaps)
-            else:  # (an executor that started the group's swaps early: wait for them)
+            else:  # (an executor that started the cohort's swaps early: wait for them)
                 svc.background.wait(early)
                 for mv in swaps:
                     svc._wait_for(mv.job_id)
@@ -102,7 +102,7 @@ def run_group(
         ctxs = [svc.context(svc.jobs[m.job_id], m.iteration, m.node) for m in members]
         outs: list[Any] = batched(ctxs, [m.inputs for m in members], [n.params for n in ops])
     except Exception as exc:
-        log.error("group %s failed: %s", [m.job_id for m in members], exc, exc_info=log.isEnabledFor(logging.INFO))
+        log.error("cohort %s failed: %s", [m.job_id for m in members], exc, exc_info=log.isEnabledFor(logging.INFO))
         svc._drop_generators(only_broken=True)
         outs, error = [None] * len(members), f"{type(exc).__name__}: {exc}"
     error = svc.node_end([m.job_id for m in members], error)  # the call's device work done: then its end
@@ -120,4 +120,4 @@ def run_group(
     return results
 
 
-__all__ = ["Member", "run_group"]
+__all__ = ["Member", "run_cohort"]

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class ShardPlacement(sw.Placement):
+class ShardLocation(sw.StateLocation):
     """Where this rank's share of a job's state is: the storages it frees and restores (by the name of a
     tensor that owns each), the storage each live tensor lies in (`owner`), their bytes on the host tier
     (`host`, one view per storage), or the DCP directory on the disk tier."""
@@ -122,7 +122,7 @@ class RankService(Service):
             engine.load_state(sw.load_checkpoint(part)["engine"])
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
         live, _ = _storages(engine.state_tensors())
-        self.states[job.job_id] = ShardPlacement("device", nbytes=sum(s.nbytes() for s in live.values()))
+        self.states[job.job_id] = ShardLocation("device", nbytes=sum(s.nbytes() for s in live.values()))
         self.order.node_end([job.job_id])
         if tier != "device":
             self._move(Move(job.job_id, "device", tier, 0))  # type: ignore[arg-type]
@@ -138,7 +138,7 @@ class RankService(Service):
         each shaped like the tensor it stands for (dtype, size, stride and offset in its storage), then back;
         a no-op on device. Not thread-safe with a node or a move of the same job."""
         state = self.states[job_id]
-        assert isinstance(state, ShardPlacement)
+        assert isinstance(state, ShardLocation)
         if state.tier == "device":
             yield
             return
@@ -178,10 +178,10 @@ class RankService(Service):
     def release(self, job_id: str) -> None:
         self._wait_for(job_id)
         state = self.states.get(job_id)
-        if isinstance(state, ShardPlacement) and state.host is not None:
+        if isinstance(state, ShardLocation) and state.host is not None:
             self.host_pool.give(state.host.buffer)
             state.host = None
-        if isinstance(state, ShardPlacement) and state.dcp_dir is not None:
+        if isinstance(state, ShardLocation) and state.dcp_dir is not None:
             shutil.rmtree(state.dcp_dir, ignore_errors=True)
             state.dcp_dir = None
         super().release(job_id)
@@ -192,7 +192,7 @@ class RankService(Service):
         import torch.distributed.checkpoint as dcp
 
         state = self.states[move.job_id]
-        assert isinstance(state, ShardPlacement)
+        assert isinstance(state, ShardLocation)
         if state.tier != move.src:
             raise sw.StateCorrupted(f"job {move.job_id}: the planner moves it from {move.src} but it is on "
                                     f"{state.tier} (service {self.service_id}, rank {self.rank})")  # fmt: skip

@@ -129,7 +129,7 @@ class Service:
         self.engines: dict[str, Any] = {}
         self.generators = Generators(self.device, clock)  # shared vLLM engines by generator key
         self.bases: dict[str, Any] = {}  # shared LoRA bases by base key (plexrl/engines/lora.py)
-        self.states: dict[str, sw.Placement] = {}
+        self.states: dict[str, sw.StateLocation] = {}
         self.stats = SwapStats()
         self._lock = threading.Lock()  # stats
         self._released: set[str] = set()
@@ -175,7 +175,7 @@ class Service:
             engine = self._vllm_engine(job, engine)
         self.jobs[job.job_id], self.engines[job.job_id] = job, engine
         self._released.discard(job.job_id)
-        self.states[job.job_id] = sw.Placement("device", nbytes=sw.nbytes(engine.state_tensors()))
+        self.states[job.job_id] = sw.StateLocation("device", nbytes=sw.nbytes(engine.state_tensors()))
         self.order.node_end([job.job_id])  # its build's kernels come before any move of it
         if tier != "device" and built_on != str(self.device):
             self._adopt(job.job_id, tier)

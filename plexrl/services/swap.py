@@ -32,7 +32,7 @@ class StateCorrupted(RuntimeError):
 
 
 @dataclass(slots=True)
-class Placement:
+class StateLocation:
     """Where one job's state is now, with its host copy or spill file (and the layout of its bytes) when it
     is off device."""
 
@@ -105,7 +105,7 @@ def host_to_device(
 
 
 def host_to_disk(host: HostCopy, path: Path) -> None:
-    """Write the host buffer's bytes as they are (the layout stays with the placement)."""
+    """Write the host buffer's bytes as they are (the layout stays with the `StateLocation`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         f.write(host.buffer.numpy().data)
@@ -141,7 +141,7 @@ def read_spill(path: Path | None, layout: Layout | None) -> dict[str, Tensor]:
 
 
 def carry_out(
-    job_id: str, src: str, dst: str, state: Placement, live: dict[str, Tensor], *, device: torch.device,
+    job_id: str, src: str, dst: str, state: StateLocation, live: dict[str, Tensor], *, device: torch.device,
     pool: HostPool, order: StreamOrder, spill_dir: Path, validate: bool,
 ) -> int:  # fmt: skip
     """Move one job's state from tier `src` to `dst` (the caller checked that it is on `src`), updating

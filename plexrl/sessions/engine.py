@@ -150,8 +150,8 @@ class SessionEngine:
         outputs: list[dict[str, np.ndarray]] = []
         total = 0.0
         try:
-            for group in _groups([len(d.tokens) for d in call.data], MAX_FORWARD_TOKENS):
-                data = [call.data[i] for i in group]
+            for part in _forward_parts([len(d.tokens) for d in call.data], MAX_FORWARD_TOKENS):
+                data = [call.data[i] for i in part]
                 with torch.set_grad_enabled(call.backward):
                     lps = self._target_logprobs(model, data)
                     loss = torch.zeros((), device=self.inner.device)
@@ -365,8 +365,8 @@ def _trained_in(state: dict[str, Any], live: dict[str, Tensor]) -> dict[str, Ten
     return dict(found)
 
 
-def _groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive datums in groups whose padded size (count x longest) stays within `budget` tokens (a longer
+def _forward_parts(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive datums in parts whose padded size (count x longest) stays within `budget` tokens (a longer
     datum alone)."""
     out: list[list[int]] = []
     cur: list[int] = []

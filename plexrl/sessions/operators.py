@@ -34,7 +34,7 @@ class CallResult(Batch):
         return packed
 
 
-@operator(placement="service")
+@operator(runs_on="service")
 def session_call(ctx: OpContext) -> CallResult:
     """Run the call that came with this node on the session's engine (`SessionEngine.run`)."""
     call = ctx.extra.get("call")

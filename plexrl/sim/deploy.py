@@ -37,7 +37,7 @@ from typing import Any
 
 from plexrl.hooks.base import Hook
 from plexrl.planner import ORDERINGS, NodePlan, Planner, placement_policy
-from plexrl.planner.events import Placement
+from plexrl.planner.events import RunsOn
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.config import GB, Accelerator, Deployment, Efficiency, LoRA, Model, Scenario, TrainLayout, Workload
@@ -117,7 +117,7 @@ def job_graph(
 ) -> tuple[dict[str, NodePlan], tuple[str, ...], frozenset[str]]:
     """(nodes, baseline, dedicated) of one step under a deployment kind (see the module docstring)."""
     on_service = kind in SHARED_ROLLOUT
-    roll: Placement = "service" if on_service else "cpu"
+    roll: RunsOn = "service" if on_service else "cpu"
     nodes: dict[str, NodePlan] = {"rollout": NodePlan(roll, (), inline=False)}
     last = "rollout"
     if tail:

@@ -161,7 +161,7 @@ def alone_seconds(job: SimJob, costs: SampledCosts) -> float:
         for name, node in job.nodes.items():  # a chain: insertion order is the run order
             sec = costs.duration(job, it, name)
             total += sec
-            if leading and node.placement == "service":
+            if leading and node.runs_on == "service":
                 leading = False
             if leading:
                 lead += sec
@@ -241,7 +241,7 @@ def busy_seconds(job: SimJob, costs: SampledCosts, own: int, pool: int) -> float
         for name, node in job.nodes.items():
             if name in job.dedicated:
                 total += own * costs.duration(job, it, name)
-            elif node.placement == "service":
+            elif node.runs_on == "service":
                 total += pool * costs.duration(job, it, name)
     return total
 
