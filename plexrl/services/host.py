@@ -90,7 +90,7 @@ class Layout:
             st = t.untyped_storage()
             if storage is None:
                 storage = st
-                if st.nbytes() != self.nbytes:
+                if not self.nbytes <= st.nbytes() <= self.nbytes + self.nbytes // 8 + PAGE:
                     return None
             elif st.data_ptr() != storage.data_ptr():
                 return None
@@ -98,7 +98,8 @@ class Layout:
                 return None
         if storage is None:
             return None
-        return torch.empty(0, dtype=torch.uint8, device=tensors[self.slots[0].name].device).set_(storage)
+        flat = torch.empty(0, dtype=torch.uint8, device=tensors[self.slots[0].name].device).set_(storage)
+        return flat[: self.nbytes]  # a reused buffer (`DeviceCache`) may be up to 1/8 longer than the state
 
 
 @dataclass(slots=True)
@@ -205,6 +206,64 @@ class HostPool:
             _unregister(ptr)
 
 
+class DeviceCache:
+    """A CPU service's freed "device" buffers, kept for the next swap-in, as CUDA's caching allocator keeps freed
+    device blocks (a CUDA service has no `DeviceCache`: the allocator does this). On a CPU the device is host
+    memory, and a fresh buffer pays a page fault per page on first touch: measured here, a copy of 2.2 GB into
+    a fresh buffer ran at 0.27 GB/s against 4.95 GB/s into a touched one (one thread), so without reuse every
+    swap-in of a real-size state cost seconds of page faults, not a copy.
+
+    `give` keeps a swapped-out state's flat buffer only when nothing else uses its storage any more (no view
+    of it left anywhere: reusing it can never overwrite what a tensor still reads); at most `keep` bytes idle
+    (None: one buffer the size of the largest state seen). `take` hands back a kept buffer within 1/8 of the
+    size, else a fresh one. Thread-safe."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._idle: list[Tensor] = []
+        self._largest = 0
+        self.made = 0
+        self.reused = 0
+
+    def take(self, nbytes: int) -> Tensor:
+        with self._lock:
+            self._largest = max(self._largest, nbytes)
+            fits = [b for b in self._idle if nbytes <= b.numel() <= nbytes + nbytes // 8 + PAGE]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._idle = [b for b in self._idle if b is not buf]
+                self.reused += 1
+                return buf[:nbytes]
+            self.made += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, flat: Tensor) -> bool:
+        """Keep `flat`'s whole storage for reuse if `flat` is its only user (True), else leave it (False)."""
+        storage = flat.untyped_storage()
+        if flat.device.type != "cpu" or not _sole_user(flat, storage):
+            return False
+        base = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with self._lock:
+            keep = self.keep if self.keep is not None else self._largest
+            if sum(b.numel() for b in self._idle) + base.numel() > keep:
+                return False
+            self._idle.append(base)
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+
+
+def _sole_user(flat: Tensor, storage: torch.UntypedStorage) -> bool:
+    """True when `flat` (and the base tensor a view keeps alive) is all that holds `storage`, besides the
+    Python object asking: no other tensor views it. Without torch's use count: False (never reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    own = 2 + (flat._base is not None)
+    return count is not None and int(count(storage._cdata)) <= own
+
+
 def _register(buf: Tensor) -> None:
     err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
     if int(err) != 0:
@@ -218,4 +277,4 @@ def _unregister(ptr: int) -> None:
         log.warning("cudaHostUnregister failed (error %d)", int(err))
 
 
-__all__ = ["ALIGN", "PAGE", "HostCopy", "HostPool", "Layout", "Slot", "covered_bytes"]
+__all__ = ["ALIGN", "PAGE", "DeviceCache", "HostCopy", "HostPool", "Layout", "Slot", "covered_bytes"]

@@ -38,7 +38,7 @@ from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
 from plexrl.services import swap as sw
 from plexrl.services.generators import Generators
-from plexrl.services.host import HostPool
+from plexrl.services.host import DeviceCache, HostPool
 from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 from plexrl.services.streams import StreamOrder, stream_order
 
@@ -133,10 +133,10 @@ class Service:
         self.stats = SwapStats()
         self._lock = threading.Lock()  # stats
         self._released: set[str] = set()
-        # (job, iteration, node, chunk) -> the SliceSlot of a sliced node whose generation is paused here
-        self.paused: dict[tuple[str, int, str, int], Any] = {}
+        self.paused: dict[tuple[str, int, str, int], Any] = {}  # (job, iteration, node, chunk) -> paused SliceSlot
         self.order = order if order is not None else stream_order(self.device)
         self.host_pool = HostPool(pin=self.device.type == "cuda", limit=host_memory)
+        self.device_cache = DeviceCache() if self.device.type == "cpu" else None  # CUDA: its caching allocator
         # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
         self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, self.order)
 
@@ -453,8 +453,7 @@ class Service:
     # -- moves --------------------------------------------------------------------------------------
     def apply(self, moves: Sequence[Move]) -> int:
         """Carry out `moves` in order (blocking), after every background move queued before them
-        (`BackgroundMoves.wait_all`: the planner's order, so no tier goes over budget). Returns the bytes
-        moved."""
+        (`BackgroundMoves.wait_all`: the planner's order, so no tier goes over budget). Returns bytes moved."""
         total = 0
         if moves:
             self.background.wait_all()
@@ -491,7 +490,8 @@ class Service:
             return 0
         live = self.engines[move.job_id].state_tensors()
         copies = sw.carry_out(move.job_id, move.src, move.dst, state, live, device=self.device, pool=self.host_pool,
-                              order=self.order, spill_dir=self.spill_dir, validate=self.validate)  # fmt: skip
+                              order=self.order, spill_dir=self.spill_dir, validate=self.validate,
+                              cache=self.device_cache)  # fmt: skip
         with self._lock:
             self.stats.bytes_moved += state.nbytes
             self.stats.moves += 1

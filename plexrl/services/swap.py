@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from plexrl.services.host import HostCopy, HostPool, Layout
+from plexrl.services.host import DeviceCache, HostCopy, HostPool, Layout
 from plexrl.services.streams import StreamOrder
 
 
@@ -58,10 +58,12 @@ def checksum(tensors: dict[str, Tensor]) -> str:
 
 
 def device_to_host(
-    job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder
-) -> tuple[HostCopy, int]:
+    job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder,
+    cache: DeviceCache | None = None,
+) -> tuple[HostCopy, int]:  # fmt: skip
     """Copy every live tensor into one host buffer (one copy when they are views of one device buffer, else
-    one per tensor), then free the device storage. Returns the host copy and the number of copies."""
+    one per tensor), then free the device storage (a CPU service: into `cache` for the next swap-in, when
+    nothing else uses it). Returns the host copy and the number of copies."""
     layout = Layout.of(live)
     buf = pool.take(layout.nbytes)
     try:
@@ -81,20 +83,27 @@ def device_to_host(
         raise
     for t in live.values():
         t.data = torch.empty(0, dtype=t.dtype, device=device)
+    if cache is not None and flat is not None:
+        cache.give(flat)
     return HostCopy(buf, layout), copies
 
 
 def host_to_device(
-    job_id: str, live: dict[str, Tensor], host: HostCopy, device: torch.device, order: StreamOrder
-) -> int:
-    """Give every live tensor a view of ONE fresh device buffer filled from the host copy in one copy; the
-    host buffer is free once this returns. Returns the number of copies (1)."""
+    job_id: str, live: dict[str, Tensor], host: HostCopy, device: torch.device, order: StreamOrder,
+    cache: DeviceCache | None = None,
+) -> int:  # fmt: skip
+    """Give every live tensor a view of ONE device buffer (from `cache` on a CPU service, else fresh) filled
+    from the host copy in one copy; the host buffer is free once this returns. Returns the number of copies
+    (1)."""
     layout = host.layout
     missing = set(live) - layout.names()
     if missing:
         raise StateCorrupted(f"host copy lacks {sorted(missing)[:3]}")
     order.before_copy(job_id)
-    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    if cache is not None:
+        flat = cache.take(layout.nbytes)
+    else:
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     order.allocated(flat)  # made on the copy stream in the background: the compute stream uses it next
     order.copy(job_id, flat, host.buffer)
     views = layout.views(flat)
@@ -142,14 +151,14 @@ def read_spill(path: Path | None, layout: Layout | None) -> dict[str, Tensor]:
 
 def carry_out(
     job_id: str, src: str, dst: str, state: StateLocation, live: dict[str, Tensor], *, device: torch.device,
-    pool: HostPool, order: StreamOrder, spill_dir: Path, validate: bool,
+    pool: HostPool, order: StreamOrder, spill_dir: Path, validate: bool, cache: DeviceCache | None = None,
 ) -> int:  # fmt: skip
     """Move one job's state from tier `src` to `dst` (the caller checked that it is on `src`), updating
     `state`; in validate mode checksum it at swap-out and check it at swap-in. Returns the copy calls made."""
     copies = 0
     if src == "device":
         state.nbytes = nbytes(live)  # grows once the optimizer has state
-        state.host, copies = device_to_host(job_id, live, device, pool, order)
+        state.host, copies = device_to_host(job_id, live, device, pool, order, cache)
         if validate:
             state.checksum = checksum(state.host.tensors())
     elif src == "disk":
@@ -163,7 +172,7 @@ def carry_out(
         pool.give(state.host.buffer)
         state.host = None
     elif dst == "device":
-        copies += host_to_device(job_id, live, state.host, device, order)
+        copies += host_to_device(job_id, live, state.host, device, order, cache)
         pool.give(state.host.buffer)
         state.host = None
         if validate and state.checksum is not None and checksum(live) != state.checksum:
