@@ -124,7 +124,7 @@ class HostPool:
     """A service's host buffers (see the module docstring). Thread-safe. `pin`: page-lock them (CUDA);
     `limit`: the host bytes the pool may hold, kept buffers included (None: no limit beyond `keep`); `keep`:
     the most bytes kept idle for reuse (None: up to `limit`, the host tier's budget, which the planner would
-    fill anyway; without a limit, one buffer the size of the largest state seen)."""
+    fill anyway; without a limit, two buffers the size of the largest state seen)."""
 
     def __init__(self, *, pin: bool, limit: int | None = None, keep: int | None = None) -> None:
         self.pin, self.limit, self.keep = pin, limit, keep
@@ -177,7 +177,7 @@ class HostPool:
             base = self._base(buf)
             if base is None:
                 return  # not ours (already freed, or a view of a read-only spill): nothing to do
-            keep = self.keep if self.keep is not None else self.limit if self.limit is not None else self._largest
+            keep = self.keep if self.keep is not None else self.limit if self.limit is not None else 2 * self._largest
             idle = sum(self._cap(b) for b in self._idle)
             if idle + self._cap(base) <= keep and (self.limit is None or self.held_bytes <= self.limit):
                 self._idle.append(base)
@@ -215,7 +215,8 @@ class DeviceCache:
 
     `give` keeps a swapped-out state's flat buffer only when nothing else uses its storage any more (no view
     of it left anywhere: reusing it can never overwrite what a tensor still reads); at most `keep` bytes idle
-    (None: one buffer the size of the largest state seen). `take` hands back a kept buffer within 1/8 of the
+    (None: two buffers the size of the largest state seen: a planner often swaps two states out before the
+    next swap-in). `take` hands back a kept buffer within 1/8 of the
     size, else a fresh one. Thread-safe."""
 
     def __init__(self, keep: int | None = None) -> None:
@@ -245,7 +246,7 @@ class DeviceCache:
             return False
         base = torch.empty(0, dtype=torch.uint8).set_(storage)
         with self._lock:
-            keep = self.keep if self.keep is not None else self._largest
+            keep = self.keep if self.keep is not None else 2 * self._largest
             if sum(b.numel() for b in self._idle) + base.numel() > keep:
                 return False
             self._idle.append(base)
