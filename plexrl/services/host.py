@@ -40,6 +40,11 @@ def _up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
+def _fits(cap: int, nbytes: int) -> bool:
+    """A kept buffer of `cap` bytes serves a request of `nbytes`: large enough, at most 1/8 (and a page) more."""
+    return nbytes <= cap <= nbytes + nbytes // 8 + PAGE
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One tensor's place in a flat buffer."""
@@ -90,7 +95,7 @@ class Layout:
             st = t.untyped_storage()
             if storage is None:
                 storage = st
-                if not self.nbytes <= st.nbytes() <= self.nbytes + self.nbytes // 8 + PAGE:
+                if not _fits(st.nbytes(), self.nbytes):
                     return None
             elif st.data_ptr() != storage.data_ptr():
                 return None
@@ -147,7 +152,7 @@ class HostPool:
         reused)."""
         with self._lock:
             self._largest = max(self._largest, nbytes)
-            fits = [b for b in self._idle if nbytes <= self._cap(b) <= nbytes + nbytes // 8 + PAGE]
+            fits = [b for b in self._idle if _fits(self._cap(b), nbytes)]
             if fits:
                 buf = min(fits, key=self._cap)
                 self._idle = [b for b in self._idle if b is not buf]
@@ -230,7 +235,7 @@ class DeviceCache:
     def take(self, nbytes: int) -> Tensor:
         with self._lock:
             self._largest = max(self._largest, nbytes)
-            fits = [b for b in self._idle if nbytes <= b.numel() <= nbytes + nbytes // 8 + PAGE]
+            fits = [b for b in self._idle if _fits(b.numel(), nbytes)]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
                 self._idle = [b for b in self._idle if b is not buf]
