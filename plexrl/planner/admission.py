@@ -22,10 +22,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from plexrl.planner.records import JobRecord
+from plexrl.planner.events import Instruction, JobHeld
+from plexrl.planner.placing import admissions
+from plexrl.planner.policies import PlacementPolicy
+from plexrl.planner.records import InvalidTransition, JobRecord, ServiceRecord
 from plexrl.planner.shares import Usage
+from plexrl.planner.state import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,4 +128,88 @@ def squeeze(user: str, running: Counter[str]) -> bool:
     return running[user] == 0 and any(n > 1 for n in running.values())
 
 
-__all__ = ["UserLimits", "changed", "held", "order", "release_at", "running_by_user", "share", "squeeze", "weigh"]
+@dataclass(slots=True)
+class Admitter:
+    """The admission part of `core.Planner`, like `dispatch.Dispatcher`: the planner's records, placement,
+    limits and usage (shared, not copied), its clock and `job_load`, and the steps of the planner it calls
+    back: `place` a job on a service (at a tier, now) and `fail` one that can never be placed. It owns the
+    queue: `pending` (job ids, in submission order), `held` (job -> why its user's limits hold it), whether
+    admission is `due` (only after something that can change a placement: a service joined or was lost, a job
+    was submitted or ended, a state was measured smaller, or with a load-aware placement a job finished an
+    iteration), and when a quota-held job may go in without any other event (`release_at`)."""
+
+    jobs: dict[str, JobRecord]
+    services: dict[str, ServiceRecord]
+    placement: PlacementPolicy
+    limits: UserLimits
+    usage: Usage
+    fair: bool
+    clock: Callable[[], float]
+    job_load: Callable[[str], float]
+    place: Callable[[JobRecord, str, Tier, float, list[Instruction]], None]
+    fail: Callable[[str, str, list[Instruction]], None]
+    history: Callable[[str], str]
+    pending: list[str] = field(default_factory=list)
+    held: dict[str, str] = field(default_factory=dict)
+    due: bool = True
+    release_at: float | None = None
+
+    def admit(self, out: list[Instruction]) -> None:
+        """Weigh the queued jobs (when due): place those the placement takes, in order, fail those that can
+        never be placed, keep the others queued with their reason; announce held reasons that changed."""
+        if not self.pending or not self.due:
+            return
+        self.due = False
+        alive = [s for s in self.services.values() if s.alive]
+        if not alive:
+            return
+        now = self.clock()
+        pending, running, hold, squeezed = weigh(self.pending, self.jobs, self.limits, self.usage, now, len(alive),
+                                                 fair=self.fair)  # fmt: skip
+        still, held = set(), {}
+        for a in admissions(pending, self.jobs, alive, self.placement, self.job_load, hold, squeezed):
+            if a.held or (a.target is None and not a.problem):
+                still.add(a.job_id)
+                self.jobs[a.job_id].reason = a.held or a.reason  # (shown to users: the server's page and status)
+                if a.held:
+                    held[a.job_id] = a.held
+            elif a.problem:
+                self.fail(a.job_id, a.problem, out)
+            elif a.tier is None:
+                raise InvalidTransition(self.history(f"placement chose {a.target} for {a.job_id} but it does not fit"))
+            else:
+                job = self.jobs[a.job_id]
+                running[job.plan.user] += 1
+                self.place(job, a.target, a.tier, now, out)  # type: ignore[arg-type]  # (a target with a tier)
+        self.pending = [j for j in self.pending if j in still]  # arrival order kept
+        out += [JobHeld(j, why) for j, why in changed(self.held, held)]
+        self.held = held
+        times = [release_at(self.jobs[j].plan.user, self.limits, self.usage, now, len(alive)) for j in held]
+        self.release_at = min((t for t in times if t is not None), default=None)
+
+    def drop(self, job_id: str, out: list[Instruction], keep_pending: bool = False) -> None:
+        """A job ended: it leaves the queue (unless `keep_pending`: `admit` rebuilds it) and the held jobs."""
+        if job_id in self.pending and not keep_pending:
+            self.pending.remove(job_id)
+        if job_id in self.held:  # it no longer waits for its user's limits
+            del self.held[job_id]
+            out.append(JobHeld(job_id, ""))
+
+    def wake(self, now: float) -> None:
+        """A tick: once a quota's release time has come, the held jobs are weighed again."""
+        if self.release_at is not None and now >= self.release_at:
+            self.release_at, self.due = None, True
+
+
+__all__ = [
+    "Admitter",
+    "UserLimits",
+    "changed",
+    "held",
+    "order",
+    "release_at",
+    "running_by_user",
+    "share",
+    "squeeze",
+    "weigh",
+]

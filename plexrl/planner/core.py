@@ -15,20 +15,22 @@ predicted next use for choosing which state to evict or prefetch.
 
 States and their one table: `records.py`; backoffs: `retries.py`; slices: `slices.py`; co-scheduled rollouts:
 `batches.py`; checkpoints: `checkpoints.py`. Invariants (`validate()`, after every event in the runner and the
-tests): `checks.py`; a job's service is fixed once placed (invariant 2, docs/architecture.md: `_admit` is the
-only place that sets it). Per-user admission: `admission.py`; which node a service runs next: `dispatch.py`; the
-read API for everything outside (`view`, `node_costs`, `counts`): `views.py`.
+tests): `checks.py`; a job's service is fixed once placed (invariant 2, docs/architecture.md: `_place` is the
+only place that sets it). The planner's parts, each given the records it shares and the few steps of the
+planner it calls back (none imports this module): per-user admission and the queue, `admission.Admitter`; a
+placed job's way through its iterations, `progress.Progress`; which node a service runs next,
+`dispatch.Dispatcher`; the session events, `sessions.Sessions`. The read API for everything outside (`view`,
+`node_costs`, `counts`): `views.py`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from plexrl.planner import checkpoints, sessions
-from plexrl.planner.admission import UserLimits, changed, release_at, weigh
+from plexrl.planner.admission import Admitter, UserLimits
 from plexrl.planner.batches import advance, member_finished
 from plexrl.planner.checks import any_violation, history
 from plexrl.planner.costs import CostModel
@@ -38,11 +40,9 @@ from plexrl.planner.events import (
     Event,
     FailJob,
     Instruction,
-    IterationDone,
     JobCancelled,
     JobDone,
     JobFailed,
-    JobHeld,
     JobSubmitted,
     NodeFinished,
     PlaceJob,
@@ -54,15 +54,15 @@ from plexrl.planner.events import (
     Transition,
 )
 from plexrl.planner.gaps import busy_fraction, gap_after
-from plexrl.planner.placing import admissions, emptied, leave
+from plexrl.planner.placing import emptied, leave
 from plexrl.planner.policies import (
     Fifo,
     OrderingPolicy,
     OrderingView,
     PlacementPolicy,
-    QueuedNode,
     Spread,
 )
+from plexrl.planner.progress import Progress
 from plexrl.planner.records import (
     JOB_TRANSITIONS,
     NODE_TRANSITIONS,
@@ -74,10 +74,11 @@ from plexrl.planner.records import (
     ServiceRecord,
 )
 from plexrl.planner.retries import Backoffs
+from plexrl.planner.sessions import Sessions
 from plexrl.planner.settings import PlannerSettings, policies_of
 from plexrl.planner.shares import Usage
 from plexrl.planner.slices import record_slice
-from plexrl.planner.state import StateManager
+from plexrl.planner.state import StateManager, Tier
 from plexrl.planner.views import PlannerView, ordering_view, planner_view
 
 
@@ -119,15 +120,9 @@ class Planner:
         self.inline_below = inline_below
         self.jobs: dict[str, JobRecord] = {}
         self.services: dict[str, ServiceRecord] = {}
-        self.pending: list[str] = []  # queued job ids, in submission order
         self.log: deque[Transition] = deque(maxlen=log_size)
         self.validate_each_step = validate
         self.max_instructions = max_instructions_per_event
-        self._seq = itertools.count()
-        # admission is retried only after something that can change a placement: a service joined or was
-        # lost, a job was submitted or ended, a state was measured smaller, or (load-aware placements) a job
-        # finished an iteration (its predicted load settled)
-        self._admission_due = True
         # services whose queue, running node, jobs or states an event may have changed: only these are
         # offered a dispatch (a service nothing happened to would make the same choice as before)
         self._dirty: set[str] = set()
@@ -136,15 +131,21 @@ class Planner:
         self.usage = usage or Usage()  # service seconds per user (fair-share ordering)
         # co-scheduled rollouts (`batches.py`): several jobs' batchable nodes in one engine call
         self.batch_rollouts = batch_rollouts
-        # per-user admission (`admission.py`): limits, users-first weighing, and why each held job waits
+        # per-user admission (`admission.Admitter`): the queue, limits, users-first weighing, why a job is held
         self.user_limits = user_limits or UserLimits()
         self.fair_admission = fair_admission
-        self.held: dict[str, str] = {}
-        self._release_at: float | None = None  # when a job held by its user's quota may go in (`wake_at`)
+        self._admission = Admitter(
+            self.jobs, self.services, self.placement, self.user_limits, self.usage, fair_admission, clock,
+            self.job_load, self._place, lambda job_id, why, out: self._end_job(job_id, "failed", why, out, True),
+            self._history,
+        )  # fmt: skip
+        self._progress = Progress(self.services, self.costs, self.placement, self._admission, clock, inline_below,
+                                  self._dirty, self._set_node, self._end_job)  # fmt: skip
         self._dispatcher = Dispatcher(
             self.jobs, self.services, self.costs, self.ordering, self.lookahead, self.hold_ahead, batch_rollouts,
             clock, self._set_node, self._ordering_view, self._history,
         )  # fmt: skip
+        self._sessions = Sessions(self.jobs, self.costs, clock, self._progress.advance, self._end_job, self._history)
         self._handlers: dict[type, Callable[[Any, list[Instruction]], None]] = {
             NodeFinished: self._node_finished,  # by far the most frequent
             ServiceJoined: self._service_joined,
@@ -154,7 +155,7 @@ class Planner:
             JobCancelled: lambda ev, out: self._end_job(ev.job_id, "cancelled", ev.reason, out),
             JobFailed: lambda ev, out: self._end_job(ev.job_id, "failed", ev.reason, out),
             CheckpointFinished: self._checkpoint_finished,
-            **sessions.handlers(self),  # CallArrived, SessionClosing (`sessions.py`)
+            **self._sessions.handlers(),  # CallArrived, SessionClosing (`sessions.Sessions`)
             Tick: lambda ev, out: self._tick(out),
         }
 
@@ -180,6 +181,16 @@ class Planner:
         """Nodes sent ahead (lookahead), times a pick was held back, co-scheduled cohorts sent and their members."""
         return self._dispatcher.counts()
 
+    @property
+    def pending(self) -> list[str]:
+        """The queued jobs' ids, in submission order (`admission.Admitter`)."""
+        return self._admission.pending
+
+    @property
+    def held(self) -> dict[str, str]:
+        """Queued job -> why its user's limits hold it."""
+        return self._admission.held
+
     sent_ahead = property(lambda self: self._dispatcher.sent_ahead, doc="Nodes sent ahead (`counts`).")
 
     # -- the one entry point -----------------------------------------------------------------------
@@ -198,7 +209,7 @@ class Planner:
             job = self.jobs.get(event.job_id)  # type: ignore[union-attr]
             if job is not None and job.service is not None:
                 self._dirty.add(job.service)
-        self._admit(out)
+        self._admission.admit(out)
         self._dispatch(out)
         if len(out) > self.max_instructions:
             raise InvalidTransition(self._history(f"loop guard: {len(out)} instructions for one event"))
@@ -210,7 +221,7 @@ class Planner:
     def _service_joined(self, ev: ServiceJoined, out: list[Instruction]) -> None:
         if ev.service_id in self.services and self.services[ev.service_id].alive:
             raise InvalidTransition(self._history(f"service {ev.service_id!r} joined twice"))
-        self._admission_due = True
+        self._admission.due = True
         budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
         state = StateManager(ev.service_id, budgets, exclusive=self.exclusive)  # type: ignore[arg-type]
         self.services[ev.service_id] = ServiceRecord(ev.service_id, state=state)
@@ -220,7 +231,7 @@ class Planner:
         if svc is None or not svc.alive:
             return
         svc.alive = False
-        self._admission_due = True
+        self._admission.due = True
         for job_id in sorted(svc.jobs):
             self._end_job(job_id, "failed", f"service {ev.service_id!r} lost: {ev.reason}", out, lost=True)
         emptied(svc)
@@ -231,7 +242,7 @@ class Planner:
         if svc is None or job is None or job.service != ev.service_id or job.status in TERMINAL:
             return  # a late report
         if svc.state.measured(ev.job_id, ev.nbytes):
-            self._admission_due = True  # a smaller state may leave room for a queued job
+            self._admission.due = True  # a smaller state may leave room for a queued job
 
     def _job_submitted(self, ev: JobSubmitted, out: list[Instruction]) -> None:
         if ev.job_id in self.jobs and self.jobs[ev.job_id].status not in TERMINAL:  # an ended job may come again
@@ -244,8 +255,8 @@ class Planner:
         for learned, seconds in ev.plan.costs:
             if learned in ev.plan.nodes and seconds >= 0:
                 self.costs.observe(ev.job_id, learned, seconds)
-        self.pending.append(ev.job_id)
-        self._admission_due = True
+        self._admission.pending.append(ev.job_id)
+        self._admission.due = True
 
     def _node_finished(self, ev: NodeFinished, out: list[Instruction]) -> None:
         job = self.jobs.get(ev.job_id)
@@ -284,106 +295,47 @@ class Planner:
             return
         if ev.paused:  # a slice ended before its node: the next slice waits for the service like any node
             self._set_node(job, ev.node, "paused")
-            self._queue(job, ev.node)
+            self._progress.queue(job, ev.node)
             return
         if plan.chunks > 1 and job.chunk.get(ev.node, 0) + 1 < plan.chunks:  # more chunks: queue the next
             job.chunk[ev.node] = job.chunk.get(ev.node, 0) + 1
             self._set_node(job, ev.node, "ready")
-            self._queue(job, ev.node)
+            self._progress.queue(job, ev.node)
             return
         job.chunk.pop(ev.node, None)
         self._set_node(job, ev.node, "done")
-        self._advance(job, out)
+        self._progress.advance(job, out)
 
     # -- retries (`retries.Backoffs`) ------------------------------------------------------------------
     @property
     def wake_at(self) -> float | None:
         """When the planner next needs a `Tick` (a backoff's end, a quota-held job's way in); None: none due."""
-        times = [t for t in (self._backing.wake_at(self.jobs), self._release_at) if t is not None]
+        times = [t for t in (self._backing.wake_at(self.jobs), self._admission.release_at) if t is not None]
         return min(times) if times else None
 
     def _tick(self, out: list[Instruction]) -> None:
         """Send again the cpu nodes whose backoff has ended, in job and node order; weigh the held jobs again
         once a quota's release time has come."""
-        if self._release_at is not None and self.clock() >= self._release_at:
-            self._release_at, self._admission_due = None, True
+        self._admission.wake(self.clock())
         for job, node, runs in self._backing.due(self.jobs, self.clock(), self._set_node):
-            inline = self._tiny(job, node)
+            inline = self._progress.tiny(job, node)
             out.append(RunNode(job.job_id, job.iteration, node, "cpu", None, inline=inline, attempt=runs))
 
     # -- job progress --------------------------------------------------------------------------------
-    def _admit(self, out: list[Instruction]) -> None:
-        if not self.pending or not self._admission_due:
-            return
-        self._admission_due = False
-        alive = [s for s in self.services.values() if s.alive]
-        if not alive:
-            return
-        now = self.clock()
-        pending, running, hold, squeezed = weigh(self.pending, self.jobs, self.user_limits, self.usage, now,
-                                                 len(alive), fair=self.fair_admission)  # fmt: skip
-        still, held = set(), {}
-        for a in admissions(pending, self.jobs, alive, self.placement, self.job_load, hold, squeezed):
-            if a.held or (a.target is None and not a.problem):
-                still.add(a.job_id)
-                self.jobs[a.job_id].reason = a.held or a.reason  # (shown to users: the server's page and status)
-                if a.held:
-                    held[a.job_id] = a.held
-            elif a.problem:
-                self._end_job(a.job_id, "failed", a.problem, out, keep_pending=True)
-            elif a.tier is None:
-                raise InvalidTransition(self._history(f"placement chose {a.target} for {a.job_id} but it does not fit"))
-            else:
-                job, svc = self.jobs[a.job_id], self.services[a.target]  # type: ignore[index]
-                self._set_job(job, "running")
-                running[job.plan.user] += 1
-                job.service, job.placed_at, job.reason = a.target, now, ""
-                svc.jobs.add(a.job_id)
-                self._dirty.add(svc.service_id)
-                out.append(PlaceJob(a.job_id, svc.service_id, a.tier))
-                job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
-                job.start_iteration(now)
-                self._advance(job, out)
-        self.pending = [j for j in self.pending if j in still]  # arrival order kept
-        out += [JobHeld(j, why) for j, why in changed(self.held, held)]
-        self.held = held
-        times = [release_at(self.jobs[j].plan.user, self.user_limits, self.usage, now, len(alive)) for j in held]
-        self._release_at = min((t for t in times if t is not None), default=None)
+    def _place(self, job: JobRecord, service_id: str, tier: Tier, now: float, out: list[Instruction]) -> None:
+        """Admission placed `job` on `service_id` (its state at `tier`): the only place a job's service is set."""
+        self._set_job(job, "running")
+        job.service, job.placed_at, job.reason = service_id, now, ""
+        self.services[service_id].jobs.add(job.job_id)
+        self._dirty.add(service_id)
+        out.append(PlaceJob(job.job_id, service_id, tier))
+        job.iteration = -1 if job.plan.baseline else job.plan.first_iteration
+        job.start_iteration(now)
+        self._progress.advance(job, out)
 
     def job_load(self, job_id: str) -> float:
         """Predicted busy fraction of a job on its service (`gaps.busy_fraction`)."""
         return busy_fraction(self.jobs[job_id], self.costs.predict)
-
-    def _advance(self, job: JobRecord, out: list[Instruction]) -> None:
-        """Make ready every waiting node whose deps are done; close iterations whose nodes are all done
-        (a loop, not recursion: many iterations in a row may have nothing to run)."""
-        while True:
-            # one pass is enough: a node made ready here is not done, so it cannot unblock another
-            nodes, plan = job.nodes, job.plan.nodes
-            baseline = job.iteration < 0
-            for name in job.plan.baseline if baseline else (job.plan.order or tuple(plan)):
-                if nodes.get(name) == "waiting" and (baseline or all(nodes[d] == "done" for d in plan[name].deps)):
-                    self._make_ready(job, name, out)
-            if job.remaining or (job.plan.open and not nodes):  # (an idle session: no call, no iteration)
-                return
-            out.append(IterationDone(job.job_id, job.iteration))
-            if getattr(self.placement, "uses_load", True):
-                self._admission_due = True  # its predicted load settled: a load-aware placement may change
-            if sessions.checkpoint_due(job) if job.plan.open else checkpoints.due(job.plan, job.iteration):  # (held)
-                checkpoints.hold(job, self.services[job.service])  # type: ignore[index]  # (placed)
-                self._dirty.add(job.service)  # type: ignore[arg-type]
-                return
-            if not self._next_iteration(job, out):
-                return
-
-    def _next_iteration(self, job: JobRecord, out: list[Instruction]) -> bool:
-        """Move a job whose iteration ended to its next one; False if that was its last (the job is done)."""
-        job.iteration = job.plan.first_iteration if job.iteration < 0 else job.iteration + 1
-        if job.iteration >= job.plan.iterations or (job.closing and job.call is None):  # (a session: `sessions.py`)
-            self._end_job(job.job_id, "done", "", out)
-            return False
-        job.start_iteration(self.clock())
-        return True
 
     def _checkpoint_finished(self, ev: CheckpointFinished, out: list[Instruction]) -> None:
         """A checkpoint ended (failed ones too: the job goes on): the service is free, the job goes on."""
@@ -394,32 +346,14 @@ class Planner:
         if problem is not None:
             raise InvalidTransition(self._history(problem))
         self.usage.add(job.plan.user, ev.duration, self.clock())
-        if self._next_iteration(job, out):
-            self._advance(job, out)
-
-    def _make_ready(self, job: JobRecord, name: str, out: list[Instruction]) -> None:
-        self._set_node(job, name, "ready")
-        if job.plan.nodes[name].runs_on == "cpu":
-            self._set_node(job, name, "running")
-            job.cpu_started[name] = self.clock()
-            out.append(RunNode(job.job_id, job.iteration, name, "cpu", None, inline=self._tiny(job, name)))
-        else:
-            self._queue(job, name)
-
-    def _queue(self, job: JobRecord, name: str) -> None:
-        q = QueuedNode(job.job_id, job.iteration, name, self.clock(), next(self._seq))
-        self.services[job.service].queue.append(q)  # type: ignore[index]  # (a placed job has a service)
-
-    def _tiny(self, job: JobRecord, name: str) -> bool:
-        """Whether a cpu node is predicted to take less than `inline_below` (and may run inline at all)."""
-        if self.inline_below is None or not job.plan.nodes[name].inline:
-            return False
-        return self.costs.observed(job.job_id, name) and self.costs.predict(job.job_id, name) < self.inline_below
+        if self._progress.next_iteration(job, out):
+            self._progress.advance(job, out)
 
     def _dispatch(self, out: list[Instruction]) -> None:
         """Offer the services an event concerned their next work (`dispatch.Dispatcher`)."""
         if self._dirty:
-            dirty, self._dirty = self._dirty, set()
+            dirty = set(self._dirty)  # (shared with `progress.Progress`: emptied, not replaced)
+            self._dirty.clear()
             self._dispatcher.dispatch(dirty, out)
 
     def _ordering_view(self, svc: ServiceRecord) -> OrderingView:
@@ -440,18 +374,14 @@ class Planner:
         if job is None or job.status in TERMINAL:
             return
         self._set_job(job, status)
-        self._admission_due = True
+        self._admission.due = True
         self._gaps.pop(job_id, None)
         self._backing.discard(job_id)
         job.backoff.clear()  # (a job cancelled during a backoff: its node never runs again)
         job.reason, job.finished_at = reason, self.clock()
-        if job_id in self.pending and not keep_pending:
-            self.pending.remove(job_id)
         if job.service is not None:
             leave(self.services[job.service], job_id, self.clock())
-        if job_id in self.held:  # it no longer waits for its user's limits
-            del self.held[job_id]
-            out.append(JobHeld(job_id, ""))
+        self._admission.drop(job_id, out, keep_pending)
         if status == "done":
             out.append(JobDone(job_id, job.service))
             return

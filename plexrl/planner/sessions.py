@@ -17,51 +17,58 @@ checkpoint after every k-th. Pure."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import CallArrived, Instruction, SessionClosing
-from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord
-
-if TYPE_CHECKING:
-    from plexrl.planner.core import Planner
+from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord, JobStatus
 
 CALL = "<call>"  # pseudo node: a call's time, every kind together
 
 
-def handlers(p: Planner) -> dict[type, Callable[[Any, list[Instruction]], None]]:
-    """The planner's handlers of the session events (`Planner.handle`)."""
-    return {
-        CallArrived: lambda ev, out: on_call_arrived(p, ev, out),
-        SessionClosing: lambda ev, out: on_closing(p, ev, out),
-    }
+@dataclass(slots=True)
+class Sessions:
+    """The session events' part of `core.Planner`, like `dispatch.Dispatcher`: the planner's jobs and cost model
+    (shared, not copied), its clock, and the three steps of the planner it calls back: `advance` a job's nodes
+    (`Planner._advance`), `end` a job with a status and a reason (`Planner._end_job`), and `history` for an
+    error. It changes only the records it is given and appends instructions through those steps."""
 
+    jobs: dict[str, JobRecord]
+    costs: CostModel
+    clock: Callable[[], float]
+    advance: Callable[[JobRecord, list[Instruction]], None]
+    end: Callable[[str, JobStatus, str, list[Instruction]], None]
+    history: Callable[[str], str]
 
-def on_call_arrived(p: Planner, ev: CallArrived, out: list[Instruction]) -> None:
-    """A session's next call came: it starts at once when the session is idle (placed, no checkpoint held)."""
-    job = p.jobs.get(ev.job_id)
-    if job is None or job.status in TERMINAL:
-        return  # a late call of a session that already ended (the runtime fails it)
-    problem = call_arrived(job, ev.node, p.costs, p.clock())
-    if problem is not None:
-        raise InvalidTransition(p._history(problem))
-    if job.status == "running" and job.checkpoint is None:  # (queued, or held: it starts when that ends)
-        job.start_iteration(p.clock())
-        p._advance(job, out)
+    def handlers(self) -> dict[type, Callable[[Any, list[Instruction]], None]]:
+        """Its handlers, by event type (`Planner.handle`)."""
+        return {CallArrived: self.call_arrived, SessionClosing: self.closing}
 
+    def call_arrived(self, ev: CallArrived, out: list[Instruction]) -> None:
+        """A session's next call came: it starts at once when the session is idle (placed, no checkpoint held)."""
+        job = self.jobs.get(ev.job_id)
+        if job is None or job.status in TERMINAL:
+            return  # a late call of a session that already ended (the runtime fails it)
+        problem = call_arrived(job, ev.node, self.costs, self.clock())
+        if problem is not None:
+            raise InvalidTransition(self.history(problem))
+        if job.status == "running" and job.checkpoint is None:  # (queued, or held: it starts when that ends)
+            job.start_iteration(self.clock())
+            self.advance(job, out)
 
-def on_closing(p: Planner, ev: SessionClosing, out: list[Instruction]) -> None:
-    """A session's client is gone: it ends now if idle, else after its running (or announced) call."""
-    job = p.jobs.get(ev.job_id)
-    if job is None or job.status in TERMINAL:
-        return
-    if not job.plan.open:
-        raise InvalidTransition(p._history(f"{ev.job_id} is not a session; it cannot close"))
-    job.closing = True
-    if job.status == "queued":
-        p._end_job(job.job_id, "cancelled", "the session closed before it was placed", out)
-    elif idle(job):
-        p._end_job(job.job_id, "done", "", out)
+    def closing(self, ev: SessionClosing, out: list[Instruction]) -> None:
+        """A session's client is gone: it ends now if idle, else after its running (or announced) call."""
+        job = self.jobs.get(ev.job_id)
+        if job is None or job.status in TERMINAL:
+            return
+        if not job.plan.open:
+            raise InvalidTransition(self.history(f"{ev.job_id} is not a session; it cannot close"))
+        job.closing = True
+        if job.status == "queued":
+            self.end(job.job_id, "cancelled", "the session closed before it was placed", out)
+        elif idle(job):
+            self.end(job.job_id, "done", "", out)
 
 
 def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str | None:
@@ -118,13 +125,11 @@ def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float
 __all__ = [
     "CALL",
     "CLIENT",
+    "Sessions",
     "busy_fraction",
     "call_arrived",
     "checkpoint_due",
-    "handlers",
     "idle",
     "observe_call",
-    "on_call_arrived",
-    "on_closing",
     "only_idle_left",
 ]
