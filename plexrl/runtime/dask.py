@@ -43,7 +43,6 @@ seconds; its work in flight is gone. Not done here: recovery from checkpoints.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import pickle
@@ -51,32 +50,18 @@ import queue
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plexrl.planner.state import Tier
+from plexrl.runtime.dask_cluster import local_cluster, pin, security_for, workers_of
 from plexrl.runtime.dask_tasks import _run_cpu_node, _start_and_warm, _warm_up
 from plexrl.runtime.executor import CheckpointReport, Finished, Handle, LoadReport, NodeReport, NodeTask
 from plexrl.runtime.launchers import start_cluster
-from plexrl.runtime.tls import LOOPBACK, TLSFiles, is_loopback
-from plexrl.runtime.topology import Topology, topology_for
+from plexrl.runtime.tls import LOOPBACK, TLSFiles
+from plexrl.runtime.topology import Topology, Work, topology_for
 
 log = logging.getLogger(__name__)
-
-
-# -- the executor -------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class _Work:
-    future: Any  # a load's future (its small LoadReport is fetched), or a node's NodeResult future
-    is_node: bool
-    lane: str
-    job_id: str
-    iteration: int = 0
-    node: str = ""
-    reported: bool = False  # its report reached the runner; a node's future stays as its output
-    checkpoint: str = ""  # a checkpoint's path (then its future's value is a CheckpointReport)
-    ranks: list[Any] = dataclasses.field(default_factory=list)  # a group node: every rank's future, rank 0 first
 
 
 class DaskExecutor:
@@ -126,11 +111,11 @@ class DaskExecutor:
         self.client: Any = None
         self.cluster: Any = None
         self.token = uuid.uuid4().hex[:8]  # names this executor's services inside the workers
-        self._work: dict[Handle, _Work] = {}
-        self._specs: dict[str, Any] = {}  # job -> scattered spec future
-        self._loaded: dict[str, Any] = {}  # job -> future of its load (its service nodes run after it)
-        self._lost: set[str] = set()
-        self._topic = f"plexrl-reports-{self.token}"
+        self.topic = f"plexrl-reports-{self.token}"  # where the workers publish node reports
+        self._work: dict[Handle, Work] = {}
+        self.specs: dict[str, Any] = {}  # job -> scattered spec future
+        self.loaded: dict[str, Any] = {}  # job -> future of its load (its service nodes run after it)
+        self.gone: set[str] = set()  # services whose worker is gone (`lost`)
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()  # node reports published by the workers
         self._next_check = 0.0
         self._ids = itertools.count()
@@ -150,104 +135,39 @@ class DaskExecutor:
 
     # -- cluster ------------------------------------------------------------------------------------
     def start(self) -> list[str]:
-        import dask
-        from distributed import Client, Nanny, Scheduler, SpecCluster
+        """Connect to the cluster (start a local one, or have the launcher start its workers), find its service
+        and CPU-pool workers (`dask_cluster.py`), form the services on them (`topology`), subscribe to reports."""
+        from distributed import Client
 
         if not logging.getLogger().isEnabledFor(logging.INFO):
             logging.getLogger("distributed").setLevel(logging.ERROR)  # no INFO chatter on start and stop
-        if self.scheduler is None and self.tls is None and not is_loopback(self.host):
-            raise ValueError(
-                f"a local Dask cluster on {self.host!r} would let anyone who reaches it run code in it (its "
-                "protocol is pickle): give TLS files (dask_tls: ca_file, cert, key; make them with `plexrl certs "
-                "DIR`), or bind 127.0.0.1"
-            )
-        security = self.tls.security() if self.tls is not None else None
-        tls_scheduler = self.scheduler is not None and self.scheduler.startswith("tls://")
-        if tls_scheduler and security is None and dask.config.get("distributed.comm.tls.ca-file", None) is None:
-            raise ValueError(
-                f"scheduler {self.scheduler!r} speaks TLS but no certificates are given: set `dask_tls` "
-                "(ca_file, cert, key), or distributed.comm.tls in Dask's configuration"
-            )
+        security = security_for(self.scheduler, self.tls, self.host)
         if self.launcher is not None:  # Slurm or Kubernetes starts the workers; returns once they joined
             self.cluster = start_cluster(self.launcher, self.n_services * self.ranks, self.cpu_threads, self.host,
                                          self.tls)  # fmt: skip
             self.client = Client(self.cluster, security=security)
         elif self.scheduler is None:
-            # Dask's nanny exports MALLOC_TRIM_THRESHOLD_ to its workers; glibc then stops adapting its mmap
-            # threshold and every tensor allocation >= 128 KiB becomes an mmap + page faults: torch on CPU
-            # ran 2.2x slower in a worker than in a plain process (measured). Spawn workers without it.
-            dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
-            # the active memory manager's ReduceReplicas dropped the copy of a job's spec that a worker had
-            # fetched, so the next node there fetched (and pickled, on both workers' event loops) it again
-            dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
-            # Dask's comms on `host`; the http servers (the scheduler's dashboard, each worker's /health and
-            # /metrics, plain HTTP even with TLS) on loopback whatever `host` is
-            net: dict[str, Any] = {"host": self.host, "protocol": "tls" if security else "tcp", "security": security}
-            http = f"{LOOPBACK}:0"
-            opts = {"memory_limit": 0, "silence_logs": logging.ERROR, "dashboard_address": http, **net}
-            names = [
-                f"service-{i}" + (f"-rank{r}" if r else "") for i in range(self.n_services) for r in range(self.ranks)
-            ]
-            env = self.worker_env  # one GPU per service worker (CUDA_VISIBLE_DEVICES), none for the CPU pool
-            workers: dict[str, Any] = {
-                name: {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "name": name,
-                                                 "env": dict(env.get(name, {})), **opts}}
-                for name in names
-            }  # fmt: skip
-            workers["cpu-0"] = {"cls": Nanny, "options": {"nthreads": self.cpu_threads, "name": "cpu-0",
-                                                          "env": dict(env.get("cpu-0", {})), **opts}}  # fmt: skip
-            scheduler = {"cls": Scheduler, "options": {"dashboard_address": http, **net}}
-            self.cluster = SpecCluster(
-                workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, security=security
-            )
+            self.cluster = local_cluster(self.n_services, self.ranks, self.cpu_threads, self.host, security,
+                                         self.worker_env)  # fmt: skip
             self.client = Client(self.cluster, security=security)
-            log.info("local Dask cluster: scheduler %s, dashboard on 127.0.0.1", self.cluster.scheduler_address)
         else:
             self.client = Client(self.scheduler, security=security)
         # a local cluster: every worker it was given (a service missing at start would never be used)
         self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=120)
-        info = self.client.scheduler_info()["workers"]
-        gpu = sorted((w.get("name", a), a) for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1)
-        if not gpu:
-            raise RuntimeError(
-                "the Dask cluster has no worker with a GPU resource; start service workers with "
-                "`dask worker ADDRESS --resources GPU=1 --nthreads 2`"
-            )
-        self.cpu_workers = [a for a, w in info.items() if not w.get("resources", {}).get("GPU")]
-        if not self.cpu_workers:
-            raise RuntimeError("the Dask cluster has no CPU-pool worker (a worker without a GPU resource); start one")
+        gpu, self.cpu_workers = workers_of(self.client)
         if self.pin_cores and self.scheduler is None and self.launcher is None:
-            self._pin([a for _, a in gpu])
+            self.pinned = pin(self.client, [a for _, a in gpu], self.cpu_workers, self.device, self.service_threads)
         if self.deterministic:
             from plexrl.devices import configure_process
 
             self.client.run(configure_process, self.device, True, workers=[a for _, a in gpu])
         self.topology.form(gpu)
         self.client.run(_warm_up)
-        self.client.subscribe_topic(self._topic, lambda event: self._reports.put(event[1]))
+        self.client.subscribe_topic(self.topic, lambda event: self._reports.put(event[1]))
         self._next_check = time.time() + self.poll
         return list(self.worker_of)
 
-    def _pin(self, service_workers: list[str]) -> None:
-        """Each service worker on a core of its own, the CPU pool on the rest (`affinity.core_plan`); nothing
-        pinned, with a warning, when the machine has too few cores to leave the pool one."""
-        from plexrl.runtime.affinity import available_cores, core_plan, pin_process
-
-        cores = available_cores()
-        from plexrl.devices import cores_per_service
-
-        plan = core_plan(cores, len(service_workers), cores_per_service(self.device, self.service_threads))
-        if plan is None:
-            log.warning("pin_cores: %d cores cannot give %d services their own and the CPU pool one; not pinned",
-                        len(cores), len(service_workers))  # fmt: skip
-            return
-        per_service, pool = plan
-        targets = {**dict(zip(service_workers, per_service, strict=True)), **{a: pool for a in self.cpu_workers}}
-        for addr, mine in targets.items():
-            self.pinned[addr] = self.client.run(pin_process, mine, workers=[addr])[addr]
-        log.info("pinned: %s", {a: c for a, c in self.pinned.items()})
-
-    def _start_args(self) -> tuple[Any, ...]:
+    def start_args(self) -> tuple[Any, ...]:
         return self.device, self.validate, self.spill_dir, self.service_threads, self.host_memory
 
     def close(self) -> dict[str, dict[str, Any]]:
@@ -267,10 +187,10 @@ class DaskExecutor:
                 self.cluster.close()
         return reports
 
-    def _key(self, service_id: str) -> str:
+    def key(self, service_id: str) -> str:
         return f"{self.token}/{service_id}"
 
-    def _on(self, service_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def on(self, service_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A task that touches the service (load, node, save, release, stop): pinned to its worker and holding
         the worker's one GPU slot, so two never overlap; a tiny cpu node placed next to its input may use the
         worker's second thread."""
@@ -279,7 +199,7 @@ class DaskExecutor:
             resources={"GPU": 1}, **kwargs,
         )  # fmt: skip
 
-    def _fetch(self, fut: Any, timeout: float | None = None, job_id: str = "") -> Any:
+    def fetch(self, fut: Any, timeout: float | None = None, job_id: str = "") -> Any:
         value = fut.result(timeout=timeout)
         self._count(value, job_id)
         return value
@@ -292,19 +212,19 @@ class DaskExecutor:
     def ship(self, spec: Any) -> None:
         # scattered once, not broadcast, to the CPU pool (a service worker may die; the spec must not die with
         # it): Dask copies it to a worker the first time a task there needs it, then keeps it there
-        self._specs[spec.job_id] = self.client.scatter(spec, hash=False, workers=self.cpu_workers or None)
+        self.specs[spec.job_id] = self.client.scatter(spec, hash=False, workers=self.cpu_workers or None)
 
     def unship(self, job_id: str) -> None:
         """Drop the spec's future (Dask frees the data once no task needs it)."""
-        self._specs.pop(job_id, None)
-        self._loaded.pop(job_id, None)
+        self.specs.pop(job_id, None)
+        self.loaded.pop(job_id, None)
         self.bytes_by_job.pop(job_id, None)
 
     def load(self, job_id: str, service_id: str, tier: Tier) -> Handle:
         handle = next(self._ids)  # in the key: a job submitted again (after its service was lost) loads again
         fut = self.topology.load(service_id, job_id, tier, f"load-{self.token}-{job_id}-{handle}")
-        self._loaded[job_id] = fut
-        self._work[handle] = _Work(fut, False, service_id, job_id)
+        self.loaded[job_id] = fut
+        self._work[handle] = Work(fut, False, service_id, job_id)
         return handle
 
     def submit(self, task: NodeTask) -> Handle:
@@ -313,17 +233,17 @@ class DaskExecutor:
         if task.service_id is None:
             inputs = {port: self._work[h].future for port, h in task.inputs.items()}
             fut = self.client.submit(
-                _run_cpu_node, self._topic, handle, self._specs[task.job_id], task.iteration, task.node, inputs, 1,
+                _run_cpu_node, self.topic, handle, self.specs[task.job_id], task.iteration, task.node, inputs, 1,
                 self.cpu_node_s, workers=None if task.inline else self.cpu_workers, pure=False, key=key,
             )  # fmt: skip
             ranks: list[Any] = []
         else:
             involved = {task.job_id} | {m.job_id for m in (*task.swaps, *task.prefetch)}
-            after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
+            after = [self.loaded[j] for j in sorted(involved) if j in self.loaded]
             ins = {p: self._work[h] for p, h in task.inputs.items()}
             parts = [self._work[h] for h in task.parts]  # earlier chunks: on this worker already
             fut, ranks = self.topology.node(task, handle, ins, parts, after, key)
-        self._work[handle] = _Work(fut, True, task.lane, task.job_id, task.iteration, task.node, ranks=ranks)
+        self._work[handle] = Work(fut, True, task.lane, task.job_id, task.iteration, task.node, ranks=ranks)
         return handle
 
     def submit_cohort(self, tasks: Sequence[NodeTask]) -> list[Handle]:
@@ -334,13 +254,13 @@ class DaskExecutor:
         `submit`). A member whose load failed is reported not run. Worker groups refuse it (NotImplementedError)."""
         handles = [next(self._ids) for _ in tasks]
         involved = {t.job_id for t in tasks} | {m.job_id for m in (*tasks[0].swaps, *tasks[0].prefetch)}
-        after = [self._loaded[j] for j in sorted(involved) if j in self._loaded]
+        after = [self.loaded[j] for j in sorted(involved) if j in self.loaded]
         inputs = [{p: self._work[h] for p, h in t.inputs.items()} for t in tasks]
         first = tasks[0]
         key = f"cohort-{first.job_id}-{first.iteration}-{first.node}-{self.token}-{handles[0]}"
         futs = self.topology.cohort(tasks, handles, inputs, after, key)
         for h, t, fut in zip(handles, tasks, futs, strict=True):
-            self._work[h] = _Work(fut, True, t.lane, t.job_id, t.iteration, t.node)
+            self._work[h] = Work(fut, True, t.lane, t.job_id, t.iteration, t.node)
         return handles
 
     def wait(self, timeout: float) -> list[Finished]:
@@ -398,9 +318,9 @@ class DaskExecutor:
         if job_id:
             self.bytes_by_job[job_id] = self.bytes_by_job.get(job_id, 0) + nbytes
 
-    def _outcome(self, fut: Any, work: _Work) -> Any:
+    def _outcome(self, fut: Any, work: Work) -> Any:
         if fut.status == "finished":
-            return self._fetch(fut, job_id=work.job_id)
+            return self.fetch(fut, job_id=work.job_id)
         if fut.status == "error":
             exc = fut.exception()
         else:
@@ -420,9 +340,9 @@ class DaskExecutor:
         alive = self._alive()
         out = []
         for sid, addr in self.worker_of.items():
-            if sid in self._lost or addr in alive:
+            if sid in self.gone or addr in alive:
                 continue
-            self._lost.add(sid)
+            self.gone.add(sid)
             for handle, work in list(self._work.items()):
                 if work.lane == sid:
                     self._work.pop(handle)
@@ -456,25 +376,25 @@ class DaskExecutor:
         for addr in sorted(set(gpu) - known):
             sid = f"service-{len(self.worker_of) + len(self._starting) + len(self._refused_workers)}"
             fut = self.client.submit(
-                _start_and_warm, self._key(sid), *self._start_args(),
-                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{self._key(sid)}",
+                _start_and_warm, self.key(sid), *self.start_args(),
+                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{self.key(sid)}",
             )  # fmt: skip
             self._starting[addr] = (sid, fut)
         return out
 
     def save(self, job_id: str, service_id: str, path: Path) -> Path:
-        if service_id in self._lost:
+        if service_id in self.gone:
             raise RuntimeError(f"service {service_id} is lost; the model of {job_id} cannot be saved")
         fut = self.topology.save(service_id, job_id, path, f"save-{self.token}-{job_id}-{next(self._ids)}")
-        return Path(self._fetch(fut, 300))
+        return Path(self.fetch(fut, 300))
 
     def checkpoint(self, job_id: str, service_id: str, path: Path, extra: dict[str, Any]) -> Handle:
         """A task on the service, after the job's load and the service's previous task, and before the next
         one: the same order in which the runner sent them (the topology keeps it)."""
         handle = next(self._ids)
-        refused = "lost" if service_id in self._lost else None
+        refused = "lost" if service_id in self.gone else None
         if refused is None:
-            after = [self._loaded[job_id]] if job_id in self._loaded else []
+            after = [self.loaded[job_id]] if job_id in self.loaded else []
             key = f"checkpoint-{self.token}-{job_id}-{handle}"
             try:
                 fut = self.topology.checkpoint(service_id, job_id, path, extra, after, key)
@@ -484,12 +404,12 @@ class DaskExecutor:
             now = self.clock()
             self._refused.append(Finished(handle, CheckpointReport(job_id, service_id, str(path), now, now, refused)))
             return handle
-        self._work[handle] = _Work(fut, False, service_id, job_id, checkpoint=str(path))
+        self._work[handle] = Work(fut, False, service_id, job_id, checkpoint=str(path))
         return handle
 
     def release(self, job_id: str, service_id: str) -> None:
-        self._loaded.pop(job_id, None)
-        if service_id not in self._lost:
+        self.loaded.pop(job_id, None)
+        if service_id not in self.gone:
             self.topology.release(service_id, job_id, f"release-{self.token}-{job_id}-{next(self._ids)}")
 
     def forget(self, handles: Iterable[Handle]) -> None:

@@ -5,11 +5,14 @@ its ordering dependency, a cohort of co-scheduled rollouts (`cohort`), a save, a
 stop. Each keeps the order of its services' tasks (a task runs after the service's latest one, in the order
 the runner sent them).
 
-Nothing here decides what runs where or when (that is the planner's); this only carries it out.
+Nothing here decides what runs where or when (that is the planner's); this only carries it out. A topology
+sees its executor only through `Host` (what of the executor it uses), and the executor's record of each
+task it sent (`Work`) lives here, below both: this module never imports the executor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,10 +34,50 @@ from plexrl.runtime.executor import NodeTask
 
 if TYPE_CHECKING:
     from plexrl.planner.state import Tier
-    from plexrl.runtime.dask import DaskExecutor, _Work
     from plexrl.runtime.group import WorkerGroups
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class Work:
+    """What the executor sent: a load, a node, a checkpoint (its future and what it was for)."""
+
+    future: Any  # a load's future (its small LoadReport is fetched), or a node's NodeResult future
+    is_node: bool
+    lane: str
+    job_id: str
+    iteration: int = 0
+    node: str = ""
+    reported: bool = False  # its report reached the runner; a node's future stays as its output
+    checkpoint: str = ""  # a checkpoint's path (then its future's value is a CheckpointReport)
+    ranks: list[Any] = dataclasses.field(default_factory=list)  # a group node: every rank's future, rank 0 first
+
+
+class Host(Protocol):
+    """What a topology uses of its executor (`DaskExecutor`): the Dask client (after `start`), where each
+    service's worker is, the settings of a worker group, the topic the workers publish reports to, the
+    jobs' scattered specs and load futures, the services whose worker is gone, a service's key inside its
+    workers and its start arguments, a task pinned to a service's worker (`on`), and a result fetched and
+    counted (`fetch`)."""
+
+    client: Any
+    worker_of: dict[str, str]
+    ranks: int
+    device: str
+    group_timeout: float
+    topic: str
+    specs: dict[str, Any]
+    loaded: dict[str, Any]
+    gone: set[str]
+
+    def key(self, service_id: str) -> str: ...
+
+    def start_args(self) -> tuple[Any, ...]: ...
+
+    def on(self, service_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    def fetch(self, fut: Any, timeout: float | None = None, job_id: str = "") -> Any: ...
 
 
 class Topology(Protocol):
@@ -49,11 +92,11 @@ class Topology(Protocol):
     def load(self, service_id: str, job_id: str, tier: Tier, key: str) -> Any: ...
 
     def node(
-        self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
+        self, task: NodeTask, handle: int, inputs: dict[str, Work], parts: list[Work], after: list[Any], key: str
     ) -> tuple[Any, list[Any]]: ...
 
     def cohort(
-        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
+        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, Work]], after: list[Any], key: str
     ) -> list[Any]: ...
 
     def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any: ...
@@ -76,7 +119,7 @@ class OneWorker:
     groups: WorkerGroups | None = None
     joins = True
 
-    def __init__(self, ex: DaskExecutor) -> None:
+    def __init__(self, ex: Host) -> None:
         self.ex = ex
         self.last_on: dict[str, Any] = {}  # service -> its latest task: the next one runs after it (order)
         self.seq: dict[str, int] = {}  # service -> number of the latest task sent in that order (`next_seq`)
@@ -87,8 +130,8 @@ class OneWorker:
             ex.worker_of[f"service-{i}"] = addr
         futs = [
             ex.client.submit(
-                _start_service, ex._key(sid), *ex._start_args(),
-                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{ex._key(sid)}",
+                _start_service, ex.key(sid), *ex.start_args(),
+                workers=[addr], allow_other_workers=False, pure=False, key=f"start-{ex.key(sid)}",
             )
             for sid, addr in ex.worker_of.items()
         ]  # fmt: skip
@@ -109,27 +152,27 @@ class OneWorker:
 
     def load(self, service_id: str, job_id: str, tier: Tier, key: str) -> Any:
         ex = self.ex
-        return ex._on(service_id, _load_job, ex._key(service_id), ex._specs[job_id], tier, key=key)
+        return ex.on(service_id, _load_job, ex.key(service_id), ex.specs[job_id], tier, key=key)
 
     def node(
-        self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
+        self, task: NodeTask, handle: int, inputs: dict[str, Work], parts: list[Work], after: list[Any], key: str
     ) -> tuple[Any, list[Any]]:
         ex, sid = self.ex, task.service_id
         assert sid is not None
         ahead = self._ordered(sid, after)  # with lookahead, a service runs its nodes in the order they were sent
         seq = self.next_seq(sid)
-        fut = ex._on(
-            sid, _run_service_node, ex._topic, handle, ex._key(sid), task.job_id, task.iteration, task.node,
+        fut = ex.on(
+            sid, _run_service_node, ex.topic, handle, ex.key(sid), task.job_id, task.iteration, task.node,
             {p: w.future for p, w in inputs.items()}, task.swaps, task.prefetch, task.chunk, task.chunks,
             [w.future for w in parts], seq, task.call, *after, key=key,
         )  # fmt: skip
         self.last_on[sid] = fut
-        if ahead and task.swaps and sid not in ex._lost:
+        if ahead and task.swaps and sid not in ex.gone:
             self._start_early(sid, seq, task, key)
         return fut, []
 
     def cohort(
-        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
+        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, Work]], after: list[Any], key: str
     ) -> list[Any]:
         """Co-scheduled rollouts: ONE task on the service worker (`_run_service_cohort`, one place in the
         service's order; sent ahead, its swaps start early as a node's do) and, per member, a small task there
@@ -140,13 +183,13 @@ class OneWorker:
         seq = self.next_seq(sid)
         members = [(t.job_id, t.iteration, t.node, {p: w.future for p, w in ins.items()})
                    for t, ins in zip(tasks, inputs, strict=True)]  # fmt: skip
-        loads = {t.job_id: ex._loaded[t.job_id] for t in tasks if t.job_id in ex._loaded}
-        fut = ex._on(
-            sid, _run_service_cohort, ex._topic, handles, ex._key(sid), members, loads, tasks[0].swaps,
+        loads = {t.job_id: ex.loaded[t.job_id] for t in tasks if t.job_id in ex.loaded}
+        fut = ex.on(
+            sid, _run_service_cohort, ex.topic, handles, ex.key(sid), members, loads, tasks[0].swaps,
             tasks[0].prefetch, seq, *after, key=key,
         )  # fmt: skip
         self.last_on[sid] = fut
-        if ahead and tasks[0].swaps and sid not in ex._lost:
+        if ahead and tasks[0].swaps and sid not in ex.gone:
             self._start_early(sid, seq, tasks[0], key)
         where = [ex.worker_of[sid]]
         return [
@@ -163,16 +206,16 @@ class OneWorker:
         from distributed import fire_and_forget
 
         ex = self.ex
-        loads = [ex._loaded[j] for j in sorted({m.job_id for m in task.swaps}) if j in ex._loaded]
+        loads = [ex.loaded[j] for j in sorted({m.job_id for m in task.swaps}) if j in ex.loaded]
         fut = ex.client.submit(
-            _start_swaps, ex._key(service_id), seq, task.swaps, *loads,
+            _start_swaps, ex.key(service_id), seq, task.swaps, *loads,
             workers=[ex.worker_of[service_id]], allow_other_workers=False, pure=False, key=f"early-{key}",
         )  # fmt: skip
         fire_and_forget(fut)
 
     def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any:
         ex = self.ex
-        return ex._on(service_id, _save_model, ex._key(service_id), job_id, str(path), key=key)
+        return ex.on(service_id, _save_model, ex.key(service_id), job_id, str(path), key=key)
 
     def checkpoint(
         self, service_id: str, job_id: str, path: Path, extra: dict[str, Any], after: list[Any], key: str
@@ -180,20 +223,20 @@ class OneWorker:
         ex = self.ex
         self._ordered(service_id, after)
         seq = self.next_seq(service_id)
-        fut = ex._on(service_id, _checkpoint, ex._key(service_id), job_id, str(path), extra, seq, *after, key=key)
+        fut = ex.on(service_id, _checkpoint, ex.key(service_id), job_id, str(path), extra, seq, *after, key=key)
         self.last_on[service_id] = fut
         return fut
 
     def release(self, service_id: str, job_id: str, key: str) -> None:
-        self.ex._on(service_id, _release, self.ex._key(service_id), job_id, key=key)
+        self.ex.on(service_id, _release, self.ex.key(service_id), job_id, key=key)
 
     def stop(self, alive: set[str]) -> dict[str, dict[str, Any]]:
         ex = self.ex
-        futs = {sid: ex._on(sid, _stop_service, ex._key(sid)) for sid, a in ex.worker_of.items() if a in alive}
+        futs = {sid: ex.on(sid, _stop_service, ex.key(sid)) for sid, a in ex.worker_of.items() if a in alive}
         reports: dict[str, dict[str, Any]] = {}
         for sid, fut in futs.items():
             try:
-                reports[sid] = ex._fetch(fut, timeout=60)
+                reports[sid] = ex.fetch(fut, timeout=60)
             except Exception:
                 log.exception("could not stop service %s cleanly", sid)
         return reports
@@ -209,7 +252,7 @@ class GroupTopology:
 
     joins = False
 
-    def __init__(self, ex: DaskExecutor) -> None:
+    def __init__(self, ex: Host) -> None:
         self.ex = ex
         self.groups: WorkerGroups | None = None  # made by `form`
 
@@ -226,9 +269,9 @@ class GroupTopology:
             groups[f"service-{i}"] = Group(f"service-{i}", [name for name, _ in ranks], [a for _, a in ranks])
             ex.worker_of[f"service-{i}"] = ranks[0][1]
         self.groups = WorkerGroups(
-            ex.client, groups, key_of=ex._key, start_rank=start_rank, start_args=ex._start_args(),
+            ex.client, groups, key_of=ex.key, start_rank=start_rank, start_args=ex.start_args(),
             backend="nccl" if ex.device == "cuda" else "gloo", timeout_s=ex.group_timeout,
-            topic=group_topic(ex._topic),
+            topic=group_topic(ex.topic),
         )  # fmt: skip
         ex.client.gather([f for sid in groups for f in self.groups.form(sid)])
 
@@ -243,11 +286,11 @@ class GroupTopology:
         from plexrl.services.group import rank_load
 
         ex = self.ex
-        spec, skey = ex._specs[job_id], ex._key(service_id)
-        return self._each(service_id, rank_load, lambda r: (ex._topic, skey, r, spec, tier), [], key)[0]
+        spec, skey = ex.specs[job_id], ex.key(service_id)
+        return self._each(service_id, rank_load, lambda r: (ex.topic, skey, r, spec, tier), [], key)[0]
 
     def node(
-        self, task: NodeTask, handle: int, inputs: dict[str, _Work], parts: list[_Work], after: list[Any], key: str
+        self, task: NodeTask, handle: int, inputs: dict[str, Work], parts: list[Work], after: list[Any], key: str
     ) -> tuple[Any, list[Any]]:
         """Every rank runs it; rank r reads rank r's outputs of service nodes (a cpu node's: its one copy)."""
         from plexrl.services.group import rank_node
@@ -258,14 +301,14 @@ class GroupTopology:
             raise NotImplementedError("sessions (the Tinker API) do not run on worker groups (services.ranks > 1): "
                                       "serve them from a server with services.ranks: 1")  # fmt: skip
         futs = self._each(sid, rank_node, lambda r: (
-            ex._topic, handle, ex._key(sid), r, task.job_id, task.iteration, task.node,
+            ex.topic, handle, ex.key(sid), r, task.job_id, task.iteration, task.node,
             {p: w.ranks[r] if w.ranks else w.future for p, w in inputs.items()}, task.swaps, task.prefetch,
             task.chunk, task.chunks, [w.ranks[r] if w.ranks else w.future for w in parts],
         ), after, key)  # fmt: skip
         return futs[0], futs
 
     def cohort(
-        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, _Work]], after: list[Any], key: str
+        self, tasks: Sequence[NodeTask], handles: list[int], inputs: list[dict[str, Work]], after: list[Any], key: str
     ) -> list[Any]:
         raise NotImplementedError(
             "co-scheduled rollouts (batch_rollouts) do not run on worker groups (services.ranks > 1): set "
@@ -275,7 +318,7 @@ class GroupTopology:
     def save(self, service_id: str, job_id: str, path: Path, key: str) -> Any:
         from plexrl.services.group import rank_save
 
-        skey = self.ex._key(service_id)
+        skey = self.ex.key(service_id)
         return self._each(service_id, rank_save, lambda r: (skey, r, job_id, str(path)), [], key)[0]
 
     def checkpoint(
@@ -285,14 +328,14 @@ class GroupTopology:
         checkpoint that names them (`services.group.rank_checkpoint`)."""
         from plexrl.services.group import rank_checkpoint
 
-        ex, skey, where = self.ex, self.ex._key(service_id), str(path)
-        return self._each(service_id, rank_checkpoint, lambda r: (ex._topic, skey, r, job_id, where, extra), after,
+        ex, skey, where = self.ex, self.ex.key(service_id), str(path)
+        return self._each(service_id, rank_checkpoint, lambda r: (ex.topic, skey, r, job_id, where, extra), after,
                           key)[0]  # fmt: skip
 
     def release(self, service_id: str, job_id: str, key: str) -> None:
         from plexrl.services.group import rank_release
 
-        skey = self.ex._key(service_id)
+        skey = self.ex.key(service_id)
         self._each(service_id, rank_release, lambda r: (skey, r, job_id), [], key)
 
     def stop(self, alive: set[str]) -> dict[str, dict[str, Any]]:
@@ -301,11 +344,11 @@ class GroupTopology:
         ex, reports = self.ex, {}
         for sid, g in (self.groups.groups if self.groups is not None else {}).items():
             # a rank whose worker died is not asked: a task pinned to a gone address would wait for ever
-            stops = [(r, ex.client.submit(stop_rank, ex._key(sid), workers=[a], pure=False))
+            stops = [(r, ex.client.submit(stop_rank, ex.key(sid), workers=[a], pure=False))
                      for r, a in enumerate(g.addrs) if a in alive]  # fmt: skip
             for rank, fut in stops:
                 try:
-                    report = ex._fetch(fut, timeout=60)
+                    report = ex.fetch(fut, timeout=60)
                 except Exception:
                     log.exception("could not stop rank %d of service %s cleanly", rank, sid)
                     continue
@@ -320,6 +363,6 @@ class GroupTopology:
         return "task cancelled"
 
 
-def topology_for(ex: DaskExecutor) -> Topology:
+def topology_for(ex: Host) -> Topology:
     """`GroupTopology` when the executor's services span several ranks, else `OneWorker`."""
     return GroupTopology(ex) if ex.ranks > 1 else OneWorker(ex)
