@@ -4,7 +4,10 @@ pyproject maps them (docs/architecture.md, "Invariants" and the package map):
 - no cycle anywhere among the imports a module runs (those under `if TYPE_CHECKING:` only name types for mypy;
   they are left out of this one check);
 - no arrow, not even a TYPE_CHECKING one, from a lower layer to a higher one;
-- the planner imports nothing but itself; below the top, no private name crosses a package.
+- the planner imports nothing but itself; below the top, no private name crosses a package;
+- inside a package, no circle at all: not even through imports under `if TYPE_CHECKING:` (a circle there
+  still means two modules each need the other to be understood, and a module split from one of them);
+- no module passes 450 lines (a few listed ones, for now), and a new one stays under 400.
 `from pkg import sub` where `sub` is a submodule is an arrow to `pkg.sub` only: a package's `__init__` runs before
 any of its submodules whatever imports them, so it adds no arrow of its own."""
 
@@ -191,6 +194,76 @@ def test_the_check_sees_a_cycle_an_upward_arrow_and_a_lazy_import(tmp_path: Path
 
 
 def test_every_module_reads_in_one_sitting() -> None:
-    """STYLE.md 13: a module is split by responsibility before it passes 500 lines."""
+    """Files read in one sitting: a module is split by responsibility before it passes 500 lines."""
     long = sorted(f"{m}: {n} lines" for m, path in modules().items() if (n := len(path.read_text().splitlines())) > 500)
     assert long == []
+
+
+def package_cycles(g: nx.DiGraph) -> list[list[str]]:
+    """The circles among the modules of one package (`a.b.c` and `a.b.d`), over every import `g` holds."""
+    return cycles(nx.DiGraph([(a, b) for a, b in g.edges if a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0]]))
+
+
+def test_no_import_circle_inside_a_package_not_even_for_types() -> None:
+    """A part of a package that must call back into the module that uses it (the planner's `Dispatcher`,
+    `Admitter`, `Progress` and `Sessions` into `core.Planner`; a `Topology` into its `DaskExecutor`) is given the
+    steps it calls at construction (callbacks, a Protocol) instead of importing that module's class."""
+    assert package_cycles(graph()) == []
+
+
+def test_the_circle_check_sees_a_type_only_circle_and_a_relative_import(tmp_path: Path) -> None:
+    known = {"plexrl.runtime.a", "plexrl.runtime.b", "plexrl.planner.c"}
+    src = tmp_path / "a.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import Thing\n")
+    assert imports("plexrl.runtime.a", src, known) == {"plexrl.runtime.b"}
+    g = nx.DiGraph([("plexrl.runtime.a", "plexrl.runtime.b"), ("plexrl.runtime.b", "plexrl.runtime.a"),
+                    ("plexrl.planner.c", "plexrl.runtime.a"), ("plexrl.runtime.a", "plexrl.planner.c")])  # fmt: skip
+    assert package_cycles(g) == [["plexrl.runtime.a", "plexrl.runtime.b"]]  # (the cross-package one: elsewhere)
+
+
+LIMIT = 450  # no module passes it, but those listed here
+# Over the limit today, each to be split along its seams: the list only shrinks (a module that is back under
+# the limit must leave it). No module passes 500 lines, listed or not (`test_every_module_reads_in_one_sitting`).
+OVER_LIMIT = {
+    "plexrl.services.service",  # temporarily: the split of the service (its moves, its calls) removes it
+    "plexrl.cli",
+    "plexrl.runtime.sim",
+    "plexrl.server.api",
+    "plexrl.server.controller",
+}
+NEW_LIMIT = 400  # a module not listed below stays under this
+# Between 400 and 450 lines today: they may grow to `LIMIT`; any other module stays under `NEW_LIMIT`, so the
+# next feature lands in a module with room. The list only shrinks too.
+OVER_NEW_LIMIT = {
+    "plexrl.engines.torch_engine",
+    "plexrl.engines.vllm_engine",
+    "plexrl.planner.core",
+    "plexrl.planner.policies",
+    "plexrl.runtime.dask",
+    "plexrl.server.journal",
+    "plexrl.server.tinker.registry",
+    "plexrl.services.group",
+    "plexrl.sessions.engine",
+    "plexrl.sim.config",
+    "plexrl.tools.sandbox",
+}
+
+
+def lines() -> dict[str, int]:
+    return {m: len(path.read_text().splitlines()) for m, path in modules().items()}
+
+
+def test_no_module_passes_450_lines_and_a_new_one_stays_under_400() -> None:
+    n = lines()
+    over = sorted(f"{m}: {k} lines (limit {LIMIT})" for m, k in n.items() if k > LIMIT and m not in OVER_LIMIT)
+    over += sorted(f"{m}: {k} lines (limit {NEW_LIMIT} for a module not in OVER_NEW_LIMIT)" for m, k in n.items()
+                   if NEW_LIMIT < k <= LIMIT and m not in OVER_NEW_LIMIT | OVER_LIMIT)  # fmt: skip
+    assert over == [], "split these modules along their seams (a part called through a narrow interface)"
+
+
+def test_the_lists_of_long_modules_only_shrink() -> None:
+    """A listed module that is gone, or back under its limit, leaves its list (so it cannot grow back)."""
+    n = lines()
+    stale = sorted(f"{m}: remove it from OVER_LIMIT" for m in OVER_LIMIT if n.get(m, 0) <= LIMIT)
+    stale += sorted(f"{m}: remove it from OVER_NEW_LIMIT" for m in OVER_NEW_LIMIT if n.get(m, 0) <= NEW_LIMIT)
+    assert stale == []
