@@ -161,13 +161,22 @@ def _run_cluster(file: Any, overrides: list[str], progress: bool | None) -> None
 
 
 @app.command()
-def validate(config: ConfigArg = None, set_: SetOpt = None) -> None:
+def validate(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    server: Annotated[
+        Path | None,
+        typer.Option("--server", help="A server config whose size limits a job is checked against (default: "
+                     "plexrl serve's defaults)."),
+    ] = None,
+) -> None:  # fmt: skip
     """Check any config (job, cluster, server, simulator scenario or trace, profiles): detect its kind (its
-    `kind:` or its keys), validate it with that kind's model, report every problem at once."""
+    `kind:` or its keys), validate it with that kind's model, report every problem at once. A job is also held
+    to the size limits a server checks at submission (its KV cache, memory, parameters, ...)."""
     from plexrl.config_kinds import check_config
 
     try:
-        checked = check_config(config, set_ or [])
+        checked = check_config(config, set_ or [], server)
     except PlexRLError as exc:
         _fail(exc)
         return
