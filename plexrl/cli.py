@@ -259,7 +259,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the server's JSON a
 
 @app.command()
 def serve(
-    config: Annotated[Path | None, typer.Option("--config", help="Server YAML (configs/server.yaml).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="Server YAML (docs/operations.md).")] = None,
     host: Annotated[str | None, typer.Option("--host", help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765; 0: any free port).")] = None,
     scheduler: Annotated[

@@ -191,6 +191,6 @@ def test_the_check_sees_a_cycle_an_upward_arrow_and_a_lazy_import(tmp_path: Path
 
 
 def test_every_module_reads_in_one_sitting() -> None:
-    """STYLE.md 13: a module is split by responsibility before it passes 500 lines."""
+    """Files read in one sitting: a module is split by responsibility before it passes 500 lines."""
     long = sorted(f"{m}: {n} lines" for m, path in modules().items() if (n := len(path.read_text().splitlines())) > 500)
     assert long == []
