@@ -64,7 +64,7 @@ lint: $(STAMP)
 test: lint setup-browser setup-slurm
 	$(BIN)/python -m pytest -q
 
-# The wheels the GPU check needs on a lent GPU machine, into build/gpu-carry (DEVELOPERS.md).
+# The wheels the GPU check needs on a GPU machine without network, into build/gpu-carry (docs/gpu.md).
 gpu-carry: $(STAMP)
 	bash benchmarks/gpu_check.sh prepare
 

@@ -1,4 +1,4 @@
-"""The parts of the GPU check (`benchmarks/gpu_check.sh` runs each under its own time limit): what a lent CUDA
+"""The parts of the GPU check (`benchmarks/gpu_check.sh` runs each under its own time limit): what a CUDA
 machine can tell that the CPU machines cannot, with no model download and no vLLM (a model of SmolLM2-135M's
 real shape with random weights, built here in seconds, stands in for the real one: 30 layers, hidden 576,
 9 heads / 3 KV heads, MLP 1536, vocabulary 49152, tied embeddings; ~135M parameters, an fp32 AdamW state of
@@ -6,7 +6,7 @@ real shape with random weights, built here in seconds, stands in for the real on
 
     python benchmarks/gpu_check.py build DIR            the SmolLM2-shaped model (and a tokenizer) in DIR
     python benchmarks/gpu_check.py env                  the GPU, its PCIe link and free memory
-    python benchmarks/gpu_check.py race DIR             B1 regression: background moves after a train step
+    python benchmarks/gpu_check.py race DIR             the copy-stream race: background moves after a train step
     python benchmarks/gpu_check.py iteration DIR --dtype bfloat16 | --lora   one GRPO iteration, peak memory
     python benchmarks/gpu_check.py nccl1 DIR            a 1-rank NCCL worker group end to end
     python benchmarks/gpu_check.py mux DIR              3 jobs on one service whose device holds 2
@@ -19,8 +19,8 @@ writes a's state after the step's last host sync (10 passes of +1/-1 over the 1.
 outlive its return), a reference copy of a's state enqueued on the compute stream after them (ordered by the
 stream itself), the service's node end, then AT ONCE a background eviction of a and a background swap-in of b
 on the copy stream (the allocator may hand b a's freed blocks); then a full synchronize and two comparisons:
-a's host copy against the reference (a torn copy: B1's first effect) and b's swapped-in state against its state
-when it left the device (an overwritten block: B1's second). Then the swaps back. `--control N` first runs N
+a's host copy against the reference (a torn copy: the race's first effect) and b's swapped-in state against its state
+when it left the device (an overwritten block: its second). Then the swaps back. `--control N` first runs N
 rounds with the ordering switched off (the code before the fix: no event wait, no record_stream, no wait at the
 node's end) and reports how many tore: the check's own control, informational (it shows that the comparison
 can see the race on this machine).

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# The GPU check: what one lent CUDA machine (an H200 with torch 2.11 / CUDA 13, transformers and peft, but no
-# dask, pydantic, mlflow or vLLM, and no network) can tell us that the CPU machines cannot, in under 10 minutes.
-# No model download and no vLLM wheel: a model of SmolLM2-135M's real shape with random weights is built there
-# first (benchmarks/gpu_check.py, which holds every part). DEVELOPERS.md says when and how to run it.
+# The GPU check: what a CUDA machine can tell us that a CPU cannot, in under 10 minutes on one GPU. It expects
+# only torch (CUDA), transformers and peft on that machine, and no network: the other packages travel as wheels
+# (no dask, pydantic or mlflow needed there beforehand; no vLLM wheel and no model download). A model of
+# SmolLM2-135M's real shape with random weights is built there first (benchmarks/gpu_check.py, which holds every
+# part). docs/gpu.md says what it checks and how to run it.
 #
-#   1. here, with the package registry:  make gpu-carry   (= bash benchmarks/gpu_check.sh prepare)
+#   1. on a machine with the package registry and the project's .venv:
+#        make gpu-carry   (= bash benchmarks/gpu_check.sh prepare)
 #      writes build/gpu-carry/wheels: the pure-Python wheels the project needs there and pydantic-core for
-#      CPython 3.12 (~8 MiB; the device tool carries 64 MiB a call).
-#   2. there (the device tool's `run`, carry ["build/gpu-carry/wheels"], timeout_s 600):
+#      CPython 3.12 (~8 MiB).
+#   2. copy the working tree with build/gpu-carry/wheels to the GPU machine; there:
 #        bash benchmarks/gpu_check.sh run           (results in $OUT, else build/gpu-check-out)
 #
+# Python: $GPU_CHECK_PYTHON when set, else the project's .venv/bin/python when there is one, else python3.
 # `run` installs the wheels with pip --no-index --no-deps into a target directory on PYTHONPATH and links the
 # project there, builds the model (before anything is timed), then runs each part under its own timeout,
 # logging to $OUT/<part>.log and one line per part to $OUT/summary.txt:
 #   build    the SmolLM2-shaped model with random weights, and a tokenizer                   (45 s)
 #   env      nvidia-smi: the GPU, PCIe generation and width (the swap bound); mem_get_info    (15 s)
-#   race     B1: 20 rounds of a train step and a tail of device work on its state, then at once a
-#            background eviction and another job's swap-in through the service's moves (1.6 GB AdamW
-#            state); host copies and the other job's state compared after a full synchronize; 5 control
-#            rounds with the ordering off first (they should tear)                               (75 s)
+#   race     the copy stream against compute: 20 rounds of a train step and a tail of device work on its
+#            state, then at once a background eviction and another job's swap-in through the service's
+#            moves (1.6 GB AdamW state); host copies and the other job's state compared after a full
+#            synchronize; 5 control rounds with the ordering off first (they should tear)       (75 s)
 #   bf16     one GRPO iteration in bf16: peak memory next to the planner's estimate          (45 s)
 #   lora     one GRPO iteration of a LoRA job, the same figures                               (45 s)
 #   nccl1    a 1-rank NCCL worker group: init, fully_shard, train, agree, broadcast, swaps    (45 s)
@@ -33,12 +36,18 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$ROOT/build/gpu-carry
-PY=${GPU_CHECK_PYTHON:-python3}
+if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+    PY=$GPU_CHECK_PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+    PY=$ROOT/.venv/bin/python  # a development machine: torch and the rest are in the project's environment
+else
+    PY=python3  # a GPU machine with torch installed system-wide and the carried wheels
+fi
 SITE=${GPU_CHECK_SITE:-/tmp/plexrl-gpu-site}
 WORK=${GPU_CHECK_WORK:-/tmp/plexrl-gpu-check}  # the model and the jobs' run directories (never $OUT: it travels)
 
-# The packages the project needs that the GPU image lacks (KINDS.md lists what it has), at the versions of
-# this repository's .venv. pydantic-core is the only compiled one.
+# The packages the project needs that a bare GPU machine (torch, transformers, peft) lacks, at the versions
+# of this repository's .venv. pydantic-core is the only compiled one.
 WHEELS=(dask distributed pydantic pydantic-core annotated-types typing-inspection importlib-metadata partd
         locket zict tblib tornado math-verify latex2sympy2_extended antlr4-python3-runtime)
 

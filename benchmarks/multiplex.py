@@ -5,7 +5,7 @@ The same job mix (a cluster config, default `configs/multiplex.yaml`) runs three
     trips, no copies of a batch; the fastest way PlexRL or a plain loop runs one job), with the same torch
     threads for model work as the multiplexed service (`services.threads`); a job's cost = 1 service x its
     own wall time (placement to end); its completion time is the denominator of its slowdown. This is the
-    dedicated baseline of DESIGN.md ("the fastest way a user could run it alone");
+    dedicated baseline of docs/architecture.md, "Accounting" (the fastest way a user runs it alone);
 (b) isolated on the config's driver (Dask by default): each job alone on its own service, one after another;
     the second column, for comparison with the figures published before the lean baseline existed;
 (c) multiplexed: all jobs on the config's services with its placement, ordering and memory budgets;
@@ -222,8 +222,8 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
 
 
 def startup_timeline(spans: Sequence[Any]) -> None:
-    """Where the first seconds went (issue 41 item 4), on the run's clock from the runner's start (after the
-    cluster started): each job's load on its service and its first service node."""
+    """Where the first seconds went (whether loads and first nodes overlap), on the run's clock from the runner's
+    start (after the cluster started): each job's load on its service and its first service node."""
     loads = sorted((s for s in spans if s.kind == "load"), key=lambda s: s.start)
     first: dict[str, float] = {}
     for s in spans:

@@ -1,4 +1,4 @@
-"""The real-size mix (issue 41 item 2): SmolLM2-135M jobs of two users, full fine-tunes (~2.2 GB states: fp32
+"""The real-size mix: SmolLM2-135M jobs of two users, full fine-tunes (~2.2 GB states: fp32
 weights, two AdamW moments, the KL term's reference weights) and a LoRA job, on ONE service whose device budget
 holds two full states (`configs/multiplex_smollm2.yaml`), so that whole 2.2 GB states swap; side by side in one
 run: each job alone (the dedicated baseline), exclusive time-slicing (the llm-d / OpenRL design on our
@@ -12,10 +12,10 @@ and the share of swap time hidden from the nodes. Goals: swap time <= 1.5x its b
 cost <= 0.8x time-slicing's with no job slower than under it.
 
     .venv/bin/python benchmarks/real_model.py --write-data runs/data/addition   # once
-    flock /work/notes/heavy.lock .venv/bin/python benchmarks/multiplex_real.py [--iterations 3] [--driver dask]
+    .venv/bin/python benchmarks/multiplex_real.py [--iterations 3] [--driver dask]
     .venv/bin/python benchmarks/multiplex_real.py --smoke      # tiny jobs, local driver (the tests run it)
 
-About 20 minutes on 2 cores, ~15 GB of memory at its peak: run it alone (heavy.lock).
+About 20 minutes on 2 cores, ~15 GB of memory at its peak: run it alone.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ every trained row's response, each prompt once for its n samples, the output hea
 the machine's measured fp32 matmul rate, the least time any implementation needs for that work.
 
 The prompt: a short system prompt (the config's `data.system_prompt`), one worked example as an earlier chat
-turn (the model follows "Answer: N" only when shown; ../shared/ENVIRONMENT.md), then the question: 66 tokens,
+turn (the model follows "Answer: N" only when shown: docs/benchmarks.md), then the question: 66 tokens,
 as accurate zero-shot as two worked examples under SmolLM2's default system prompt (114 tokens) and a third
 cheaper to train on. The reward: 1 when the last "Answer: N" line gives the sum (`regex`), else 0.
 

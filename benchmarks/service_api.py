@@ -10,8 +10,8 @@ mean seconds of each and their ratio, and the headline `ratio sdk / in-process` 
 rewards) against the same GRPO job declared as a DAG (`configs/grpo_smollm2_addition.yaml` with a LoRA adapter
 of the same rank), both on SmolLM2-135M-Instruct, the same prompts, rewards and learning rate, each alone for
 `--minutes`: steps per second and held-out greedy accuracy after that time. Needs the data files
-(`benchmarks/real_model.py --write-data runs/data/addition`). Heavy: run it alone (`flock
-/work/notes/heavy.lock ...` on a shared machine).
+(`benchmarks/real_model.py --write-data runs/data/addition`). Heavy: run it alone (on a shared
+machine, under a lock such as `flock LOCKFILE ...`).
 
     .venv/bin/python benchmarks/service_api.py overhead [--steps 5] [--driver local] [--layers 2]
     .venv/bin/python benchmarks/service_api.py smollm2 [--minutes 20]

@@ -1,4 +1,4 @@
-"""The accounting PlexRL is judged on (DESIGN.md), computed from timeline spans. Pure.
+"""The accounting PlexRL is judged on (docs/architecture.md, "Accounting"), computed from timeline spans. Pure.
 
 Per service: wall time allocated (the whole run), split into four disjoint buckets:
 - `busy`: running a node (span kind `node`);

@@ -15,7 +15,7 @@ same directory: never shared by two writers, whatever their process or thread), 
 sees either no file or a whole one.
 
 Why both: the server prepares jobs on threads of one process (a temporary name by process id alone let two
-threads write the same file and one rename fail: issue 37), and two servers or a CLI run may share a cache
+threads write the same file and one rename fail), and two servers or a CLI run may share a cache
 directory. What it does NOT do: expire or clean caches, or lock readers (they need no lock: files appear
 whole, and a replaced file stays readable through a handle opened before).
 """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,6 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from plexrl.errors import PlexRLError
+from plexrl.server.commands import SetOpt
+from plexrl.server.commands import register as register_client_commands
 
 app = typer.Typer(
     add_completion=False,
@@ -22,7 +23,6 @@ app = typer.Typer(
 ConfigArg = Annotated[
     Path | None, typer.Argument(help="Job YAML. Omit to use the embedded defaults (GRPO on 3-digit addition).")
 ]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set iterations=10 (repeatable).")]
 
 
 def _load(config: Path | None, overrides: list[str] | None):  # type: ignore[no-untyped-def]
@@ -161,13 +161,22 @@ def _run_cluster(file: Any, overrides: list[str], progress: bool | None) -> None
 
 
 @app.command()
-def validate(config: ConfigArg = None, set_: SetOpt = None) -> None:
+def validate(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    server: Annotated[
+        Path | None,
+        typer.Option("--server", help="A server config whose size limits a job is checked against (default: "
+                     "plexrl serve's defaults)."),
+    ] = None,
+) -> None:  # fmt: skip
     """Check any config (job, cluster, server, simulator scenario or trace, profiles): detect its kind (its
-    `kind:` or its keys), validate it with that kind's model, report every problem at once."""
+    `kind:` or its keys), validate it with that kind's model, report every problem at once. A job is also held
+    to the size limits a server checks at submission (its KV cache, memory, parameters, ...)."""
     from plexrl.config_kinds import check_config
 
     try:
-        checked = check_config(config, set_ or [])
+        checked = check_config(config, set_ or [], server)
     except PlexRLError as exc:
         _fail(exc)
         return
@@ -241,16 +250,9 @@ def simulate(
 
 
 # -- the server and its clients (plexrl/server/) ---------------------------------------------------------
-ServerOpt = Annotated[
-    str | None, typer.Option("--server", help="Server URL (default: $PLEXRL_SERVER or http://127.0.0.1:8765).")
-]
-TokenOpt = Annotated[str | None, typer.Option("--token", help="Bearer token (default: $PLEXRL_TOKEN).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the server's JSON answer.")]
-
-
 @app.command()
 def serve(
-    config: Annotated[Path | None, typer.Option("--config", help="Server YAML (configs/server.yaml).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="Server YAML (docs/operations.md).")] = None,
     host: Annotated[str | None, typer.Option("--host", help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765; 0: any free port).")] = None,
     scheduler: Annotated[
@@ -320,148 +322,7 @@ def certs(
     typer.echo(f"  dask_tls: {{ca_file: {files.ca_file}, cert: {files.cert}, key: {files.key}}}")
 
 
-def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-def]
-    from plexrl.server.client import Client
-
-    return Client(server, token)
-
-
-# C0 and C1 control characters (ESC, BEL, CR, ...), DEL, and the Unicode line separators and bidirectional
-# marks and overrides: a server's strings (a user's name, a job's failure reason) must not move the cursor,
-# clear or retitle the terminal, or reorder what is printed
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
-
-
-def _safe(text: Any, newlines: bool = False) -> str:
-    """`text` with every control character written as an escape (`\\x1b`, `\\u202e`), so that it prints as
-    what it is; `newlines`: keep line breaks (a multi-line error message)."""
-
-    def escape(m: re.Match[str]) -> str:
-        c = m.group()
-        if newlines and c == "\n":
-            return c
-        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
-
-    return _UNSAFE.sub(escape, str(text))
-
-
-def _fail_remote(exc: BaseException) -> None:
-    """`_fail` for a client command: the message carries the server's words, escaped."""
-    typer.secho(_safe(exc, newlines=True), fg="red", err=True)
-    raise typer.Exit(2)
-
-
-def _job_line(j: dict[str, Any]) -> str:
-    progress = _safe(f"{j['iterations_done']}/{j['iterations']}")
-    job_id, status, where, user = (_safe(j.get(k) or "-") for k in ("job_id", "status", "service", "user"))
-    return f"{job_id:<32} {status:<10} {progress:>9}  {where:<12} {user:<10} {_safe(j['reason'][:60])}"
-
-
-@app.command()
-def submit(
-    config: Annotated[Path, typer.Argument(help="Job YAML.")],
-    set_: SetOpt = None,
-    user: Annotated[str, typer.Option("--user", help="Who submits (default: $USER).")] = "",
-    server: ServerOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """Submit a job to a running server; prints its id. Every problem with the job is reported at once."""
-    try:
-        job = _client(server, token).submit(config, set_ or [], user)
-    except (PlexRLError, OSError) as exc:
-        _fail_remote(exc)
-        return
-    typer.echo(_safe(job["job_id"]))
-
-
-@app.command()
-def status(
-    job: Annotated[str | None, typer.Argument(help="Job id (omit: every unfinished job).")] = None,
-    server: ServerOpt = None,
-    token: TokenOpt = None,
-    json_: JsonOpt = False,
-) -> None:
-    """A job's status (or every unfinished job's): status, iterations done, service, attempt, MLflow run."""
-    try:
-        client = _client(server, token)
-        rows = [client.status(job)] if job else client.jobs("running") + client.jobs("queued")
-    except PlexRLError as exc:
-        _fail_remote(exc)
-        return
-    if json_:
-        typer.echo(json.dumps(rows[0] if job else rows, indent=1))
-        return
-    for j in rows:
-        typer.echo(_job_line(j))
-        if job:
-            t = j["tracking"]
-            typer.echo(_safe(f"  attempt {j['attempt']}; MLflow {t.get('uri', '-')} run {t.get('run_id', '-')}"))
-
-
-@app.command("list")
-def list_jobs(
-    status_: Annotated[str | None, typer.Option("--status", help="Only jobs with this status.")] = None,
-    server: ServerOpt = None,
-    token: TokenOpt = None,
-    json_: JsonOpt = False,
-) -> None:
-    """Every job the server knows (the most recent 1000), oldest first."""
-    try:
-        rows = _client(server, token).jobs(status_)
-    except PlexRLError as exc:
-        _fail_remote(exc)
-        return
-    if json_:
-        typer.echo(json.dumps(rows, indent=1))
-        return
-    for j in rows:
-        typer.echo(_job_line(j))
-
-
-@app.command()
-def cancel(
-    job: Annotated[str, typer.Argument(help="Job id.")], server: ServerOpt = None, token: TokenOpt = None
-) -> None:
-    """Cancel a job (recorded at once; the job stops at its next node boundary). Its finished iterations stay."""
-    try:
-        j = _client(server, token).cancel(job)
-    except PlexRLError as exc:
-        _fail_remote(exc)
-        return
-    typer.echo(_job_line(j))
-
-
-@app.command()
-def logs(
-    job: Annotated[str, typer.Argument(help="Job id.")],
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
-    server: ServerOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """A job's journal: submission, placement, every iteration's metrics, its end."""
-    import time
-
-    after = 0
-    client = _client(server, token)
-    while True:
-        try:
-            answer = client.events(job, after)
-        except PlexRLError as exc:
-            _fail_remote(exc)
-            return
-        for e in answer["events"]:
-            after = e["seq"]
-            data = e["data"]
-            if e["kind"] == "iteration":
-                m = data["metrics"]
-                keys = [k for k in sorted(m) if not k.startswith("time/")][:8]
-                shown = " ".join(f"{k}={m[k]:.4g}" for k in keys)
-                typer.echo(_safe(f"[attempt {e['attempt']}] iteration {data['iteration']}: {shown}"))
-            else:  # (json.dumps writes control characters as \u escapes already)
-                typer.echo(_safe(f"[attempt {e['attempt']}] {e['kind']} {json.dumps(data)}"))
-        if not follow or (answer["job"]["status"] in ("done", "failed", "cancelled") and not answer["events"]):
-            return
-        time.sleep(1.0)
+register_client_commands(app)  # submit, status, list, cancel, logs: plexrl/server/commands.py
 
 
 @app.command()

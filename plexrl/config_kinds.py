@@ -7,7 +7,10 @@ recognised by their keys: a `jobs` list is a cluster; otherwise the kind whose m
 file's top-level keys (ties: job, server, scenario, trace). `read_config` parses a file ONCE and detects its
 kind; `plexrl run` and `check_config` (`plexrl validate`) both start from it, so they agree on the kind of
 every file, and each kind's loader gets the parsed YAML. `check_config` validates with that kind's own loader,
-so a check passes exactly when the command that runs the file would accept it.
+so a check passes exactly when the command that runs the file would accept it. A job is also held to the size
+limits a server applies at submission (`plexrl.server.limits.job_problems` on the job's footprint: the limits of
+a given server config, else `plexrl serve`'s defaults), so that a job `plexrl serve` would refuse for its size
+(a 1 TiB KV cache) does not pass.
 
 Nothing here runs a job or imports torch: the loaders only parse, validate and build graphs.
 """
@@ -160,14 +163,15 @@ def _check_profiles(raw: dict[str, Any], source: str) -> tuple[str, ...]:
     return (f"{counts['accelerators']} accelerator and {counts['models']} model profile(s)",)
 
 
-def check_config(path: Path | None, overrides: list[str] | None = None) -> Checked:
+def check_config(path: Path | None, overrides: list[str] | None = None, server: Path | None = None) -> Checked:
     """Detect the kind of `path` (None: the default job) and validate it with that kind's loader; a
-    ConfigError lists every problem. The summary lines name what the file describes."""
+    ConfigError lists every problem. A job is also checked against the size limits of the server config
+    `server` (None: `plexrl serve`'s defaults). The summary lines name what the file describes."""
     overrides = overrides or []
     file = read_config(path)
     raw, kind, why, source = file.raw, file.kind, file.why, str(path)
     if kind == "job":
-        return Checked(kind, why, _job_lines(path, overrides, raw))
+        return Checked(kind, why, _job_lines(path, overrides, raw, server))
     assert path is not None
     if kind == "cluster":
         from plexrl.cluster import load_cluster
@@ -204,12 +208,29 @@ def _runtime_line(c: Any) -> str:
     return f"{c.services.count} service(s), placement {c.placement}, ordering {c.ordering}, driver {c.driver}"
 
 
-def _job_lines(path: Path | None, overrides: list[str], raw: Any) -> tuple[str, ...]:
+def _server_limits(path: Path | None) -> tuple[Any, str]:
+    """The job limits of the server config at `path` (None: the defaults) and where they come from."""
+    from plexrl.server.limits import JobLimits
+
+    if path is None:
+        return JobLimits.model_validate({}), "the default limits of `plexrl serve` (--server SERVER.yaml: another's)"
+    from plexrl.server.config import load_server_config
+
+    return load_server_config(path, []).limits, f"the limits of the server config {path}"
+
+
+def _job_lines(path: Path | None, overrides: list[str], raw: Any, server: Path | None = None) -> tuple[str, ...]:
     import json
 
+    from plexrl.job.footprint import footprint
     from plexrl.job.load import load_job
+    from plexrl.server.limits import job_problems, reward_timeouts
 
     loaded = load_job(path, overrides, parsed=raw)
+    limits, whose = _server_limits(server)
+    over = job_problems(footprint(loaded), limits, reward_timeouts(loaded.config.model_dump()))
+    if over:  # the server's own check at submission, on the same footprint
+        raise ConfigError(over, f"{path or 'the default job'}, against {whose}")
     lines = [f"pipeline {loaded.graph.name!r} with {len(loaded.graph.order)} nodes"]
     for node in loaded.graph.describe():
         lines.append(f"  {node['name']:<12} {node['runs_on']:<8} {node['op']}  inputs={json.dumps(node['inputs'])}")

@@ -139,7 +139,7 @@ def test_episodes_doctests() -> None:
 
 
 def test_tool_output_cannot_inject_special_tokens(tok: Any) -> None:
-    """Output of model-written code that spells the tags must stay text inside its `<out>` block (issue 16)."""
+    """Output of model-written code that spells the tags must stay text inside its `<out>` block."""
 
     class Injector:
         spec = get_tool("calculator").spec

@@ -4,7 +4,7 @@ policy is one log-prob shift per token id, and the loss, gradient and advantages
 computed by hand. Every test fails if the feature were ignored (a parameter dropped by the builder or not
 read by the operator): the "feature off" value is checked to differ.
 
-Also `train`'s skip_zero_advantage normalisation (issue 15 item 2)."""
+Also `train`'s skip_zero_advantage normalisation."""
 
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def test_ppo_gae_uses_the_critic_values() -> None:
     assert eng.steps  # the train node took the per-token advantages
 
 
-# -- train: skip_zero_advantage keeps the published normaliser (issue 15 item 2) -----------------------
+# -- train: skip_zero_advantage keeps the published normaliser -------------------------------------------
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_token_mean"])
 def test_skipping_zero_advantage_rows_does_not_change_the_gradient(agg: str) -> None:
     # group 0 informative, group 1 all-equal (0.3 is not exact in float32); lengths differ

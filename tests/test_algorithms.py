@@ -173,7 +173,7 @@ def test_ppo_does_not_depend_on_the_global_rng(tiny_config: dict[str, Any]) -> N
     assert runs[0] == runs[1]
 
 
-# -- issue 15: numerical conventions ---------------------------------------------------------------------
+# -- numerical conventions ------------------------------------------------------------------------------
 def constant_groups(group_size: int, count: int = 200) -> torch.Tensor:
     """`count` groups of identical rewards that float32 cannot represent exactly (0.3, 1/3, partial credit,
     overlong penalties with buffer 3), seeded."""

@@ -66,3 +66,29 @@ def test_validate_does_not_import_heavy_libraries() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_validate_refuses_a_job_the_server_refuses_for_its_size(tmp_path: Path) -> None:
+    """`plexrl validate` applies the server's size checks at submission (`job_problems` on the job's footprint):
+    a 1 TiB KV cache is refused naming the field and the limit, against `plexrl serve`'s defaults or the limits
+    of a server config given with --server, exactly as that server refuses it."""
+    from plexrl.job.footprint import footprint
+    from plexrl.job.load import load_job
+    from plexrl.server.limits import JobLimits, job_problems, reward_timeouts
+
+    huge = ["--set", "engine=vllm", "--set", f"vllm.kv_cache_mb={1 << 20}"]
+    loaded = load_job(None, huge[1::2])
+    server_says = job_problems(footprint(loaded), JobLimits(), reward_timeouts(loaded.config.model_dump()))
+    assert [p.where for p in server_says] == ["vllm.kv_cache_mb"]  # the server refuses it
+
+    result = runner.invoke(app, ["validate", *huge])
+    assert result.exit_code == 2, result.output
+    assert "vllm.kv_cache_mb" in result.output and "limits.max_kv_cache_bytes" in result.output
+    assert "default limits of `plexrl serve`" in result.output and "Traceback" not in result.output
+
+    small = ["--set", "engine=vllm", "--set", "vllm.kv_cache_mb=64"]
+    assert runner.invoke(app, ["validate", *small]).exit_code == 0
+    server = tmp_path / "server.yaml"
+    server.write_text("port: 8765\nlimits: {max_kv_cache_bytes: 32MiB}\n")
+    result = runner.invoke(app, ["validate", *small, "--server", str(server)])
+    assert result.exit_code == 2 and "limits.max_kv_cache_bytes" in result.output and str(server) in result.output

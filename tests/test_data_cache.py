@@ -1,5 +1,5 @@
 """Cache writes under concurrency (plexrl/cache_files.py): one data file prepared from many threads and
-processes at once, and the server scenario of issue 37 (two users, one parquet file, submitted together:
+processes at once, and a server scenario (two users, one parquet file, submitted together:
 the second job failed with `FileNotFoundError: .train-<key>.arrow.<pid>.tmp -> train-<key>.arrow`)."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_a_key_lock_holds_threads_and_write_atomic_leaves_no_half_file(tmp_path:
 
 
 def test_two_users_one_data_file_submitted_together_to_a_server(tmp_path: Path, smol_tiny: Path) -> None:
-    """Issue 37 through `plexrl serve`: ann's and bob's jobs (two each) name one parquet file and are submitted
+    """Through `plexrl serve`: ann's and bob's jobs (two each) name one parquet file and are submitted
     at the same moment; the server prepares all four at once (real preparation: data opened, checked and
     copied to Arrow on the server's preparation threads) and all run (a simulated runner: the data, not
     training, is tested)."""

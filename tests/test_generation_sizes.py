@@ -46,7 +46,7 @@ def job(model: Path, tmp_path: Path, vllm: dict[str, Any] | None = None, **data:
 
 
 def test_the_tutorial_job_gets_its_own_context_and_a_cache_for_its_batch(smol_config: Path, tmp_path: Path) -> None:
-    """Issue 37: without max_prompt_tokens the engine was built for the model's 8,192 positions in 64 MiB (one
+    """Before: without max_prompt_tokens the engine was built for the model's 8,192 positions in 64 MiB (one
     such sequence needs 360 MiB). Sized from the job: the longest prompt (80 tokens) + 24 new, and 16 rows of
     one 128-token block each at 45 KiB a token."""
     loaded = job(smol_config, tmp_path)

@@ -1,13 +1,13 @@
 """GPU checks (marked `gpu`, skipped where no CUDA device is present; `benchmarks/gpu_check.sh` runs them on a
-lent GPU). On CUDA equality is not bitwise between devices or between runs (docs/gpu.md: the same
+GPU machine). On CUDA equality is not bitwise between devices or between runs (docs/gpu.md: the same
 distribution, not the same bits), so CPU-vs-CUDA comparisons take a tolerance; state moves stay bit-exact.
 
 - the torch engine generates like the CPU one (log-probs within 1e-4) and TRAINS on CUDA: the loss falls over
   a few steps on one batch and the weights change;
 - a service on CUDA moves states between its compute stream and its copy stream without a race: a job
   trained and evicted at once in the background has the host copy of its state after the step, and another
-  job swapped in right after keeps its state (B1);
-- swaps go through pinned flat host buffers whose pinned bytes are counted exactly (B3);
+  job swapped in right after keeps its state (docs/gpu.md, "Streams and swaps");
+- swaps go through pinned flat host buffers whose pinned bytes are counted exactly (docs/gpu.md, "Pinned memory");
 - bf16 training keeps fp32 masters and moments (14 bytes a parameter) and trains; a LoRA job on a CUDA
   service trains its adapter only.
 """

@@ -1,4 +1,4 @@
-"""Flat per-job host buffers (B3, C3, C4 of the CUDA review), on CPU with the pinning decision off (`pin=False`:
+"""Flat per-job host buffers (docs/gpu.md, "Pinned memory"), on CPU with the pinning decision off (`pin=False`:
 the same code path a CUDA service takes with it on):
 
 - a state moves as one block: its first swap-out copies each tensor into ONE host buffer, its swap-in is one

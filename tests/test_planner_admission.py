@@ -1,5 +1,5 @@
-"""Job-level policy in the planner, tested by feeding events with no cluster and no clock of its own
-(STYLE.md 3): per-user admission and quotas as planner state (`planner/admission.py`: held jobs, their reasons
+"""Job-level policy in the planner, tested by feeding events with no cluster and no clock of its own (docs
+invariant 1): per-user admission and quotas as planner state (`planner/admission.py`: held jobs, their reasons
 as `JobHeld` instructions, the quota's release as a `wake_at` instead of a poll), fair admission (users first,
 and a user with no job running squeezed in past the load cap), whether a job of a lost service is placed again
 (`FailJob.again`, from its plan's `attempt` and `attempts`), and the read API (`Planner.view`)."""

@@ -441,7 +441,7 @@ def test_slowdown_ordering_lowers_the_worst_slowdown_of_a_mix_at_the_same_makesp
 
 
 def test_a_waiting_job_is_told_which_service_its_load_and_what_lets_it_in() -> None:
-    """Issue 37: "waiting for room on a service" while one user's two jobs held the only service said nothing
+    """Before: "waiting for room on a service" while one user's two jobs held the only service said nothing
     a user could act on."""
     p = Planner(clock=Clock(), placement=SpreadBackfill(max_load=1.0), validate=True)
     p.handle(ServiceJoined("s0"))

@@ -1,4 +1,4 @@
-"""Progress when the output is not a terminal (issue 37: `make demo` printed nothing for the 160 s of its job
+"""Progress when the output is not a terminal (before: `make demo` printed nothing for the 160 s of its job
 into a log file): plain lines with the iteration, reward, accuracy, time per iteration and estimated end, at
 most one every N seconds; the rich bar stays for a terminal."""
 

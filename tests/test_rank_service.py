@@ -1,5 +1,5 @@
-"""A worker group's rank side without a Dask cluster: the choices an NCCL group gets (A6 of the CUDA review,
-decided by `group_plan` and checked here without a GPU), the gloo side group of the control plane, and a
+"""A worker group's rank side without a Dask cluster: the choices an NCCL group gets (docs/gpu.md, "Worker groups
+on NCCL"; decided by `group_plan` and checked here without a GPU), the gloo side group of the control plane, and a
 group job's model saved from host or disk (it assigned flat byte storages to named parameters before).
 
 One rank in this process (a 1-rank gloo group), as tests/test_worker_group.py's swap test does."""

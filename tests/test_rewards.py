@@ -221,7 +221,7 @@ def test_a_hanging_reward_times_out_scores_zero_and_is_counted() -> None:
 
 
 def test_a_call_holding_the_gil_is_killed_and_this_process_runs_on() -> None:
-    """A call that never gives up the GIL (Python's `re` backtracking, as in issue 38) runs in the worker:
+    """A call that never gives up the GIL (Python's `re` backtracking) runs in the worker:
     this process's threads keep running while it waits, and the call is killed at its limit (in a thread of
     this process, the ticker would stand still for the minutes the match takes)."""
     reward = build_reward(terms({"ref": "test_rewards:backtracks_on_h", "timeout_s": 1.0}))
@@ -245,7 +245,7 @@ def test_a_call_holding_the_gil_is_killed_and_this_process_runs_on() -> None:
 
 
 def test_a_hanging_second_term_leaves_the_first_its_scores() -> None:
-    """Issue 37: a second term (weight 0.5) that hangs on some rows must not zero the first, a user reward
+    """A second term (weight 0.5) that hangs on some rows must not zero the first, a user reward
     (the accuracy signal), batch after batch: the old threads gave up on every user reward after 8 hangs."""
     reward = build_reward(
         terms({"ref": "test_rewards:equal"}, {"ref": "test_rewards:hangs_on_h", "weight": 0.5, "timeout_s": 0.3})
@@ -270,7 +270,7 @@ def test_a_term_that_keeps_timing_out_fails_loudly_with_its_name() -> None:
 
 
 def test_a_backtracking_regex_pattern_runs_in_linear_time() -> None:
-    """Issue 38: `(?s)(.|.|.|.|.)*X` on a completion without an X takes exponential time in Python's `re`;
+    """`(?s)(.|.|.|.|.)*X` on a completion without an X takes exponential time in Python's `re`;
     on RE2 it is one pass. The term's limit is 5 s; a backtracking engine would not finish in years."""
     reward = build_reward(terms({"name": "regex", "params": {"pattern": "(?s)(.|.|.|.|.)*X"}}))
     completion = "The answer is 12 because 5 + 7 = 12 and nothing else matters here at all. " * 3

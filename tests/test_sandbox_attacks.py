@@ -1,4 +1,4 @@
-"""The sandbox against a policy that optimises against it (issue 16): a run dies with its caller and at its
+"""The sandbox against a policy that optimises against it: a run dies with its caller and at its
 own deadline, the seccomp filter refuses each dangerous system call, the session keyring is fresh, every
 rlimit is set, a strict sandbox refuses degraded isolation, and the host name is the sandbox's. Each test is
 an attack that worked before the hardening; tests that need an isolation this kernel refuses are skipped."""
@@ -71,7 +71,7 @@ def alive(procs: list[psutil.Process]) -> list[int]:
     return found
 
 
-# ------------------------------------------------------------------- a run never outlives its caller (item 3)
+# ------------------------------------------------------------------------------------- a run never outlives its caller
 
 CALLER = """
 import sys
@@ -160,7 +160,7 @@ def test_an_exception_in_the_caller_kills_the_run(sandbox: Sandbox) -> None:
     wait_until(lambda: not alive(run), 5.0, f"the run outlived the interrupted call: {alive(run)}")
 
 
-# --------------------------------------------------------------------------- seccomp filter (item 4)
+# ------------------------------------------------------------------------------------------------------ seccomp filter
 
 
 def test_seccomp_doctests() -> None:
@@ -276,7 +276,7 @@ def test_the_filter_cannot_be_bypassed_through_another_abi(sandbox: Sandbox) -> 
     assert not i386.ok and i386.signal == signal.SIGSYS, (i386.error, i386.stdout)
 
 
-# --------------------------------------------------------------------------- kernel keyring (item 5)
+# ------------------------------------------------------------------------------------------------------ kernel keyring
 
 KEYCTL_SEARCH, KEYCTL_READ, KEYCTL_INVALIDATE, KEY_SPEC_SESSION_KEYRING = 10, 11, 21, -3
 READ_KEY = """
@@ -348,7 +348,7 @@ def test_keys_planted_for_a_later_run_with_the_same_uid_are_cleared(temp_root: P
     wait_until(lambda: keys_of(uid) <= 2, 5.0, f"the planted key outlived the run: {keys_of(uid)} keys")
 
 
-# ----------------------------------------------------------------- rlimits, strict mode, host name (item 6)
+# ------------------------------------------------------------------------------------- rlimits, strict mode, host name
 
 
 def test_every_rlimit_is_set_not_inherited(sandbox: Sandbox) -> None:

@@ -1,4 +1,4 @@
-"""Issue 38 item 5: connection exhaustion and a log flood. With the common 1,024 open-file limit, 1,100 idle or
+"""Connection exhaustion and a log flood. With the common 1,024 open-file limit, 1,100 idle or
 half-sent connections made /health time out, were never closed, and stderr grew by a traceback per failed accept
 and per client that hung up. Now connections are bounded in number (the longest-waiting idle one is evicted) and
 time (idle, header, body), a client that hangs up costs no traceback, and repeated log lines are rate-limited

@@ -1,4 +1,4 @@
-"""Issue 38 item 11: checkpoints of cancelled jobs were never removed (one user filled the disk), and a full disk then
+"""Checkpoints of cancelled jobs were never removed (one user filled the disk), and a full disk then
 stopped the server (a 500, exit 1) where the docs promised /health 503. Now a cancelled or failed job's
 checkpoints go after the owner's retention, and on a full disk (a real one: a small tmpfs) /health answers 503,
 submissions are refused with 503, the runner waits for room instead of dying, and everything goes on once there

@@ -1,4 +1,4 @@
-"""Issue 38 item 4: cross-site requests and DNS rebinding against the default server (loopback, no token). A page
+"""Cross-site requests and DNS rebinding against the default server (loopback, no token). A page
 of another origin used to submit a job and cancel another user's job through the browser (`fetch(..., {mode:
 "no-cors"})`: a simple request, `Content-Type: text/plain`, the page's `Origin`), and any `Host` was answered.
 Here the requests are sent as the browser sends them (raw HTTP, its headers): refused, and nothing changes."""

@@ -1,6 +1,6 @@
-"""Issue 38, bounded work: what one job may cost on `plexrl serve`. Enormous but valid jobs are refused with 400
-naming their field before any work (items 2, 3); reward time limits are capped by the server; a CPU node that
-hangs (holding the GIL) fails its job and never the server (item 1, the local driver); a job past the server's
+"""Bounded work: what one job may cost on `plexrl serve`. Enormous but valid jobs are refused with 400
+naming their field before any work; reward time limits are capped by the server; a CPU node that
+hangs (holding the GIL) fails its job and never the server (the local driver); a job past the server's
 time limit fails with the reason; the open jobs together are bounded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 38 items 6-10: every path a job names, from the submission to the moment it is opened. `~` was checked as
+"""Every path a job names, from the submission to the moment it is opened. `~` was checked as
 `<cwd>/~/...` and opened as `$HOME/...`; a data file swapped for a link after the 201, or a journalled job after
 the owner narrowed `allowed_roots` and restarted, was read outside the roots; a FIFO held a preparation thread
 for good; a 1.5 GiB file with no newline was read as one line; a refusal listed another file's columns; with

@@ -1,4 +1,4 @@
-"""Issue 38 item 2: a job's preparation (task, model build, warm start) ran in the server process: a
+"""A job's preparation (task, model build, warm start) ran in the server process: a
 68.7e9-parameter built model was built there, and memory was not returned. Now it runs first in a child process
 within `limits.prepare_memory` and `limits.prepare_timeout_s`, killed on cancel: the job fails with the reason
 and the server's own memory does not hold the model; a cancelled preparation leaves no process behind."""

@@ -1,4 +1,4 @@
-"""Start-up overlap (issue 41 item 4): jobs submitted together are shipped to the executor at once, a job's hooks
+"""Start-up overlap: jobs submitted together are shipped to the executor at once, a job's hooks
 set up (its MLflow run created) while its load already runs on its service, the MLflow run off the runner's
 thread. Real runner, in-process executor, real MLflow (sqlite)."""
 

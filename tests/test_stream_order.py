@@ -1,4 +1,4 @@
-"""Stream ordering of a service's state moves (B1, B2 of the CUDA review), checked on CPU through the calls the
+"""Stream ordering of a service's state moves (docs/gpu.md, "Streams and swaps"), checked on CPU through the calls the
 service makes to its `StreamOrder` (`plexrl/services/streams.py`), recorded by `RecordingOrder`:
 
 - every copy of a job's tensors, on the node's thread or the background thread, is issued after that thread

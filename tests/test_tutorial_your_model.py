@@ -43,7 +43,7 @@ def test_the_tutorial_job_runs_on_its_files(smol_tiny: Path, tmp_path: Path, mon
 
 
 def test_the_tutorial_runs_as_written_on_the_real_smollm2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 37: the tutorial's files AS WRITTEN on the model it names (`smollm2-135m-instruct`, converted at
+    """The tutorial's files AS WRITTEN on the model it names (`smollm2-135m-instruct`, converted at
     set-up), through the engine `engine: auto` gives it (vLLM where installed). Only the length of the run
     changes (1 iteration; tracking off). It failed in vLLM's own words: no `max_prompt_tokens`, so the engine
     was built for the model's 8,192 positions in a 64 MiB KV cache."""

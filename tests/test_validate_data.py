@@ -1,4 +1,4 @@
-"""`plexrl validate` opens a job's data files and resolves its rewards (issue 37: five bad files passed
+"""`plexrl validate` opens a job's data files and resolves its rewards (before: five bad files passed
 `validate` and failed only in `run`, after the model loaded): each bad file gets from `validate` the error
 `run` gives, and a good job's output says what was checked."""
 

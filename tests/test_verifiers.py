@@ -143,7 +143,7 @@ def test_code_unit_tests_contain_hostile_code(small_sandbox: Sandbox) -> None:
     assert code_unit_tests(hostile, tests, sandbox=small_sandbox, max_workers=2) == [0.0] * len(hostile)
 
 
-# Wrong code that scored 1.0 before the verdict moved out of the sandbox (issue 16), each in its own way.
+# Wrong code that scored 1.0 before the verdict moved out of the sandbox, each in its own way.
 REWARD_HACKS = {
     "pass token from the harness's code objects": (
         "import os, re, sys\ndef square(x):\n    return 0\n"

@@ -1,4 +1,4 @@
-"""The `Engine` protocol of DESIGN.md. No torch import at module level."""
+"""The `Engine` protocol (docs/architecture.md, "Names": engine). No torch import at module level."""
 
 from __future__ import annotations
 

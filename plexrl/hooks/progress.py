@@ -6,7 +6,7 @@ first and last iteration, and when it ends), for a log file, CI, a `tmux` captur
 
     [grpo-arithmetic] iteration 12/600 | reward 0.412 | acc 0.300 | 4.1 s/it | ETA 40m12s (13:05:41)
 
-A user can tell a slow job from a hung one without a terminal (issue 37: `make demo` was silent for 160 s).
+A user can tell a slow job from a hung one without a terminal (a job's first iteration can take minutes).
 The time per iteration is the mean since the job's first iteration ended (the first one includes loading);
 the estimated end is that mean times the iterations left. The clock and the stream are injected (tests).
 """

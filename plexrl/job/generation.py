@@ -7,7 +7,7 @@ refuse a job whose sequences cannot fit, in PlexRL's words, before vLLM is built
   the longest rendered prompt of the job's data (measured when the task is prepared:
   `DatasetTask.longest_prompt`), else unknown (a generated task): then the model's own positions.
   Without this, a job on SmolLM2 without `max_prompt_tokens` asked vLLM for 8,192 positions in a 64 MiB
-  cache and failed in vLLM's own words (issue 37).
+  cache and failed in vLLM's own words.
 - KV cache = `vllm.kv_cache_mb` when set, else enough for the rollout batch at once: the rows of the largest
   generating node (`batch_size` x `n`) times the context rounded up to whole KV blocks (`vllm.block_size`,
   else vLLM's CPU default of 128), times the model's KV bytes per token (2 x layers x KV heads x head size x

@@ -1,4 +1,4 @@
-"""Sessions as planner work: a job whose plan is OPEN (`JobPlan.open`, DESIGN.md "Session"). Its nodes are the
+"""Sessions as planner work: a job whose plan is OPEN (`JobPlan.open`; docs/architecture.md, "Names"). Its nodes are the
 kinds of call its client may send (every one a service node, no edges); its iterations are its calls, numbered
 in the order they run: an iteration holds only the node of the call that came (`CallArrived`), and between two
 calls the job is idle (no node at all, no `IterationDone`). The runtime announces one call at a time, the next

@@ -293,7 +293,7 @@ def prepare_entry(
         from plexrl.job.devices import device_jobs, group_problems
 
         loaded = device_jobs(device, group, [loaded])[0]
-        if group and group_problems(loaded.config):  # what a worker group would silently ignore (B5)
+        if group and group_problems(loaded.config):  # what a worker group would silently ignore
             raise ConfigError([Problem("model", why) for why in group_problems(loaded.config)], entry.job_id)
         warm = loaded.config.warm_start
         if max_warm_start_steps is not None and warm.enabled and warm.max_steps > max_warm_start_steps:

@@ -1,6 +1,6 @@
 """What one job, and all open jobs together, may cost on this server: `JobLimits` (the server config's `limits:`
 section), checked on a submission's `Footprint` (`plexrl.job.footprint`) BEFORE the job is journalled, so that
-no accepted job can exhaust the server (issue 38). A job over a limit is refused with 400, naming the job's
+no accepted job can exhaust the server. A job over a limit is refused with 400, naming the job's
 field, its value, the limit and the setting that holds it.
 
 Checked at submission (`job_problems`): iterations, the model's parameters, the estimated memory (state, vLLM

@@ -6,7 +6,7 @@ copy there, on the runner's thread, the little they need of the planner (each se
 jobs waiting for room on a service). `snapshot()` runs on HTTP threads: it copies the tables under the same
 lock and computes from the copy. Nothing here reads the runner's or the planner's tables from another thread.
 
-The numbers follow `plexrl.accounting` (DESIGN.md), counted since the view started (the server's start):
+The numbers follow `plexrl.accounting` (docs/architecture.md, "Accounting"), counted from the view's start:
 - per service: `busy` (node spans), `swap` (blocking state moves), `startup` (a job's engine and first state
   built on it), `idle` (the rest of the wall time since the start; never negative);
 - per job: accelerator-seconds so far = its own busy, swap and startup seconds plus a share of each of its

@@ -12,7 +12,7 @@ service's shared base, or a full `TorchEngine`) and adds what the Tinker calls n
 
 Everything else (generation, scoring, `weight_version`, saving) is the wrapped engine's. Determinism: no call
 draws from a global RNG (sampling seeds come with the call), so a session computes the same numbers alone or
-beside other jobs (DESIGN.md invariant 4). Full fine-tuning sessions train in float32 only (bf16 training keeps
+beside other jobs (docs invariant 4). Full fine-tuning sessions train in float32 only (bf16 training keeps
 master copies that these calls do not drive): `check_session_model` refuses the rest at creation.
 """
 

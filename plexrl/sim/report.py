@@ -45,7 +45,7 @@ Progress = Callable[[str], None]
 
 
 # -- scenario -------------------------------------------------------------------------------------------
-GOAL_SAVING = 0.30  # issue 27: >= 30% fewer GPU-hours per step than the strongest baseline at <= 1.1x its step
+GOAL_SAVING = 0.30  # the goal: >= 30% fewer GPU-hours per step than the strongest baseline at <= 1.1x its step
 
 
 def scenario_rows(res: ScenarioResult, results: list[DeploymentResult]) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ class TinkerConfig(BaseModel):
     enabled: bool = Field(True, description="Serve the Tinker API under /api/v1 (sessions as jobs of the planner).")
     models: list[str] = Field(
         ["smollm2-135m-instruct"],
-        description="Base models a session may train, by pretrained short name (plexrl/pretrained.py); any model "
+        description="Base models a session may train, by pretrained short name (plexrl/job/pretrained.py); any model "
         "directory under the server's allowed roots may be named by path as well.",
     )
     engine: str = Field(
