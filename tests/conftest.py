@@ -52,9 +52,11 @@ def _nothing_left_behind() -> Iterator[None]:
 
     since = time.time() - 1.0
     yield
-    from plexrl.reward_workers import POOL
+    import sys
 
-    POOL.close()  # the reward workers kept for the next batch (closed at exit otherwise)
+    for pools in ("plexrl.reward_workers", "plexrl.runtime.cpu_nodes"):  # workers kept for the next call,
+        if pools in sys.modules:  # closed at exit otherwise
+            sys.modules[pools].POOL.close()
     problem = leaks.check(since)
     if problem is not None:
         pytest.fail(problem, pytrace=False)
