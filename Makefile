@@ -61,8 +61,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two test processes (pytest-xdist), each given whole test files so that module fixtures stay shared: the suite
+# keeps about one core busy on average (the rest is waiting on subprocesses, servers and Dask). TEST_WORKERS=0
+# runs it in one process.
+TEST_WORKERS ?= 2
 test: lint setup-browser setup-slurm
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The wheels the GPU check needs on a GPU machine without network, into build/gpu-carry (docs/gpu.md).
 gpu-carry: $(STAMP)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import leaks
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+leaks.mark()  # every process the tests start inherits it: the session's end finds those left running
 
 TINY: dict[str, Any] = {
     "name": "tiny",
@@ -40,6 +43,23 @@ def tiny_config(tmp_path: Path) -> dict[str, Any]:
     cfg = copy.deepcopy(TINY)
     cfg["run_dir"] = str(tmp_path / "runs")
     return cfg
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """Fails the run (at its end) if a test left a process, a daemon or a Tinker SDK client behind; ends them."""
+    import time
+
+    since = time.time() - 1.0
+    yield
+    import sys
+
+    for pools in ("plexrl.reward_workers", "plexrl.runtime.cpu_nodes"):  # workers kept for the next call,
+        if pools in sys.modules:  # closed at exit otherwise
+            sys.modules[pools].POOL.close()
+    problem = leaks.check(since)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(autouse=True)

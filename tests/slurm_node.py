@@ -8,6 +8,7 @@ exactly the processes it started, by their pid files. The caller exports SLURM_C
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -24,6 +25,11 @@ DAEMONS = ("slurmctld", "slurmd")
 class SlurmNode:
     conf: Path
     pids: list[int] = field(default_factory=list)
+
+    def pid_files(self) -> list[int]:
+        """The daemons' pids from their pid files (a daemon may write its file after the node is idle)."""
+        files = [self.conf.parent / f"{daemon}.pid" for daemon in DAEMONS]
+        return [int(text) for f in files if f.is_file() and (text := f.read_text().strip()).isdigit()]
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
@@ -84,10 +90,7 @@ def start(root: Path, timeout: float = 60.0) -> SlurmNode:
         subprocess.run([daemon, "-f", str(node.conf)], check=True, env=env, timeout=30)  # daemonizes
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for daemon in DAEMONS:
-            pid = root / f"{daemon}.pid"
-            if pid.is_file() and pid.read_text().strip() and int(pid.read_text()) not in node.pids:
-                node.pids.append(int(pid.read_text()))
+        node.pids += [pid for pid in node.pid_files() if pid not in node.pids]
         state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env, timeout=10)
         if state.stdout.strip() == "idle":
             return node
@@ -100,17 +103,23 @@ def start(root: Path, timeout: float = 60.0) -> SlurmNode:
 
 
 def stop(node: SlurmNode) -> None:
-    """End the daemons this module started (by pid), newest first."""
-    for pid in reversed(node.pids):
-        try:
+    """End the daemons this module started (by pid, the pid files read again), newest first: SIGTERM, then
+    SIGKILL for one still there after 20 s."""
+    pids = [*node.pids, *(pid for pid in node.pid_files() if pid not in node.pids)]
+    for pid in reversed(pids):
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            continue
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     node.pids.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -26,82 +27,9 @@ from plexrl.rewards import (
     NumericParams,
     RegexParams,
     RewardHung,
-    batched_reward,
     build_reward,
 )
-from plexrl.roles import allowed_modules, declare
-
-# ---- user rewards, named below as `test_rewards:<name>` (this file is importable from tests/) -------------
-# They run in worker processes: a "hang" is a real one (the worker is killed at the term's timeout_s).
-
-
-@declare("reward")
-def length_bonus(
-    prompt: str, response: str, ground_truth: str, extra: dict[str, Any], *, per_char: float = 0.1
-) -> float:
-    return per_char * len(response) + (1.0 if extra.get("bonus") else 0.0) + (100.0 if prompt == "p1" else 0.0)
-
-
-@declare("reward")
-def pid(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
-    return float(os.getpid())
-
-
-@declare("reward")
-def parts(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> dict[str, float]:
-    return {"correct": float(response.strip() == ground_truth), "short": -0.5 * (len(response) > 3)}
-
-
-@declare("reward")
-def raises_on_x(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
-    if "x" in response:
-        raise RuntimeError("cannot score x")
-    return 1.0
-
-
-@declare("reward")
-def hangs_on_h(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
-    if "h" in response:
-        threading.Event().wait()  # for ever: only a kill ends it
-    return 1.0
-
-
-@declare("reward")
-def backtracks_on_h(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
-    if "h" in response:  # Python's `re` backtracks for minutes here and holds the GIL all along
-        re.match(r"(a|aa)*b", "a" * 45)
-    return 0.5
-
-
-@declare("reward")
-def equal(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
-    return float(response == ground_truth)
-
-
-@declare("reward")
-def not_a_number(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> Any:
-    return {"nan": float("nan")} if response == "nan" else "one"
-
-
-@batched_reward
-def batch_equal(
-    prompts: list[str], responses: list[str], truths: list[str], extras: list[dict[str, Any]]
-) -> list[float]:
-    return [float(r == t) for r, t in zip(responses, truths, strict=True)]
-
-
-@batched_reward
-def batch_wrong_length(prompts: list[str], responses: list[str], truths: list[str], extras: list[Any]) -> list[float]:
-    return [1.0]
-
-
-def undeclared(prompt: str, response: str, ground_truth: str, extra: dict[str, Any]) -> float:
-    return 1.0
-
-
-@declare("tool")
-def a_tool() -> None:
-    return None
+from plexrl.roles import allowed_modules
 
 
 def terms(*items: dict[str, Any]) -> list[RewardTerm]:
@@ -144,7 +72,7 @@ def test_builtin_params_are_checked_with_the_field_named() -> None:
     with pytest.raises(ValidationError, match=r"params\.pattern exactly when"):
         RewardTerm(name="format", params={"require": "regex"})
     with pytest.raises(ValidationError, match="not both"):
-        RewardTerm(name="math", ref="test_rewards:length_bonus")
+        RewardTerm(name="math", ref="user_rewards:length_bonus")
     with pytest.raises(ValidationError, match="dotted path"):
         RewardTerm(ref="os.system")
     with pytest.raises(ValidationError, match="repeat"):
@@ -179,20 +107,20 @@ def test_weighted_sum_with_components_by_name() -> None:
 
 
 def test_user_reward_per_row_gets_prompt_extra_and_params() -> None:
-    reward = build_reward(terms({"ref": "test_rewards:length_bonus", "params": {"per_char": 0.5}}))
+    reward = build_reward(terms({"ref": "user_rewards:length_bonus", "params": {"per_char": 0.5}}))
     out = reward(["p0", "p1"], ["ab", "abcd"], ["x", "y"], [{}, {"bonus": True}])
     assert out.total == [1.0, 103.0] and out.components == {"length_bonus": [1.0, 103.0]}
 
 
 def test_every_term_runs_in_a_worker_process_that_is_reused() -> None:
-    reward = build_reward(terms({"ref": "test_rewards:pid"}))
+    reward = build_reward(terms({"ref": "user_rewards:pid"}))
     first = reward(["", ""], ["a", "b"], ["", ""]).components["pid"]
     assert first[0] == first[1] != float(os.getpid())
     assert reward([""], ["c"], [""]).components["pid"] == [first[0]]  # the idle worker served the next batch
 
 
 def test_user_reward_dict_components_and_batched() -> None:
-    reward = build_reward(terms({"ref": "test_rewards:parts", "weight": 2}, {"ref": "test_rewards:batch_equal"}))
+    reward = build_reward(terms({"ref": "user_rewards:parts", "weight": 2}, {"ref": "user_rewards:batch_equal"}))
     out = reward(["", ""], ["7", "seven"], ["7", "7"])
     assert out.components["parts"] == [1.0, -0.5]
     assert out.components["parts/correct"] == [1.0, 0.0] and out.components["parts/short"] == [0.0, -0.5]
@@ -202,18 +130,18 @@ def test_user_reward_dict_components_and_batched() -> None:
 
 
 def test_a_raising_reward_scores_zero_and_is_counted() -> None:
-    reward = build_reward(terms({"ref": "test_rewards:raises_on_x"}, {"ref": "test_rewards:batch_wrong_length"}))
+    reward = build_reward(terms({"ref": "user_rewards:raises_on_x"}, {"ref": "user_rewards:batch_wrong_length"}))
     out = reward(["", "", ""], ["a", "x", "b"], ["", "", ""])
     assert out.components["raises_on_x"] == [1.0, 0.0, 1.0]
     assert out.components["batch_wrong_length"] == [0.0, 0.0, 0.0]
     assert out.errors == 1 + 3 and out.timeouts == 0
     assert out.metrics()["reward_errors"] == 4.0
-    out = build_reward(terms({"ref": "test_rewards:not_a_number"}))(["", ""], ["nan", "1"], ["", ""])
+    out = build_reward(terms({"ref": "user_rewards:not_a_number"}))(["", ""], ["nan", "1"], ["", ""])
     assert out.total == [0.0, 0.0] and out.errors == 2
 
 
 def test_a_hanging_reward_times_out_scores_zero_and_is_counted() -> None:
-    reward = build_reward(terms({"ref": "test_rewards:hangs_on_h", "timeout_s": 0.5}))
+    reward = build_reward(terms({"ref": "user_rewards:hangs_on_h", "timeout_s": 0.5}))
     out = reward(["", "", "", ""], ["a", "h", "b", "c"], ["", "", "", ""])
     assert out.components["hangs_on_h"] == [1.0, 0.0, 1.0, 1.0]  # the rows after the hung one still scored
     assert out.timeouts == 1 and out.errors == 0
@@ -224,7 +152,7 @@ def test_a_call_holding_the_gil_is_killed_and_this_process_runs_on() -> None:
     """A call that never gives up the GIL (Python's `re` backtracking) runs in the worker:
     this process's threads keep running while it waits, and the call is killed at its limit (in a thread of
     this process, the ticker would stand still for the minutes the match takes)."""
-    reward = build_reward(terms({"ref": "test_rewards:backtracks_on_h", "timeout_s": 1.0}))
+    reward = build_reward(terms({"ref": "user_rewards:backtracks_on_h", "timeout_s": 1.0}))
     ticks = []
     stop = threading.Event()
 
@@ -248,7 +176,7 @@ def test_a_hanging_second_term_leaves_the_first_its_scores() -> None:
     """A second term (weight 0.5) that hangs on some rows must not zero the first, a user reward
     (the accuracy signal), batch after batch: the old threads gave up on every user reward after 8 hangs."""
     reward = build_reward(
-        terms({"ref": "test_rewards:equal"}, {"ref": "test_rewards:hangs_on_h", "weight": 0.5, "timeout_s": 0.3})
+        terms({"ref": "user_rewards:equal"}, {"ref": "user_rewards:hangs_on_h", "weight": 0.5, "timeout_s": 0.3})
     )
     responses, truths = ["7", "h", "8", "h", "7", "h", "9", "h"], ["7", "h", "7", "h"] * 2
     for _ in range(3):  # 12 hung calls in all
@@ -261,10 +189,10 @@ def test_a_hanging_second_term_leaves_the_first_its_scores() -> None:
 
 def test_a_term_that_keeps_timing_out_fails_loudly_with_its_name() -> None:
     reward = build_reward(
-        terms({"name": "exact"}, {"ref": "test_rewards:hangs_on_h", "label": "slow", "timeout_s": 0.2})
+        terms({"name": "exact"}, {"ref": "user_rewards:hangs_on_h", "label": "slow", "timeout_s": 0.2})
     )
     with pytest.raises(
-        RewardHung, match=rf"'slow' \(test_rewards:hangs_on_h\) timed out on {MAX_TIMEOUTS_IN_A_ROW} calls"
+        RewardHung, match=rf"'slow' \(user_rewards:hangs_on_h\) timed out on {MAX_TIMEOUTS_IN_A_ROW} calls"
     ):
         reward([""] * MAX_TIMEOUTS_IN_A_ROW, ["h"] * MAX_TIMEOUTS_IN_A_ROW, [""] * MAX_TIMEOUTS_IN_A_ROW)
 
@@ -288,7 +216,7 @@ def test_patterns_re2_cannot_run_are_refused_at_validation() -> None:
 
 
 def test_idle_workers_are_kept_and_closed() -> None:
-    build_reward(terms({"ref": "test_rewards:pid"}))([""], ["a"], [""])
+    build_reward(terms({"ref": "user_rewards:pid"}))([""], ["a"], [""])
     assert POOL.idle() >= 1
     POOL.close()
     assert POOL.idle() == 0
@@ -296,32 +224,40 @@ def test_idle_workers_are_kept_and_closed() -> None:
 
 def test_undeclared_or_disallowed_refs_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"data\.rewards\[0\]\.ref.*not a declared reward.*declare\(\"reward\"\)"):
-        build_reward(terms({"ref": "test_rewards:undeclared"}))
+        build_reward(terms({"ref": "user_rewards:undeclared"}))
     with pytest.raises(ConfigError, match="not a declared reward"):
-        build_reward(terms({"ref": "test_rewards:a_tool"}))  # declared, for another role
+        build_reward(terms({"ref": "user_rewards:a_tool"}))  # declared, for another role
     with pytest.raises(ConfigError, match=r"data\.rewards\[1\]\.ref.*cannot import"):
         build_reward(terms({"name": "math"}, {"ref": "no_such_module_xyz:fn"}))
     with allowed_modules(["mypkg"]), pytest.raises(ConfigError, match="outside the allowed modules"):
-        build_reward(terms({"ref": "test_rewards:length_bonus"}))
-    with allowed_modules(["test_rewards"]):
-        assert build_reward(terms({"ref": "test_rewards:length_bonus"})).labels == ["length_bonus"]
+        build_reward(terms({"ref": "user_rewards:length_bonus"}))
+    with allowed_modules(["user_rewards"]):
+        assert build_reward(terms({"ref": "user_rewards:length_bonus"})).labels == ["length_bonus"]
 
 
 def test_reward_pickles_as_its_terms() -> None:
-    reward = build_reward(terms({"name": "math"}, {"ref": "test_rewards:batch_equal", "weight": 0.5}))
+    reward = build_reward(terms({"name": "math"}, {"ref": "user_rewards:batch_equal", "weight": 0.5}))
     back = pickle.loads(pickle.dumps(reward))
     assert back.terms == reward.terms
     assert back(["", ""], ["\\boxed{2}", "3"], ["2", "2"]).total == [1.0, 0.0]
 
 
-@batched_reward
-def batch_hangs(prompts: list[str], responses: list[str], truths: list[str], extras: list[Any]) -> list[float]:
-    threading.Event().wait()
-    return [1.0] * len(responses)
-
-
 def test_a_hanging_batched_reward_times_out_on_every_row() -> None:
-    reward = build_reward(terms({"name": "exact"}, {"ref": "test_rewards:batch_hangs", "timeout_s": 0.3}))
+    reward = build_reward(terms({"name": "exact"}, {"ref": "user_rewards:batch_hangs", "timeout_s": 0.3}))
     out = reward(["", ""], ["a", "b"], ["a", "a"])
     assert out.components["batch_hangs"] == [0.0, 0.0] and out.total == [1.0, 0.0]
     assert out.timeouts == 2 and out.errors == 0
+
+
+def test_a_reward_worker_imports_only_what_its_term_needs() -> None:
+    """A worker starts per term (and again after every timeout): it must not load the planner, the runtime,
+    networkx, torch or pytest, which made each start take seconds. Checked in a real worker (a user reward that
+    looks at its own `sys.modules`) and for the built-ins' import path."""
+    from user_rewards import HEAVY
+
+    out = build_reward(terms({"ref": "user_rewards:heavy_modules"}))([""], ["a"], [""])
+    loaded = [name for name in HEAVY if out.components[f"heavy_modules/{name}"] != [0.0]]
+    assert loaded == [], f"a reward worker imported {loaded}"
+    probe = "import sys, plexrl._reward_worker, plexrl.reward_builtins; print(' '.join(sys.modules))"
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert [name for name in HEAVY if name in got.stdout.split()] == []

@@ -86,6 +86,7 @@ def test_a_silent_session_is_ended_and_its_state_saved_for_its_owner(tmp_path: P
         assert srv.journal.get(model.job_id).status == "done"
         with pytest.raises(tinker.APIStatusError, match="410"):
             training.forward([DATUM], "cross_entropy").result()
+        service.close("success").result()  # (its session ended: the SDK's heartbeat would go on otherwise)
         again = tinker.ServiceClient(base_url=srv.url, api_key="tml-ann")
         resumed = again.create_training_client_from_state_with_optimizer(model.saved).result()
         assert loss(resumed) == expected
