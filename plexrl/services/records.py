@@ -79,13 +79,14 @@ class MoveLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[MoveRecord] = []
-        self._all: dict[str, float] = {}
+        self._all: dict[str, float] = summarize([])
 
     def add(self, record: MoveRecord) -> None:
         with self._lock:
             self._pending.append(record)
             for key, value in summarize([record]).items():
-                self._all[key] = self._all.get(key, 0) + value if key != "gbps" else 0.0
+                if key != "gbps":
+                    self._all[key] += value
 
     def drain(self) -> list[MoveRecord]:
         with self._lock:

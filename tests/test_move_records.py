@@ -1,0 +1,170 @@
+"""Every state move is accounted for (`plexrl.reports.MoveRecord`): tiers, bytes, copy calls, buffers made vs
+reused, page faults, queued / copy / wait seconds, the thread it ran on and why it was not one copy; the
+records reach the node reports, the service's report and the timeline. A job's state stays one flat buffer
+across training, so a steady-state move is one copy into a reused buffer and allocates nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from conftest import TINY
+
+from plexrl.hooks.timeline import TimelineRecorder
+from plexrl.job.load import load_job
+from plexrl.job.spec import JobSpec, prepare_job
+from plexrl.planner.state import Move
+from plexrl.reports import MoveRecord, NodeReport
+from plexrl.services.host import Layout
+from plexrl.services.records import format_summary, summarize
+from plexrl.services.service import Service
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> JobSpec:
+    cfg: dict[str, Any] = copy.deepcopy(TINY)
+    cfg["run_dir"] = str(tmp_path_factory.mktemp("moves") / "runs")
+    cfg["tracking"]["mlflow"] = False
+    return prepare_job(load_job(cfg))
+
+
+def train(svc: Service, job_id: str, steps: int = 2) -> None:
+    """`steps` AdamW steps of the job's engine on a fixed batch (the optimizer's moments appear at the first)."""
+    engine = svc.engines[job_id]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10, (4, 6), generator=gen)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mask": torch.ones_like(ids).float()}
+
+    def loss_fn(mb: dict[str, torch.Tensor], logp: torch.Tensor, *_: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        return -(logp * mb["mask"]).mean(), {}
+
+    engine.train_step(batch, loss_fn, temperature=1.0, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
+                      minibatches=steps)  # fmt: skip
+
+
+def cycle(svc: Service, job_id: str) -> list[MoveRecord]:
+    svc.apply([Move(job_id, "device", "host", 0)])
+    svc.apply([Move(job_id, "host", "device", 0)])
+    return svc.move_log.drain()
+
+
+def flat(svc: Service, job_id: str) -> bool:
+    live = svc.engines[job_id].state_tensors()
+    return Layout.of(live).flat_of(live) is not None
+
+
+def test_each_move_is_recorded_with_its_tiers_bytes_copies_and_buffers(job: JobSpec, tmp_path: Path) -> None:
+    svc = Service("s0", spill_dir=tmp_path / "spill")
+    j = job.job_id
+    nbytes = svc.load_job(job)
+    tensors = len(svc.engines[j].state_tensors())
+    svc.apply([Move(j, "device", "host", 0), Move(j, "host", "disk", 0), Move(j, "disk", "device", 0)])
+    out, to_disk, back = svc.move_log.drain()
+    assert [(r.src, r.dst) for r in (out, to_disk, back)] == [("device", "host"), ("host", "disk"), ("disk", "device")]
+    assert all(r.job == j and r.nbytes == nbytes and not r.background for r in (out, to_disk, back))
+    # a state as the model was built (one tensor each): one copy per tensor, and the record says why
+    assert out.copies == tensors > 1 and "buffers" in out.why and out.made == 1
+    assert to_disk.copies == 1 and to_disk.why == ""  # one write of the flat host buffer
+    assert back.copies == 2 and "through a host buffer" in back.why  # read into host, one copy to device
+    assert all(r.copy > 0 and r.wait >= 0 and r.queued >= 0 and r.lane for r in (out, to_disk, back))
+    assert svc.move_log.drain() == []
+    totals = svc.report()["move_records"]
+    assert totals["moves"] == 3 and totals["bytes"] == 3 * nbytes and totals["copies"] == tensors + 3
+    svc.close()
+
+
+def test_training_keeps_the_state_one_flat_buffer_and_steady_moves_allocate_nothing(job: JobSpec) -> None:
+    svc = Service("s0")
+    j = job.job_id
+    svc.load_job(job)
+    train(svc, j)  # AdamW makes its moments here: tensors outside any flat buffer
+    assert not flat(svc, j)
+    first = cycle(svc, j)
+    assert first[0].copies > 1 and "buffers" in first[0].why  # the one move that gathers them
+    assert flat(svc, j)  # swapped in: every tensor (moments included) a view of one buffer
+    for _ in range(3):
+        train(svc, j)
+        assert flat(svc, j), "training moved a tensor out of the job's flat buffer"
+        out, back = cycle(svc, j)
+        assert (out.copies, out.why, back.copies, back.why) == (1, "", 1, "")
+        assert out.made == back.made == 0 and out.reused == back.reused == 1, "a steady-state move allocated"
+    svc.close()
+
+
+class Tensors:
+    """An engine stand-in whose state is `tensors` (what a service's moves read)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
+def test_a_fresh_buffer_shows_its_page_faults_and_a_reused_one_takes_fewer() -> None:
+    from plexrl.services.swap import StateLocation
+
+    svc = Service("s0")
+    size = 48 << 20  # above glibc's largest mmap threshold: a fresh buffer is fresh pages
+    svc.engines["x"] = Tensors({"w": torch.ones(size // 8), "m": torch.ones(size // 8)})
+    svc.states["x"] = StateLocation("device", nbytes=size)
+    first = cycle(svc, "x")  # fresh host and device buffers: first touches of their pages
+    steady = cycle(svc, "x")
+    if first[0].faults < 0:
+        pytest.skip("no per-thread page-fault count on this platform")
+    assert first[0].faults >= 16 and first[1].faults >= 16  # (one a page or two here; fewer with huge pages)
+    assert (steady[0].made, steady[1].made) == (0, 0)
+    assert steady[0].faults + steady[1].faults < (first[0].faults + first[1].faults) / 4
+    svc.close()
+
+
+def test_background_moves_record_their_queueing_and_reach_the_next_node_report(job: JobSpec) -> None:
+    svc = Service("s0")
+    j = job.job_id
+    svc.load_job(job, tier="host")
+    svc.move_log.drain()
+    svc._start_prefetch([Move(j, "host", "device", 0)])
+    res = svc.run_node(j, -1, "evaluate", {})
+    assert res.report.ok, res.report.error
+    (rec,) = res.report.moves
+    assert rec.background and rec.lane.startswith("s0-prefetch") and rec.dst == "device" and rec.queued >= 0
+    # a report that crossed a process as plain data gets its records back (`dataclasses.asdict`)
+    import dataclasses
+
+    again = NodeReport(**dataclasses.asdict(res.report))
+    assert again.moves == [rec]
+    svc.close()
+
+
+def test_summaries_and_the_timeline_keep_the_records(tmp_path: Path) -> None:
+    recs = [
+        MoveRecord("a", "device", "host", 2_000_000_000, 1, 0, 1, 3, 0.5, 1.0, 0.1, "t", False, "", 10.0),
+        MoveRecord("b", "host", "device", 1_000_000_000, 9, 1, 0, 250, 0.0, 1.0, 0.0, "t", True, "state in 9", 11.0),
+    ]
+    s = summarize(recs)
+    assert (s["moves"], s["bytes"], s["copies"], s["made"], s["reused"], s["faults"]) == (2, 3e9, 10, 1, 1, 253)
+    assert (s["one_copy"], s["background"], s["copy_s"]) == (1, 1, 2.0) and s["gbps"] == pytest.approx(1.5)
+    assert summarize([json.loads(json.dumps(r.__class__.__dict__ and _plain(r))) for r in recs]) == s
+    line = format_summary(s, bound_gbps=6.0)
+    assert "moves 2 (1 one copy, 1 background)" in line and "4.0x" in line
+
+    class Run:
+        job_id = "a"
+        artifacts: ClassVar[dict[str, Path]] = {}
+
+    tl = TimelineRecorder(tmp_path, draw=False)
+    tl.on_start(5.0)
+    tl.on_move(Run(), "s0", recs[0])  # type: ignore[arg-type]
+    tl.on_job_end(Run())  # type: ignore[arg-type]
+    written = json.loads((tmp_path / "a" / "moves.json").read_text())
+    assert written[0]["service"] == "s0" and written[0]["start"] == 5.0 and written[0]["nbytes"] == 2_000_000_000
+
+
+def _plain(r: MoveRecord) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(r)
