@@ -168,3 +168,22 @@ def _plain(r: MoveRecord) -> dict[str, Any]:
     import dataclasses
 
     return dataclasses.asdict(r)
+
+
+def test_the_simulators_swap_constants_fit_from_recorded_moves() -> None:
+    from plexrl.sim.costs import fit_swap
+
+    def rec(nbytes: int, seconds: float, background: bool = False) -> dict[str, Any]:
+        r = MoveRecord("a", "device", "host", nbytes, 1, 0, 1, 0, 0.0, seconds * 0.9, seconds * 0.1, "t", background)
+        return _plain(r)
+
+    line = [rec(n, n / 5e9 + 0.02) for n in (10**8, 5 * 10**8, 2 * 10**9)]  # 5 GB/s and 20 ms a move
+    fit = fit_swap(line)
+    assert fit.bandwidth == pytest.approx(5e9, rel=1e-6) and fit.fixed_s == pytest.approx(0.02, rel=1e-6)
+    assert (fit.moves, fit.nbytes) == (3, 26 * 10**8)
+    one = fit_swap([rec(10**9, 0.5), rec(10**9, 0.3, background=True)])  # one size: through the origin
+    assert one.fixed_s == 0.0 and one.bandwidth == pytest.approx(2e9 / 0.8)
+    assert fit_swap([rec(10**9, 0.5), rec(10**9, 0.3, background=True)], background=True).bandwidth == (
+        pytest.approx(10**9 / 0.3)
+    )
+    assert fit_swap([]).bandwidth == float("inf")
