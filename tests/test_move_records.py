@@ -187,3 +187,31 @@ def test_the_simulators_swap_constants_fit_from_recorded_moves() -> None:
         pytest.approx(10**9 / 0.3)
     )
     assert fit_swap([]).bandwidth == float("inf")
+
+
+def test_a_multiplexed_run_keeps_every_move_in_its_timeline(tmp_path: Path) -> None:
+    """Through the runner: every move a service made (blocking and background) reaches the timeline once, with
+    its service, and each job's records are written beside its timeline (the MLflow artifact)."""
+    from conftest import local_runner
+
+    from plexrl.runtime import Budgets
+
+    jobs = []
+    for name, seed in (("a", 0), ("b", 1)):
+        cfg: dict[str, Any] = copy.deepcopy(TINY)
+        cfg.update(name=name, seed=seed, iterations=2, run_dir=str(tmp_path / "runs"))
+        cfg["tracking"]["mlflow"] = False
+        jobs.append(prepare_job(load_job(cfg)))
+    size = max(j.state_bytes() for j in jobs)
+    timeline = TimelineRecorder(tmp_path / "timelines", draw=False)
+    runner = local_runner(services=1, budgets=Budgets(device=size), hooks=[timeline])
+    runs = runner.run(jobs)
+    assert [r.status for r in runs] == ["done", "done"], [r.error for r in runs]
+    report = runner.service_reports["service-0"]
+    assert report["moves"] > 0 and report["move_records"]["moves"] == report["moves"]
+    assert len(timeline.moves) == report["moves"]  # each move once, none lost between reports
+    assert sum(m["nbytes"] for m in timeline.moves) == report["bytes_moved"]
+    assert {m["service"] for m in timeline.moves} == {"service-0"} and {m["job"] for m in timeline.moves} == {"a", "b"}
+    for run in runs:
+        written = json.loads(run.artifacts["moves.json"].read_text())
+        assert written and all(m["job"] == run.job_id for m in written)
