@@ -100,6 +100,8 @@ class Service:
         brings the job in (`plexrl.devices.build_device`; a LoRA job's adapter is made beside its shared base,
         which the planner reserved on the device, and moved out)."""
         engine, built_on = build_engine(job, self.device, tier, self.bases)
+        if hasattr(engine, "init_optimizer_state"):  # the state's every tensor exists from the start
+            engine.init_optimizer_state()
         engine = getattr(job, "session_engine", lambda e: e)(engine)  # a session's (`plexrl.sessions.spec`)
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
@@ -109,6 +111,8 @@ class Service:
         self._released.discard(job.job_id)
         self.states[job.job_id] = sw.StateLocation("device", nbytes=sw.nbytes(engine.state_tensors()))
         self.order.node_end([job.job_id])  # its build's kernels come before any move of it
+        if built_on == str(self.device):  # one flat buffer from the start: every move is one copy
+            sw.flatten(job.job_id, engine.state_tensors(), self.device, self.host_pool, self.order)
         if tier != "device" and built_on != str(self.device):
             self._adopt(job.job_id, tier)
         elif tier != "device":

@@ -128,6 +128,27 @@ def host_to_device(
     return 1
 
 
+def flatten(job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder) -> bool:
+    """Lay a job's live tensors out as views of ONE device buffer (at its load), so that its every move is one
+    copy each way (`Layout.flat_of`). On CPU a direct copy (the state twice, briefly); on CUDA through a host
+    buffer (the device never holds the state twice). Returns False when it already was one buffer."""
+    layout = Layout.of(live)
+    if not live or layout.flat_of(live) is not None:
+        return False
+    if device.type == "cuda":
+        host, _ = device_to_host(job_id, live, device, pool, order)
+        host_to_device(job_id, live, host, device, order)
+        pool.give(host.buffer)
+        return True
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    views = layout.views(flat)
+    with torch.no_grad():
+        for name, t in live.items():
+            views[name].copy_(t.detach())
+            t.data = views[name]
+    return True
+
+
 def host_to_disk(host: HostCopy, path: Path) -> None:
     """Write the host buffer's bytes as they are (the layout stays with the `StateLocation`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
