@@ -197,10 +197,8 @@ class TorchEngine:
             self.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
 
     def init_optimizer_state(self) -> None:
-        """Make the optimizer and its moments now, as AdamW would at its first step (`step` 0, zero moments:
-        the same numbers, so training is bit-identical), so that the job's state has its full set of tensors
-        from the start: its service lays them out once as one flat buffer (`plexrl.services.swap.flatten`) and
-        training only writes into it, never adds a tensor outside it."""
+        """Make AdamW and its moments now, as its first step would (step 0, zeros: training is bit-identical), so
+        the state has all its tensors from the start and stays one flat buffer (`plexrl.services.swap.flatten`)."""
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self._trained())
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
