@@ -9,7 +9,9 @@ time-slicing (`ordering: time-slicing`, the llm-d / OpenRL design on our executo
   whose dependencies are all service nodes continues its phase); the wait is from the moment the phase's first
   node was ready (its dependencies' latest end; a source node: the end of the job's previous iteration) to
   the start of its swaps, or of the node when nothing moved;
-- curves: a job's per-iteration metrics without the timing keys (what must be identical in every arm).
+- curves: a job's per-iteration metrics without the timing keys (what must be identical in every arm);
+- moves: the sums of every state move's record over the services (`plexrl.services.records.summarize`: moves,
+  bytes, copy calls, buffers made / reused, page faults, queued / copy / wait seconds, GB/s of the copying).
 """
 
 from __future__ import annotations
@@ -102,9 +104,22 @@ def phase_waits(spans: Sequence[Any], plans: Mapping[str, Mapping[str, tuple[str
     return waits
 
 
+def move_totals(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """The services' move-record sums (`Service.report()["move_records"]`) added up, GB/s recomputed."""
+    from plexrl.services.records import gbps
+
+    out: dict[str, float] = {}
+    for rep in reports.values():
+        for key, value in rep.get("move_records", {}).items():
+            out[key] = out.get(key, 0) + value
+    if out:
+        out["gbps"] = gbps(out.get("bytes", 0), out.get("copy_s", 0.0))
+    return out
+
+
 def plans_of(runs: Iterable[Any]) -> dict[str, dict[str, tuple[str, tuple[str, ...]]]]:
     """job -> node -> (runs_on, deps) of finished runs (`JobRun.graph`)."""
     return {r.job_id: {n.name: (n.runs_on, tuple(r.graph.deps(n.name))) for n in r.graph.nodes} for r in runs}
 
 
-__all__ = ["VOLATILE", "curve", "hand_overs", "median", "phase_waits", "plans_of", "same_curve"]
+__all__ = ["VOLATILE", "curve", "hand_overs", "median", "move_totals", "phase_waits", "plans_of", "same_curve"]

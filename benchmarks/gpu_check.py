@@ -396,8 +396,29 @@ def nccl1(model: Path, cpu: bool) -> None:
 
 
 # -- several jobs on one service ------------------------------------------------------------------------------
+def copy_bound(device: torch.device, nbytes: int, reps: int = 3) -> float:
+    """GB/s of a plain copy of `nbytes` between touched buffers, the slower way of the two: on CUDA a pinned
+    host buffer to a device buffer and back (the PCIe link as this machine gives it), on CPU memory to memory
+    (best of `reps` each way)."""
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    worst = 0.0
+    for dst, src in ((dev, host), (host, dev)):
+        best = float("inf")
+        for _ in range(reps + 1):  # the first: a warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+        worst = max(worst, best)
+    del host, dev
+    return nbytes / worst / 1e9
+
+
 def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
     from plexrl.runtime import Budgets
+    from plexrl.services.records import format_summary
 
     device = device_of(cpu)
     out = work_dir() / "mux-runs"
@@ -414,12 +435,15 @@ def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
     moved = report["bytes_moved"]
     busy_moving = report["blocking_swap_seconds"] - report["prefetch_wait_seconds"] + report["prefetch_seconds"]
     gbs = moved / busy_moving / 1e9 if busy_moving > 0 else float("nan")
-    _, bound = link() if not cpu else ("", None)
+    measured = copy_bound(device, state)
     print(f"{jobs} jobs x {iterations} iterations, device budget {size(budgets.device)} (2.5 states of "
           f"{size(state)}), {wall:.1f} s")  # fmt: skip
     print(f"moved {size(moved)} in {report['moves']} moves ({report['copies']} copies); "
-          f"{busy_moving:.2f} s moving -> {gbs:.1f} GB/s" + (f" (PCIe bound {bound:.1f} GB/s: {gbs / bound:.2f})"
-          if bound else ""))  # fmt: skip
+          f"{busy_moving:.2f} s moving -> {gbs:.1f} GB/s (measured copy bound {measured:.1f} GB/s: "
+          f"{gbs / measured:.2f} of it)")  # fmt: skip
+    if not cpu:
+        print(f"PCIe link (nvidia-smi): {link()[1] or float('nan'):.1f} GB/s one way")
+    print(f"move records: {format_summary(report['move_records'], measured)}")
     print(f"blocking swap {report['blocking_swap_seconds']:.2f} s, background {report['prefetch_seconds']:.2f} s "
           f"(waited {report['prefetch_wait_seconds']:.2f} s): share hidden by prefetch {report['hidden_share']:.2f}; "
           f"pinned {size(report['pinned_bytes'])} (peak {size(report['pinned_peak_bytes'])})")  # fmt: skip

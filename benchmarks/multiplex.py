@@ -60,9 +60,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' helpers, run from anywhere
 
-from _arms import curve, hand_overs, median, phase_waits, plans_of, same_curve
+from _arms import curve, hand_overs, median, move_totals, phase_waits, plans_of, same_curve
 
 from plexrl.cluster import LoadedCluster, load_cluster, run_cluster
+from plexrl.services.records import format_summary
 
 
 def with_iterations(cluster: LoadedCluster, iterations: int | None, engine: str | None = None) -> LoadedCluster:
@@ -166,6 +167,7 @@ class Mux:
     duty: float = float("nan")
     curves: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)
     swap: tuple[float, float, float, int] = (0.0, 0.0, float("nan"), 0)  # blocking, background, hidden, bytes
+    moves: dict[str, float] = dataclasses.field(default_factory=dict)  # move-record sums (`_arms.move_totals`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -203,6 +205,9 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
+    moves = move_totals(res.service_reports)
+    if moves:
+        print(f"    move records: {format_summary(moves)}", flush=True)
     c = res.planner
     print(f"    planner: {c['sent_ahead']} nodes sent ahead ({c['held_ahead']} times held back), "
           f"{c['cohorts_sent']} co-scheduled cohorts of "
@@ -218,6 +223,7 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
         busy / (cluster.config.services.count * makespan) if makespan > 0 else float("nan"),
         {h.job_id: curve(h.history) for h in res.jobs},
         (blocking, prefetch, hidden, moved),
+        moves,
     )
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' help
 from multiplex import SLICING, Mux, against_slicing, run_alone, run_mux, with_iterations
 
 from plexrl.cluster import load_cluster
+from plexrl.services.records import format_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\nstate moves against the memory-copy bound")
     for arm, runs in arms.items():
         print(swap_line(arm, runs[0], bandwidth))
+        if runs[0].moves:  # where the moves' seconds went, against the same bound
+            print(f"    records: {format_summary(runs[0].moves, bandwidth / 1e9)}")
     against_slicing([lean], arms)
     if tmp is not None:
         tmp.cleanup()

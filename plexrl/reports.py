@@ -12,6 +12,42 @@ Handle = int
 
 
 @dataclass(slots=True)
+class MoveRecord:
+    """One state move on a service, as it happened: which job's state went from tier `src` to `dst` (`nbytes`,
+    the state's bytes) in how many copy calls, with how many buffers made vs reused (host pool, CPU device
+    cache; on CUDA a device buffer from the caching allocator counts as made), how many minor page faults its
+    thread took (`getrusage(RUSAGE_THREAD)` around the move: exact for the copies when torch runs them on the
+    calling thread, as a service's one intra-op thread does; -1 where the platform has no per-thread count),
+    and where its seconds went: `queued` behind other moves (the background thread's earlier moves; for a node's
+    own move, its wait for them), `copy` (the copy calls and, on CUDA, the wait for them to finish) and `wait`
+    (for the compute stream's last event of the job; on CPU the lock and bookkeeping around the copy). `lane`:
+    the thread (and CUDA stream) it ran on; `background`: prefetch or early swap; `why`: empty when each way was
+    one copy into one buffer, else why not (a state whose tensors are not one buffer, a tier in between).
+    `start`: on the service's clock. Plain data: it travels inside a `NodeReport` and into the timeline."""
+
+    job: str
+    src: str
+    dst: str
+    nbytes: int
+    copies: int
+    made: int
+    reused: int
+    faults: int
+    queued: float
+    copy: float
+    wait: float
+    lane: str
+    background: bool
+    why: str = ""
+    start: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Seconds from the move's start to its end (its queueing not included)."""
+        return self.copy + self.wait
+
+
+@dataclass(slots=True)
 class NodeReport:
     """What the runner learns of one node: timings (seconds on the service's clock), swap figures, weight
     loads and the output's metrics. Small by construction; the output itself stays where it was made."""
@@ -35,6 +71,11 @@ class NodeReport:
     # a session's call (`plexrl.sessions`): its reply as plain data (`Reply` fields), the only part of a session
     # node's output that leaves the service
     reply: dict[str, Any] | None = None
+    # the service's state moves that ended since its previous report (any job's: background moves included)
+    moves: list[MoveRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:  # a report that crossed a process as plain data (`dataclasses.asdict`)
+        self.moves = [MoveRecord(**m) if isinstance(m, dict) else m for m in self.moves]
 
     @property
     def ok(self) -> bool:
@@ -65,4 +106,4 @@ class CheckpointReport:
     error: str | None = None
 
 
-__all__ = ["CheckpointReport", "Handle", "LoadReport", "NodeReport"]
+__all__ = ["CheckpointReport", "Handle", "LoadReport", "MoveRecord", "NodeReport"]

@@ -196,6 +196,20 @@ class TorchEngine:
             self.optimizer = torch.optim.AdamW(self._trained())
             self.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
 
+    def init_optimizer_state(self) -> None:
+        """Make AdamW and its moments now, as its first step would (step 0, zeros: training is bit-identical), so
+        the state has all its tensors from the start and stays one flat buffer (`plexrl.services.swap.flatten`)."""
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self._trained())
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=scalar)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     def _trained(self) -> list[Tensor]:
         """What the optimizer steps: the fp32 masters (bf16 training), else the policy's parameters."""
         return list(self.master.values()) if self.master is not None else list(self.policy.parameters())

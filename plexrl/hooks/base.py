@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from plexrl.job.spec import JobRun
+    from plexrl.reports import MoveRecord
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ class Hook:
 
     def on_swap(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
         """State moved on service `lane` before one of the job's nodes (the blocking part only)."""
+
+    def on_move(self, run: JobRun, lane: str, record: MoveRecord) -> None:
+        """One state move of the job's on service `lane`, blocking or in the background, with where its
+        seconds went (`plexrl.reports.MoveRecord`; `record.start` on the service's clock)."""
 
     def on_load(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
         """The job's engine and state were created on service `lane` (its first load: set-up, not a swap)."""
@@ -151,6 +156,9 @@ class HookList(Hook):
 
     def on_swap(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
         self._call_job("on_swap", run, lane, start, end, nbytes)
+
+    def on_move(self, run: JobRun, lane: str, record: MoveRecord) -> None:
+        self._call_job("on_move", run, lane, record)
 
     def on_load(self, run: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
         self._call_job("on_load", run, lane, start, end, nbytes)

@@ -59,6 +59,7 @@ class Accounting(Hook):
         )
         (self.out_dir / "report.txt").write_text(format_report(self.report) + "\n")
         (self.out_dir / "timeline.json").write_text(json.dumps([asdict(sp) for sp in self.timeline.spans]))
+        (self.out_dir / "moves.json").write_text(json.dumps(self.timeline.moves))  # every move's record
         try:
             png = self.out_dir / "timeline.png"
             draw_cluster_timeline(self.timeline.spans, png, self.title)
@@ -122,7 +123,7 @@ class ClusterMlflow(Hook):
                     )
                 except Exception:
                     log.exception("could not link job %s to the cluster run", job.job_id)
-        for name in ("report.txt", "report.json", "timeline.png"):
+        for name in ("report.txt", "report.json", "timeline.png", "moves.json"):
             path = self.accounting.out_dir / name
             if path.is_file():
                 client.log_artifact(run_id, str(path))

@@ -1,6 +1,8 @@
 """Timeline recorder: every node as a span on its lane (a service id, or "cpu"), and every blocking state
 move as a `swap` span on its service; written per job as JSON and a picture (lanes x time, coloured by
-node) under `<run_dir>/timelines/<job>/`. `draw_cluster_timeline` draws all jobs at once (services x time,
+node) under `<run_dir>/timelines/<job>/`. Every state move (blocking or background) is also kept as its
+record (`plexrl.reports.MoveRecord`, plus its service and its start since the run began) in `moves`, written
+per job as `moves.json` beside the timeline. `draw_cluster_timeline` draws all jobs at once (services x time,
 coloured by job, swaps hatched)."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from plexrl.hooks.base import Hook
 
 if TYPE_CHECKING:
     from plexrl.job.spec import JobRun
+    from plexrl.reports import MoveRecord
 
 
 @dataclass(slots=True)
@@ -41,6 +44,7 @@ class TimelineRecorder(Hook):
         self.spans: list[Span] = []
         self.keep_ended = keep_ended  # False: an ended job's spans are dropped once written (a long-running server)
         self.t0: float | None = None
+        self.moves: list[dict[str, Any]] = []  # every move's record, as plain data (`on_move`)
 
     def on_start(self, time: float) -> None:
         if self.t0 is None:
@@ -58,6 +62,12 @@ class TimelineRecorder(Hook):
         if self.t0 is None:
             self.t0 = start
         self.spans.append(Span(job.job_id, -1, "swap", lane, start - self.t0, end - self.t0, "swap", nbytes))
+
+    def on_move(self, job: JobRun, lane: str, record: MoveRecord) -> None:
+        """A state move's record, with its service (`service`) and its start since the run began."""
+        if self.t0 is None:
+            self.t0 = record.start
+        self.moves.append({**asdict(record), "service": lane, "start": record.start - self.t0})
 
     def on_load(self, job: JobRun, lane: str, start: float, end: float, nbytes: int) -> None:
         if self.t0 is None:
@@ -83,12 +93,16 @@ class TimelineRecorder(Hook):
         path = self.out_dir / job.job_id / "timeline.json"
         path.write_text(json.dumps([asdict(s) for s in mine]))
         job.artifacts["timeline.json"] = path
+        moves = self.out_dir / job.job_id / "moves.json"
+        moves.write_text(json.dumps([m for m in self.moves if m["job"] == job.job_id]))
+        job.artifacts["moves.json"] = moves
         if self.draw and mine:
             png = self.out_dir / job.job_id / "timeline.png"
             draw_timeline(mine, png)
             job.artifacts["timeline.png"] = png
         if not self.keep_ended:
             self.spans = [s for s in self.spans if s.job != job.job_id]
+            self.moves = [m for m in self.moves if m["job"] != job.job_id]
 
 
 def draw_timeline(spans: list[Span], path: Path) -> None:

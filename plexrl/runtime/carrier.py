@@ -248,6 +248,8 @@ class Carrier:
         it = self.ledger.iters.get(run.job_id)
         if rep.swap_end > rep.swap_start:
             self.hooks.on_swap(run, p.lane, rep.swap_start, rep.swap_end, rep.swap_bytes)
+        for move in rep.moves:  # every move the service made since its last report (any of its jobs')
+            self.hooks.on_move(self.runs.get(move.job, run), p.lane, move)
         for kind, start, end, nbytes in rep.weight_loads:
             self.hooks.on_weight_load(run, p.lane, kind, start, end, nbytes)
             if it is not None:

@@ -52,7 +52,7 @@ def run_cohort(
     """See the module docstring. `seq`: the cohort's number among the service's ordered tasks (an executor
     that sends work ahead, `Service.run_node`'s `seq`; None: none): the cohort takes that one place, and the
     next task's early swaps may start once its swaps are applied and its prefetch queued."""
-    from plexrl.services.service import NodeResult, _finish
+    from plexrl.services.nodes import NodeResult, finish
 
     swap_start = svc.clock()
     moved = 0
@@ -79,7 +79,7 @@ def run_cohort(
                 svc.stats.blocking_seconds += now - swap_start
             error: str | None = f"swap failed: {type(exc).__name__}: {exc}"
             lead = NodeResult(NodeReport(members[0].job_id, members[0].iteration, members[0].node, error, now, now,
-                                          swap_start, now, moved))  # fmt: skip
+                                          swap_start, now, moved, moves=svc.move_log.drain()))  # fmt: skip
             return [lead] + [NodeResult(NodeReport(m.job_id, m.iteration, m.node, error, now, now))
                              for m in members[1:]]  # fmt: skip
         swap_end = svc.clock()
@@ -115,8 +115,9 @@ def run_cohort(
         first = i == 0
         report = NodeReport(m.job_id, m.iteration, m.node, error, s, e, swap_start if first else 0.0,
                             swap_end if first else 0.0, moved if first else 0, svc._weight_loads(m.job_id),
-                            measured=measured if first else {})  # fmt: skip
-        results.append(NodeResult(report) if error is not None else _finish(report, out))
+                            measured=measured if first else {},
+                            moves=svc.move_log.drain() if first else [])  # fmt: skip
+        results.append(NodeResult(report) if error is not None else finish(report, out))
     return results
 
 

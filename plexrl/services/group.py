@@ -42,8 +42,9 @@ from plexrl.job.sizes import uses_reference
 from plexrl.planner.state import Move
 from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services import swap as sw
-from plexrl.services.host import HostCopy, Layout
+from plexrl.services.host import HostCopy, Layout, Tally
 from plexrl.services.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
+from plexrl.services.records import recorded
 from plexrl.services.registry import SERVICES, publish
 from plexrl.services.service import NodeResult, Service
 
@@ -189,8 +190,6 @@ class RankService(Service):
     def _move(self, move: Move) -> int:
         """Move this rank's share of a job's state: device -> host frees the storages after copying their
         bytes, host -> disk writes them with DCP, and back. Bit-exact; checksummed in validate mode."""
-        import torch.distributed.checkpoint as dcp
-
         state = self.states[move.job_id]
         assert isinstance(state, ShardLocation)
         if state.tier != move.src:
@@ -198,18 +197,32 @@ class RankService(Service):
                                     f"{state.tier} (service {self.service_id}, rank {self.rank})")  # fmt: skip
         if move.src == move.dst:
             return 0
+        rec = recorded(move.job_id, move.src, move.dst, lambda tally: self._carry(move, state, tally), clock=self.clock)
+        self.move_log.add(rec)
+        with self._lock:
+            self.stats.bytes_moved += state.nbytes
+            self.stats.moves += 1
+            self.stats.copies += rec.copies
+            self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
+        return state.nbytes
+
+    def _carry(self, move: Move, state: ShardLocation, tally: Tally) -> int:
+        """`_move`'s work; `tally`: its figures (a DCP write or read counts as one copy; every second copying)."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
         pool, order, copies = self.host_pool, self.order, 0
         if move.src == "device":
             state.storages, state.owner = _storages(self.engines[move.job_id].state_tensors())
             state.sizes = {k: s.nbytes() for k, s in state.storages.items()}
             state.nbytes = sum(state.sizes.values())
             layout = Layout.of({k: _bytes_of(s, self.device) for k, s in state.storages.items()})
-            state.host = HostCopy(pool.take(layout.nbytes), layout)
+            state.host = HostCopy(pool.take(layout.nbytes, tally), layout)
             host = state.host.tensors()
             order.before_copy(move.job_id)
             for k, s in state.storages.items():
                 order.copy(move.job_id, host[k], _bytes_of(s, self.device))
-            copies = len(state.storages)
+            copies += len(state.storages)
             order.synchronize()  # the bytes are on the host before the storages are freed
             if self.validate:
                 state.checksum = sw.checksum(host)
@@ -218,7 +231,8 @@ class RankService(Service):
         elif move.src == "disk":
             assert state.dcp_dir is not None
             layout = Layout.of({k: torch.empty(n, dtype=torch.uint8, device="meta") for k, n in state.sizes.items()})
-            state.host = HostCopy(pool.take(layout.nbytes), layout)
+            state.host = HostCopy(pool.take(layout.nbytes, tally), layout)
+            copies += 1
             with _quiet_dcp():  # straight into the (pinned) pool buffer's views
                 dcp.load(state.host.tensors(), storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
             shutil.rmtree(state.dcp_dir, ignore_errors=True)
@@ -229,6 +243,7 @@ class RankService(Service):
             with _quiet_dcp():
                 dcp.save(state.host.tensors(), storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True)
             state.dcp_dir = where
+            copies += 1
             pool.give(state.host.buffer)
             state.host = None
         elif move.dst == "device":
@@ -239,7 +254,8 @@ class RankService(Service):
                 dst = _bytes_of(s, self.device)
                 order.allocated(dst)
                 order.copy(move.job_id, dst, host[k])
-            copies = len(state.storages)
+            copies += len(state.storages)
+            tally.made += len(state.storages)  # each storage re-allocated on the device
             order.synchronize()
             pool.give(state.host.buffer)
             state.host = None
@@ -250,11 +266,9 @@ class RankService(Service):
                     raise sw.StateCorrupted(f"job {move.job_id}: rank {self.rank}'s shard changed between swap-out "
                                             "and swap-in")  # fmt: skip
         state.tier = move.dst
-        with self._lock:
-            self.stats.bytes_moved += state.nbytes
-            self.stats.moves += 1
-            self.stats.copies += copies
-            self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
+        tally.copies, tally.copy = copies, time.perf_counter() - t0
+        if copies > 1:
+            tally.why.append(f"a rank's shard moves storage by storage ({len(state.storages)} storages)")
         return state.nbytes
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,6 +43,20 @@ def _up(n: int, unit: int) -> int:
 def _fits(cap: int, nbytes: int) -> bool:
     """A kept buffer of `cap` bytes serves a request of `nbytes`: large enough, at most 1/8 (and a page) more."""
     return nbytes <= cap <= nbytes + nbytes // 8 + PAGE
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one move did, filled in as it goes (`plexrl.services.swap`; the service turns it into a
+    `MoveRecord`): copy calls, buffers made vs reused, seconds copying and waiting, and why it was not one
+    copy each way ("" when it was)."""
+
+    copies: int = 0
+    made: int = 0
+    reused: int = 0
+    copy: float = 0.0
+    wait: float = 0.0
+    why: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +97,18 @@ class Layout:
         if flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
             raise ValueError(f"a flat buffer of {self.nbytes} bytes is needed, got {flat.dtype} [{flat.numel()}]")
         return {s.name: flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots}
+
+    def scatter(self, tensors: Mapping[str, Tensor]) -> str:
+        """Why `tensors` are not one buffer at this layout's slots (`flat_of` gave None): how many buffers
+        they lie in and the first tensor out of place."""
+        storages = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel() > 0}
+        first = self.slots[0].name if self.slots else ""
+        for s in self.slots:
+            t = tensors[s.name]
+            if s.nbytes and (not t.is_contiguous() or t.storage_offset() * t.element_size() != s.offset):
+                first = s.name
+                break
+        return f"state in {len(storages)} buffers, {len(self.slots)} tensors (first out of place: {first})"
 
     def flat_of(self, tensors: Mapping[str, Tensor]) -> Tensor | None:
         """The one buffer (uint8 [nbytes]) every tensor of `tensors` is a contiguous view of at its slot (a state
@@ -147,9 +173,9 @@ class HostPool:
     def pinned_bytes(self) -> int:
         return self.held_bytes if self.pin else 0
 
-    def take(self, nbytes: int) -> Tensor:
+    def take(self, nbytes: int, tally: Tally | None = None) -> Tensor:
         """A flat uint8 buffer of at least `nbytes` (exactly `nbytes` long; a kept one within 1/8 larger is
-        reused)."""
+        reused). `tally`: counts the buffer as made or reused."""
         with self._lock:
             self._largest = max(self._largest, nbytes)
             fits = [b for b in self._idle if _fits(self._cap(b), nbytes)]
@@ -157,6 +183,8 @@ class HostPool:
                 buf = min(fits, key=self._cap)
                 self._idle = [b for b in self._idle if b is not buf]
                 self.reused += 1
+                if tally is not None:
+                    tally.reused += 1
                 return buf[:nbytes]
             while self._idle and self.limit is not None and self.held_bytes + nbytes > self.limit:
                 self._free(self._idle.pop(0))  # make room under the limit: the oldest kept buffer goes first
@@ -169,6 +197,8 @@ class HostPool:
             self.held_bytes += held
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self.made += 1
+            if tally is not None:
+                tally.made += 1
             if self.limit is not None and self.held_bytes > self.limit and not self._warned:
                 self._warned = True  # once: the planner budgets data bytes, the pool holds pages and padding
                 log.warning("host buffers hold %d bytes, over the host budget of %d (alignment padding or a "
@@ -232,7 +262,7 @@ class DeviceCache:
         self.made = 0
         self.reused = 0
 
-    def take(self, nbytes: int) -> Tensor:
+    def take(self, nbytes: int, tally: Tally | None = None) -> Tensor:
         with self._lock:
             self._largest = max(self._largest, nbytes)
             fits = [b for b in self._idle if _fits(b.numel(), nbytes)]
@@ -240,8 +270,12 @@ class DeviceCache:
                 buf = min(fits, key=lambda b: b.numel())
                 self._idle = [b for b in self._idle if b is not buf]
                 self.reused += 1
+                if tally is not None:
+                    tally.reused += 1
                 return buf[:nbytes]
             self.made += 1
+            if tally is not None:
+                tally.made += 1
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give(self, flat: Tensor) -> bool:
@@ -283,4 +317,4 @@ def _unregister(ptr: int) -> None:
         log.warning("cudaHostUnregister failed (error %d)", int(err))
 
 
-__all__ = ["ALIGN", "PAGE", "DeviceCache", "HostCopy", "HostPool", "Layout", "Slot", "covered_bytes"]
+__all__ = ["ALIGN", "PAGE", "DeviceCache", "HostCopy", "HostPool", "Layout", "Slot", "Tally", "covered_bytes"]

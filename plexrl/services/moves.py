@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from plexrl.planner.state import Move
+from plexrl.services.records import queued
 from plexrl.services.streams import StreamOrder
 
 
@@ -91,6 +92,7 @@ class BackgroundMoves:
         """Queue `moves` behind every move queued before; each of their jobs' in-flight entry becomes the
         returned future (its value: the bytes moved)."""
         moves = list(moves)
+        since = time.perf_counter()  # the moves' records count their wait behind earlier moves from here
         with self._order:
             prior = {m.job_id: self._inflight.get(m.job_id) for m in moves}
 
@@ -101,7 +103,7 @@ class BackgroundMoves:
                         raise RuntimeError(f"an earlier move of job {job_id} failed: {type(exc).__name__}: {exc}")
                 t0 = time.perf_counter()
                 total = 0
-                with self._streams.background():  # the copy stream; its copies done when this block ends
+                with self._streams.background(), queued(since, background=True):  # the copy stream
                     for m in moves:
                         total += self._move(m)
                 with self._lock:

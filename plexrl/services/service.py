@@ -27,78 +27,29 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plexrl.engines.slicing import SlicePaused
-from plexrl.job.sizes import uses_reference
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
 from plexrl.reports import NodeReport
 from plexrl.services import swap as sw
+from plexrl.services.build import build_engine
 from plexrl.services.generators import Generators
 from plexrl.services.host import DeviceCache, HostPool
 from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
+from plexrl.services.nodes import NodeResult, chunk_inputs, finish, run_cpu_node
+from plexrl.services.records import MoveLog, queued, recorded
 from plexrl.services.streams import StreamOrder, stream_order
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
     from plexrl.job.spec import JobSpec
 
+__all__ = ["NodeResult", "Service", "chunk_inputs", "run_cpu_node"]  # NodeResult, run_cpu_node: plexrl.services.nodes
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class NodeResult:
-    """A node's report and its output (None on error). Where it is made, it stays: an executor hands the
-    runner `report` and keeps `output` for the nodes that read it."""
-
-    report: NodeReport
-    output: Batch | None = None
-
-
-def _finish(report: NodeReport, out: Batch | None) -> NodeResult:
-    """Attach the output's metrics (a session call's reply too) to the report; a metrics() that raises fails it."""
-    if out is not None:
-        try:
-            report.metrics = {k: float(v) for k, v in out.metrics().items()}
-        except Exception as exc:
-            report.error = f"metrics of node {report.node!r}: {type(exc).__name__}: {exc}"
-            return NodeResult(report, None)
-        if hasattr(out, "payload"):  # a session call's result (`plexrl.sessions.operators.CallResult`)
-            report.reply = out.payload()
-    return NodeResult(report, out)
-
-
-def run_cpu_node(
-    job: JobSpec, iteration: int, node_name: str, inputs: dict[str, Batch], clock: Callable[[], float]
-) -> NodeResult:
-    """Run one CPU-pool node of `job` (no engine). Errors are returned, never raised."""
-    node = job.graph.node(node_name)
-    ctx = OpContext(job.job_id, iteration, node.name, job.config.seed, job.task, job.tokenizer)
-    start = clock()
-    try:
-        out = node.operator.run(ctx, inputs, node.params)
-    except Exception as exc:
-        log.error("job %s node %s (iteration %d) failed: %s", job.job_id, node_name, iteration, exc,
-                  exc_info=log.isEnabledFor(logging.INFO))  # fmt: skip
-        error = f"{type(exc).__name__}: {exc}"
-        return NodeResult(NodeReport(job.job_id, iteration, node_name, error, start, clock()))
-    return _finish(NodeReport(job.job_id, iteration, node_name, None, start, clock()), out)
-
-
-def chunk_inputs(op: Any, inputs: dict[str, Batch], chunk: int, chunks: int, parts: int) -> dict[str, Batch]:
-    """The inputs of chunk `chunk` of `chunks` of a node of `op`: its chunk input cut to the chunk's rows, the
-    rest whole. `parts`: how many earlier chunks' outputs came with it (the last chunk needs all of them)."""
-    from plexrl.batch import chunk_rows
-
-    if not op.chunkable:
-        raise ValueError(f"operator {op.name!r} cannot run in chunks (it declares no chunk_input)")
-    if parts != (chunk if chunk == chunks - 1 else 0):
-        raise ValueError(f"chunk {chunk} of {chunks} got {parts} earlier parts")
-    batch: Any = inputs[op.chunk_input]  # a row-sliceable batch (`Operator._check_chunkable`)
-    return {**inputs, op.chunk_input: batch.rows(*chunk_rows(len(batch), chunk, chunks))}
 
 
 class Service:
@@ -131,6 +82,7 @@ class Service:
         self.bases: dict[str, Any] = {}  # shared LoRA bases by base key (plexrl/engines/lora.py)
         self.states: dict[str, sw.StateLocation] = {}
         self.stats = SwapStats()
+        self.move_log = MoveLog()  # every move's record (`plexrl.services.records`), drained into node reports
         self._lock = threading.Lock()  # stats
         self._released: set[str] = set()
         self.paused: dict[tuple[str, int, str, int], Any] = {}  # (job, iteration, node, chunk) -> paused SliceSlot
@@ -147,27 +99,9 @@ class Service:
         the host and its tensors go straight to that tier: the device never holds them before the planner
         brings the job in (`plexrl.devices.build_device`; a LoRA job's adapter is made beside its shared base,
         which the planner reserved on the device, and moved out)."""
-        from plexrl.devices import build_device
-        from plexrl.engines.torch_engine import TorchEngine
-        from plexrl.job.models import engine_options
-
-        tok = job.tokenizer
-        engine: Any
-        built_on = str(self.device)
-        if job.config.model.lora is not None:
-            engine = self._lora_engine(job)
-        else:
-            built_on = build_device(str(self.device), tier)
-            engine = TorchEngine(
-                job.model_path,
-                eos_id=tok.eos_token_id,
-                pad_id=tok.pad_token_id,
-                device=str(self.device),
-                with_reference=uses_reference(job.graph),
-                attention=job.config.model.attention,
-                load_on=built_on,
-                **engine_options(job.config.model),  # dtype, gradient_checkpointing
-            )
+        engine, built_on = build_engine(job, self.device, tier, self.bases)
+        if hasattr(engine, "init_optimizer_state"):  # the state's every tensor exists from the start
+            engine.init_optimizer_state()
         engine = getattr(job, "session_engine", lambda e: e)(engine)  # a session's (`plexrl.sessions.spec`)
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])
@@ -177,6 +111,8 @@ class Service:
         self._released.discard(job.job_id)
         self.states[job.job_id] = sw.StateLocation("device", nbytes=sw.nbytes(engine.state_tensors()))
         self.order.node_end([job.job_id])  # its build's kernels come before any move of it
+        if built_on == str(self.device):  # one flat buffer from the start: every move is one copy
+            sw.flatten(job.job_id, engine.state_tensors(), self.device, self.host_pool, self.order)
         if tier != "device" and built_on != str(self.device):
             self._adopt(job.job_id, tier)
         elif tier != "device":
@@ -194,24 +130,6 @@ class Service:
         state.tier = "host"
         if tier != "host":
             self._move(Move(job_id, "host", tier, 0))  # type: ignore[arg-type]
-
-    def _lora_engine(self, job: JobSpec) -> Any:
-        """The job's LoRAEngine: its adapter on the service's shared base for its model (loaded on first use,
-        freed with the last LoRA job on it; plexrl/engines/lora.py)."""
-        from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
-        from plexrl.job.models import engine_options
-
-        lora = job.config.model.lora
-        assert lora is not None
-        options = engine_options(job.config.model)  # dtype, gradient_checkpointing: the base's (one per setting)
-        key = base_key(job.model_path, **options)
-        if key not in self.bases:
-            self.bases[key] = SharedBase(job.model_path, self.device, job.config.model.attention, **options)
-        tok = job.tokenizer
-        return LoRAEngine(
-            self.bases[key], job.job_id, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, r=lora.r,
-            alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.target_modules), seed=job.config.seed,
-        )  # fmt: skip
 
     def _vllm_engine(self, job: JobSpec, trainer: Any) -> Any:
         """The job's engine on the service's shared vLLM engine for it (`Generators.engine_for`)."""
@@ -279,7 +197,9 @@ class Service:
                 with self._lock:
                     self.stats.blocking_seconds += now - swap_start
                 error = f"swap failed: {type(exc).__name__}: {exc}"
-                return NodeResult(NodeReport(job_id, iteration, node_name, error, now, now, swap_start, now, moved))
+                report = NodeReport(job_id, iteration, node_name, error, now, now, swap_start, now, moved)
+                report.moves = self.move_log.drain()
+                return NodeResult(report)
             swap_end = self.clock()
             with self._lock:
                 self.stats.blocking_seconds += swap_end - swap_start
@@ -319,10 +239,11 @@ class Service:
             self.paused.pop(slot.key, None)
         paused = paused and failed is None
         report = NodeReport(job_id, iteration, node_name, failed, start, self.clock(), swap_start, swap_end, moved,
-                            self._weight_loads(job_id), measured=measured, paused=paused)  # fmt: skip
+                            self._weight_loads(job_id), measured=measured, paused=paused,
+                            moves=self.move_log.drain())  # fmt: skip
         if failed is not None or paused or chunk < chunks - 1:  # a part: the last chunk reports the node's metrics
             return NodeResult(report, None if failed or paused else out)
-        result = _finish(report, out)
+        result = finish(report, out)
         if slot is not None and result.report.ok:
             result.report.metrics["slices"] = float(slot.slices)
         return result
@@ -448,6 +369,7 @@ class Service:
             "generation_engines": self.generators.awake(),
             "sleeping_engines": len(self.generators) - self.generators.awake(),
             "weight_loads": self.generators.loads(),
+            "move_records": self.move_log.totals(),  # every move's sums (`plexrl.services.records.summarize`)
         }
 
     # -- moves --------------------------------------------------------------------------------------
@@ -455,11 +377,13 @@ class Service:
         """Carry out `moves` in order (blocking), after every background move queued before them
         (`BackgroundMoves.wait_all`: the planner's order, so no tier goes over budget). Returns bytes moved."""
         total = 0
+        since = time.perf_counter()  # the moves' records count their waits for background moves as queued
         if moves:
             self.background.wait_all()
-        for move in moves:
-            self._wait_for(move.job_id)
-            total += self._move(move)
+        with queued(since, background=False):
+            for move in moves:
+                self._wait_for(move.job_id)
+                total += self._move(move)
         return total
 
     def _start_prefetch(self, moves: list[Move]) -> None:
@@ -478,6 +402,8 @@ class Service:
         self.background.wait_for(job_id, count=count)
 
     def _move(self, move: Move) -> int:
+        import torch
+
         if move.job_id in self._released and move.job_id not in self.states:
             return 0  # the job ended after this move was sent: its state is gone, the planner forgot it
         state = self.states[move.job_id]
@@ -489,12 +415,19 @@ class Service:
         if move.src == move.dst:
             return 0
         live = self.engines[move.job_id].state_tensors()
-        copies = sw.carry_out(move.job_id, move.src, move.dst, state, live, device=self.device, pool=self.host_pool,
-                              order=self.order, spill_dir=self.spill_dir, validate=self.validate,
-                              cache=self.device_cache)  # fmt: skip
+
+        def carry(tally: Any) -> int:
+            sw.carry_out(move.job_id, move.src, move.dst, state, live, device=self.device, pool=self.host_pool,
+                         order=self.order, spill_dir=self.spill_dir, validate=self.validate, cache=self.device_cache,
+                         tally=tally)  # fmt: skip
+            return state.nbytes
+
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        rec = recorded(move.job_id, move.src, move.dst, carry, clock=self.clock, stream=stream)
+        self.move_log.add(rec)
         with self._lock:
             self.stats.bytes_moved += state.nbytes
             self.stats.moves += 1
-            self.stats.copies += copies
+            self.stats.copies += rec.copies
             self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
         return state.nbytes

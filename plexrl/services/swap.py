@@ -16,6 +16,7 @@ and frees the old one, so budgets, accounting and bandwidth mean the same as on 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from plexrl.services.host import DeviceCache, HostCopy, HostPool, Layout
+from plexrl.services.host import DeviceCache, HostCopy, HostPool, Layout, Tally
 from plexrl.services.streams import StreamOrder
 
 
@@ -59,25 +60,31 @@ def checksum(tensors: dict[str, Tensor]) -> str:
 
 def device_to_host(
     job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder,
-    cache: DeviceCache | None = None,
+    cache: DeviceCache | None = None, tally: Tally | None = None,
 ) -> tuple[HostCopy, int]:  # fmt: skip
     """Copy every live tensor into one host buffer (one copy when they are views of one device buffer, else
-    one per tensor), then free the device storage (a CPU service: into `cache` for the next swap-in, when
-    nothing else uses it). Returns the host copy and the number of copies."""
+    one per tensor, and `tally.why` says so), then free the device storage (a CPU service: into `cache` for the
+    next swap-in, when nothing else uses it). Returns the host copy and the number of copies."""
+    tally = tally if tally is not None else Tally()
     layout = Layout.of(live)
-    buf = pool.take(layout.nbytes)
+    buf = pool.take(layout.nbytes, tally)
     try:
+        t0 = time.perf_counter()
         order.before_copy(job_id)
+        t1 = time.perf_counter()
         flat = layout.flat_of(live)
         if flat is not None:
             order.copy(job_id, buf, flat)
             copies = 1
         else:
+            tally.why.append(layout.scatter(live))
             views = layout.views(buf)
             for name, t in live.items():
                 order.copy(job_id, views[name], t.detach())
             copies = len(live)
         order.synchronize()  # the bytes are on the host before the device storage goes
+        tally.wait += t1 - t0
+        tally.copy += time.perf_counter() - t1
     except BaseException:
         pool.give(buf)
         raise
@@ -85,32 +92,61 @@ def device_to_host(
         t.data = torch.empty(0, dtype=t.dtype, device=device)
     if cache is not None and flat is not None:
         cache.give(flat)
+    tally.copies += copies
     return HostCopy(buf, layout), copies
 
 
 def host_to_device(
     job_id: str, live: dict[str, Tensor], host: HostCopy, device: torch.device, order: StreamOrder,
-    cache: DeviceCache | None = None,
+    cache: DeviceCache | None = None, tally: Tally | None = None,
 ) -> int:  # fmt: skip
     """Give every live tensor a view of ONE device buffer (from `cache` on a CPU service, else fresh) filled
     from the host copy in one copy; the host buffer is free once this returns. Returns the number of copies
     (1)."""
+    tally = tally if tally is not None else Tally()
     layout = host.layout
     missing = set(live) - layout.names()
     if missing:
         raise StateCorrupted(f"host copy lacks {sorted(missing)[:3]}")
+    t0 = time.perf_counter()
     order.before_copy(job_id)
+    t1 = time.perf_counter()
     if cache is not None:
-        flat = cache.take(layout.nbytes)
+        flat = cache.take(layout.nbytes, tally)
     else:
         flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        tally.made += 1  # from the caching allocator (CUDA): not counted apart
     order.allocated(flat)  # made on the copy stream in the background: the compute stream uses it next
     order.copy(job_id, flat, host.buffer)
     views = layout.views(flat)
     for name, t in live.items():
         t.data = views[name]
     order.synchronize()  # the host buffer may be reused once this returns
+    tally.wait += t1 - t0
+    tally.copy += time.perf_counter() - t1
+    tally.copies += 1
     return 1
+
+
+def flatten(job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder) -> bool:
+    """Lay a job's live tensors out as views of ONE device buffer (at its load), so that its every move is one
+    copy each way (`Layout.flat_of`). On CPU a direct copy (the state twice, briefly); on CUDA through a host
+    buffer (the device never holds the state twice). Returns False when it already was one buffer."""
+    layout = Layout.of(live)
+    if not live or layout.flat_of(live) is not None:
+        return False
+    if device.type == "cuda":
+        host, _ = device_to_host(job_id, live, device, pool, order)
+        host_to_device(job_id, live, host, device, order)
+        pool.give(host.buffer)
+        return True
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    views = layout.views(flat)
+    with torch.no_grad():
+        for name, t in live.items():
+            views[name].copy_(t.detach())
+            t.data = views[name]
+    return True
 
 
 def host_to_disk(host: HostCopy, path: Path) -> None:
@@ -127,10 +163,10 @@ def _read_into(path: Path, buf: Tensor) -> None:
             raise StateCorrupted(f"spill file {path} holds {path.stat().st_size} bytes, not {buf.numel()}")
 
 
-def disk_to_host(path: Path, layout: Layout, pool: HostPool) -> HostCopy:
+def disk_to_host(path: Path, layout: Layout, pool: HostPool, tally: Tally | None = None) -> HostCopy:
     """Read a spilled state straight into a host buffer from `pool` (pinned on CUDA: no pageable copy on the
     way), then remove the file."""
-    buf = pool.take(layout.nbytes)
+    buf = pool.take(layout.nbytes, tally)
     try:
         _read_into(path, buf)
     except BaseException:
@@ -152,33 +188,43 @@ def read_spill(path: Path | None, layout: Layout | None) -> dict[str, Tensor]:
 def carry_out(
     job_id: str, src: str, dst: str, state: StateLocation, live: dict[str, Tensor], *, device: torch.device,
     pool: HostPool, order: StreamOrder, spill_dir: Path, validate: bool, cache: DeviceCache | None = None,
+    tally: Tally | None = None,
 ) -> int:  # fmt: skip
     """Move one job's state from tier `src` to `dst` (the caller checked that it is on `src`), updating
-    `state`; in validate mode checksum it at swap-out and check it at swap-in. Returns the copy calls made."""
-    copies = 0
+    `state`; in validate mode checksum it at swap-out and check it at swap-in. Returns the copy calls made;
+    `tally` gets the move's figures (a disk write or read counts as one copy)."""
+    tally = tally if tally is not None else Tally()
+    if {src, dst} == {"device", "disk"}:
+        tally.why.append(f"{src} -> {dst} goes through a host buffer: two copies")
     if src == "device":
         state.nbytes = nbytes(live)  # grows once the optimizer has state
-        state.host, copies = device_to_host(job_id, live, device, pool, order, cache)
+        state.host, _ = device_to_host(job_id, live, device, pool, order, cache, tally)
         if validate:
             state.checksum = checksum(state.host.tensors())
     elif src == "disk":
         assert state.disk is not None and state.layout is not None
-        state.host, state.disk = disk_to_host(state.disk, state.layout, pool), None
+        t0 = time.perf_counter()
+        state.host, state.disk = disk_to_host(state.disk, state.layout, pool, tally), None
+        tally.copy += time.perf_counter() - t0
+        tally.copies += 1
     assert state.host is not None
     if dst == "disk":
         path = spill_dir / f"{job_id}.spill"
+        t0 = time.perf_counter()
         host_to_disk(state.host, path)
+        tally.copy += time.perf_counter() - t0
+        tally.copies += 1
         state.disk, state.layout = path, state.host.layout
         pool.give(state.host.buffer)
         state.host = None
     elif dst == "device":
-        copies += host_to_device(job_id, live, state.host, device, order, cache)
+        host_to_device(job_id, live, state.host, device, order, cache, tally)
         pool.give(state.host.buffer)
         state.host = None
         if validate and state.checksum is not None and checksum(live) != state.checksum:
             raise StateCorrupted(f"job {job_id}: state checksum changed between swap-out and swap-in")
     state.tier = dst
-    return copies
+    return tally.copies
 
 
 def save_checkpoint(obj: dict[str, object], path: Path) -> Path:

@@ -32,7 +32,9 @@ import heapq
 import math
 import random
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from plexrl.runtime.sim import SimJob
 from plexrl.sim.config import GB, Accelerator, Efficiency, LengthDist, LoRA, Model, TrainLayout, Workload
@@ -277,6 +279,40 @@ def _mix(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
+
+
+@dataclass(slots=True)
+class SwapFit:
+    """The swap model's constants fitted from recorded moves (`fit_swap`): seconds of a move of `n` bytes =
+    `n / bandwidth + fixed_s`, over `moves` moves of `nbytes` bytes in all."""
+
+    bandwidth: float  # bytes / s (inf when nothing moved)
+    fixed_s: float
+    moves: int
+    nbytes: int
+
+
+def fit_swap(records: Iterable[Mapping[str, Any]], *, background: bool | None = None) -> SwapFit:
+    """Fit `SwapFit` to move records as a timeline keeps them (`moves.json`: `plexrl.reports.MoveRecord` as
+    dicts): each move's seconds are its copy plus its wait (its queueing is another move's time), fitted by
+    least squares on its bytes; one size only (or a negative intercept): a line through the origin.
+    `background`: only background moves (True), only blocking ones (False), or all (None). Feeds
+    `SampledCosts.swap_bandwidth` / `move_fixed_s` (docs/simulator.md)."""
+    pts = [(float(r["nbytes"]), float(r["copy"]) + float(r["wait"])) for r in records
+           if r["nbytes"] > 0 and (background is None or bool(r["background"]) == background)]  # fmt: skip
+    total = int(sum(b for b, _ in pts))
+    seconds = sum(t for _, t in pts)
+    if not pts or seconds <= 0:
+        return SwapFit(math.inf, 0.0, len(pts), total)
+    n = len(pts)
+    mb, mt = total / n, seconds / n
+    var = sum((b - mb) ** 2 for b, _ in pts)
+    if var > 0:
+        slope = sum((b - mb) * (t - mt) for b, t in pts) / var
+        fixed = mt - slope * mb
+        if slope > 0 and fixed >= 0:
+            return SwapFit(1 / slope, fixed, n, total)
+    return SwapFit(total / seconds, 0.0, n, total)
 
 
 @dataclass(slots=True)
