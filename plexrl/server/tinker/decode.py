@@ -19,6 +19,7 @@ from plexrl.sessions import losses
 from plexrl.sessions.calls import Datum, ForwardBackward, OptimStep, Sample
 
 MAX_DIMS = 2
+MIN_TEMPERATURE = 1e-6  # a sample's temperature below this is served as 0 (greedy)
 
 
 class Refused(Exception):
@@ -210,6 +211,8 @@ def sample(body: dict[str, Any], limits: ModelLimits, cfg: TinkerConfig, seed: i
         raise Refused(400, "sample: temperature and top_p must be numbers")
     if temperature < 0 or not 0 < top_p <= 1:
         raise Refused(400, "sample: temperature >= 0 and 0 < top_p <= 1")
+    if temperature < MIN_TEMPERATURE:  # (logits / 1e-300 overflow: so low a temperature is greedy decoding)
+        temperature = 0.0
     stop_strings, stop_tokens = _stops(params.get("stop"), limits.vocab)
     given = params.get("seed")
     if given is not None and (not isinstance(given, int) or isinstance(given, bool)):

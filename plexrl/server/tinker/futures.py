@@ -10,7 +10,6 @@ result was fetched long ago), never as a hang."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 import threading
 import time
@@ -42,14 +41,12 @@ class Futures:
     def __init__(self, keep_s: float = 120.0, max_age_s: float = 3600.0) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Future] = {}
-        self._ids = itertools.count(1)
-        self._tag = secrets.token_hex(4)  # ids of this server start, never those of an earlier one
         self.keep_s, self.max_age_s = keep_s, max_age_s
 
     def new(self, user: str | None, what: str, reason: str = "") -> Future:
         """A pending future for a call of `user` (None: the administrator)."""
         now = time.monotonic()
-        fut = Future(f"r{next(self._ids)}-{self._tag}", user, what, now, reason)
+        fut = Future("r" + secrets.token_hex(12), user, what, now, reason)  # (random: ids cannot be guessed)
         with self._lock:
             self._sweep(now)
             self._items[fut.request_id] = fut
@@ -79,12 +76,14 @@ class Futures:
         with self._lock:
             return self._items.get(request_id)
 
-    async def wait(self, request_id: str, timeout: float) -> Future | None:
-        """The future once it is done, or as it is after `timeout` seconds (None: unknown id)."""
+    async def wait(self, request_id: str, timeout: float, user: str | None) -> Future | None:
+        """The future once it is done, or as it is after `timeout` seconds; None at once for an unknown id or
+        another user's (`user` None: the administrator, who reads every one): such a read waits for nothing
+        and changes nothing, so it tells nothing about the future either."""
         loop = asyncio.get_running_loop()
         with self._lock:
             fut = self._items.get(request_id)
-            if fut is None:
+            if fut is None or (user is not None and fut.user != user):
                 return None
             if fut.kind is None:
                 waiter: asyncio.Future[None] = loop.create_future()

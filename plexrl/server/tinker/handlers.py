@@ -179,13 +179,16 @@ def source(reg: Registry, user: str | None, path: Any) -> tuple[str, str, Path]:
 def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
     """A client made from saved weights (`create_training_client_from_state[_with_optimizer]`): a new model
     whose first call loads them; or (legacy `load_state`) a load on an existing model."""
-    src_model, _, found = source(reg, user, body.get("path"))
-    load = Load(str(found), bool(body.get("optimizer")))
     if body.get("model_id") is not None:
         with reg.lock:
             m = reg.model(user, body.get("model_id"))
-            answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
-            return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+            with reg.turn(m, body.get("seq_id")):  # (a refused path uses its turn like any refusal)
+                _, _, found = source(reg, user, body.get("path"))
+                answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
+                load = Load(str(found), bool(body.get("optimizer")))
+                return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+    src_model, _, found = source(reg, user, body.get("path"))
+    load = Load(str(found), bool(body.get("optimizer")))
     owner = read_owner(reg.root, src_model) or {}
     with reg.lock:
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"),
@@ -257,6 +260,11 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
         s = reg.sampler(user, sid)
         if s.broken is not None:
             raise Refused(400, f"sampling session {sid}: {s.broken}")
+        if s.weights is not None and not s.weights.is_file():
+            why = f"its weights snapshot was dropped (a model keeps its latest {KEEP_SNAPSHOTS}); make a new one"
+            raise Refused(
+                400, f"sampling session {sid}: {why}; make a new one with save_weights_and_get_sampling_client"
+            )
         m = reg.model(user, s.model_id)
         call = dec.sample(body, _limits_of(m), reg.cfg, dec.sample_seed(m.seed, sid.rsplit(":", 1)[-1], seq))
         if s.weights is not None:

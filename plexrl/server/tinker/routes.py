@@ -81,6 +81,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             body = json.loads(raw or b"{}")
         except ValueError:
             raise Refused(400, "the body is not JSON") from None
+        except RecursionError:  # (arrays or objects nested some thousands deep)
+            raise Refused(400, "the body's JSON is nested too deep") from None
         if not isinstance(body, dict):
             raise Refused(400, "the body must be a JSON object")
         return body
@@ -207,9 +209,9 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
         async def go() -> Any:
             body = await json_of(request)
             rid = body.get("request_id")
-            fut = await registry.futures.wait(rid, cfg.poll_s) if isinstance(rid, str) else None
             user = who(request)
-            if fut is None or (user is not None and fut.user != user):
+            fut = await registry.futures.wait(rid, cfg.poll_s, user) if isinstance(rid, str) else None
+            if fut is None:
                 msg = f"unknown request {rid!r}: it never existed here, or the server restarted since (send it again)"
                 return {"error": msg, "category": "server"}
             if fut.kind is None:  # (the SDK asks again at once: this answer came after `poll_s`)
