@@ -38,7 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smol_tiny: Path) -> Iterato
         cluster={"driver": "local", "services": {"count": 1}}, users={"ann": ANN, "bob": BOB},
         allowed_roots=[str(tmp), str(smol_tiny.parent)],
         tinker={"max_datums": 4, "max_body_bytes": 1 << 16, "max_samples": 8, "max_sample_tokens": 16,
-                "max_lora_rank": 8, "poll_s": 1},
+                "max_lora_rank": 8, "poll_s": 1, "max_requests_per_user": 16, "max_open_sessions_per_user": 8},
     )  # fmt: skip
     srv = start_server(cfg)
     yield srv
@@ -218,3 +218,72 @@ def test_bad_input_gets_400_naming_the_field(server: RunningServer, smol_tiny: P
                                          "path": f"tinker://{sid}:train:\u00b2/weights/x"})  # fmt: skip
     assert (r.status_code in (400, 404) and "tinker://" in r.text) or "no model" in r.text, r.text
     assert "Traceback" not in caplog.text
+
+
+def test_every_per_user_bound_answers_with_its_limit(server: RunningServer, smol_tiny: Path) -> None:
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    srv = server
+    ann = tinker.ServiceClient(base_url=srv.url, api_key=f"tml-{ANN}")
+    training = ann.create_lora_training_client(base_model=str(smol_tiny), rank=2).result()
+    model = training.model_id
+    # datums past max_datums: refused while decoding (nothing built for the rest), 413
+    flood = fb_body(model, 900, [1, 5, 9]) + b"\x1a\x00" * 20_000
+    r = post(srv, "/forward_backward", ANN, raw=flood)
+    assert r.status_code == 413 and "max_datums (4)" in r.json()["detail"] and "body too large" in r.text, r.text
+
+    # a wide sparse target: a few bytes on the wire, 262144 values decoded per datum: over the per-call budget
+    def empty(dtype: str) -> types.TensorData:  # (one stored value: an empty CSR's parts are not serialized)
+        return types.TensorData(data=[1], dtype=dtype, shape=[1, 262144], sparse_crow_indices=[0, 1],
+                                sparse_col_indices=[3])  # fmt: skip
+
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints([1]),
+        loss_fn_inputs={"target_tokens": empty("int64"), "weights": empty("float32")},
+    )
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[d] * 4, loss_fn="cross_entropy"),
+        model_id=model, seq_id=901,
+    )  # fmt: skip
+    wire = forward_backward_request_to_proto(req)
+    r = post(srv, "/forward_backward", ANN, raw=bytes(wire.SerializeToString()))
+    assert r.status_code == 413 and "values per token" in r.json()["detail"], r.text
+
+    # bob floods samples he never retrieves: his 17th is refused (429 naming the limit); ann is served
+    bob = tinker.ServiceClient(base_url=srv.url, api_key=f"tml-{BOB}")
+    bobs = bob.create_lora_training_client(base_model=str(smol_tiny), rank=2).result()
+    sampler = bobs.save_weights_and_get_sampling_client().result()
+    asked = {"sampling_session_id": sampler._sampling_session_id, "num_samples": 1,
+             "prompt": {"chunks": [{"tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}}  # fmt: skip
+    codes = [post(srv, "/asample", BOB, {**asked, "seq_id": 100 + i}).status_code for i in range(18)]
+    assert codes.count(429) >= 1 and codes[:10] == [200] * 10, codes
+    refused = post(srv, "/asample", BOB, {**asked, "seq_id": 200})
+    assert refused.status_code == 429 and "max_requests_per_user" in refused.json()["detail"]
+    assert training.forward([DATUM], "cross_entropy").result().metrics["loss:sum"] > 0
+
+    # sessions per user; a finish reason's size
+    sessions = [post(srv, "/create_session", BOB) for _ in range(10)]
+    assert [r.status_code for r in sessions].count(429) >= 1
+    assert "max_open_sessions_per_user" in next(r for r in sessions if r.status_code == 429).json()["detail"]
+    sid = post(srv, "/create_session", ANN).json()["session_id"]
+    assert post(srv, f"/sessions/{sid}/finish", ANN, {"reason": {"type": "x" * 60_000}}).status_code == 200
+    gone = post(srv, "/session_heartbeat", ANN, {"session_id": sid})
+    assert gone.status_code == 410 and len(gone.text) < 400, len(gone.text)
+
+    # writes: a full disk refuses them like POST /jobs (503); saved bytes per user (413)
+    srv.sessions.disk = lambda: "the disk is full (test)"
+    try:
+        with pytest.raises(tinker.APIStatusError, match="503"):
+            training.save_state("full").result()
+    finally:
+        srv.sessions.disk = None
+    srv.sessions.cfg.max_saved_bytes_per_user = 1
+    try:
+        with pytest.raises(tinker.APIStatusError, match="max_saved_bytes_per_user"):
+            training.save_state("one").result()
+            training.save_state("two").result()
+    finally:
+        srv.sessions.cfg.max_saved_bytes_per_user = 10 << 30
+    assert training.forward([DATUM], "cross_entropy").result().metrics["loss:sum"] > 0
+    ann.close("success").result()
+    bob.close("success").result()

@@ -432,12 +432,14 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     sessions = None
     if backend is not None:
         from plexrl.job.pretrained import pretrained_path
+        from plexrl.server.housekeeping import DiskCheck
         from plexrl.server.tinker.registry import Registry
 
         backend.attach(controller)
         root, run_dir = where / "sessions", Path(cfg.run_dir).resolve()
+        full = DiskCheck([root], cfg.min_free_disk).problem  # (Tinker writes are refused like POST /jobs)
         sessions = Registry(cfg.tinker, backend, root, cfg.roots(), pretrained_path, run_dir=run_dir,
-                            policy_of=ServerFiles(cfg).policy)  # fmt: skip
+                            policy_of=ServerFiles(cfg).policy, disk=full)  # fmt: skip
         sessions.recover([e for e in journal.jobs() if not e.finished and e.config.get("kind") == "session"])
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -51,7 +51,9 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= cfg.max_lora_rank:
             raise Refused(400, f"LoRA rank must be 1..{cfg.max_lora_rank} on this server")
         targets = _targets(lora)
+    reg.check_writes(user)
     with reg.lock:
+        reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"), body.get("base_model"))
         m.lora_rank, m.targets = rank, targets
         if isinstance(lora, dict) and isinstance(lora.get("seed"), int) and not isinstance(lora["seed"], bool):
@@ -121,6 +123,7 @@ def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
         with reg.turn(m, body.get("seq_id")):
+            reg.check_writes(m.user)
             name = checked_name(body.get("path"), "the checkpoint name")
             target = file_of(reg.root, m.model_id, "weights", name)
             if target.exists() and not body.get("overwrite"):
@@ -136,6 +139,7 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
         with reg.turn(m, body.get("seq_id")):
+            reg.check_writes(m.user)
             if body.get("kind", "snapshot") != "snapshot":
                 raise Refused(400, "inflight sampling clients are not served by PlexRL; use kind='snapshot'")
             name = body.get("path")
@@ -191,6 +195,7 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
     load = Load(str(found), bool(body.get("optimizer")))
     owner = read_owner(reg.root, src_model) or {}
     with reg.lock:
+        reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"),
                           body.get("base_model") or owner.get("base_model"))  # fmt: skip
         m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())

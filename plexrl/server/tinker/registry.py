@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from plexrl.paths import FilePolicy, resolve
 from plexrl.server.tinker import decode as dec
+from plexrl.server.tinker import quotas
 from plexrl.server.tinker.config import TinkerConfig
 from plexrl.server.tinker.futures import Futures
 from plexrl.server.tinker.records import (
@@ -96,11 +97,13 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         run_dir: Path | None = None,
         policy_of: Callable[[str], FilePolicy] | None = None,
+        disk: Callable[[], str | None] | None = None,
     ) -> None:
         self.cfg, self.backend, self.root, self.roots, self.policy_of = cfg, backend, root, roots, policy_of
+        self.disk = disk
         self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
         self.resolve_pretrained, self.clock = resolve_pretrained, clock
-        self.futures = Futures()
+        self.futures = Futures(max_open=cfg.max_requests_per_user)
         self.lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, ModelRecord] = {}
@@ -134,9 +137,19 @@ class Registry:
             raise Refused(404, f"no sampling session {sampler_id!r}")
         return s
 
+    def check_writes(self, user: str | None) -> None:
+        """`quotas.check_writes` for `user` (before a request that writes files: a new model, a save)."""
+        quotas.check_writes(self.disk, self.root, user, self.cfg.max_saved_bytes_per_user)
+
     # -- sessions --------------------------------------------------------------------------------------
     def create_session(self, user: str) -> dict[str, Any]:
         with self.lock:
+            mine = sum(1 for s in self.sessions.values() if s.user == user and s.ended is None)
+            cap = self.cfg.max_open_sessions_per_user
+            if mine >= cap:
+                raise Refused(429, f"user {user!r} has {mine} open sessions, this server's "
+                                   "tinker.max_open_sessions_per_user; close a ServiceClient first (or ask the "
+                                   "server's owner to raise it)")  # fmt: skip
             sid = "s" + secrets.token_hex(8)
             self.sessions[sid] = ClientSession(sid, user, self.clock())
         return {"type": "create_session", "session_id": sid, "info_message": f"PlexRL session {sid} (user {user!r})"}
@@ -182,6 +195,9 @@ class Registry:
         limit = self.cfg.session_timeout_s
         with self.lock:
             stale = [s for s in self.sessions.values() if s.ended is None and now - s.last_seen > limit]
+            for s in [s for s in self.sessions.values() if s.ended is not None and now - s.last_seen > limit]:
+                if all(self.models[m].status == "ended" for m in s.models if m in self.models):
+                    del self.sessions[s.session_id]  # (ended long ago, nothing of it alive: forgotten)
         for s in stale:
             log.warning("session %s of %r: no call or heartbeat for %.0f s; ending it, its state checkpointed",
                         s.session_id, s.user, now - s.last_seen)  # fmt: skip
@@ -245,31 +261,9 @@ class Registry:
         return resolve(name)
 
     def check_base(self, name: Any, user: str | None = None) -> None:
-        """Refused unless `name` is a served pretrained name or a model directory that `user`'s file policy
-        allows (the job API's: under the allowed roots, not another user's directory, not the server's files);
-        one answer for every path refused, whether it exists or not (nothing outside the policy is looked at)."""
-        if not isinstance(name, str) or not name or len(name) > 4096 or "\0" in name:
-            raise Refused(400, "base_model must be a model name or a directory path (at most 4096 characters)")
-        if name in self.cfg.models:
-            return
-        if "/" in name and not name.startswith("~"):
-            try:
-                path = resolve(name)
-                allowed = self._allows(path, user)
-                if allowed and (path / "config.json").is_file():
-                    return
-            except (OSError, ValueError):  # (a name too long for the file system, ...: like any unknown path)
-                pass
-        served = ", ".join(self.cfg.models) or "none by name"
-        raise Refused(400, f"unknown base_model {name[:300]!r}: this server trains {served}, or a model directory "
-                           "under its allowed roots that is yours or shared")  # fmt: skip
-
-    def _allows(self, path: Path, user: str | None) -> bool:
-        if user is None:  # the administrator: anywhere under the roots
-            return any(path.is_relative_to(r) for r in self.roots)
-        if self.policy_of is None:
-            return any(path.is_relative_to(r) for r in self.roots)
-        return self.policy_of(user).problem(path, False) is None
+        """`quotas.check_base` with this server's names, roots and `user`'s file policy."""
+        policy = self.policy_of(user) if self.policy_of is not None and user is not None else None
+        quotas.check_base(name, self.cfg.models, self.roots, policy)
 
     def new_model(self, user: str, session_id: Any, seq: Any, base_model: Any, kind: str = "train") -> ModelRecord:
         """Record a model of a session (lock held): its ids, after the checks that need no model file."""

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "/api/v1"
 KEY_PREFIX = "tml-"
+MAX_REASON = 64  # characters of a finished session's reason that are kept
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -149,7 +150,9 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
         async def go() -> Any:
             body = await json_of(request)
             reason: dict[str, Any] = body["reason"] if isinstance(body.get("reason"), dict) else {}
-            why = f"finished by its client ({reason.get('type', 'success')})"
+            kind = str(reason.get("type", "success"))
+            kind = kind if len(kind) <= MAX_REASON else kind[:MAX_REASON] + "..."  # (kept: a bounded size)
+            why = f"finished by its client ({kind!r})"
             await run(registry.finish, who(request), session_id, why)
             return {}
 
@@ -190,7 +193,9 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             if "protobuf" not in request.headers.get("content-type", ""):
                 raise Refused(415, "forward_backward takes a protobuf body (the SDK's); JSON is not served")
             try:
-                wire = await run(proto.decode_forward_backward, raw)
+                wire = await run(proto.decode_forward_backward, raw, cfg.max_datums)
+            except proto.TooLarge as exc:
+                raise Refused(413, f"forward_backward body too large: {exc}") from None
             except proto.WireError as exc:
                 raise Refused(400, f"malformed forward_backward body: {exc}") from None
             return await run(handlers.forward_backward, registry, who(request), wire)
