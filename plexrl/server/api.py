@@ -91,7 +91,7 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     from plexrl.server.tinker.routes import PREFIX as TINKER_PREFIX
     from plexrl.server.tinker.routes import add_tinker_routes
     from plexrl.server.tinker.routes import key_of as tinker_key
-    from plexrl.server.web import PUBLIC_PATHS, add_web_routes
+    from plexrl.server.web import PUBLIC_PATHS, add_web_routes, foreign_session
 
     app = FastAPI(title="PlexRL server", version="1", description="Submit, watch and cancel RLVR jobs.")
     # (token, identity): identity None = the administrator (any user's jobs)
@@ -126,7 +126,7 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     def entry_or_404(job_id: str, who: str | None = None) -> JobEntry | Any:
         """The job, or 404; also 404 when `who` may not read its details (the same answer: ids do not leak)."""
         entry = controller.journal.get(job_id)
-        if entry is None or not readable(entry, who):
+        if entry is None or not readable(entry, who) or foreign_session(entry, who):
             return _problems(404, [Problem("job", f"no job {job_id!r}; `plexrl list` shows the jobs")])
         return entry
 
@@ -199,12 +199,15 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     @app.get("/jobs")
     def list_jobs(request: Request, status: str | None = None, limit: int = 1000) -> Any:
         rows = controller.journal.jobs(status, max(1, min(limit, 10_000)))
-        return {"jobs": [shown(e, request.state.user) for e in rows]}
+        who = request.state.user
+        return {"jobs": [shown(e, who) for e in rows if not foreign_session(e, who)]}
 
     @app.get("/jobs/{job_id}")
     def status(job_id: str, request: Request, config: bool = False) -> Any:
         who: str | None = request.state.user
         entry = entry_or_404(job_id, who if config else None)
+        if isinstance(entry, JobEntry) and foreign_session(entry, who):
+            entry = entry_or_404(job_id, who)
         return shown(entry, who, config) if isinstance(entry, JobEntry) else entry
 
     @app.get("/jobs/{job_id}/events")
@@ -219,6 +222,8 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     def cancel(job_id: str, request: Request) -> Any:
         who: str | None = request.state.user
         mine = entry_or_404(job_id)
+        if isinstance(mine, JobEntry) and foreign_session(mine, who):
+            mine = entry_or_404(job_id, who)  # (another user's session: the 404 of a job that does not exist)
         if not isinstance(mine, JobEntry):
             return mine
         if who is not None and mine.user != who:
@@ -427,11 +432,14 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     sessions = None
     if backend is not None:
         from plexrl.job.pretrained import pretrained_path
+        from plexrl.server.housekeeping import DiskCheck
         from plexrl.server.tinker.registry import Registry
 
         backend.attach(controller)
         root, run_dir = where / "sessions", Path(cfg.run_dir).resolve()
-        sessions = Registry(cfg.tinker, backend, root, cfg.roots(), pretrained_path, run_dir=run_dir)
+        full = DiskCheck([root], cfg.min_free_disk).problem  # (Tinker writes are refused like POST /jobs)
+        sessions = Registry(cfg.tinker, backend, root, cfg.roots(), pretrained_path, run_dir=run_dir,
+                            policy_of=ServerFiles(cfg).policy, disk=full)  # fmt: skip
         sessions.recover([e for e in journal.jobs() if not e.finished and e.config.get("kind") == "session"])
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -16,6 +16,7 @@ written waiting reason), metrics or node names; the administrator sees everythin
 
 from __future__ import annotations
 
+import re
 import time
 from importlib import resources
 from typing import Any, get_args
@@ -46,16 +47,32 @@ def _static(name: str) -> str:
     return resources.files("plexrl.server").joinpath("static", name).read_text(encoding="utf-8")
 
 
+SESSION_JOB = re.compile(r"s[0-9a-f]{16}-(train|sample)-[0-9]+(-[0-9]+)?")  # a Tinker session's job id
+
+
+def foreign_session(entry: JobEntry, who: str | None) -> bool:
+    """A Tinker session job of another user than `who` (None: the administrator): shown to no one else, since
+    its id holds the session's id."""
+    return who is not None and entry.user != who and entry.config.get("kind") == "session"
+
+
 def cluster_payload(
     snap: Snapshot, journal: Journal, who: str | None, private: bool, healthy: bool, window_s: float = WINDOW_S
 ) -> dict[str, Any]:
-    """GET /cluster's answer for identity `who` (None: the administrator, or a server without users)."""
+    """GET /cluster's answer for identity `who` (None: the administrator, or a server without users); another
+    user's Tinker sessions are left out altogether (`foreign_session`)."""
     entries: dict[str, JobEntry] = {}
     for e in journal.jobs("running") + journal.jobs("queued") + journal.jobs(None, RECENT_ENDED):
         entries.setdefault(e.job_id, e)
+    secret = {j for j, e in entries.items() if foreign_session(e, who)}
+    secret |= {j for j, v in snap.jobs.items() if who is not None and v.user != who and SESSION_JOB.fullmatch(j)}
+    entries = {j: e for j, e in entries.items() if j not in secret}
 
     def mine(user: str) -> bool:
         return who is None or not private or user == who
+
+    def shown(job: str) -> bool:
+        return job not in secret and (who is None or not SESSION_JOB.fullmatch(job) or users.get(job) == who)
 
     ordered = sorted(entries.values(), key=lambda e: e.seq)
     jobs = []
@@ -85,13 +102,13 @@ def cluster_payload(
     spans = [
         {"job": s.job, "lane": s.lane, "kind": s.kind, "node": s.node if mine(users.get(s.job, "")) else "",
          "start": s.start - snap.now, "end": s.end - snap.now}
-        for s in snap.spans if s.end >= horizon
+        for s in snap.spans if s.end >= horizon and shown(s.job)
     ]  # fmt: skip
     services = []
     for s in snap.services:
-        waits = [{"job": j, "node": n if mine(users.get(j, "")) else ""} for j, n in s.waiting]
+        waits = [{"job": j, "node": n if mine(users.get(j, "")) else ""} for j, n in s.waiting if shown(j)]
         services.append({"id": s.service, "busy_s": s.busy, "swap_s": s.swap, "startup_s": s.startup,
-                         "idle_s": s.idle, "jobs": list(s.jobs), "waiting": waits})  # fmt: skip
+                         "idle_s": s.idle, "jobs": [j for j in s.jobs if shown(j)], "waiting": waits})  # fmt: skip
     now = time.time()
     queue = [
         {"job_id": j["job_id"], "user": j["user"], "waiting": j["waiting"], "waited_s": now - e.submitted_at}
@@ -151,13 +168,25 @@ class ClusterCollector:
             "Accelerator-seconds allocated to each open job so far",
             labels=["job", "user"],
         )
+        sessions: dict[str, int] = {}
         for e in open_jobs:
+            if e.config.get("kind") == "session":  # (every scraper reads this: a session id is no one else's)
+                sessions[e.user] = sessions.get(e.user, 0) + 1
+                continue
             steps.add_metric([e.job_id, e.user], float(e.iterations_done))
             live = snap.jobs.get(e.job_id)
             if live is not None:
                 acc.add_metric([e.job_id, e.user], live.accelerator_seconds)
         yield steps
         yield acc
+        open_sessions = GaugeMetricFamily(
+            "plexrl_tinker_session_jobs",
+            "Open Tinker session jobs of each user (their ids are not shown)",
+            labels=["user"],
+        )
+        for user, n in sorted(sessions.items()):
+            open_sessions.add_metric([user], float(n))
+        yield open_sessions
 
 
 def add_web_routes(app: FastAPI, view: ClusterView, controller: Any, private: bool) -> None:

@@ -123,6 +123,16 @@ class SessionEngine:
                 return self.load(call)
         except CallRefused as exc:
             return Reply(error=str(exc))
+        except Exception as exc:
+            if isinstance(call, OptimStep | Load):  # (weights may be half-changed: the node fails, as a job's does)
+                raise
+            # a call that changes at most the accumulated gradients failed on the service: the session goes on
+            log.exception("session call %s failed", call.kind)
+            dropped = ""
+            if isinstance(call, ForwardBackward) and call.backward and self.grads:
+                self.grads = {}  # (part of this call's gradients may have been added: none are kept)
+                dropped = "; the gradients accumulated since the last optim_step were dropped"
+            return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}{dropped}")
         raise TypeError(f"not a session call: {type(call).__name__}")
 
     def forward_backward(self, call: ForwardBackward) -> Reply:
@@ -241,6 +251,9 @@ class SessionEngine:
         from safetensors.torch import load_file
 
         live = self.trainable()
+        if not Path(path).is_file():
+            raise CallRefused("this sampling client's weights snapshot was dropped (a model keeps its latest "
+                              "snapshots only); make a new one with save_weights_and_get_sampling_client")  # fmt: skip
         saved = load_file(path)
         if set(saved) != set(live) or any(saved[n].shape != live[n].shape for n in live):
             raise CallRefused(f"the sampler weights at {Path(path).name} do not fit this session's model")
@@ -321,12 +334,16 @@ class SessionEngine:
         from plexrl.services.swap import load_checkpoint
 
         live = self.trainable()
-        if call.path.endswith(".safetensors"):  # a sampler's weights: the trained tensors only
-            from safetensors.torch import load_file
+        try:
+            if call.path.endswith(".safetensors"):  # a sampler's weights: the trained tensors only
+                from safetensors.torch import load_file
 
-            state: dict[str, Any] = {"adapter" if hasattr(self.inner, "shared") else "policy": load_file(call.path)}
-        else:
-            state = load_checkpoint(Path(call.path))["engine"]
+                key = "adapter" if hasattr(self.inner, "shared") else "policy"
+                state: dict[str, Any] = {key: load_file(call.path)}
+            else:
+                state = load_checkpoint(Path(call.path))["engine"]
+        except Exception as exc:  # (nothing changed yet)
+            raise CallRefused(f"the saved state cannot be read: {type(exc).__name__}: {exc}") from None
         weights = _trained_in(state, live)
         if weights is None:
             raise CallRefused("that checkpoint does not fit this session's model (another base, rank or modules)")

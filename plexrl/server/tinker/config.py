@@ -47,6 +47,21 @@ class TinkerConfig(BaseModel):
         description="A session whose client sent nothing (no call, no heartbeat) for this long is ended and its "
         "state checkpointed; the SDK heartbeats every 10 s while its program runs.",
     )
+    max_requests_per_user: int = Field(
+        256,
+        ge=1,
+        description="Requests of one user not yet retrieved (in flight, held for their turn, queued, or done and "
+        "never fetched); past it a request gets 429. A result never fetched is dropped after an hour.",
+    )
+    max_open_sessions_per_user: int = Field(
+        64, ge=1, description="Client sessions (ServiceClients) of one user not yet finished or timed out."
+    )
+    max_saved_bytes_per_user: int = Field(
+        10 << 30,
+        ge=0,
+        description="Bytes of saved states and sampler weights (save_state, save_weights_for_sampler) one user "
+        "may keep; a save past it gets 413.",
+    )
     poll_s: float = Field(
         20.0, gt=0, le=40, description="How long a retrieve_future waits for a result before answering try_again."
     )

@@ -19,6 +19,8 @@ from plexrl.sessions import losses
 from plexrl.sessions.calls import Datum, ForwardBackward, OptimStep, Sample
 
 MAX_DIMS = 2
+VALUES_PER_TOKEN = 16  # loss-input values of one call, all inputs together, per max_tokens_per_call token
+MIN_TEMPERATURE = 1e-6  # a sample's temperature below this is served as 0 (greedy)
 
 
 class Refused(Exception):
@@ -122,6 +124,7 @@ def forward_backward(wire: WireForwardBackward, limits: ModelLimits, cfg: Tinker
         raise Refused(400, problem)
     data: list[Datum] = []
     total = 0
+    budget = VALUES_PER_TOKEN * cfg.max_tokens_per_call  # loss-input values of the whole call, CSR densified
     for i, d in enumerate(wire.data):
         where = f"datum {i}"
         if d.spans:
@@ -136,7 +139,17 @@ def forward_backward(wire: WireForwardBackward, limits: ModelLimits, cfg: Tinker
             raise Refused(400, f"{where}: {len(tokens)} tokens exceed the model's context of {limits.context}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= limits.vocab:
             raise Refused(400, f"{where}: model input token ids must lie in [0, {limits.vocab})")
-        inputs = {k: tensor(f"{where} {k}", t, 4 * cfg.max_tokens_per_call) for k, t in d.inputs.items()}
+        inputs = {}
+        for k, t in d.inputs.items():
+            if not t.shape or any(x < 0 for x in t.shape):
+                raise Refused(400, f"input {where} {k!r}: shape {t.shape} must have 1 or 2 non-negative dimensions")
+            budget -= math.prod(t.shape)
+            if budget < 0:
+                raise Refused(413, f"{where} {k!r}: the loss inputs of this call exceed this server's "
+                                   f"{VALUES_PER_TOKEN} values per token of max_tokens_per_call "
+                                   f"({VALUES_PER_TOKEN * cfg.max_tokens_per_call}); send fewer or narrower "
+                                   "inputs (a [N, K] target's K), or raise tinker.max_tokens_per_call")  # fmt: skip
+            inputs[k] = tensor(f"{where} {k}", t, VALUES_PER_TOKEN * cfg.max_tokens_per_call)
         for k in list(inputs):  # integer weights or advantages are numbers too
             if k not in losses.INT_INPUTS and inputs[k].dtype == np.int64:
                 inputs[k] = inputs[k].astype(np.float32)
@@ -210,6 +223,8 @@ def sample(body: dict[str, Any], limits: ModelLimits, cfg: TinkerConfig, seed: i
         raise Refused(400, "sample: temperature and top_p must be numbers")
     if temperature < 0 or not 0 < top_p <= 1:
         raise Refused(400, "sample: temperature >= 0 and 0 < top_p <= 1")
+    if temperature < MIN_TEMPERATURE:  # (logits / 1e-300 overflow: so low a temperature is greedy decoding)
+        temperature = 0.0
     stop_strings, stop_tokens = _stops(params.get("stop"), limits.vocab)
     given = params.get("seed")
     if given is not None and (not isinstance(given, int) or isinstance(given, bool)):

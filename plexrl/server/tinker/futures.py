@@ -10,12 +10,13 @@ result was fetched long ago), never as a hang."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from plexrl.server.tinker.decode import Refused
 
 Kind = Literal["json", "proto", "error"]
 
@@ -39,20 +40,31 @@ class Future:
 class Futures:
     """See the module docstring. Thread-safe."""
 
-    def __init__(self, keep_s: float = 120.0, max_age_s: float = 3600.0) -> None:
+    def __init__(self, keep_s: float = 120.0, max_age_s: float = 3600.0, max_open: int | None = None) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Future] = {}
-        self._ids = itertools.count(1)
-        self._tag = secrets.token_hex(4)  # ids of this server start, never those of an earlier one
-        self.keep_s, self.max_age_s = keep_s, max_age_s
+        self._open: dict[str | None, int] = {}  # user -> futures not yet fetched (pending or done)
+        self.keep_s, self.max_age_s, self.max_open = keep_s, max_age_s, max_open
+
+    def room(self, user: str | None) -> None:
+        """Refused (429) when `user` holds `max_open` futures not yet fetched (calls in flight, held, queued or
+        done and never retrieved): check it before a request changes anything."""
+        with self._lock:
+            self._sweep(time.monotonic())
+            held = self._open.get(user, 0)
+        if self.max_open is not None and user is not None and held >= self.max_open:
+            raise Refused(429, f"user {user!r} has {held} requests not yet retrieved, this server's "
+                               "tinker.max_requests_per_user; retrieve their results first (or ask the server's "
+                               "owner to raise it)")  # fmt: skip
 
     def new(self, user: str | None, what: str, reason: str = "") -> Future:
-        """A pending future for a call of `user` (None: the administrator)."""
+        """A pending future for a call of `user` (None: the administrator); `room` refused first."""
+        self.room(user)
         now = time.monotonic()
-        fut = Future(f"r{next(self._ids)}-{self._tag}", user, what, now, reason)
+        fut = Future("r" + secrets.token_hex(12), user, what, now, reason)  # (random: ids cannot be guessed)
         with self._lock:
-            self._sweep(now)
             self._items[fut.request_id] = fut
+            self._open[user] = self._open.get(user, 0) + 1
         return fut
 
     def complete(self, request_id: str, kind: Kind, payload: Any) -> None:
@@ -79,12 +91,14 @@ class Futures:
         with self._lock:
             return self._items.get(request_id)
 
-    async def wait(self, request_id: str, timeout: float) -> Future | None:
-        """The future once it is done, or as it is after `timeout` seconds (None: unknown id)."""
+    async def wait(self, request_id: str, timeout: float, user: str | None) -> Future | None:
+        """The future once it is done, or as it is after `timeout` seconds; None at once for an unknown id or
+        another user's (`user` None: the administrator, who reads every one): such a read waits for nothing
+        and changes nothing, so it tells nothing about the future either."""
         loop = asyncio.get_running_loop()
         with self._lock:
             fut = self._items.get(request_id)
-            if fut is None:
+            if fut is None or (user is not None and fut.user != user):
                 return None
             if fut.kind is None:
                 waiter: asyncio.Future[None] = loop.create_future()
@@ -100,6 +114,7 @@ class Futures:
         with self._lock:
             if fut.kind is not None and fut.fetched_at is None:
                 fut.fetched_at = time.monotonic()
+                self._gone(fut)
         return fut
 
     def pending(self) -> int:
@@ -116,7 +131,17 @@ class Futures:
                  or (f.done_at is not None and now - f.done_at > self.max_age_s))
         ]  # fmt: skip
         for rid in gone:
-            del self._items[rid]
+            fut = self._items.pop(rid)
+            if fut.fetched_at is None:
+                self._gone(fut)
+
+    def _gone(self, fut: Future) -> None:
+        """`fut` no longer counts against its user (fetched, or dropped unfetched; lock held)."""
+        left = self._open.get(fut.user, 0) - 1
+        if left > 0:
+            self._open[fut.user] = left
+        else:
+            self._open.pop(fut.user, None)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -51,7 +51,9 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= cfg.max_lora_rank:
             raise Refused(400, f"LoRA rank must be 1..{cfg.max_lora_rank} on this server")
         targets = _targets(lora)
+    reg.check_writes(user)
     with reg.lock:
+        reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"), body.get("base_model"))
         m.lora_rank, m.targets = rank, targets
         if isinstance(lora, dict) and isinstance(lora.get("seed"), int) and not isinstance(lora["seed"], bool):
@@ -121,6 +123,7 @@ def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
         with reg.turn(m, body.get("seq_id")):
+            reg.check_writes(m.user)
             name = checked_name(body.get("path"), "the checkpoint name")
             target = file_of(reg.root, m.model_id, "weights", name)
             if target.exists() and not body.get("overwrite"):
@@ -136,6 +139,7 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
         with reg.turn(m, body.get("seq_id")):
+            reg.check_writes(m.user)
             if body.get("kind", "snapshot") != "snapshot":
                 raise Refused(400, "inflight sampling clients are not served by PlexRL; use kind='snapshot'")
             name = body.get("path")
@@ -179,15 +183,19 @@ def source(reg: Registry, user: str | None, path: Any) -> tuple[str, str, Path]:
 def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
     """A client made from saved weights (`create_training_client_from_state[_with_optimizer]`): a new model
     whose first call loads them; or (legacy `load_state`) a load on an existing model."""
-    src_model, _, found = source(reg, user, body.get("path"))
-    load = Load(str(found), bool(body.get("optimizer")))
     if body.get("model_id") is not None:
         with reg.lock:
             m = reg.model(user, body.get("model_id"))
-            answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
-            return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+            with reg.turn(m, body.get("seq_id")):  # (a refused path uses its turn like any refusal)
+                _, _, found = source(reg, user, body.get("path"))
+                answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
+                load = Load(str(found), bool(body.get("optimizer")))
+                return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+    src_model, _, found = source(reg, user, body.get("path"))
+    load = Load(str(found), bool(body.get("optimizer")))
     owner = read_owner(reg.root, src_model) or {}
     with reg.lock:
+        reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"),
                           body.get("base_model") or owner.get("base_model"))  # fmt: skip
         m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
@@ -257,6 +265,11 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
         s = reg.sampler(user, sid)
         if s.broken is not None:
             raise Refused(400, f"sampling session {sid}: {s.broken}")
+        if s.weights is not None and not s.weights.is_file():
+            why = f"its weights snapshot was dropped (a model keeps its latest {KEEP_SNAPSHOTS}); make a new one"
+            raise Refused(
+                400, f"sampling session {sid}: {why}; make a new one with save_weights_and_get_sampling_client"
+            )
         m = reg.model(user, s.model_id)
         call = dec.sample(body, _limits_of(m), reg.cfg, dec.sample_seed(m.seed, sid.rsplit(":", 1)[-1], seq))
         if s.weights is not None:

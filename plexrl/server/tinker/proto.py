@@ -25,6 +25,7 @@ Messages (field number: name):
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,15 @@ DTYPE_NAMES = {FLOAT32: "float32", INT64: "int64", INT32: "int32", BFLOAT16: "bf
 
 class WireError(ValueError):
     """A malformed protobuf body."""
+
+
+class TooLarge(WireError):
+    """A body that decodes to more than a request may hold (the server answers 413)."""
+
+
+MAX_FIELDS = 1 << 16  # fields of one message (a datum's chunks and inputs, a chunk's token runs)
+MAX_DATUM_FIELDS = 256  # a datum's inputs, or its model input's chunks
+MAX_DIMS = 8  # entries of a tensor's shape read before it is refused
 
 
 # -- reading ------------------------------------------------------------------------------------------
@@ -54,13 +64,16 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise WireError("varint longer than 10 bytes")
 
 
-def fields(buf: bytes) -> list[tuple[int, int, Any]]:
+def fields(buf: bytes, most: int = MAX_FIELDS) -> Iterator[tuple[int, int, Any]]:
     """The (field number, wire type, value) of a message, in order: an int for varints, bytes for
-    length-delimited fields, an int (the raw little-endian bits) for fixed 32 / 64-bit ones."""
-    out: list[tuple[int, int, Any]] = []
-    pos = 0
+    length-delimited fields, an int (the raw little-endian bits) for fixed 32 / 64-bit ones. Read as they
+    are used (nothing is built for fields not yet reached); `TooLarge` past `most` fields."""
+    pos, count = 0, 0
     value: Any
     while pos < len(buf):
+        count += 1
+        if count > most:
+            raise TooLarge(f"a message of more than {most} fields")
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
         if number == 0:
@@ -82,8 +95,7 @@ def fields(buf: bytes) -> list[tuple[int, int, Any]]:
             value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
         else:
             raise WireError(f"unsupported wire type {wire}")
-        out.append((number, wire, value))
-    return out
+        yield number, wire, value
 
 
 def _signed(v: int) -> int:
@@ -164,6 +176,8 @@ def _tensor(buf: bytes) -> WireTensor:
             t.dtype = DTYPE_NAMES.get(value, f"unknown ({value})") if wire == 0 else "unknown"
         elif number == 4:
             t.shape.extend(_ints(wire, value))
+            if len(t.shape) > MAX_DIMS:
+                raise WireError(f"a tensor shape of more than {MAX_DIMS} dimensions")
     if t.dense is None and t.values is None:
         t.dense = b""
     return t
@@ -190,17 +204,20 @@ class WireForwardBackward:
     forward_only: bool = False
 
 
-def decode_forward_backward(body: bytes) -> WireForwardBackward:
-    """Parse a ForwardBackwardRequest (raises WireError on anything malformed)."""
+def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwardBackward:
+    """Parse a ForwardBackwardRequest (raises WireError on anything malformed, `TooLarge` as soon as it holds
+    more than `max_datums` datums: nothing is built for the rest)."""
     out = WireForwardBackward()
     legacy: dict[str, float | str] = {}
     v2: dict[str, float | str] = {}
-    for number, wire, value in fields(body):
+    for number, wire, value in fields(body, max_datums + 64):
         if number == 1:
             out.model_id = _string(value)
         elif number == 2:
             out.seq_id = _signed(value) if wire == 0 else -1
         elif number == 3:
+            if len(out.data) >= max_datums:
+                raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
             out.data.append(_datum(_message(value)))
         elif number == 4:
             out.loss_fn = _string(value)
@@ -225,9 +242,9 @@ def decode_forward_backward(body: bytes) -> WireForwardBackward:
 
 def _datum(buf: bytes) -> WireDatum:
     d = WireDatum()
-    for number, _, value in fields(buf):
+    for number, _, value in fields(buf, MAX_DATUM_FIELDS):
         if number == 1:
-            for n, _, v in fields(_message(value)):
+            for n, _, v in fields(_message(value), MAX_DATUM_FIELDS):
                 if n == 1:
                     tokens = b"".join(_message(x) for m, _, x in fields(_message(v)) if m == 1)
                     d.chunks.append(("encoded_text", tokens))
@@ -328,6 +345,7 @@ def _record(outputs: list[dict[str, np.ndarray]]) -> bytes:
 
 
 __all__ = [
+    "TooLarge",
     "WireDatum",
     "WireError",
     "WireForwardBackward",

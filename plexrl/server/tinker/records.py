@@ -27,6 +27,7 @@ from plexrl.server.tinker.decode import ModelLimits, Refused
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SESSION = re.compile(r"s[0-9a-f]{16}")
+DIGITS = re.compile(r"[0-9]{1,9}")
 KEEP_SNAPSHOTS = 8
 KINDS = {"weights": ("weights", ".pt"), "sampler_weights": ("sampler_weights", ".safetensors")}
 
@@ -89,7 +90,7 @@ def job_of(model_id: str) -> str:
     parts = model_id.split(":")
     if len(parts) != 3 or not SESSION.fullmatch(parts[0]) or parts[1] not in ("train", "sample"):
         raise Refused(404, f"no model {model_id!r}")
-    if not parts[2].isdigit() or len(parts[2]) > 9:
+    if not DIGITS.fullmatch(parts[2]):  # (ASCII digits: str.isdigit() takes '²', which int() refuses)
         raise Refused(404, f"no model {model_id!r}")
     return f"{parts[0]}-{parts[1]}-{int(parts[2])}"
 

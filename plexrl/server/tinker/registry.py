@@ -29,7 +29,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from plexrl.paths import FilePolicy, resolve
 from plexrl.server.tinker import decode as dec
+from plexrl.server.tinker import quotas
 from plexrl.server.tinker.config import TinkerConfig
 from plexrl.server.tinker.futures import Futures
 from plexrl.server.tinker.records import (
@@ -82,7 +84,8 @@ class Backend(Protocol):
 class Registry:
     """See the module docstring. `root`: where sessions' files go; `roots`: where a model may be named by path;
     `resolve_pretrained`: a pretrained short name's directory (converting it on first use); `run_dir`: where
-    sessions keep their MLflow store (the server's)."""
+    sessions keep their MLflow store (the server's); `policy_of`: a user's `FilePolicy` (the job API's,
+    `plexrl/server/files.py`), which a base model named by path must pass."""
 
     def __init__(
         self,
@@ -93,11 +96,14 @@ class Registry:
         resolve_pretrained: Callable[[str], Path],
         clock: Callable[[], float] = time.monotonic,
         run_dir: Path | None = None,
+        policy_of: Callable[[str], FilePolicy] | None = None,
+        disk: Callable[[], str | None] | None = None,
     ) -> None:
-        self.cfg, self.backend, self.root, self.roots = cfg, backend, root, roots
+        self.cfg, self.backend, self.root, self.roots, self.policy_of = cfg, backend, root, roots, policy_of
+        self.disk = disk
         self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
         self.resolve_pretrained, self.clock = resolve_pretrained, clock
-        self.futures = Futures()
+        self.futures = Futures(max_open=cfg.max_requests_per_user)
         self.lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, ModelRecord] = {}
@@ -131,9 +137,19 @@ class Registry:
             raise Refused(404, f"no sampling session {sampler_id!r}")
         return s
 
+    def check_writes(self, user: str | None) -> None:
+        """`quotas.check_writes` for `user` (before a request that writes files: a new model, a save)."""
+        quotas.check_writes(self.disk, self.root, user, self.cfg.max_saved_bytes_per_user)
+
     # -- sessions --------------------------------------------------------------------------------------
     def create_session(self, user: str) -> dict[str, Any]:
         with self.lock:
+            mine = sum(1 for s in self.sessions.values() if s.user == user and s.ended is None)
+            cap = self.cfg.max_open_sessions_per_user
+            if mine >= cap:
+                raise Refused(429, f"user {user!r} has {mine} open sessions, this server's "
+                                   "tinker.max_open_sessions_per_user; close a ServiceClient first (or ask the "
+                                   "server's owner to raise it)")  # fmt: skip
             sid = "s" + secrets.token_hex(8)
             self.sessions[sid] = ClientSession(sid, user, self.clock())
         return {"type": "create_session", "session_id": sid, "info_message": f"PlexRL session {sid} (user {user!r})"}
@@ -179,6 +195,9 @@ class Registry:
         limit = self.cfg.session_timeout_s
         with self.lock:
             stale = [s for s in self.sessions.values() if s.ended is None and now - s.last_seen > limit]
+            for s in [s for s in self.sessions.values() if s.ended is not None and now - s.last_seen > limit]:
+                if all(self.models[m].status == "ended" for m in s.models if m in self.models):
+                    del self.sessions[s.session_id]  # (ended long ago, nothing of it alive: forgotten)
         for s in stale:
             log.warning("session %s of %r: no call or heartbeat for %.0f s; ending it, its state checkpointed",
                         s.session_id, s.user, now - s.last_seen)  # fmt: skip
@@ -233,28 +252,18 @@ class Registry:
             log.info("session model %s (job %s of %r) recovered from the journal", model_id, e.job_id, e.user)
 
     # -- models ----------------------------------------------------------------------------------------
-    def base_dir(self, name: Any) -> Path:
+    def base_dir(self, name: Any, user: str | None = None) -> Path:
         """The directory of a base model named by pretrained short name (converted on first use) or by path
         under the allowed roots (one answer for a path outside them, whether it exists or not)."""
-        self.check_base(name)
+        self.check_base(name, user)
         if name in self.cfg.models:
             return self.resolve_pretrained(name)
-        return Path(name).resolve()
+        return resolve(name)
 
-    def check_base(self, name: Any) -> None:
-        """Refused unless `name` is a served pretrained name or a model directory under the allowed roots."""
-        if not isinstance(name, str) or not name or len(name) > 4096:
-            raise Refused(400, "base_model must be a model name")
-        if name in self.cfg.models:
-            return
-        if "/" in name:
-            path = Path(name).resolve()
-            if any(path.is_relative_to(r) for r in self.roots) and (path / "config.json").is_file():
-                return
-        served = ", ".join(self.cfg.models) or "none by name"
-        roots = ", ".join(str(r) for r in self.roots)
-        raise Refused(400, f"unknown base_model {name!r}: this server trains {served}, or a model directory under "
-                           f"its allowed roots ({roots})")  # fmt: skip
+    def check_base(self, name: Any, user: str | None = None) -> None:
+        """`quotas.check_base` with this server's names, roots and `user`'s file policy."""
+        policy = self.policy_of(user) if self.policy_of is not None and user is not None else None
+        quotas.check_base(name, self.cfg.models, self.roots, policy)
 
     def new_model(self, user: str, session_id: Any, seq: Any, base_model: Any, kind: str = "train") -> ModelRecord:
         """Record a model of a session (lock held): its ids, after the checks that need no model file."""
@@ -267,7 +276,7 @@ class Registry:
         if mine >= self.cfg.max_sessions_per_user:
             raise Refused(400, f"user {user!r} has {mine} open models, the server's max_sessions_per_user; "
                                "close a ServiceClient first")  # fmt: skip
-        self.check_base(base_model)
+        self.check_base(base_model, user)
         model_id = f"{s.session_id}:{kind}:{seq}"
         m = ModelRecord(model_id, "", s.session_id, user, str(base_model), seed=seq, sampler_only=kind == "sample")
         s.seqs.add(f"{kind}:{seq}")
@@ -279,7 +288,7 @@ class Registry:
         """Open the model's job (lock NOT held: a pretrained base converts on first use): its base found, its
         limits read, its files' owner written, its job submitted; `first`: a call it runs before any other."""
         try:
-            model_dir = self.base_dir(m.base_model)
+            model_dir = self.base_dir(m.base_model, m.user)
             limits = _limits(model_dir)
         except Refused:
             self._forget(m)
@@ -349,7 +358,7 @@ class Registry:
                 "ended",
                 (reason or status) + (f"; its state was saved at {m.saved}" if m.saved else ""),
             )
-            waiting = [rid for _, _, rid, _ in m.held.values()] + [rid for rid, _ in m.waiting]
+            waiting = [h[2] for h in m.held.values() if h is not None] + [rid for rid, _ in m.waiting]
             m.held.clear()
             m.waiting = []
         for rid in waiting:
@@ -366,16 +375,22 @@ class Registry:
         try:
             yield
         except Refused:
-            if isinstance(seq, int) and not isinstance(seq, bool) and seq == m.next_seq:
+            if not isinstance(seq, int) or isinstance(seq, bool) or m.next_seq is None or seq in m.seen:
+                raise
+            if seq == m.next_seq:
                 m.next_seq += 1
                 self._flush(m)
+            elif m.next_seq < seq <= m.next_seq + MAX_AHEAD and seq not in m.held:
+                m.held[seq] = None  # refused before its turn: its turn is skipped when it comes
             raise
 
     def _flush(self, m: ModelRecord) -> None:
-        """Pass on the held requests whose turn has come (lock held)."""
+        """Pass on the held requests whose turn has come, skipping the turns of refused ones (lock held)."""
         while m.next_seq is not None and m.next_seq in m.held:
-            kind, c, rid, fin = m.held.pop(m.next_seq)
-            self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
+            held = m.held.pop(m.next_seq)
+            if held is not None:
+                kind, c, rid, fin = held
+                self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
             m.next_seq += 1
 
     def ordered(self, m: ModelRecord, seq: Any, call: Call, finish: Finish) -> dict[str, Any]:
@@ -388,6 +403,8 @@ class Registry:
             m.next_seq = seq  # (a model resumed after a restart: its client's numbering goes on)
         if seq in m.seen:
             return {"request_id": m.seen[seq], "model_id": m.model_id}
+        if seq in m.held:  # (only a refused request's skipped turn is held without being seen)
+            raise Refused(400, f"seq_id {seq} was used by a refused request; send the next one")
         if seq < m.next_seq or seq > m.next_seq + MAX_AHEAD:
             raise Refused(400, f"seq_id {seq} is out of order (the next is {m.next_seq})")
         fut = self.futures.new(m.user, call.kind)

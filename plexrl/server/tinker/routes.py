@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "/api/v1"
 KEY_PREFIX = "tml-"
+MAX_REASON = 64  # characters of a finished session's reason that are kept
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -81,6 +82,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             body = json.loads(raw or b"{}")
         except ValueError:
             raise Refused(400, "the body is not JSON") from None
+        except RecursionError:  # (arrays or objects nested some thousands deep)
+            raise Refused(400, "the body's JSON is nested too deep") from None
         if not isinstance(body, dict):
             raise Refused(400, "the body must be a JSON object")
         return body
@@ -147,7 +150,9 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
         async def go() -> Any:
             body = await json_of(request)
             reason: dict[str, Any] = body["reason"] if isinstance(body.get("reason"), dict) else {}
-            why = f"finished by its client ({reason.get('type', 'success')})"
+            kind = str(reason.get("type", "success"))
+            kind = kind if len(kind) <= MAX_REASON else kind[:MAX_REASON] + "..."  # (kept: a bounded size)
+            why = f"finished by its client ({kind!r})"
             await run(registry.finish, who(request), session_id, why)
             return {}
 
@@ -188,7 +193,9 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             if "protobuf" not in request.headers.get("content-type", ""):
                 raise Refused(415, "forward_backward takes a protobuf body (the SDK's); JSON is not served")
             try:
-                wire = await run(proto.decode_forward_backward, raw)
+                wire = await run(proto.decode_forward_backward, raw, cfg.max_datums)
+            except proto.TooLarge as exc:
+                raise Refused(413, f"forward_backward body too large: {exc}") from None
             except proto.WireError as exc:
                 raise Refused(400, f"malformed forward_backward body: {exc}") from None
             return await run(handlers.forward_backward, registry, who(request), wire)
@@ -207,9 +214,9 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
         async def go() -> Any:
             body = await json_of(request)
             rid = body.get("request_id")
-            fut = await registry.futures.wait(rid, cfg.poll_s) if isinstance(rid, str) else None
             user = who(request)
-            if fut is None or (user is not None and fut.user != user):
+            fut = await registry.futures.wait(rid, cfg.poll_s, user) if isinstance(rid, str) else None
+            if fut is None:
                 msg = f"unknown request {rid!r}: it never existed here, or the server restarted since (send it again)"
                 return {"error": msg, "category": "server"}
             if fut.kind is None:  # (the SDK asks again at once: this answer came after `poll_s`)
