@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from plexrl.server.tinker import catalog
 from plexrl.server.tinker import decode as dec
 from plexrl.server.tinker.config import TinkerConfig
 from plexrl.server.tinker.futures import Futures
@@ -237,21 +238,20 @@ class Registry:
         """The directory of a base model named by pretrained short name (converted on first use) or by path
         under the allowed roots (one answer for a path outside them, whether it exists or not)."""
         self.check_base(name)
-        if name in self.cfg.models:
-            return self.resolve_pretrained(name)
-        return Path(name).resolve()
+        entry = catalog.entry_of(self.cfg.models, name)
+        return catalog.directory(entry, self.resolve_pretrained) if entry is not None else Path(name).resolve()
 
     def check_base(self, name: Any) -> None:
         """Refused unless `name` is a served pretrained name or a model directory under the allowed roots."""
         if not isinstance(name, str) or not name or len(name) > 4096:
             raise Refused(400, "base_model must be a model name")
-        if name in self.cfg.models:
+        if catalog.entry_of(self.cfg.models, name) is not None:
             return
         if "/" in name:
             path = Path(name).resolve()
             if any(path.is_relative_to(r) for r in self.roots) and (path / "config.json").is_file():
                 return
-        served = ", ".join(self.cfg.models) or "none by name"
+        served = ", ".join(n for e in self.cfg.models for n in catalog.names_of(e)) or "none by name"
         roots = ", ".join(str(r) for r in self.roots)
         raise Refused(400, f"unknown base_model {name!r}: this server trains {served}, or a model directory under "
                            f"its allowed roots ({roots})")  # fmt: skip

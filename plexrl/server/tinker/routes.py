@@ -98,8 +98,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
     @router.get("/get_server_capabilities")
     async def capabilities() -> Any:
-        models = [{"model_name": m, "trainable": True, "sampleable": True} for m in cfg.models]
-        return {"supported_models": models}
+        return await run_in_threadpool(handlers.get_server_capabilities, registry)
 
     @router.post("/client/config")
     async def client_config() -> Any:
