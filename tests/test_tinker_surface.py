@@ -112,3 +112,41 @@ def test_top_k_and_topk_prompt_logprobs_match_the_model_run_directly(service: An
     with pytest.raises(tinker.BadRequestError, match=f"topk_prompt_logprobs must be 0..{MAX_TOPK_LOGPROBS}"):
         too_many = MAX_TOPK_LOGPROBS + 1
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=too_many).result()
+
+
+def test_the_rest_client_lists_reads_and_changes_only_its_own_runs_and_checkpoints(
+    server: RunningServer, service: Any, smol_tiny: Path
+) -> None:
+    from plexrl.server.tinker.rest import Runs
+
+    training = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=2).result()
+    state = training.save_state("first").result().path
+    sampler = training.save_weights_for_sampler("s1").result().path
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-ann")
+    run_id = training.model_id
+    run = rest.get_training_run(run_id).result()
+    assert (run.base_model, run.is_lora, run.lora_rank, run.model_owner) == (str(smol_tiny), True, 2, "ann")
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
+    assert run_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(run_id).result().checkpoints}
+    assert set(listed) >= {state, sampler} and listed[state].checkpoint_type == "training"
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert (info.is_lora, info.lora_rank, info.train_attn, info.train_mlp) == (True, 2, True, True)
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result()
+    now = {c.tinker_path: c for c in rest.list_user_checkpoints().result().checkpoints}[state]
+    assert now.public and now.expires_at is not None
+    rest.unpublish_checkpoint_from_tinker_path(state).result()
+
+    bob = tinker.RestClient(base_url=server.url, api_key="tml-bob")  # another user: the same 404 as none
+    for call in (lambda: bob.get_training_run(run_id), lambda: bob.list_checkpoints(run_id),
+                 lambda: bob.delete_checkpoint_from_tinker_path(state),
+                 lambda: bob.get_training_run("s0000000000000000:train:1")):  # fmt: skip
+        with pytest.raises(tinker.NotFoundError):
+            call().result()
+    assert run_id not in [r.training_run_id for r in bob.list_training_runs().result().training_runs]
+
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert sampler not in {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
+    later = Runs(server.sessions, clock=lambda: 4e9)  # past the TTL: the checkpoint is gone when next listed
+    assert state not in {c["tinker_path"] for c in later.checkpoints("ann", run_id)["checkpoints"]}

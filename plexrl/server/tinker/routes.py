@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from plexrl.server.tinker import handlers, proto
+from plexrl.server.tinker import handlers, proto, rest
 from plexrl.server.tinker.decode import Refused
 from plexrl.server.tinker.registry import Registry
 
@@ -223,6 +223,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             return fut.payload
 
         return await guarded(go())
+
+    rest.add_rest_routes(router, registry, who)  # the RestClient's training runs and checkpoints
 
     @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unserved(rest: str) -> Any:
