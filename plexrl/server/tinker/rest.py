@@ -36,6 +36,7 @@ MODEL_ID = re.compile(r"s[0-9a-f]{16}:(train|sample):\d{1,9}")
 TYPES = {"weights": "training", "sampler_weights": "sampler"}
 MAX_LIMIT = 1000
 MAX_TTL_S = 10 * 365 * 86400
+MAX_BODY = 1 << 16  # a ttl or weights_info request is a few bytes
 
 
 def _when(ts: float) -> str:
@@ -229,8 +230,13 @@ def add_rest_routes(router: APIRouter, registry: Registry, who: Any) -> None:
         return out
 
     async def body(request: Request) -> dict[str, Any]:
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise Refused(413, f"the body is larger than {MAX_BODY} bytes")
         try:
-            data = json.loads(await request.body() or b"{}")
+            data = json.loads(raw or b"{}")
         except ValueError:
             data = None
         if not isinstance(data, dict):
