@@ -93,8 +93,8 @@ def test_a_hostile_client_gets_4xx_and_changes_nothing(server: RunningServer, sm
     with pytest.raises(tinker.BadRequestError, match="'stable_reinforce' is not served"):
         training.forward_backward(probe, "stable_reinforce").result()
     sampler = training.save_weights_and_get_sampling_client().result()
-    with pytest.raises(tinker.BadRequestError, match="top_k is not served"):
-        sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, top_k=5)).result()
+    with pytest.raises(tinker.BadRequestError, match="top_k must be -1"):
+        sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, top_k=-5)).result()
     with pytest.raises(tinker.APIStatusError, match=r"413 .*num_samples must be 1\.\.8"):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 9, types.SamplingParams(max_tokens=2)).result()
 

@@ -121,7 +121,7 @@ def test_a_call_is_checked_whole_before_anything_is_queued() -> None:
         "413": request([good] * 3),  # more datums than max_datums
         "remove mask": request([masked]),  # an input the loss does not take (the cookbook removes it before sending)
         "exceed the model's context": request([like(model_input=types.ModelInput.from_ints(list(range(9))))]),
-        "not served": request([good], loss="cispo"),
+        "not served": request([good], loss="gspo"),
         "takes the config keys": request([good], config={"beta": 1.0}),
     }
     for why, body in cases.items():

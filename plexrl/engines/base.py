@@ -49,8 +49,10 @@ class Engine(Protocol):
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         top_p: float = 1.0,
+        top_k: int = 0,
     ) -> GenerationOutput:
-        """Sample `n` responses per prompt from the nucleus `top_p` at `temperature` (`greedy`: argmax). A
+        """Sample `n` responses per prompt from the nucleus `top_p` of the `top_k` likeliest tokens (0: all) at
+        `temperature` (`greedy`: argmax). A
         response ends at eos, at any of `stop_token_ids`, or once its decoded text contains one of the `stop`
         strings (the stop token / the token completing the string is part of the response, masked in, finish
         reason "stop"), or after `max_new_tokens`. Same seed, same weights -> same samples."""

@@ -55,6 +55,7 @@ class Decoding:
     top_p: float
     stop: tuple[str, ...]
     max_new_tokens: int
+    top_k: int = 0  # sample among the k likeliest tokens only (0: all)
     tokens: list[Tensor] = field(default_factory=list)
     logprobs: list[Tensor] = field(default_factory=list)
     alive: list[Tensor] = field(default_factory=list)
@@ -85,6 +86,7 @@ def begin(
     stop_token_ids: Sequence[int] = (),
     stop: Sequence[str] = (),
     top_p: float = 1.0,
+    top_k: int = 0,
 ) -> Decoding:
     """Left-pad the `n` copies of each prompt, run the prefill on `engine.policy` and return the generation
     before its first decode step (arguments as `Engine.generate`)."""
@@ -109,6 +111,7 @@ def begin(
         generator=torch.Generator(device=engine.device).manual_seed(seed),
         stops=torch.tensor([engine.eos_id, *engine.extra_eos, *stop_token_ids], device=engine.device),
         temperature=temperature, greedy=greedy, top_p=top_p, stop=tuple(stop), max_new_tokens=max_new_tokens,
+        top_k=top_k,
     )  # fmt: skip
 
 
@@ -122,12 +125,14 @@ def _counts(done: Tensor, finished: Tensor) -> tuple[int, int]:
 def advance(engine: Any, d: Decoding, max_steps: int | None = None) -> Decoding:
     """Run at most `max_steps` decode steps of `d` (None: until it is finished) on `engine`; returns `d`."""
     from plexrl.engines.steps import cache_kw as _cache_kw
-    from plexrl.engines.steps import nucleus
+    from plexrl.engines.steps import nucleus, top_k_only
 
     kw = _cache_kw(engine.policy)
     taken = 0
     while not d.finished and (max_steps is None or taken < max_steps):
         logp = F.log_softmax(d.logits.float() / (1.0 if d.greedy else d.temperature), dim=-1)
+        if 0 < d.top_k < logp.shape[-1] and not d.greedy:
+            logp = top_k_only(logp, d.top_k)
         if d.top_p < 1.0 and not d.greedy:
             logp = nucleus(logp, d.top_p)
         N = d.done.shape[0]

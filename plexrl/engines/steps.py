@@ -36,9 +36,18 @@ def nucleus(logp: Tensor, top_p: float) -> Tensor:
     return F.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
 
 
+def top_k_only(logp: Tensor, k: int) -> Tensor:
+    """Renormalised log-probs [N, V] of each row's `k` likeliest tokens (ties at the k-th value all stay, as in
+    vLLM); -inf elsewhere."""
+    import torch.nn.functional as F
+
+    kth = logp.topk(k, dim=-1).values[:, -1:]
+    return F.log_softmax(logp.masked_fill(logp < kth, float("-inf")), dim=-1)
+
+
 def row_seed(seed: int, row: int) -> int:
     """The vLLM seed of row `row` of a generate call seeded with `seed` (rows of one prompt are consecutive)."""
     return (seed * 1_000_003) % (2**31 - 2**20) + row
 
 
-__all__ = ["cache_kw", "nucleus", "positions", "row_seed"]
+__all__ = ["cache_kw", "nucleus", "positions", "row_seed", "top_k_only"]

@@ -234,11 +234,12 @@ class TorchEngine:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         top_p: float = 1.0,
+        top_k: int = 0,
     ) -> GenerationOutput:
         """`Engine.generate`: `begin_generation` + `resume` to the end (plexrl/engines/decoding.py)."""
         d = self.begin_generation(
             prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p,
+            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
         )  # fmt: skip
         return self.resume(d).output()
 

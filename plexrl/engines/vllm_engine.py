@@ -224,6 +224,7 @@ class SharedLLM:
         stop: Sequence[str] = (),
         top_p: float = 1.0,
         lora_request: Any = None,
+        top_k: int = 0,
     ) -> GenerationOutput:
         """`Engine.generate` on the weights the engine holds; `lora_request`: a vLLM `LoRARequest` applied to
         every row (an engine built with `enable_lora`), else the weights alone."""
@@ -231,7 +232,7 @@ class SharedLLM:
 
         rows, requests, params = self.requests(
             prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p,
+            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
         )  # fmt: skip
         with self._lock:
             self._wake()
@@ -253,6 +254,7 @@ class SharedLLM:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         top_p: float = 1.0,
+        top_k: int = 0,
     ) -> tuple[list[list[int]], list[list[int]], list[Any]]:
         """The vLLM side of one `generate` call: its rows (each prompt n times), the request prompts and their
         `SamplingParams` (seeded per row). `collect` turns vLLM's outputs for these requests back into rows."""
@@ -273,6 +275,7 @@ class SharedLLM:
                 n=per,
                 temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else top_p,
+                top_k=0 if greedy else top_k,
                 max_tokens=max_new_tokens,
                 logprobs=0,
                 seed=row_seed(seed, i * per),
@@ -368,12 +371,13 @@ class VLLMEngine:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         top_p: float = 1.0,
+        top_k: int = 0,
     ) -> GenerationOutput:
         self.sync()
         try:
             return self.llm.generate(
                 prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p,
+                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
             )  # fmt: skip
         except ValueError:
             raise  # bad input (e.g. too long): the engine is fine

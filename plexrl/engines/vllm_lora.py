@@ -276,13 +276,14 @@ class VLLMLoRAEngine:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         top_p: float = 1.0,
+        top_k: int = 0,
     ) -> GenerationOutput:
         try:
             self.sync()
             request = self.llm.adapters[self.job_id].request
             return self.llm.generate(
                 prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, lora_request=request,
+                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, lora_request=request, top_k=top_k,
             )  # fmt: skip
         except ValueError:
             raise  # bad input (e.g. too long): the engine is fine

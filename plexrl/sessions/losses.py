@@ -8,6 +8,11 @@ the current weights (temperature 1) of each position's target token.
   ratio = exp(target_logprobs - logprobs); loss = sum(-ratio * advantages).
 - `ppo`: the same inputs; loss = sum(-min(ratio * A, clip(ratio, low, high) * A)) with `low`, `high` from the
   call's config `clip_low_threshold` (default 0.8) and `clip_high_threshold` (1.2).
+- `cispo`: the same inputs and clip config; the clipped ratio weighs the log-prob as a constant (no gradient
+  flows through it): loss = sum(-stop_gradient(clip(ratio, low, high)) * target_logprobs * A).
+- `dro`: the same inputs; a quadratic penalty on the log-ratio instead of clipping, weighted by the config's
+  `beta` (>= 0, required: Tinker's docs give no default): loss = sum(-(target_logprobs * A
+  - beta / 2 * (target_logprobs - logprobs)^2)).
 
 Every loss returns the per-position loss of one datum; the caller sums them (`engine.SessionEngine`). `check`
 says what is wrong with a datum's inputs for a loss (the server calls it before accepting a call, the service
@@ -21,16 +26,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 REQUIRED: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens",),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "importance_sampling": RL_INPUTS,
+    "ppo": RL_INPUTS,
+    "cispo": RL_INPUTS,
+    "dro": RL_INPUTS,
 }
-OPTIONAL: dict[str, tuple[str, ...]] = {"cross_entropy": ("weights",), "importance_sampling": (), "ppo": ()}
-CONFIG: dict[str, dict[str, float]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+OPTIONAL: dict[str, tuple[str, ...]] = {"cross_entropy": ("weights",)}
+CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+CONFIG: dict[str, dict[str, float | None]] = {  # a loss's config keys and their defaults (None: required)
+    "ppo": dict(CLIP),
+    "cispo": dict(CLIP),
+    "dro": {"beta": None},
 }
 INT_INPUTS = ("target_tokens",)  # int64; every other input is float32
 
@@ -40,7 +49,7 @@ def check(loss: str, inputs: Mapping[str, np.ndarray], length: int, vocab: int) 
     None. `length`: the datum's model input length; `vocab`: the model's vocabulary size."""
     if loss not in REQUIRED:
         return f"unknown loss {loss!r}; PlexRL serves {', '.join(REQUIRED)}"
-    known = REQUIRED[loss] + OPTIONAL[loss]
+    known = REQUIRED[loss] + OPTIONAL.get(loss, ())
     extra = sorted(set(inputs) - set(known))
     if extra:
         return f"loss {loss!r} takes the inputs {', '.join(known)}; remove {', '.join(extra)}"
@@ -74,10 +83,21 @@ def check_config(loss: str, config: Mapping[str, float]) -> str | None:
     bad = [k for k, v in config.items() if not np.isfinite(v)]
     if bad:
         return f"loss config {', '.join(bad)} must be finite numbers"
-    merged = {**known, **config}
-    if loss == "ppo" and not 0 <= merged["clip_low_threshold"] <= 1 <= merged["clip_high_threshold"]:
-        return "ppo needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold"
+    missing = [k for k, v in known.items() if v is None and k not in config]
+    if missing:
+        return f"loss {loss!r} needs loss_fn_config {', '.join(missing)} (e.g. {{'beta': 0.05}}): it has no default"
+    if "clip_low_threshold" in known:
+        low, high = _clip(config)
+        if not 0 <= low <= 1 <= high:
+            return f"{loss} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold"
+    if loss == "dro" and config["beta"] < 0:
+        return "dro needs beta >= 0"
     return None
+
+
+def _clip(config: Mapping[str, float]) -> tuple[float, float]:
+    return (config.get("clip_low_threshold", CLIP["clip_low_threshold"]),
+            config.get("clip_high_threshold", CLIP["clip_high_threshold"]))  # fmt: skip
 
 
 def elementwise(
@@ -91,11 +111,15 @@ def elementwise(
     advantages = inputs["advantages"]
     if loss == "importance_sampling":
         return -ratio * advantages
-    if loss == "ppo":
-        merged = {**CONFIG["ppo"], **config}
-        clipped = ratio.clamp(merged["clip_low_threshold"], merged["clip_high_threshold"])
-        return -torch.minimum(ratio * advantages, clipped * advantages)
+    if loss in ("ppo", "cispo"):
+        clipped = ratio.clamp(*_clip(config))
+        if loss == "ppo":
+            return -torch.minimum(ratio * advantages, clipped * advantages)
+        return -clipped.detach() * target_logprobs * advantages
+    if loss == "dro":
+        penalty = (target_logprobs - inputs["logprobs"]) ** 2
+        return -(target_logprobs * advantages - 0.5 * config["beta"] * penalty)
     raise ValueError(f"unknown loss {loss!r}; PlexRL serves {', '.join(REQUIRED)}")
 
 
-__all__ = ["CONFIG", "OPTIONAL", "REQUIRED", "check", "check_config", "elementwise"]
+__all__ = ["CLIP", "CONFIG", "OPTIONAL", "REQUIRED", "RL_INPUTS", "check", "check_config", "elementwise"]

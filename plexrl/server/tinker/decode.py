@@ -181,8 +181,8 @@ def optim_step(params: Any) -> OptimStep:
     return step
 
 
+MAX_TOPK_LOGPROBS = 64  # the largest topk_prompt_logprobs served (a [prompt, K] answer)
 UNSERVED_SAMPLE_FIELDS = {
-    "topk_prompt_logprobs": 0,
     "topk_sample_logprobs": 0,
     "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0,
@@ -216,8 +216,10 @@ def sample(body: dict[str, Any], limits: ModelLimits, cfg: TinkerConfig, seed: i
     if len(prompt) + max_tokens > limits.context:
         raise Refused(400, f"sample: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the model's "
                            f"context of {limits.context}; lower max_tokens")  # fmt: skip
-    if params.get("top_k", -1) not in (-1, 0, None):
-        raise Refused(400, "sample: top_k is not served by PlexRL's engines; leave it at -1 (use top_p)")
+    top_k = params.get("top_k")
+    top_k = 0 if top_k in (None, -1) else top_k
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise Refused(400, "sample: top_k must be -1 (all tokens) or a positive number of tokens")
     temperature, top_p = params.get("temperature", 1.0), params.get("top_p", 1.0)
     if not all(isinstance(x, int | float) and math.isfinite(x) for x in (temperature, top_p)):
         raise Refused(400, "sample: temperature and top_p must be numbers")
@@ -231,11 +233,17 @@ def sample(body: dict[str, Any], limits: ModelLimits, cfg: TinkerConfig, seed: i
         raise Refused(400, "sample: sampling_params.seed must be an integer")
     last_n = body.get("prompt_logprobs_last_n")
     want_prompt = bool(body.get("prompt_logprobs"))
-    if last_n is not None and (not want_prompt or not isinstance(last_n, int) or not 1 <= last_n <= len(prompt) - 1):
-        raise Refused(400, "sample: prompt_logprobs_last_n needs prompt_logprobs and 1..len(prompt)-1")
+    topk = body.get("topk_prompt_logprobs") or 0
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= min(MAX_TOPK_LOGPROBS, limits.vocab):
+        raise Refused(400, f"sample: topk_prompt_logprobs must be 0..{min(MAX_TOPK_LOGPROBS, limits.vocab)} on this "
+                           "server")  # fmt: skip
+    scored = want_prompt or topk > 0
+    if last_n is not None and (not scored or not isinstance(last_n, int) or not 1 <= last_n <= len(prompt) - 1):
+        raise Refused(400, "sample: prompt_logprobs_last_n needs prompt_logprobs (or topk_prompt_logprobs) and "
+                           "1..len(prompt)-1")  # fmt: skip
     return Sample(
         tuple(prompt), n, max_tokens, (given & 0x7FFFFFFF) if given is not None else seed, float(temperature),
-        float(top_p), stop_strings, stop_tokens, want_prompt, last_n,
+        float(top_p), stop_strings, stop_tokens, want_prompt, last_n, top_k, topk,
     )  # fmt: skip
 
 

@@ -10,8 +10,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from plexrl.server.tinker import catalog, proto
 from plexrl.server.tinker import decode as dec
-from plexrl.server.tinker import proto
 from plexrl.server.tinker.records import (
     KEEP_SNAPSHOTS,
     SamplerRecord,
@@ -70,12 +70,20 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
 
 
 def get_info(reg: Registry, user: str | None, model_id: Any) -> dict[str, Any]:
+    """The model's architecture (its config.json's model_type), the name it was created under, and the tokenizer
+    id a client loads (`catalog.tokenizer_id`: the Hugging Face name where the model has one)."""
     with reg.lock:
         m = reg.model(user, model_id)
-    tok = str(m.model_dir) if m.model_dir is not None else None
-    data = {"arch": "llama", "model_name": m.base_model, "tokenizer_id": tok}
+    arch = catalog.facts(m.model_dir).arch if m.model_dir is not None else None
+    tokenizer = catalog.tokenizer_id(reg.cfg.models, m.base_model)
+    data = {"arch": arch, "model_name": m.base_model, "tokenizer_id": tokenizer}
     return {"type": "get_info", "model_id": m.model_id, "model_name": m.base_model,
             "is_lora": m.lora_rank is not None, "lora_rank": m.lora_rank, "model_data": data}  # fmt: skip
+
+
+def get_server_capabilities(reg: Registry) -> dict[str, Any]:
+    """Every model the server serves by name (each of its names), with its context length."""
+    return {"supported_models": catalog.supported(reg.cfg.models)}
 
 
 def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
@@ -278,7 +286,8 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
         job_id = m.job_id
 
     def finish(value: dict[str, Any]) -> tuple[str, Any]:
-        return "proto", proto.encode_sample_response(value["sequences"], value.get("prompt_logprobs"))
+        return "proto", proto.encode_sample_response(value["sequences"], value.get("prompt_logprobs"),
+                                                     value.get("topk_prompt_logprobs"))  # fmt: skip
 
     reg.backend.call(job_id, "sample", call, replying(reg.futures, fut.request_id, finish))
     ids = [f"{sid}/{seq}/{i}" for i in range(call.num_samples)]
@@ -302,6 +311,7 @@ __all__ = [
     "forward_backward",
     "get_info",
     "get_sampler",
+    "get_server_capabilities",
     "load_weights",
     "optim_step",
     "save_for_sampler",

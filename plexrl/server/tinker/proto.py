@@ -291,9 +291,12 @@ def _double_field(number: int, value: float) -> bytes:
     return _key(number, 1) + struct.pack("<d", value)
 
 
-def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: np.ndarray | None) -> bytes:
+def encode_sample_response(
+    sequences: list[dict[str, Any]], prompt_logprobs: np.ndarray | None, topk: dict[str, np.ndarray] | None = None
+) -> bytes:
     """A SampleResponse: per sequence its stop reason, int32 tokens and float32 log-probs; the prompt's
-    log-probs (NaN where not scored) when asked for."""
+    log-probs (NaN where not scored) when asked for; the prompt's top-k (`topk`: `token_ids` int32 and
+    `logprobs` float32, both [L, K]) as a TopkLogprobs {1 token_ids, 2 logprobs, 3 k, 4 length}."""
     out = bytearray()
     for s in sequences:
         seq = _varint_field(1, 0 if s["stop_reason"] == "stop" else 1)
@@ -302,6 +305,11 @@ def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: np.
         out += _bytes_field(1, seq)
     if prompt_logprobs is not None:
         out += _bytes_field(2, np.asarray(prompt_logprobs, dtype="<f4").tobytes())
+    if topk is not None:
+        ids, lps = np.asarray(topk["token_ids"], dtype="<i4"), np.asarray(topk["logprobs"], dtype="<f4")
+        length, k = ids.shape
+        out += _bytes_field(3, _bytes_field(1, ids.tobytes()) + _bytes_field(2, lps.tobytes()) + _varint_field(3, k)
+                            + _varint_field(4, length))  # fmt: skip
     return bytes(out)
 
 

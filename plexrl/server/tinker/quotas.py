@@ -10,16 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.paths import FilePolicy, resolve
+from plexrl.server.tinker import catalog
 from plexrl.server.tinker.decode import Refused
 
 
-def check_base(name: Any, served: list[str], roots: list[Path], policy: FilePolicy | None) -> None:
-    """Refused (400) unless `name` is one of `served` or a model directory (with a config.json) that `policy`
-    allows (None: the administrator, anywhere under `roots`). Every path refused gets one answer, whether it
-    exists or not: nothing outside the policy is looked at."""
+def check_base(name: Any, models: list[str], roots: list[Path], policy: FilePolicy | None) -> None:
+    """Refused (400) unless `name` is a name some entry of `models` serves (`catalog.names_of`) or a model
+    directory (with a config.json) that `policy` allows (None: the administrator, anywhere under `roots`).
+    Every path refused gets one answer, whether it exists or not: nothing outside the policy is looked at."""
     if not isinstance(name, str) or not name or len(name) > 4096 or "\0" in name:
         raise Refused(400, "base_model must be a model name or a directory path (at most 4096 characters)")
-    if name in served:
+    if catalog.entry_of(models, name) is not None:
         return
     if "/" in name and not name.startswith("~"):
         try:
@@ -32,7 +33,7 @@ def check_base(name: Any, served: list[str], roots: list[Path], policy: FilePoli
                 return
         except (OSError, ValueError):  # (a name too long for the file system, ...: like any unknown path)
             pass
-    names = ", ".join(served) or "none by name"
+    names = ", ".join(n for e in models for n in catalog.names_of(e)) or "none by name"
     raise Refused(400, f"unknown base_model {name[:300]!r}: this server trains {names}, or a model directory "
                        "under its allowed roots that is yours or shared")  # fmt: skip
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from plexrl.paths import FilePolicy, resolve
+from plexrl.server.tinker import catalog, quotas
 from plexrl.server.tinker import decode as dec
-from plexrl.server.tinker import quotas
 from plexrl.server.tinker.config import TinkerConfig
 from plexrl.server.tinker.futures import Futures
 from plexrl.server.tinker.records import (
@@ -256,9 +256,8 @@ class Registry:
         """The directory of a base model named by pretrained short name (converted on first use) or by path
         under the allowed roots (one answer for a path outside them, whether it exists or not)."""
         self.check_base(name, user)
-        if name in self.cfg.models:
-            return self.resolve_pretrained(name)
-        return resolve(name)
+        entry = catalog.entry_of(self.cfg.models, name)
+        return catalog.directory(entry, self.resolve_pretrained) if entry is not None else resolve(name)
 
     def check_base(self, name: Any, user: str | None = None) -> None:
         """`quotas.check_base` with this server's names, roots and `user`'s file policy."""

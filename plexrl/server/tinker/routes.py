@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from plexrl.server.tinker import handlers, proto
+from plexrl.server.tinker import handlers, proto, rest
 from plexrl.server.tinker.decode import Refused
 from plexrl.server.tinker.registry import Registry
 
@@ -101,8 +101,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
     @router.get("/get_server_capabilities")
     async def capabilities() -> Any:
-        models = [{"model_name": m, "trainable": True, "sampleable": True} for m in cfg.models]
-        return {"supported_models": models}
+        return await run_in_threadpool(handlers.get_server_capabilities, registry)
 
     @router.post("/client/config")
     async def client_config() -> Any:
@@ -231,6 +230,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             return fut.payload
 
         return await guarded(go())
+
+    rest.add_rest_routes(router, registry, who)  # the RestClient's training runs and checkpoints
 
     @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unserved(rest: str) -> Any:
