@@ -225,8 +225,6 @@ LIMIT = 450  # no module passes it, but those listed here
 # Over the limit today, each to be split along its seams: the list only shrinks (a module that is back under
 # the limit must leave it). No module passes 500 lines, listed or not (`test_every_module_reads_in_one_sitting`).
 OVER_LIMIT = {
-    "plexrl.services.service",  # temporarily: the split of the service (its moves, its calls) removes it
-    "plexrl.cli",
     "plexrl.server.api",
     "plexrl.server.controller",
 }
@@ -242,6 +240,7 @@ OVER_NEW_LIMIT = {
     "plexrl.server.journal",
     "plexrl.server.tinker.registry",
     "plexrl.services.group",
+    "plexrl.services.service",
     "plexrl.sessions.engine",
     "plexrl.sim.config",
     "plexrl.tools.sandbox",

@@ -3,18 +3,17 @@
 events, calling the hooks on the way. It keeps the jobs' records (`JobRun`: status, history, artifacts) and
 closes them.
 
-It decides nothing: what runs where and when is the planner's (retries and their backoff included:
-`RetryNode` is only logged and counted here), when to wait and what to feed the planner is the loop's
-(`runner.Runner`). Its handle ledger (`ledger.py`, pure) keeps what is in flight under each handle and each
-job's current iteration (its nodes' output handles: the data stays where the executor made it, their small
-metrics and durations); when the planner closes an iteration, the carrier assembles the metrics row, calls
-the hooks and tells the executor to drop the outputs. A checkpoint is the planner's work too (`RunCheckpoint`,
-`JobPlan.checkpoint_every`): the carrier asks `checkpoint_at` where it goes, has the executor write it on the
-job's service, and reports its end (`CheckpointFinished`). Anything that goes wrong with one job (its load, a
-node's submission, a swap) fails that job only (docs invariant 5): `fail` returns the `JobFailed` event
-for the planner, and the job's later instructions are dropped until the planner's `FailJob` comes back.
-
-The loop thread's alone: no lock (other threads reach the loop through its inbox).
+It decides nothing: what runs where and when is the planner's (retries and their backoff included: `RetryNode` is
+only logged and counted here), when to wait and what to feed the planner is the loop's (`runner.Runner`). Its handle
+ledger (`ledger.py`, pure) keeps what is in flight under each handle and each job's current iteration (its nodes'
+output handles: the data stays where the executor made it, their small metrics and durations); when the planner
+closes an iteration, the carrier assembles the metrics row, calls the hooks and tells the executor to drop the
+outputs. A checkpoint is the planner's work too (`RunCheckpoint`, `JobPlan.checkpoint_every`): the carrier asks
+`checkpoint_at` where it goes, has the executor write it on the job's service, and reports its end
+(`CheckpointFinished`). Anything that goes wrong with one job (its load, a node's submission, a swap) fails that job
+only (docs invariant 5): `fail` returns the `JobFailed` event for the planner, and the job's later instructions are
+dropped until the planner's `FailJob` comes back. The loop thread's alone: no lock (other threads reach the loop
+through its inbox).
 """
 
 from __future__ import annotations
