@@ -30,6 +30,11 @@ class Refused(Exception):
         super().__init__(message)
         self.status, self.message = status, message
 
+    @property
+    def retried(self) -> bool:
+        """Whether the tinker SDK sends the same request again on this status (408, 409, 429, 5xx)."""
+        return self.status in (408, 409, 429) or self.status >= 500
+
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:

@@ -370,11 +370,12 @@ class Registry:
     @contextlib.contextmanager
     def turn(self, m: ModelRecord, seq: Any) -> Iterator[None]:
         """The checks of the owner's training request `seq` (lock held): one that refuses it still uses its turn,
-        as the SDK counts it sent (its next request carries the next seq id)."""
+        as the SDK counts it sent (its next request carries the next seq id); but not a refusal the SDK retries
+        with the same seq id (429, 5xx: a full disk, a busy server), whose turn waits for the retry."""
         try:
             yield
-        except Refused:
-            if not isinstance(seq, int) or isinstance(seq, bool) or m.next_seq is None or seq in m.seen:
+        except Refused as e:
+            if e.retried or not isinstance(seq, int) or isinstance(seq, bool) or m.next_seq is None or seq in m.seen:
                 raise
             if seq == m.next_seq:
                 m.next_seq += 1
