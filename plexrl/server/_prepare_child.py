@@ -1,6 +1,6 @@
 """The child process of `plexrl.server.preparation` (`python -m plexrl.server._prepare_child`): sets its own
 address-space limit (`PLEXRL_PREPARE_MEMORY` bytes; 0: none), reads one pickled request on stdin (`entry`,
-`kwargs` of `api.prepare_entry`, the parent's `sys.path`), prepares the job (filling the caches the server
+`kwargs` of `entries.prepare_entry`, the parent's `sys.path`), prepares the job (filling the caches the server
 process then reads) and writes one JSON line on the descriptor `PLEXRL_ANSWER_FD`: `{"ok": true}`,
 `{"problems": [[where, message], ...]}` or `{"error": "Type: message"}`. Its stdout goes to stderr (what the
 preparation prints is not the answer)."""
@@ -24,7 +24,7 @@ def main() -> None:
         request = pickle.loads(sys.stdin.buffer.read())
         sys.path[:] = [p for p in request["path"] if isinstance(p, str)]
         from plexrl.errors import ConfigError
-        from plexrl.server.api import prepare_entry
+        from plexrl.server.entries import prepare_entry
 
         try:
             prepare_entry(request["entry"], **request["kwargs"])

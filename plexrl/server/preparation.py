@@ -1,4 +1,4 @@
-"""A job's preparation out of the server process: `prepare_isolated` runs the preparation (`api.prepare_entry`:
+"""A job's preparation out of the server process: `prepare_isolated` runs the preparation (`entries.prepare_entry`:
 the journalled config checked again, the task's data opened, indexed and cached, the model built or converted,
 the warm start trained) first in a child process (`python -m plexrl.server._prepare_child`) with an address-space
 limit (`RLIMIT_AS` = `limits.prepare_memory`) and a wall-clock limit (`limits.prepare_timeout_s`), killed, with
@@ -53,7 +53,7 @@ def prepare_isolated(
     timeout_s: float,
     **kwargs: Any,
 ) -> Any:
-    """The job's spec (`prepare(entry, cancel=cancel, **kwargs)`: `api.prepare_entry`), after the same
+    """The job's spec (`prepare(entry, cancel=cancel, **kwargs)`: `entries.prepare_entry`), after the same
     preparation ran in a child process within `memory` bytes of address space and `timeout_s` seconds; see the
     module docstring. Raises `ConfigError` (the job's problems), `PreparationFailed`, or `PreparationCancelled`
     when `cancel` is set meanwhile (the child killed)."""
