@@ -6,7 +6,8 @@ tokenizer the cookbook loads offline by that name.
 
 Checked on the server's side, not only in the cookbook's logs: the cookbook's checkpoints are the ones the
 RestClient lists, and the final state it saved computes another loss than the untrained model (the steps it
-logged changed the weights)."""
+logged changed the weights). The provenance spans the RL trainer attaches to every datum are taken (not checked:
+only stable_reinforce, not served, reads them) and change nothing in the call."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ chz = pytest.importorskip("chz", reason="tinker-cookbook is installed by `make s
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is installed by `make setup` (Makefile)")
 
 from tinker import types  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker_cookbook import renderers  # noqa: E402
 from tinker_cookbook.completers import StopCondition  # noqa: E402
 from tinker_cookbook.rl import train as rl_train  # noqa: E402
@@ -40,6 +42,8 @@ from tinker_cookbook.tokenizer_utils import get_tokenizer  # noqa: E402
 from plexrl.job.pretrained import place_tokenizer  # noqa: E402
 from plexrl.server.api import RunningServer, start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
+from plexrl.server.tinker import decode, proto  # noqa: E402
+from plexrl.server.tinker.config import TinkerConfig  # noqa: E402
 
 NAME = "plexrl-tests/cookbook-tiny"  # the Hugging Face name the tiny model's config.json declares
 KEY = "tml-ann"
@@ -204,3 +208,26 @@ def test_the_cookbooks_rl_trainer_runs_unchanged(tmp_path: Path, served: Running
     listed, trained, untrained = on_the_server(served, final["state_path"])
     assert {p for r in saved for k, p in r.items() if k.endswith("_path")} <= listed
     assert trained != pytest.approx(untrained, rel=1e-4)
+
+
+def test_provenance_spans_which_the_rl_trainer_attaches_are_taken_and_change_nothing() -> None:
+    plain = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [0.0, -1.0, -2.0], "advantages": [0.0, 0.5, 0.5]},
+    )
+    spanned = plain.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="q", length=2),
+                     types.SampledProvenanceSpan(sequence_id="q", length=1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="q", offset=1, length=1),
+                        types.SampledProvenanceSpan(sequence_id="q", length=2)],
+    )  # fmt: skip
+    calls = []
+    for datum in (plain, spanned):
+        req = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="importance_sampling"),
+            model_id="s0123456789abcdef:train:0", seq_id=1,
+        )  # fmt: skip
+        wire = proto.decode_forward_backward(forward_backward_request_to_proto(req).SerializeToString())
+        assert wire.data[0].spans is (datum is spanned)
+        calls.append(decode.forward_backward(wire, decode.ModelLimits(vocab=50, context=8), TinkerConfig()))
+    assert repr(calls[0]) == repr(calls[1])
