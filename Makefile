@@ -13,6 +13,14 @@ VLLM_EXTRA ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo vllm |
 
 .PHONY: demo test lint setup setup-vllm setup-browser setup-slurm setup-pretrained gpu-carry clean
 
+# tinker-cookbook, whose trainers tests/test_tinker_cookbook.py runs against `plexrl serve`: it requires
+# tml-renderers>=0.4.1, which the package index lacks (only its Kimi K3.1 and Inkling renderers import it), so it
+# cannot be in the dev extra; it is installed without its dependencies, with those it needs that the dev extra does
+# not bring (blobfile's lxml and pycryptodomex included), in one pip call. Later pip runs report tml-renderers
+# (and, without vLLM, tiktoken: only Kimi's tokenizers use it) missing for it; that does not fail them.
+COOKBOOK := tinker-cookbook==0.6.1 chz==0.4.0 blobfile==3.3.0 lxml==6.2.0 pycryptodomex==3.24.2 pyrage==1.4.0 \
+	termcolor==3.3.0
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -20,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(COOKBOOK)
 	if [ "$(PLEXRL_VLLM)" = 1 ]; then $(MAKE) --no-print-directory setup-vllm; fi
 	$(MAKE) --no-print-directory setup-pretrained
 	touch $(STAMP)

@@ -78,7 +78,9 @@ def open_tinker_clients() -> list[Any]:
 
     gc.collect()
     holders = [o for o in gc.get_objects() if InternalClientHolder in type(o).__mro__]  # no isinstance: it runs hooks
-    return [h for h in holders if getattr(h, "_closed", True) is False]
+    # (a session-less holder, what `tinker.RestClient(base_url=..., api_key=...)` runs over, has no session and no
+    # heartbeat: the SDK keeps it for the process and says it needs no closing)
+    return [h for h in holders if getattr(h, "_closed", True) is False and getattr(h, "_session_id", "") is not None]
 
 
 def check(since: float) -> str | None:

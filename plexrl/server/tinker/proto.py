@@ -189,7 +189,7 @@ class WireDatum:
 
     chunks: list[tuple[str, bytes]] = field(default_factory=list)
     inputs: dict[str, WireTensor] = field(default_factory=dict)
-    spans: bool = False
+    spans: bool = False  # it carries provenance spans (taken, not checked: decode.forward_backward)
 
 
 @dataclass(slots=True)
