@@ -29,6 +29,7 @@ EXPECTED = {
     "dask_overhead": "ratio dask / in-process",
     "engine_choice": "vLLM / torch time",
     "multiplex": "/ time-slicing: cost",  # the time-slicing arm ran beside the default ordering
+    "multiplex_lora": "/ time-slicing+base: cost",  # an OpenRL job's base moves counted into time-slicing
     "multiplex_real": "state moves against the memory-copy bound",
     "pipeline_overhead": "ratio plexrl / hand",
     "real_model": "seeds at >= 85% within 20 minutes",
