@@ -26,7 +26,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-VOLATILE = ("time/", "tokens_per_s")  # the metrics that depend on the machine's speed, not on what was learned
+# the metrics that depend on the machine's speed, not on what was learned (tool and verifier waits too)
+VOLATILE = ("time/", "tokens_per_s", "latency_s")
 
 
 def curve(history: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
