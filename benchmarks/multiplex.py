@@ -26,7 +26,8 @@ and each figure next to its physical bound from the lean arm (`plexrl.accounting
 service seconds alone over their steps; `slowdown_bound`: the least slowdown earliest-deadline-first
 feasibility allows) as measured / bound;
 with `--reps N` (default 3) every headline figure as mean +- sample standard deviation [min, max]. Also the
-service's busy / swap / startup / idle seconds and the swap figures of each multiplexed run (bytes moved,
+service's busy / swap / startup / idle seconds (idle by what the jobs ran off the service meanwhile:
+`_arms.idle_reasons`) and the swap figures of each multiplexed run (bytes moved,
 blocking seconds, share of swap time hidden: background moves no node waited for). Identical seeds in (a),
 (b) and (c); MLflow and progress bars off; warm starts are built (cached) before anything is timed.
 
