@@ -21,7 +21,7 @@ cycle), swaps (blocking, in the background) and idle by reason (what the jobs ra
 `tools` is a tool round); then benchmarks/multiplex.py's llm-d / OpenRL figures and PlexRL / time-slicing+base
 (goal: cost <= 0.8x). Each multiplexed run also prints its service accounting and move records as it ends.
 
-    .venv/bin/python benchmarks/multiplex_agentic.py [--iterations 6] [--reps 1] [--layers 2]
+    .venv/bin/python benchmarks/multiplex_agentic.py [--iterations N] [--reps 1] [--layers 2]
         [--driver dask|local] [--orderings hrrs] [--smoke]
 
 `--smoke`: tiny jobs (a 1-layer agent whose calls are the plain sandboxed `PythonExpression`, a tiny GRPO job,
@@ -161,7 +161,7 @@ def summary(lean: list[dict[str, Alone]], arms: dict[str, list[Mux]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iterations", type=int, help="iterations per job (default: the config's, 6)")
+    ap.add_argument("--iterations", type=int, help="iterations of every job (default: each job's in the config)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the arms (default 1)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the LoRA job's SmolLM2 copy "
                     "(default 2; 0: the real 30-layer model)")  # fmt: skip
