@@ -188,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for job in cluster.jobs:
         prepare_job(job)  # warm starts first (cached), so no arm pays for them
     configure_torch(cluster.config.services.threads)
-    run_alone(with_iterations(dataclasses.replace(cluster, jobs=cluster.jobs[-1:]), 1), "local", "warm-up")
+    first = [j for j in cluster.jobs if j.config.model.lora is not None] or cluster.jobs[:1]  # parquet, tokenizer
+    run_alone(with_iterations(dataclasses.replace(cluster, jobs=first[:1]), 1), "local", "warm-up")
     orderings = [SLICING, *(args.orderings.split(",") if args.orderings else [cluster.config.ordering])]
     bases, moves = base_moves(cluster)
     lean: list[dict[str, Alone]] = []
