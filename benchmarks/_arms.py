@@ -11,17 +11,23 @@ time-slicing (`ordering: time-slicing`, the llm-d / OpenRL design on our executo
   the start of its swaps, or of the node when nothing moved;
 - curves: a job's per-iteration metrics without the timing keys (what must be identical in every arm);
 - moves: the sums of every state move's record over the services (`plexrl.services.records.summarize`: moves,
-  bytes, copy calls, buffers made / reused, page faults, queued / copy / wait seconds, GB/s of the copying).
+  bytes, copy calls, buffers made / reused, page faults, queued / copy / wait seconds, GB/s of the copying);
+- idle by reason: each second a service ran nothing (no node, swap or load span on it, from the run's first
+  span to its last), named by the off-service nodes of every job running then (`tools` for a tool round,
+  `verify` for a remote verifier, ...; digits dropped), or `nothing running` (round trips, dispatch, the
+  run's start and end).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-VOLATILE = ("time/", "tokens_per_s")  # the metrics that depend on the machine's speed, not on what was learned
+# the metrics that depend on the machine's speed, not on what was learned (tool and verifier waits too)
+VOLATILE = ("time/", "tokens_per_s", "latency_s")
 
 
 def curve(history: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
@@ -117,9 +123,76 @@ def move_totals(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
+def switches(spans: Sequence[Any]) -> list[tuple[str, str, float]]:
+    """(job handing over, job taking over, the second's node start) of every hand-over, on the spans' clock."""
+    out = []
+    for lane in sorted({s.lane for s in spans if s.kind == "node" and s.lane.startswith("service")}):
+        nodes = sorted(_service_nodes(spans, {lane}), key=lambda s: s.start)
+        out += [(a.job, b.job, b.start) for a, b in itertools.pairwise(nodes) if a.job != b.job]
+    return out
+
+
+def job_ends(spans: Sequence[Any]) -> dict[str, float]:
+    """Each job's last span end, on the spans' clock."""
+    out: dict[str, float] = {}
+    for s in spans:
+        out[s.job] = max(out.get(s.job, s.end), s.end)
+    return out
+
+
+def idle_reasons(spans: Sequence[Any]) -> dict[str, float]:
+    """Seconds the services sat idle, summed over services, by what the jobs ran off the service meanwhile (see
+    the module docstring)."""
+    lanes = sorted({s.lane for s in spans if s.lane.startswith("service")})
+    if not lanes:
+        return {}
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    off = [(s.start, s.end, re.sub(r"\d+$", "", s.node)) for s in spans if s.kind == "node" and s.lane not in lanes]
+    out: dict[str, float] = {}
+    for lane in lanes:
+        pieces, cur = [], t0
+        for a, b in sorted((s.start, s.end) for s in spans if s.lane == lane and s.kind != "weights"):
+            if a > cur:
+                pieces.append((cur, a))
+            cur = max(cur, b)
+        if t1 > cur:
+            pieces.append((cur, t1))
+        for a, b in pieces:
+            near = [o for o in off if o[0] < b and o[1] > a]
+            cuts = sorted({a, b} | {x for o in near for x in o[:2] if a < x < b})
+            for x, y in itertools.pairwise(cuts):
+                mid = (x + y) / 2
+                running = sorted({o[2] for o in near if o[0] <= mid < o[1]})
+                reason = "+".join(running) if running else "nothing running"
+                out[reason] = out.get(reason, 0.0) + y - x
+    return out
+
+
+def format_idle(idle: Mapping[str, float], top: int = 4) -> str:
+    """`12.3 s: tools 8.1 s, verify 2.0 s, ...` (the `top` largest reasons, the rest as `other`)."""
+    ranked = sorted(idle.items(), key=lambda kv: -kv[1])
+    parts = [f"{k} {v:.1f} s" for k, v in ranked[:top]]
+    if len(ranked) > top:
+        parts.append(f"other {sum(v for _, v in ranked[top:]):.1f} s")
+    return f"{sum(idle.values()):.1f} s: " + ", ".join(parts) if parts else "0.0 s"
+
+
 def plans_of(runs: Iterable[Any]) -> dict[str, dict[str, tuple[str, tuple[str, ...]]]]:
     """job -> node -> (runs_on, deps) of finished runs (`JobRun.graph`)."""
     return {r.job_id: {n.name: (n.runs_on, tuple(r.graph.deps(n.name))) for n in r.graph.nodes} for r in runs}
 
 
-__all__ = ["VOLATILE", "curve", "hand_overs", "median", "move_totals", "phase_waits", "plans_of", "same_curve"]
+__all__ = [
+    "VOLATILE",
+    "curve",
+    "format_idle",
+    "hand_overs",
+    "idle_reasons",
+    "job_ends",
+    "median",
+    "move_totals",
+    "phase_waits",
+    "plans_of",
+    "same_curve",
+    "switches",
+]

@@ -26,7 +26,8 @@ and each figure next to its physical bound from the lean arm (`plexrl.accounting
 service seconds alone over their steps; `slowdown_bound`: the least slowdown earliest-deadline-first
 feasibility allows) as measured / bound;
 with `--reps N` (default 3) every headline figure as mean +- sample standard deviation [min, max]. Also the
-service's busy / swap / startup / idle seconds and the swap figures of each multiplexed run (bytes moved,
+service's busy / swap / startup / idle seconds (idle by what the jobs ran off the service meanwhile:
+`_arms.idle_reasons`) and the swap figures of each multiplexed run (bytes moved,
 blocking seconds, share of swap time hidden: background moves no node waited for). Identical seeds in (a),
 (b) and (c); MLflow and progress bars off; warm starts are built (cached) before anything is timed.
 
@@ -60,7 +61,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' helpers, run from anywhere
 
-from _arms import curve, hand_overs, median, move_totals, phase_waits, plans_of, same_curve
+from _arms import (
+    curve,
+    format_idle,
+    hand_overs,
+    idle_reasons,
+    job_ends,
+    median,
+    move_totals,
+    phase_waits,
+    plans_of,
+    same_curve,
+    switches,
+)
 
 from plexrl.cluster import LoadedCluster, load_cluster, run_cluster
 from plexrl.services.records import format_summary
@@ -168,6 +181,11 @@ class Mux:
     curves: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)
     swap: tuple[float, float, float, int] = (0.0, 0.0, float("nan"), 0)  # blocking, background, hidden, bytes
     moves: dict[str, float] = dataclasses.field(default_factory=dict)  # move-record sums (`_arms.move_totals`)
+    idle: dict[str, float] = dataclasses.field(default_factory=dict)  # idle seconds by reason (`_arms.idle_reasons`)
+    # (from, to, when) of each hand-over and each job's last span end, on the spans' clock (`_arms.switches`)
+    switches: list[tuple[str, str, float]] = dataclasses.field(default_factory=list)
+    ends: dict[str, float] = dataclasses.field(default_factory=dict)
+    makespan: float = float("nan")
 
 
 @dataclasses.dataclass(slots=True)
@@ -202,6 +220,8 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
         print(f"    {s.service}: busy {s.busy:.1f}s (weight loads {s.weights:.2f}s of it) swap {s.swap:.2f}s "
               f"startup {s.startup:.2f}s idle {s.idle:.1f}s ({s.utilization:.0%} busy)")  # fmt: skip
     startup_timeline(res.spans)
+    idle = idle_reasons(res.spans)
+    print(f"    idle by what the jobs ran meanwhile (first span to last, services summed): {format_idle(idle)}")
     blocking, prefetch, hidden, moved = swap_summary(res.service_reports)
     print(f"    swaps: {moved / 2**20:.0f} MiB moved, blocking {blocking:.2f}s, in the background {prefetch:.2f}s "
           f"(prefetch and early swaps), hidden {hidden:.0%} of swap time", flush=True)  # fmt: skip
@@ -224,6 +244,10 @@ def run_mux(cluster: LoadedCluster, ordering: str) -> Mux:
         {h.job_id: curve(h.history) for h in res.jobs},
         (blocking, prefetch, hidden, moved),
         moves,
+        idle,
+        switches(res.spans),
+        job_ends(res.spans),
+        makespan,
     )
 
 
@@ -329,16 +353,18 @@ def openrl_figures(lean: Sequence[dict[str, Alone]], muxes: Sequence[Mux], label
           f"cycle {spread([m.duty for m in muxes])}; learning curves identical to lean: {same}")  # fmt: skip
 
 
-def against_slicing(lean: Sequence[dict[str, Alone]], arms: dict[str, list[Mux]]) -> None:
-    """Every arm's llm-d / OpenRL figures (`arms`: its runs, one per repetition of `lean`), then each PlexRL
-    arm against time-slicing, next to the goals."""
+def against_slicing(lean: Sequence[dict[str, Alone]], arms: dict[str, list[Mux]], reference: str | None = None) -> None:
+    """Every arm's llm-d / OpenRL figures (`arms`: its runs, one per repetition of `lean`), then each other arm
+    against `reference` (default: the first time-slicing arm), next to the goals."""
     print("\nthe llm-d / OpenRL figures (dedicated: one service per job, all held until the last ends; "
           "one-after-another: the jobs alone in turn on one service)")  # fmt: skip
     for arm, runs in arms.items():
         openrl_figures(lean, runs, arm)
-    ts = next((runs for arm, runs in arms.items() if arm.split("+")[0] == SLICING), None)
-    if ts is None:
+    if reference is None:
+        reference = next((arm for arm in arms if arm.split("+")[0] == SLICING), None)
+    if reference is None:
         return
+    ts = arms[reference]
     for arm, muxes in arms.items():
         if muxes is ts:
             continue
@@ -347,7 +373,7 @@ def against_slicing(lean: Sequence[dict[str, Alone]], arms: dict[str, list[Mux]]
             j: [m.completion[j] / t.completion[j] for m, t in zip(muxes, ts, strict=True)] for j in muxes[0].completion
         }
         ok = all(max(v) <= 1.0 for v in worse.values())
-        print(f"{arm} / time-slicing: cost {spread(cost)} (goal <= 0.8); completion per job "
+        print(f"{arm} / {reference}: cost {spread(cost)} (goal <= 0.8); completion per job "
               f"{', '.join(f'{j} {spread(v)}' for j, v in worse.items())} (goal: none above 1: {ok})")  # fmt: skip
 
 

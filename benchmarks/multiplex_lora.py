@@ -10,32 +10,38 @@ loaded once and shared read-only; a switch between jobs moves only adapters and 
 (`plexrl/engines/lora.py`); the device budget holds the base + `--resident` adapter states (default 1: every
 switch swaps the adapters and their AdamW moments, megabytes, never the base; 0: no budget).
 
-Two arms in every repetition, seeds identical (benchmarks/multiplex.py's lean and multiplexed arms):
+Arms in every repetition, seeds identical (benchmarks/multiplex.py's lean and multiplexed arms):
 (a) alone: each job by itself in this process on the local driver (the dedicated baseline: its own service,
     its own copy of the base), its cost = 1 service x its wall time;
-(b) multiplexed: all jobs on ONE service of the config's driver with `--orderings`, and (unless
-    `--no-time-slicing`) with `time-slicing`, the llm-d / OpenRL design on our executor (benchmarks/multiplex.py;
-    here the shared base stays on the service: a hand-over moves the holder's adapter and moments, while an
-    OpenRL job, a process of its own, would move its whole GPU state, base included: this flatters time-slicing).
-Printed: every job's slowdown (multiplexed completion / alone) next to the slowdown bound and the goal
-(<= 1.5), and training steps per accelerator-second, multiplexed / alone (goal >= 2.5x, the anchor being
-SkyRL's 2.81x experiment throughput on one node), next to its bound (`plexrl.accounting.cost_bound`: the jobs'
-busy service seconds alone, so steps per accelerator-second can be at most steps / those seconds).
+(b) PlexRL: all jobs on ONE service of the config's driver with each of `--orderings`; where the jobs' engine
+    can run several jobs' rollouts in one call (`--engine vllm`: one LoRARequest per job,
+    `plexrl/planner/batches.py`; the torch LoRA engine cannot, `JobSpec.batch_limit`), their rollouts are
+    co-scheduled (`--batch-rollouts`, default auto: on with vLLM; `both` runs each ordering with and without);
+(c) time-slicing (unless `--no-time-slicing`): the llm-d / OpenRL design on our executor (benchmarks/multiplex.py).
+    As run, the shared base stays on the service and a hand-over moves only adapters and moments; an OpenRL
+    job, a process of its own, moves its whole GPU state, base included. So the arm is also reported as
+    `time-slicing+base`: every hand-over's base out and in added at the seconds this machine's swap path takes
+    for the base's bytes (`benchmarks/_openrl.py`, measured first; not run inside the service), and PlexRL is
+    compared against that one, and against it at the copy bound (the peer at its best).
+Printed per arm: accelerator-seconds per step (and training steps per accelerator-second, multiplexed / alone,
+goal >= 2.5x, the anchor being SkyRL's 2.81x experiment throughput on one node) next to its bound
+(`plexrl.accounting.cost_bound`: the jobs' busy service seconds alone), every job's slowdown (multiplexed
+completion / alone, goal <= 1.5) next to the slowdown bound, the move-record summary (`_arms.move_totals`),
+the service's busy / swap / idle seconds with the idle seconds by reason, then benchmarks/multiplex.py's llm-d /
+OpenRL figures and PlexRL / time-slicing+base per job (goals: cost <= 0.8x, no job slower).
 
-One iteration of the first job alone runs untimed first (the process's one-time costs). Rollouts are not
-batched across jobs unless `--batch-rollouts`: each job's rollout is its own engine call (see docs/benchmarks.md).
+One iteration of the first job alone runs untimed first (the process's one-time costs).
 
     .venv/bin/python benchmarks/multiplex_lora.py [--jobs 4] [--layers 4] [--iterations 20] [--reps 1]
         [--latency 1.0] [--batch 8] [--n 8] [--rank 16] [--resident 1] [--driver dask|local] [--orderings hrrs,deadline]
-        [--engine torch|vllm] [--kv-cache-mb 256] [--batch-rollouts] [--smoke]
+        [--engine torch|vllm] [--kv-cache-mb 256] [--batch-rollouts [auto|on|off|both]] [--smoke]
 
 `--engine vllm`: the rollouts on one LoRA-enabled vLLM engine per service (`plexrl/engines/vllm_lora.py`: the
 base loaded once, each job under its own LoRARequest, a weight sync registers the adapter only); the device
-budget then counts that engine once beside the base and the resident adapter states.
-`--batch-rollouts` (with `--engine vllm`, either driver): each ordering runs twice per repetition, as above
-and then with co-scheduled rollouts (arm `<ordering>+batched`, cluster `batch_rollouts: true`,
-`plexrl/planner/batches.py`): the rollouts of jobs queued together on the service run as ONE vLLM call, a
-LoRARequest per job; each job samples its own tokens (the alone arm is unchanged).
+budget then counts that engine once beside the base and the resident adapter states. Co-scheduled rollouts
+(arm `<ordering>+batched`, cluster `batch_rollouts: true`): the rollouts of jobs queued together on the
+service run as ONE vLLM call, a LoRARequest per job; each job samples its own tokens (the alone arm is
+unchanged). `--batch-rollouts` alone means `both`.
 
 `--smoke`: 2 jobs on a 1-layer copy, 1 iteration of 2 prompts x 2 samples, local driver (the tests run it;
 its figures mean nothing). Run it alone on the machine: other processes on the 2 cores distort every figure.
@@ -56,12 +62,14 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' helpers, run from anywhere
 
+from _openrl import base_line, base_moves, with_base_moves
 from _smol_short import short_copy
 from multiplex import SLICING, Alone, Mux, against_slicing, run_alone, run_mux, spread, with_iterations
 
 from plexrl.cluster import LoadedCluster, load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
+BASE = f"{SLICING}+base"  # the time-slicing arm with an OpenRL job's base moves added (`benchmarks/_openrl.py`)
 DATA = ROOT / "runs" / "data" / "addition"
 
 
@@ -129,6 +137,8 @@ def report(lean: list[dict[str, Alone]], mux: list[Mux], ordering: str) -> None:
     best = [1.0 / cost_bound(b, s) / a for b, s, a in zip(busy, steps, per_alone, strict=True)]
     sd_bound = [slowdown_bound(b, [a.wall for a in r.values()]) for b, r in zip(busy, lean, strict=True)]
     worst = [max(m.completion[j] / r[j].wall for j in jobs) for r, m in zip(lean, mux, strict=True)]
+    print(f"accelerator-seconds per step: {spread([m.cps for m in mux])}, bound "
+          f"{spread([cost_bound(b, s) for b, s in zip(busy, steps, strict=True)])}")  # fmt: skip
     print(f"training steps per accelerator-second: alone {spread(per_alone)}, multiplexed {spread(per_mux)}")
     print(f"multiplexed / alone = {spread(ratio)}x (goal >= 2.5x), bound {spread(best)}x "
           f"(the jobs' busy service seconds alone: plexrl.accounting.cost_bound)")  # fmt: skip
@@ -164,8 +174,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "multiplex-lora")
     ap.add_argument(
         "--batch-rollouts",
-        action="store_true",
-        help="multiplexed arm: co-schedule the jobs' rollouts into one vLLM call (needs --engine vllm)",
+        nargs="?",
+        const="both",
+        default="auto",
+        choices=["auto", "on", "off", "both"],
+        help="PlexRL's arms: co-schedule the jobs' rollouts into one vLLM call (auto: with --engine vllm; "
+        "both: each ordering with and without; alone: both)",
     )
     ap.add_argument("--no-time-slicing", action="store_true", help="skip the time-slicing arm (the llm-d / OpenRL "
                     "design on our executor, run by default beside the orderings)")  # fmt: skip
@@ -178,8 +192,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.batch, args.n, args.max_new_tokens, args.latency, args.driver = 2, 2, 4, 0.05, "local"
     if args.jobs < 1 or args.reps < 1:
         ap.error("--jobs and --reps must be at least 1")
-    if args.batch_rollouts and args.engine != "vllm":
+    if args.batch_rollouts in ("on", "both") and args.engine != "vllm":
         ap.error("--batch-rollouts mixes LoRA adapters in one vLLM call: add --engine vllm")
+    batch = "on" if args.batch_rollouts == "auto" and args.engine == "vllm" else args.batch_rollouts
     logging.basicConfig(level=logging.WARNING)
     if not (DATA / "train.parquet").is_file():
         from real_model import write_data
@@ -201,12 +216,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     orderings = args.orderings.split(",")
     if not args.no_time_slicing and SLICING not in orderings:
         orderings.append(SLICING)  # the llm-d / OpenRL design on our executor, side by side
-    # with --batch-rollouts every ordering runs twice in each repetition: its rollouts one call per job, then
-    # co-scheduled into one vLLM call (cluster batch_rollouts: true), side by side against the same alone arm
-    arms = {o: cluster for o in orderings}
-    if args.batch_rollouts:
-        batched = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"batch_rollouts": True}))
-        arms.update({f"{o}+batched": batched for o in orderings if o != SLICING})  # one job's node at a time
+    # PlexRL's orderings with co-scheduled rollouts (one vLLM call per cohort, cluster batch_rollouts: true) where
+    # the engine can; `both`: also one call per job, side by side against the same alone arm
+    batched = dataclasses.replace(cluster, config=cluster.config.model_copy(update={"batch_rollouts": True}))
+    arms: dict[str, LoadedCluster] = {}
+    for o in orderings:
+        if o == SLICING or batch in ("off", "both", "auto"):
+            arms[o] = cluster
+        if o != SLICING and batch in ("on", "both"):  # time-slicing: one job's node at a time
+            arms[f"{o}+batched"] = batched
+    print("co-scheduled rollouts: " + ("on (one vLLM call per cohort)" if batch in ("on", "both") else
+          "off (the torch LoRA engine runs one job per call; co-scheduling needs --engine vllm)"))  # fmt: skip
+    bases, moves = base_moves(cluster) if SLICING in orderings else ({}, {})
     lean: list[dict[str, Alone]] = []
     mux: dict[str, list[Mux]] = {o: [] for o in arms}
     for i in range(args.reps):
@@ -217,9 +238,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         lean.append(run_alone(cluster, "local", "alone"))
         for arm, loaded in arms.items():
             mux[arm].append(run_mux(loaded, arm.split("+")[0]))
-    for arm in arms:
+    if SLICING in mux:  # what an OpenRL job's own base would add at each hand-over (`benchmarks/_openrl.py`)
+        mux[BASE] = [with_base_moves(m, bases, moves) for m in mux[SLICING]]
+        print("\n" + "\n".join(base_line(m, bases, moves) for m in mux[SLICING]))
+    for arm in mux:
         report(lean, mux[arm], arm)
-    against_slicing(lean, mux)
+    against_slicing(lean, mux, BASE if BASE in mux else None)
+    if BASE in mux:
+        at_bound = [with_base_moves(m, bases, moves, bound=True) for m in mux[SLICING]]
+        for arm in (a for a in mux if a.split("+")[0] != SLICING):
+            ratio = [m.cps / t.cps for m, t in zip(mux[arm], at_bound, strict=True)]
+            print(f"{arm} / {BASE} with its base moves at the copy bound (the peer at its best): cost {spread(ratio)}")
     print(f"({args.reps} repetition(s); mean +- sample sd [min, max]; base: {model})")
     if tmp is not None:
         tmp.cleanup()

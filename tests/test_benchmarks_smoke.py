@@ -29,6 +29,8 @@ EXPECTED = {
     "dask_overhead": "ratio dask / in-process",
     "engine_choice": "vLLM / torch time",
     "multiplex": "/ time-slicing: cost",  # the time-slicing arm ran beside the default ordering
+    "multiplex_agentic": "/ time-slicing+base: cost",  # PlexRL against time-slicing with the base moves
+    "multiplex_lora": "/ time-slicing+base: cost",  # an OpenRL job's base moves counted into time-slicing
     "multiplex_real": "state moves against the memory-copy bound",
     "pipeline_overhead": "ratio plexrl / hand",
     "real_model": "seeds at >= 85% within 20 minutes",
@@ -160,3 +162,55 @@ def test_multiplex_reports_slowdowns_and_cost_against_both_baselines(
     assert "ordering hrrs" in hrrs and "multiplexed / lean     = 1.000" in hrrs
     assert "multiplexed / lean     = 2.000 +- 0.707 [1.500, 2.500]" in slow
     assert mux.spread([0.5]) == "0.500"
+
+
+def span(job: str, node: str, lane: str, start: float, end: float, kind: str = "node") -> Any:
+    from plexrl.hooks.timeline import Span
+
+    return Span(job, 0, node, lane, start, end, kind)
+
+
+def test_idle_seconds_are_named_by_what_the_jobs_ran_off_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    """service busy 0-1 and 4-5; job a's tools run 1-3 and job b's verify 2-3.5: idle 1-2 is `tools`, 2-3
+    `tools+verify`, 3-3.5 `verify`, 3.5-4 nothing running."""
+    arms = load("_arms", monkeypatch)
+    spans = [
+        span("a", "turn0", "service-0", 0.0, 1.0),
+        span("a", "tools0", "cpu", 1.0, 3.0),
+        span("b", "verify", "cpu", 2.0, 3.5),
+        span("b", "train", "service-0", 4.0, 4.5),
+        span("b", "train", "service-0", 4.4, 5.0, "swap"),
+    ]
+    idle = arms.idle_reasons(spans)
+    assert idle == pytest.approx({"tools": 1.0, "tools+verify": 1.0, "verify": 0.5, "nothing running": 0.5})
+    assert arms.format_idle(idle, top=2) == "3.0 s: tools 1.0 s, tools+verify 1.0 s, other 1.0 s"
+    assert arms.switches(spans) == [("a", "b", 4.0)] and arms.job_ends(spans) == {"a": 3.0, "b": 5.0}
+
+
+def test_an_openrl_job_pays_its_base_out_and_in_at_each_of_its_hand_overs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-overs lora -> full at 2 s and full -> lora at 5 s, base out 0.5 s, in 1.0 s: the makespan grows by
+    1.5 s, the full job (last span at 4 s) finishes 0.5 s later, the LoRA job (last span at 9 s) 1.5 s later."""
+    openrl = load("_openrl", monkeypatch)
+    mux = load("multiplex", monkeypatch)
+    run = mux.Mux({"lora": 10.0, "full": 4.0}, {}, 1.0, ["done", "done"], hand_overs=[(0.1, 0.2), (0.1, 0.2)],
+                  duty=0.8, switches=[("lora", "full", 2.0), ("full", "lora", 5.0)],
+                  ends={"lora": 9.0, "full": 4.0}, makespan=10.0)  # fmt: skip
+    moves = {100: openrl.BaseMove(100, 0.5, 1.0, 0.25)}
+    out = openrl.with_base_moves(run, {"lora": 100}, moves)
+    assert out.makespan == 11.5 and out.cps == pytest.approx(1.15) and out.duty == pytest.approx(0.8 / 1.15)
+    assert out.completion == {"lora": 11.5, "full": 4.5}
+    assert out.hand_overs == [(0.6, 0.7), (1.1, 1.2)] and out.swap[0] == 1.5 and out.swap[3] == 200
+    assert openrl.with_base_moves(run, {"lora": 100}, moves, bound=True).makespan == 10.5
+    assert "1 out + 1 in over 2 hand-overs" in openrl.base_line(run, {"lora": 100}, moves)
+
+
+def test_the_timed_tool_waits_its_drawn_seconds_in_the_sandbox() -> None:
+    from plexrl.job.tasks.timed_calls import TimedPythonExpression, wait_seconds
+
+    waits = [wait_seconds(f"{i}*7", 0.5, 3.0) for i in range(200)]
+    assert all(0.5 <= w <= 3.0 for w in waits) and max(waits) - min(waits) > 2.0
+    assert wait_seconds("12*7", 0.5, 3.0) == wait_seconds("12*7", 0.5, 3.0)  # the same call waits as long
+    with pytest.raises(ValueError, match="min_s <= max_s"):
+        TimedPythonExpression(min_s=2.0, max_s=1.0)
+    result = TimedPythonExpression(min_s=0.3, max_s=0.3).execute("e", {"expression": "347*58"})
+    assert result.ok and result.output == "20126" and result.latency_s >= 0.3, result

@@ -62,11 +62,15 @@ class PythonExpression:
             ast.parse(text, mode="eval")
         except SyntaxError as exc:
             return failed(f"not a single Python expression: {exc.msg}", started)
-        result = self.python.execute(episode_id, {"code": f"print({text})"})
+        result = self.python.execute(episode_id, {"code": self.program(text)})
         if not result.ok:
             return result
         value = result.output.rstrip("\n")
         return ToolResult(ok=True, output=value, error=None, latency_s=time.perf_counter() - started)
+
+    def program(self, expression: str) -> str:
+        """The program the sandbox runs for one call: print the expression's value."""
+        return f"print({expression})"
 
     def release(self, episode_id: str) -> None:
         """Nothing to free."""
