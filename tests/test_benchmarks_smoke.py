@@ -30,7 +30,6 @@ EXPECTED = {
     "engine_choice": "vLLM / torch time",
     "multiplex": "/ time-slicing: cost",  # the time-slicing arm ran beside the default ordering
     "multiplex_agentic": "/ time-slicing+base: cost",  # PlexRL against time-slicing with the base moves
-    "multiplex_lora": "/ time-slicing+base: cost",  # an OpenRL job's base moves counted into time-slicing
     "multiplex_real": "state moves against the memory-copy bound",
     "pipeline_overhead": "ratio plexrl / hand",
     "real_model": "seeds at >= 85% within 20 minutes",
@@ -45,6 +44,7 @@ SMOKED_ELSEWHERE = {
     "planner": ("tests/test_sim.py", "test_benchmark_smoke_prints_dispatch_rates"),
     "simulate": ("tests/test_simulate.py", "test_simulate_benchmark_smoke"),
     "sim_layouts": ("tests/test_simulate.py", 'load_benchmark("sim_layouts"'),
+    "multiplex_lora": ("tests/test_multiplex_lora.py", '"/ time-slicing+base: cost" in out'),
 }
 
 

@@ -32,6 +32,7 @@ def test_lora_mix_smoke_prints_slowdowns_and_throughput_next_to_their_bounds(
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
+    assert "/ time-slicing+base: cost" in out, out  # an OpenRL job's base moves counted into time-slicing
     assert re.search(r"lora-0 +1 +[\d.]+ +[\d.]+ +[\d.]+", out) and re.search(r"lora-1 +1 ", out), out
     ratio = re.search(r"multiplexed / alone = ([\d.]+)x \(goal >= 2.5x\), bound ([\d.]+)x", out)
     assert ratio is not None, out
