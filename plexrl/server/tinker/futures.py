@@ -4,8 +4,9 @@ result is fetched with `retrieve_future`, which waits here for it (a long poll: 
 node ends) and awaited on the HTTP server's event loop without holding a thread per waiting client.
 
 A result is kept until `keep_s` after it was first fetched (the SDK may fetch again after a lost answer) and at
-most `max_age_s` after it was completed; an unknown id answers as a failed request (the server restarted, or the
-result was fetched long ago), never as a hang."""
+most `max_age_s` after it was completed. An unknown id (the server restarted since the call was sent, the result
+was fetched long ago, or it is another user's) answers 410 at once, never a hang: Tinker's "promise expired", on
+which the SDK sends a sampling call again and raises `RetryableException` for a training call (`GONE`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Any, Literal
 from plexrl.server.tinker.decode import Refused
 
 Kind = Literal["json", "proto", "error"]
+GONE = ("this server does not know it: it restarted since the call was sent (a training client resumes from its "
+        "latest checkpoint; send the call again), or its result was fetched long ago")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -149,4 +152,4 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-__all__ = ["Future", "Futures"]
+__all__ = ["GONE", "Future", "Futures"]
