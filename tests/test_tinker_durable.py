@@ -1,6 +1,8 @@
 """What a Tinker client keeps across a restart of `plexrl serve` (the journal's, as the job API's jobs): calls in
 flight answer 410 (Tinker's "promise expired", on which the unmodified SDK sends a sample again and raises
-`RetryableException` for a training call) instead of failing."""
+`RetryableException` for a training call) instead of failing; an acknowledged `optim_step` is journalled before
+its answer, so the session resumes at it; a model with no step yet, a session with no model and a sampling
+client on a base model resume too."""
 
 from __future__ import annotations
 
@@ -23,6 +25,19 @@ from plexrl.server.api import RunningServer, start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
 
 PROMPT = types.ModelInput.from_ints([1, 4, 9, 16])
+DATUM = types.Datum(
+    model_input=PROMPT, loss_fn_inputs={"target_tokens": [4, 9, 16, 25], "weights": [1.0, 1.0, 1.0, 1.0]}
+)
+
+
+def step(training: object) -> None:
+    training.forward_backward([DATUM], "cross_entropy")  # type: ignore[attr-defined]
+    training.optim_step(types.AdamParams(learning_rate=0.05)).result(timeout=120)  # type: ignore[attr-defined]
+
+
+def loss(training: object) -> float:
+    out = training.forward([DATUM], "cross_entropy").result(timeout=120)  # type: ignore[attr-defined]
+    return float(out.metrics["loss:sum"])
 
 
 def free_port() -> int:
@@ -32,10 +47,11 @@ def free_port() -> int:
 
 
 def config(tmp_path: Path, smol_tiny: Path, port: int, **fields: object) -> ServerConfig:
+    # (max_load: after a restart the resumed sessions' learned loads would leave a new one waiting on 1 service)
     return ServerConfig(
         port=port, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"),
-        cluster={"driver": "local", "services": {"count": 1}}, allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
-        mlflow=False, **fields,
+        cluster={"driver": "local", "services": {"count": 1}, "max_load": 64},
+        allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False, **fields,
     )  # fmt: skip
 
 
@@ -67,4 +83,44 @@ def test_calls_in_flight_at_a_restart_answer_410_and_the_sdk_sends_them_again(tm
             future.result(timeout=60)
     finally:
         service.close("success").result()
+        srv.stop(120)
+
+
+def test_what_a_client_was_told_resumes_after_a_restart(tmp_path: Path, smol_tiny: Path) -> None:
+    port = free_port()
+    cfg = config(tmp_path, smol_tiny, port, checkpoint_every=1)
+    srv = start_server(cfg)
+    url = f"http://127.0.0.1:{port}"
+    service, empty = (
+        tinker.ServiceClient(base_url=url, api_key="tml-ann"),
+        tinker.ServiceClient(base_url=url, api_key="tml-ann"),
+    )
+    try:
+        trained = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
+        fresh = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=7).result()
+        sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()
+        job = srv.sessions.models[trained.model_id].job_id
+        for i in range(2):  # calls 2i (forward_backward), 2i + 1 (optim_step): journalled before the answer
+            step(trained)
+            assert srv.journal.get(job).checkpoint_iteration == 2 * i + 1
+    finally:
+        srv.stop(120)  # (at once: nothing waits for a checkpoint here)
+    srv = start_server(cfg)
+    try:
+        resumed = loss(trained)  # the state after both acknowledged steps
+        again = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
+        step(again)
+        step(again)
+        assert loss(again) == resumed
+        before = loss(fresh)  # no step yet: resumed from its seed, where a new model of that seed starts
+        assert before == loss(service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=7).result())
+        step(fresh)
+        assert loss(fresh) < before
+        late = empty.create_lora_training_client(base_model=str(smol_tiny), rank=4).result()  # its session resumed
+        assert late.get_info().is_lora
+        out = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=3, seed=1)).result(timeout=120)
+        assert len(out.sequences) == 1 and 1 <= len(out.sequences[0].tokens) <= 3
+    finally:
+        service.close("success").result()
+        empty.close("success").result()
         srv.stop(120)
