@@ -14,6 +14,7 @@ import asyncio
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ class Future:
     payload: Any = None  # json: a dict; proto: bytes; error: (message, category)
     done_at: float | None = None
     fetched_at: float | None = None
+    withdraw: Callable[[], bool] | None = None  # takes its call back while still queued (True: it was)
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
 
@@ -83,6 +85,19 @@ class Futures:
 
     def fail(self, request_id: str, message: str, category: str = "user") -> None:
         self.complete(request_id, "error", (message, category))
+
+    def cancel(self, request_id: str, user: str | None) -> bool:
+        """The client's `cancel_future`: a call of `user`'s still queued is taken back and its future fails
+        ("cancelled"); one running or done, or an unknown or foreign id, is left as it is (False)."""
+        with self._lock:
+            fut = self._items.get(request_id)
+            if fut is None or (user is not None and fut.user != user) or fut.kind is not None or not fut.withdraw:
+                return False
+            withdraw = fut.withdraw
+        if not withdraw():
+            return False
+        self.fail(request_id, "cancelled by its client before it ran", "user")
+        return True
 
     def set_reason(self, request_id: str, reason: str) -> None:
         with self._lock:

@@ -262,7 +262,8 @@ def get_sampler(reg: Registry, user: str | None, sampler_id: str) -> dict[str, A
 
 def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """One sample request of a sampling client: a call of the job that serves it, with the sampler's weights;
-    its seed, when the request names none, from the model's seed and the request's numbers (`sample_seed`)."""
+    its seed, when the request names none, a fresh random one (Tinker's; a request that names one samples the
+    same tokens every time). A call still queued may be cancelled by its client (`Futures.cancel`)."""
     sid = body.get("sampling_session_id")
     if sid is None:
         raise Refused(400, "sample without a sampling client is not served; create_sampling_client first")
@@ -279,7 +280,7 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
                 400, f"sampling session {sid}: {why}; make a new one with save_weights_and_get_sampling_client"
             )
         m = reg.model(user, s.model_id)
-        call = dec.sample(body, _limits_of(m), reg.cfg, dec.sample_seed(m.seed, sid.rsplit(":", 1)[-1], seq))
+        call = dec.sample(body, _limits_of(m), reg.cfg, secrets.randbits(31))
         if s.weights is not None:
             call = dataclasses.replace(call, weights=str(s.weights), weights_id=s.weights_id)
         fut = reg.futures.new(m.user, "sample")
@@ -289,7 +290,9 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
         return "proto", proto.encode_sample_response(value["sequences"], value.get("prompt_logprobs"),
                                                      value.get("topk_prompt_logprobs"))  # fmt: skip
 
-    reg.backend.call(job_id, "sample", call, replying(reg.futures, fut.request_id, finish))
+    done = replying(reg.futures, fut.request_id, finish)
+    fut.withdraw = lambda: reg.backend.withdraw(job_id, done)  # (`cancel_future`: while it is still queued)
+    reg.backend.call(job_id, "sample", call, done)
     ids = [f"{sid}/{seq}/{i}" for i in range(call.num_samples)]
     return {"request_id": fut.request_id, "model_id": None, "sample_sequence_ids": ids}
 

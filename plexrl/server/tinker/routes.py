@@ -116,15 +116,21 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
     @router.post("/client/dynamic_config")
     async def dynamic_config() -> Any:
-        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": True}
 
     @router.post("/telemetry")
     async def telemetry(request: Request) -> Any:
         return {"status": "accepted"}  # (dropped: PlexRL tracks runs in MLflow)
 
     @router.post("/cancel_future")
-    async def cancel_future() -> Any:
-        return Response(status_code=200)
+    async def cancel_future(request: Request) -> Any:
+        async def go() -> Any:  # (a call still queued is taken back; anything else is left as it is)
+            rid = (await json_of(request)).get("request_id")
+            if isinstance(rid, str):
+                await run_in_threadpool(registry.futures.cancel, rid, who(request))
+            return Response(status_code=200)
+
+        return await guarded(go())
 
     async def run(fn: Any, *args: Any) -> Any:
         return await run_in_threadpool(fn, *args)
