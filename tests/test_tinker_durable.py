@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -95,15 +96,34 @@ def test_what_a_client_was_told_resumes_after_a_restart(tmp_path: Path, smol_tin
         tinker.ServiceClient(base_url=url, api_key="tml-ann"),
         tinker.ServiceClient(base_url=url, api_key="tml-ann"),
     )
+    gate = threading.Event()
     try:
         trained = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
         fresh = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=7).result()
         sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()
         job = srv.sessions.models[trained.model_id].job_id
-        for i in range(2):  # calls 2i (forward_backward), 2i + 1 (optim_step): journalled before the answer
-            step(trained)
-            assert srv.journal.get(job).checkpoint_iteration == 2 * i + 1
+        # the first step's checkpoint is held at its journal write: its optim_step is not answered meanwhile
+        entered, write = threading.Event(), srv.journal.checkpoint
+
+        def gated(*args: object, **kwargs: object) -> None:
+            entered.set()
+            assert gate.wait(60), "the test never opened the gate"
+            write(*args, **kwargs)  # type: ignore[arg-type]
+
+        srv.journal.checkpoint = gated  # type: ignore[method-assign]
+        trained.forward_backward([DATUM], "cross_entropy")
+        first = trained.optim_step(types.AdamParams(learning_rate=0.05))
+        assert entered.wait(60), "the checkpoint after the optim_step never started"
+        (future,) = [f for f in srv.sessions.futures._items.values() if f.what == "optim_step"]
+        assert future.kind is None  # not answered before its checkpoint is journalled
+        gate.set()
+        first.result(timeout=120)
+        srv.journal.checkpoint = write  # type: ignore[method-assign]
+        assert srv.journal.get(job).checkpoint_iteration == 1
+        step(trained)  # calls 2 (forward_backward), 3 (optim_step): journalled before the answer
+        assert srv.journal.get(job).checkpoint_iteration == 3
     finally:
+        gate.set()  # (a failed assertion above leaves no checkpoint waiting)
         srv.stop(120)  # (at once: nothing waits for a checkpoint here)
     srv = start_server(cfg)
     try:
