@@ -4,9 +4,12 @@ with a fresh seed while an explicit seed samples the same tokens every time."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -49,10 +52,22 @@ def test_cancel_future_takes_back_a_queued_sample(server: RunningServer, smol_ti
             return {"sampling_session_id": sid, "seq_id": seq, "num_samples": n,
                     "prompt": {"chunks": [{"tokens": [1, 2]}]}, "sampling_params": {"max_tokens": tokens}}  # fmt: skip
 
-        first = post(server, "/asample", asked(1, 16, 400)).json()["request_id"]  # (runs a while: the next waits)
-        queued = post(server, "/asample", asked(2, 1, 4)).json()["request_id"]
-        holder = sampler.holder  # the SDK's own cancel request, as it sends it for an abandoned sample
-        holder.run_coroutine_threadsafe(holder._send_cancel_request(queued)).result(timeout=60)
+        board = server.sessions.backend.board  # the runner takes the first call only once the gate opens
+        gate, take = threading.Event(), board.take
+
+        def gated(*args: Any) -> Any:
+            assert gate.wait(60), "the test never opened the gate"
+            return take(*args)
+
+        board.take = gated
+        try:
+            first = post(server, "/asample", asked(1, 2, 8)).json()["request_id"]
+            queued = post(server, "/asample", asked(2, 1, 4)).json()["request_id"]  # (waits behind the first)
+            holder = sampler.holder  # the SDK's own cancel request, as it sends it for an abandoned sample
+            holder.run_coroutine_threadsafe(holder._send_cancel_request(queued)).result(timeout=60)
+        finally:
+            gate.set()
+            board.take = take
         cancelled = post(server, "/retrieve_future", {"request_id": queued}).json()
         assert cancelled == {"error": "cancelled by its client before it ran", "category": "user"}
         ran = post(server, "/retrieve_future", {"request_id": first})
@@ -83,3 +98,28 @@ def test_no_seed_samples_afresh_and_a_seed_repeats(server: RunningServer, smol_t
     finally:
         for service in services:
             service.close("success").result()
+
+
+def test_saved_names_are_not_overwritten_silently_and_keep_their_ttl_and_metadata(
+    server: RunningServer, smol_tiny: Path
+) -> None:
+    service = tinker.ServiceClient(base_url=server.url, api_key="tml-ann")
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-ann")
+    try:
+        training = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
+        start = dt.datetime.now(dt.UTC)
+        training.save_weights_for_sampler("pick", ttl_seconds=7200, user_metadata={"tag": "a"}).result()
+        with pytest.raises(tinker.BadRequestError, match="sampler weights 'pick' exist; save under another name"):
+            training.save_weights_for_sampler("pick").result()
+        training.save_state("state", user_metadata={"step": "0"}).result()
+        listed = rest.list_checkpoints(training.model_id).result().checkpoints
+        by_id = {c.checkpoint_id: c for c in listed}
+        pick, state = by_id["sampler_weights/pick"], by_id["weights/state"]
+        assert pick.user_metadata == {"tag": "a"} and state.user_metadata == {"step": "0"}
+        assert pick.expires_at is not None and state.expires_at is None
+        assert dt.timedelta(seconds=7190) < pick.expires_at - start < dt.timedelta(seconds=7300)
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be"):
+            training.save_state("late", ttl_seconds=0).result()
+    finally:
+        rest.holder.close()
+        service.close("success").result()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from plexrl.server.tinker.records import (
     KEEP_SNAPSHOTS,
     SamplerRecord,
     checked_name,
+    checkpoint_facts,
     file_of,
     job_of,
+    note_checkpoint,
     parse_path,
     read_owner,
     tinker_path,
@@ -136,8 +139,10 @@ def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
             target = file_of(reg.root, m.model_id, "weights", name)
             if target.exists() and not body.get("overwrite"):
                 raise Refused(400, f"checkpoint {name!r} exists; pass overwrite=True or another name")
+            facts = checkpoint_facts(body, time.time())
             answer = {"path": tinker_path(m.model_id, "weights", name), "type": "save_weights"}
-            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"), lambda v: ("json", answer))
+            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"),
+                               _noting(reg, m.model_id, f"weights/{name}", facts, answer))  # fmt: skip
 
 
 def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +158,13 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
             name = body.get("path")
             if name is not None:
                 target = file_of(reg.root, m.model_id, "sampler_weights", checked_name(name, "the sampler name"))
+                if target.exists():  # (the SDK has no overwrite for sampler weights: a name is used once)
+                    raise Refused(400, f"sampler weights {name!r} exist; save under another name (or delete them "
+                                       "first: RestClient.delete_checkpoint_from_tinker_path)")  # fmt: skip
+                facts = checkpoint_facts(body, time.time())
                 answer = {"path": tinker_path(m.model_id, "sampler_weights", name), "type": "save_weights_for_sampler"}
-                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), lambda v: ("json", answer))
+                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"),
+                                   _noting(reg, m.model_id, f"sampler_weights/{name}", facts, answer))  # fmt: skip
             s = reg.session(user, m.session_id)
             seq = body.get("sampling_session_seq_id")
             if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
@@ -175,6 +185,17 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
                 return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
             return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
+
+
+def _noting(reg: Registry, model_id: str, checkpoint: str, facts: dict[str, Any], answer: dict[str, Any]) -> Any:
+    """A save's `finish`: once its file is written, its ttl and metadata are kept with it (`note_checkpoint`)."""
+
+    def finish(value: dict[str, Any]) -> tuple[str, Any]:
+        with reg.lock:
+            note_checkpoint(reg.root, model_id, checkpoint, facts)
+        return "json", answer
+
+    return finish
 
 
 def source(reg: Registry, user: str | None, path: Any) -> tuple[str, str, Path]:
