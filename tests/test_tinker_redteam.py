@@ -191,6 +191,7 @@ def test_another_users_files_sessions_and_futures_reveal_nothing(server: Running
     got = post(srv, "/retrieve_future", ANN, {"request_id": finished})
     assert got.headers["content-type"].startswith("application/x-protobuf")  # her samples, still there
     ann.close("success").result()
+    bob.close("success").result()
 
 
 def bearer(key: str) -> dict[str, str]:
