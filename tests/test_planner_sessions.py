@@ -143,7 +143,7 @@ def test_a_call_that_came_before_placement_runs_once_placed() -> None:
 def test_checkpoints_follow_the_calls_that_change_the_weights() -> None:
     p, _ = planner()
     p.handle(JobSubmitted("s", session(every=2)))
-    kinds = ["forward_backward", "optim_step", "sample", "forward_backward", "optim_step"]
+    kinds = ["forward_backward", "optim_step", "sample", "forward_backward", "optim_step", "optim_step", "optim_step"]
     checkpoints = []
     for i, kind in enumerate(kinds):
         p.handle(CallArrived("s", kind))
@@ -152,7 +152,8 @@ def test_checkpoints_follow_the_calls_that_change_the_weights() -> None:
         checkpoints += held
         for c in held:
             p.handle(CheckpointFinished("s", c.iteration))
-    assert checkpoints == [RunCheckpoint("s", 4, "s0")]  # after the second optim_step, not the first
+    # after the first optim_step (a session with no checkpoint has no change), then every second one
+    assert checkpoints == [RunCheckpoint("s", 1, "s0"), RunCheckpoint("s", 4, "s0"), RunCheckpoint("s", 6, "s0")]
 
 
 def test_a_failed_call_fails_the_session_like_any_node() -> None:

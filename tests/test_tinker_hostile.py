@@ -131,9 +131,9 @@ def test_a_hostile_client_gets_4xx_and_changes_nothing(server: RunningServer, sm
              "sampling_params": {"max_tokens": 2}}  # fmt: skip
     assert post(srv, "/asample", BOB, asked).status_code == 404
     rid = post(srv, "/asample", ANN, asked).json()["request_id"]
-    stolen = post(srv, "/retrieve_future", BOB, {"request_id": rid}).json()
-    assert "unknown request" in stolen["error"]
-    assert "sequences" not in stolen and post(srv, "/retrieve_future", ANN, {"request_id": rid}).status_code == 200
+    stolen = post(srv, "/retrieve_future", BOB, {"request_id": rid})
+    assert stolen.status_code == 410 and "unknown request" in stolen.json()["detail"]
+    assert post(srv, "/retrieve_future", ANN, {"request_id": rid}).status_code == 200
     with pytest.raises(tinker.NotFoundError):
         bob.create_training_client_from_state(state).result()
 

@@ -44,13 +44,17 @@ def grpo_loop(url: str, base_model: str, steps: int = 3, group: int = 4, started
     if started is not None:
         started()
     tokenizer = training.get_tokenizer()
-    params = types.SamplingParams(max_tokens=4, temperature=1.0, stop=[tokenizer.eos_token_id])
     adam = types.AdamParams(learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8)
     history = []
-    for _ in range(steps):
+    for step in range(steps):
         sampler = training.save_weights_and_get_sampling_client().result()
         prompts = [types.ModelInput.from_ints(tokenizer.encode(p)) for p in PROMPTS]
-        futures = [sampler.sample(prompt=p, num_samples=group, sampling_params=params) for p in prompts]
+        # (seeded: without a seed each sample draws a fresh one, and two runs would differ)
+        params = [types.SamplingParams(max_tokens=4, temperature=1.0, stop=[tokenizer.eos_token_id],
+                                       seed=100 * step + i) for i in range(len(prompts))]  # fmt: skip
+        futures = [
+            sampler.sample(prompt=p, num_samples=group, sampling_params=params[i]) for i, p in enumerate(prompts)
+        ]
         datums, rewards = [], []
         for future, prompt in zip(futures, prompts, strict=True):
             result = future.result()
@@ -155,7 +159,9 @@ def a_few_calls(url: str, base_model: str) -> dict[str, Any]:
     try:
         training = service.create_lora_training_client(base_model=base_model, rank=4, seed=3).result()
         sampler = training.save_weights_and_get_sampling_client().result()
-        got = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=4)).result()
+        got = sampler.sample(
+            types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=4, seed=11)
+        ).result()
         datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
         fwd = training.forward_backward([datum], "cross_entropy").result()

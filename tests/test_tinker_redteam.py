@@ -184,8 +184,9 @@ def test_another_users_files_sessions_and_futures_reveal_nothing(server: Running
     for rid in (held, finished):
         assert re.fullmatch(r"r[0-9a-f]{24}", rid)
         start = time.monotonic()
-        stolen = post(srv, "/retrieve_future", BOB, {"request_id": rid}).json()
-        assert "unknown request" in stolen["error"] and time.monotonic() - start < 0.5
+        stolen = post(srv, "/retrieve_future", BOB, {"request_id": rid})
+        assert stolen.status_code == 410 and "unknown request" in stolen.json()["detail"]
+        assert time.monotonic() - start < 0.5
     assert srv.sessions.futures.get(finished).fetched_at is None  # (no expiry started by bob's read)
     got = post(srv, "/retrieve_future", ANN, {"request_id": finished})
     assert got.headers["content-type"].startswith("application/x-protobuf")  # her samples, still there

@@ -95,13 +95,14 @@ def observe_call(job: JobRecord, costs: CostModel, seconds: float) -> None:
 
 def checkpoint_due(job: JobRecord) -> bool:
     """A session's call is done: whether a checkpoint is due after it (it changed the trained weights and was
-    the k-th such call, `checkpoint_every = k`)."""
+    the first or a k-th such call, `checkpoint_every = k`: a session with no checkpoint then has no change
+    its client was told of, and resumes from scratch)."""
     node = next(iter(job.nodes))
     if not job.plan.nodes[node].commits:
         return False
     job.commits += 1
     k = job.plan.checkpoint_every
-    return k > 0 and job.commits % k == 0
+    return k > 0 and (job.commits == 1 or job.commits % k == 0)
 
 
 def idle(job: JobRecord) -> bool:

@@ -6,9 +6,15 @@ API, any thread) and the runner's loop:
     Carrier at the job's submission: started(job) --> the first waiting call's kind, if any --> CallArrived
     put(job, kind, call, done) --(first waiting call of an idle, started session)--> notify(job, kind) --> CallArrived
     Carrier at RunNode: take(job, kind) --> the call rides with the node (NodeTask.call)
-    Carrier at the node's report: finished(job, reply, error) --> done(...); the next waiting call's kind, if any,
-                                                                --> CallArrived (same loop turn)
-    a job that ends: drop(job, reason) --> every call of it still waiting or running fails with the reason
+    Carrier at the node's report: finished(job, reply, error) --> the reply kept; the next waiting call's kind,
+                                                                if any, --> CallArrived (same loop turn)
+    Runner, once the planner handled those events: deliver(held) --> done(...), except for a session held for
+                                                                its checkpoint (delivered once that is written)
+    a job that ends: drop(job, reason) --> every call of it still waiting or running fails with the reason; a
+                                          reply kept for its checkpoint fails too (that state is lost)
+
+A reply waits for the checkpoint after its call (the planner holds a session for one after a call that changes
+its weights, `plexrl/planner/sessions.py`), so what a client was told is on disk first: a restart resumes there.
 
 One call of a session is announced at a time (`announced`): the next only once the previous one's node
 finished, so a session's calls run in the order they came, and the planner holds at most one per job.
@@ -48,6 +54,8 @@ class CallBoard:
         self._running: dict[str, Ticket] = {}
         self._announced: set[str] = set()
         self._started: set[str] = set()  # sessions the runner has submitted (their calls may be announced)
+        self._replies: list[tuple[Ticket, dict[str, Any] | None, str | None]] = []  # not yet delivered
+        self._held: set[str] = set()  # sessions whose kept replies wait for a checkpoint
         self._notify: Callable[[str, str], None] | None = None
 
     def bind(self, notify: Callable[[str, str], None]) -> None:
@@ -80,6 +88,19 @@ class CallBoard:
         if announce is not None and self._notify is not None:
             self._notify(job_id, announce)
 
+    def withdraw(self, job_id: str, done: Done) -> bool:
+        """Take back the call queued with `done` (its client cancelled it; any thread): True if it was waiting
+        and not yet announced to the runner (then it never runs and `done` is not told), else False."""
+        with self._lock:
+            queue = self._queues.get(job_id)
+            for i, ticket in enumerate(queue or ()):
+                if ticket.done is done:
+                    if i == 0 and job_id in self._announced:
+                        return False  # (the planner holds it: it runs)
+                    del queue[i]  # type: ignore[union-attr]
+                    return True
+        return False
+
     def started(self, job_id: str) -> str | None:
         """The runner submitted the session's job: its calls may be announced from now on; returns the kind of
         the first one waiting (announced by the caller, after the job's submission), or None."""
@@ -104,17 +125,29 @@ class CallBoard:
             return ticket
 
     def finished(self, job_id: str, reply: dict[str, Any] | None, error: str | None) -> str | None:
-        """The running call's node ended: its `done` is told; returns the kind of the session's next waiting
-        call (announced from now on), or None (the session is idle)."""
+        """The running call's node ended: its reply is kept for `deliver`; returns the kind of the session's next
+        waiting call (announced from now on), or None (the session is idle)."""
         with self._lock:
             ticket = self._running.pop(job_id, None)
             queue = self._queues.get(job_id)
             nxt = queue[0].kind if queue else None
             if nxt is None:
                 self._announced.discard(job_id)
-        if ticket is not None:
-            ticket.done(reply, error)
+            if ticket is not None:
+                self._replies.append((ticket, reply, error))
         return nxt
+
+    def deliver(self, held: Callable[[str], bool]) -> None:
+        """Tell the kept replies' `done`, except those of sessions `held(job_id)` for a checkpoint (kept until a
+        later `deliver` finds the session no longer held: its checkpoint was written)."""
+        with self._lock:
+            if not self._replies:
+                return
+            out = [r for r in self._replies if not held(r[0].job_id)]
+            self._replies = [r for r in self._replies if held(r[0].job_id)]
+            self._held = {r[0].job_id for r in self._replies}
+        for ticket, reply, error in out:
+            ticket.done(reply, error)
 
     def drop(self, job_id: str, reason: str) -> None:
         """The session's job ended: every call still waiting or running fails with `reason`, and the board
@@ -124,6 +157,15 @@ class CallBoard:
             running = self._running.pop(job_id, None)
             self._announced.discard(job_id)
             self._started.discard(job_id)
+            kept = [r for r in self._replies if r[0].job_id == job_id]
+            self._replies = [r for r in self._replies if r[0].job_id != job_id]
+            lost = job_id in self._held
+            self._held.discard(job_id)
+        for ticket, reply, error in kept:  # (held for a checkpoint that will not be written: not acknowledged)
+            if lost:
+                ticket.done(None, f"{reason}, before the checkpoint after this call was written")
+            else:
+                ticket.done(reply, error)
         for ticket in ([running] if running is not None else []) + tickets:
             ticket.done(None, reason)
 

@@ -179,6 +179,8 @@ class Runner:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
                     events.extend(carrier.carry_out(ins))
+            if self.calls is not None:  # sessions' replies, once the planner saw their calls end (`calls.py`)
+                self.calls.deliver(self._held)
             stopping = self._inbox.stopping
             if stopping is not None:
                 carrier.stop_open(stopping)
@@ -211,6 +213,11 @@ class Runner:
             events.extend(self._services_changed())
             for f in finished:
                 events.extend(carrier.collect(f))
+
+    def _held(self, job_id: str) -> bool:
+        """Whether a session is held for the checkpoint after its latest call (its reply waits for it)."""
+        job = self.planner.jobs.get(job_id)
+        return job is not None and job.status == "running" and job.checkpoint is not None
 
     def _services_changed(self) -> list[Event]:
         """Services lost (their work in flight is gone) and joined (a replacement) since the last call."""

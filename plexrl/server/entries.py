@@ -93,13 +93,15 @@ def prepare_entry(
 def prepare_session_entry(entry: JobEntry, calls: Any = None, cancel: threading.Event | None = None) -> Any:
     """The spec of a journalled session: its calls opened on the board first (a call may come before its job);
     resumed from its latest checkpoint. A session placed before (a restart, its service lost) without a
-    checkpoint fails: its client's state would be gone without a word."""
+    checkpoint resumes from scratch where the server checkpoints (its first weight change would have one, and
+    its client is told of a change only once that is written); otherwise it fails: its client's state would be
+    gone without a word."""
     from plexrl.sessions.spec import SessionConfig, prepare_session
 
     if calls is not None:
         calls.open(entry.job_id)
     cfg = SessionConfig.model_validate(entry.config)
-    if entry.attempt > 1 and entry.checkpoint is None:
+    if entry.attempt > 1 and entry.checkpoint is None and not cfg.client.get("checkpoint_every"):
         raise RuntimeError(
             "the session was interrupted (the server restarted or its service was lost) and has no checkpoint "
             "(set the server's checkpoint_every); create a new training client from its last save_state"

@@ -70,6 +70,9 @@ class RunnerBackend:
         except KeyError:
             done(None, f"session job {job_id} has ended")
 
+    def withdraw(self, job_id: str, done: Callable[[dict[str, Any] | None, str | None], None]) -> bool:
+        return self.board.withdraw(job_id, done)
+
     def close(self, job_id: str) -> None:
         self.runner.close_session(job_id)
 

@@ -4,8 +4,9 @@ result is fetched with `retrieve_future`, which waits here for it (a long poll: 
 node ends) and awaited on the HTTP server's event loop without holding a thread per waiting client.
 
 A result is kept until `keep_s` after it was first fetched (the SDK may fetch again after a lost answer) and at
-most `max_age_s` after it was completed; an unknown id answers as a failed request (the server restarted, or the
-result was fetched long ago), never as a hang."""
+most `max_age_s` after it was completed. An unknown id (the server restarted since the call was sent, the result
+was fetched long ago, or it is another user's) answers 410 at once, never a hang: Tinker's "promise expired", on
+which the SDK sends a sampling call again and raises `RetryableException` for a training call (`GONE`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import asyncio
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from plexrl.server.tinker.decode import Refused
 
 Kind = Literal["json", "proto", "error"]
+GONE = ("this server does not know it: it restarted since the call was sent (a training client resumes from its "
+        "latest checkpoint; send the call again), or its result was fetched long ago")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -34,6 +38,7 @@ class Future:
     payload: Any = None  # json: a dict; proto: bytes; error: (message, category)
     done_at: float | None = None
     fetched_at: float | None = None
+    withdraw: Callable[[], bool] | None = None  # takes its call back while still queued (True: it was)
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
 
@@ -80,6 +85,19 @@ class Futures:
 
     def fail(self, request_id: str, message: str, category: str = "user") -> None:
         self.complete(request_id, "error", (message, category))
+
+    def cancel(self, request_id: str, user: str | None) -> bool:
+        """The client's `cancel_future`: a call of `user`'s still queued is taken back and its future fails
+        ("cancelled"); one running or done, or an unknown or foreign id, is left as it is (False)."""
+        with self._lock:
+            fut = self._items.get(request_id)
+            if fut is None or (user is not None and fut.user != user) or fut.kind is not None or not fut.withdraw:
+                return False
+            withdraw = fut.withdraw
+        if not withdraw():
+            return False
+        self.fail(request_id, "cancelled by its client before it ran", "user")
+        return True
 
     def set_reason(self, request_id: str, reason: str) -> None:
         with self._lock:
@@ -149,4 +167,4 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-__all__ = ["Future", "Futures"]
+__all__ = ["GONE", "Future", "Futures"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from plexrl.server.tinker.records import (
     KEEP_SNAPSHOTS,
     SamplerRecord,
     checked_name,
+    checkpoint_facts,
     file_of,
     job_of,
+    note_checkpoint,
     parse_path,
     read_owner,
     tinker_path,
@@ -136,8 +139,10 @@ def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
             target = file_of(reg.root, m.model_id, "weights", name)
             if target.exists() and not body.get("overwrite"):
                 raise Refused(400, f"checkpoint {name!r} exists; pass overwrite=True or another name")
+            facts = checkpoint_facts(body, time.time())
             answer = {"path": tinker_path(m.model_id, "weights", name), "type": "save_weights"}
-            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"), lambda v: ("json", answer))
+            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"),
+                               _noting(reg, m.model_id, f"weights/{name}", facts, answer))  # fmt: skip
 
 
 def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +158,13 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
             name = body.get("path")
             if name is not None:
                 target = file_of(reg.root, m.model_id, "sampler_weights", checked_name(name, "the sampler name"))
+                if target.exists():  # (the SDK has no overwrite for sampler weights: a name is used once)
+                    raise Refused(400, f"sampler weights {name!r} exist; save under another name (or delete them "
+                                       "first: RestClient.delete_checkpoint_from_tinker_path)")  # fmt: skip
+                facts = checkpoint_facts(body, time.time())
                 answer = {"path": tinker_path(m.model_id, "sampler_weights", name), "type": "save_weights_for_sampler"}
-                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), lambda v: ("json", answer))
+                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"),
+                                   _noting(reg, m.model_id, f"sampler_weights/{name}", facts, answer))  # fmt: skip
             s = reg.session(user, m.session_id)
             seq = body.get("sampling_session_seq_id")
             if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
@@ -175,6 +185,17 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
                 return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
             return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
+
+
+def _noting(reg: Registry, model_id: str, checkpoint: str, facts: dict[str, Any], answer: dict[str, Any]) -> Any:
+    """A save's `finish`: once its file is written, its ttl and metadata are kept with it (`note_checkpoint`)."""
+
+    def finish(value: dict[str, Any]) -> tuple[str, Any]:
+        with reg.lock:
+            note_checkpoint(reg.root, model_id, checkpoint, facts)
+        return "json", answer
+
+    return finish
 
 
 def source(reg: Registry, user: str | None, path: Any) -> tuple[str, str, Path]:
@@ -262,7 +283,8 @@ def get_sampler(reg: Registry, user: str | None, sampler_id: str) -> dict[str, A
 
 def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """One sample request of a sampling client: a call of the job that serves it, with the sampler's weights;
-    its seed, when the request names none, from the model's seed and the request's numbers (`sample_seed`)."""
+    its seed, when the request names none, a fresh random one (Tinker's; a request that names one samples the
+    same tokens every time). A call still queued may be cancelled by its client (`Futures.cancel`)."""
     sid = body.get("sampling_session_id")
     if sid is None:
         raise Refused(400, "sample without a sampling client is not served; create_sampling_client first")
@@ -279,7 +301,7 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
                 400, f"sampling session {sid}: {why}; make a new one with save_weights_and_get_sampling_client"
             )
         m = reg.model(user, s.model_id)
-        call = dec.sample(body, _limits_of(m), reg.cfg, dec.sample_seed(m.seed, sid.rsplit(":", 1)[-1], seq))
+        call = dec.sample(body, _limits_of(m), reg.cfg, secrets.randbits(31))
         if s.weights is not None:
             call = dataclasses.replace(call, weights=str(s.weights), weights_id=s.weights_id)
         fut = reg.futures.new(m.user, "sample")
@@ -289,7 +311,9 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
         return "proto", proto.encode_sample_response(value["sequences"], value.get("prompt_logprobs"),
                                                      value.get("topk_prompt_logprobs"))  # fmt: skip
 
-    reg.backend.call(job_id, "sample", call, replying(reg.futures, fut.request_id, finish))
+    done = replying(reg.futures, fut.request_id, finish)
+    fut.withdraw = lambda: reg.backend.withdraw(job_id, done)  # (`cancel_future`: while it is still queued)
+    reg.backend.call(job_id, "sample", call, done)
     ids = [f"{sid}/{seq}/{i}" for i in range(call.num_samples)]
     return {"request_id": fut.request_id, "model_id": None, "sample_sequence_ids": ids}
 

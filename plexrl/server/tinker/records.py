@@ -17,6 +17,7 @@ A name is `[A-Za-z0-9][A-Za-z0-9_.-]{0,63}` matched whole: nothing a client send
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from dataclasses import dataclass, field
@@ -131,12 +132,45 @@ def write_owner(root: Path, model: ModelRecord) -> None:
     tmp.replace(folder / "owner.json")
 
 
+MAX_TTL_S = 10 * 365 * 86400
+MAX_METADATA = 32  # entries of a checkpoint's user_metadata (keys up to 64 characters, values up to 512)
+
+
+def checkpoint_facts(body: dict[str, Any], now: float) -> dict[str, Any]:
+    """What a save request asks to keep with its checkpoint (`<root>/<job>/meta.json`, which the RestClient's
+    routes read): `expires_at` from `ttl_seconds`, and `user_metadata`; Refused (400) for bad ones."""
+    ttl, meta = body.get("ttl_seconds"), body.get("user_metadata")
+    if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_TTL_S):
+        raise Refused(400, f"ttl_seconds must be 1..{MAX_TTL_S} (or null: no expiry)")
+    if meta is not None and (
+        not isinstance(meta, dict) or len(meta) > MAX_METADATA
+        or any(not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in meta.items())
+    ):  # fmt: skip
+        raise Refused(400, f"user_metadata must map at most {MAX_METADATA} strings (keys <= 64, values <= 512 "
+                           "characters) to strings")  # fmt: skip
+    when = None if ttl is None else dt.datetime.fromtimestamp(now + ttl, dt.UTC).isoformat()
+    return {"expires_at": when, "user_metadata": meta}
+
+
+def note_checkpoint(root: Path, model_id: str, checkpoint: str, facts: dict[str, Any]) -> None:
+    """Keep `facts` of checkpoint `<kind>/<name>` of a model in its `meta.json` (replacing earlier ones)."""
+    path = root / job_of(model_id) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        meta = {}
+    meta[checkpoint] = facts
+    tmp = path.with_name(".meta.json.tmp")
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(path)
+
+
 def read_owner(root: Path, model_id: str) -> dict[str, Any] | None:
     """What `write_owner` wrote for a model's job (None: no such model's files)."""
     try:
         facts: dict[str, Any] = json.loads((root / job_of(model_id) / "owner.json").read_text())
         return facts
-    except (OSError, ValueError):
+    except (OSError, ValueError, Refused):  # (Refused: not a model's folder, such as `clients`)
         return None
 
 
@@ -146,8 +180,10 @@ __all__ = [
     "ModelRecord",
     "SamplerRecord",
     "checked_name",
+    "checkpoint_facts",
     "file_of",
     "job_of",
+    "note_checkpoint",
     "parse_path",
     "read_owner",
     "tinker_path",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from plexrl.paths import FilePolicy, resolve
-from plexrl.server.tinker import catalog, quotas
+from plexrl.server.tinker import catalog, durable, quotas
 from plexrl.server.tinker import decode as dec
 from plexrl.server.tinker.config import TinkerConfig
 from plexrl.server.tinker.futures import Futures
@@ -64,21 +64,21 @@ class Backend(Protocol):
     def open(self, cfg: SessionConfig, user: str) -> str:
         """Submit the session job of `cfg` (prepared in the background); returns its job id at once. Calls may be
         passed on from then: they wait for the job."""
-        ...
 
     def call(self, job_id: str, kind: str, call: Call, done: Done) -> None:
         """Pass a call on to the job (in the order of these calls)."""
+
+    def withdraw(self, job_id: str, done: Done) -> bool:
+        """Take back a call passed on with `done` and still queued (not announced to the runner): whether it was."""
 
     def close(self, job_id: str) -> None:
         """No more calls: the job ends once its call in flight did (calls still waiting fail)."""
 
     def reason(self, job_id: str) -> str:
         """What the job waits for, if anything (admission, a service), in words."""
-        ...
 
     def status(self, job_id: str) -> tuple[str, str]:
         """The job's status and reason as the server records them ("" when unknown)."""
-        ...
 
 
 class Registry:
@@ -100,9 +100,8 @@ class Registry:
         disk: Callable[[], str | None] | None = None,
     ) -> None:
         self.cfg, self.backend, self.root, self.roots, self.policy_of = cfg, backend, root, roots, policy_of
-        self.disk = disk
         self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
-        self.resolve_pretrained, self.clock = resolve_pretrained, clock
+        self.resolve_pretrained, self.clock, self.disk = resolve_pretrained, clock, disk
         self.futures = Futures(max_open=cfg.max_requests_per_user)
         self.lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
@@ -152,6 +151,7 @@ class Registry:
                                    "server's owner to raise it)")  # fmt: skip
             sid = "s" + secrets.token_hex(8)
             self.sessions[sid] = ClientSession(sid, user, self.clock())
+        durable.keep(self.root, sid, user)  # (a restart knows it again, model or not)
         return {"type": "create_session", "session_id": sid, "info_message": f"PlexRL session {sid} (user {user!r})"}
 
     def heartbeat(self, user: str | None, session_id: Any) -> dict[str, Any]:
@@ -168,6 +168,7 @@ class Registry:
                 return
             s.ended = reason
             models = [self.models[m] for m in s.models if self.models[m].status != "ended" and self.models[m].job_id]
+        durable.forget(self.root, s.session_id)
         for m in models:
             if not save or m.sampler_only:
                 self.backend.close(m.job_id)
@@ -228,7 +229,10 @@ class Registry:
 
     def recover(self, entries: list[Any]) -> None:
         """At a server start, before the controller resubmits them: the journal's unfinished sessions, so their
-        clients' calls find their models again (their numbering goes on from what the client sends next)."""
+        clients' calls find their models again (their numbering goes on from what the client sends next); and the
+        sessions recorded open (`durable.py`), with a model or not."""
+        for sid, user in durable.kept(self.root):
+            self.sessions[sid] = ClientSession(sid, user, self.clock())
         for e in entries:
             cfg = SessionConfig.model_validate(e.config)
             client = cfg.client
@@ -237,8 +241,7 @@ class Registry:
                 continue
             s = self.sessions.setdefault(sid, ClientSession(sid, e.user, self.clock()))
             s.models.append(model_id)
-            kind, seq = model_id.split(":")[1], model_id.split(":")[2]
-            s.seqs.add(f"{kind}:{seq}")
+            s.seqs.add(":".join(model_id.split(":")[1:]))  # ("train:3")
             lora = cfg.model.lora
             m = ModelRecord(model_id, e.job_id, sid, e.user, str(client.get("base_model", "")), seed=cfg.seed)
             m.model_dir = Path(cfg.model.path) if cfg.model.path else None

@@ -114,6 +114,7 @@ class Runs:
                     "checkpoint_id": f"{kind}/{name}", "checkpoint_type": TYPES[kind], "time": _when(stat.st_mtime),
                     "tinker_path": tinker_path(run_id, kind, name), "size_bytes": stat.st_size,
                     "public": bool(info.get("public", False)), "expires_at": info.get("expires_at"), "_file": str(f),
+                    "user_metadata": info.get("user_metadata"),
                 })  # fmt: skip
         return {"checkpoints": out, "cursor": None}
 

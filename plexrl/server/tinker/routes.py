@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from plexrl.server.tinker import handlers, proto, rest
 from plexrl.server.tinker.decode import Refused
+from plexrl.server.tinker.futures import GONE
 from plexrl.server.tinker.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -115,15 +116,21 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
 
     @router.post("/client/dynamic_config")
     async def dynamic_config() -> Any:
-        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": True}
 
     @router.post("/telemetry")
     async def telemetry(request: Request) -> Any:
         return {"status": "accepted"}  # (dropped: PlexRL tracks runs in MLflow)
 
     @router.post("/cancel_future")
-    async def cancel_future() -> Any:
-        return Response(status_code=200)
+    async def cancel_future(request: Request) -> Any:
+        async def go() -> Any:  # (a call still queued is taken back; anything else is left as it is)
+            rid = (await json_of(request)).get("request_id")
+            if isinstance(rid, str):
+                await run_in_threadpool(registry.futures.cancel, rid, who(request))
+            return Response(status_code=200)
+
+        return await guarded(go())
 
     async def run(fn: Any, *args: Any) -> Any:
         return await run_in_threadpool(fn, *args)
@@ -215,9 +222,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             rid = body.get("request_id")
             user = who(request)
             fut = await registry.futures.wait(rid, cfg.poll_s, user) if isinstance(rid, str) else None
-            if fut is None:
-                msg = f"unknown request {rid!r}: it never existed here, or the server restarted since (send it again)"
-                return {"error": msg, "category": "server"}
+            if fut is None:  # 410: the SDK sends a sampling call again, and raises RetryableException otherwise
+                return _refused(410, f"unknown request {rid!r}: {GONE}")
             if fut.kind is None:  # (the SDK asks again at once: this answer came after `poll_s`)
                 state = "paused_capacity" if fut.reason else "active"
                 return {"type": "try_again", "request_id": rid, "queue_state": state,

@@ -51,7 +51,10 @@ class ControllerBackend:
 
     def open(self, cfg: SessionConfig, user: str) -> str:
         # (iterations 0: a session's calls are open-ended; the journal counts them as iterations done)
-        entry = self.controller.submit(cfg.name, cfg.model_dump(mode="json"), 0, user)
+        config = cfg.model_dump(mode="json")
+        # with checkpoints, a session with none told its client of no change: it may resume from scratch
+        config["client"]["checkpoint_every"] = int(getattr(self.controller, "checkpoint_every", 0) or 0)
+        entry = self.controller.submit(cfg.name, config, 0, user)
         self.board.open(entry.job_id)  # (its preparation opens it too: whichever comes first)
         return str(entry.job_id)
 
@@ -62,6 +65,9 @@ class ControllerBackend:
             self.board.put(job_id, kind, call, done)
         except KeyError:
             done(None, f"session job {job_id} has ended")
+
+    def withdraw(self, job_id: str, done: Callable[[dict[str, Any] | None, str | None], None]) -> bool:
+        return self.board.withdraw(job_id, done)
 
     def close(self, job_id: str) -> None:
         entry = self.journal.get(job_id)
