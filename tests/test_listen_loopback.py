@@ -93,7 +93,9 @@ def test_a_tls_cluster_off_loopback_exposes_only_its_tls_comms(tmp_path: Path) -
             Client(address, timeout=5)
         with pytest.raises(OSError):  # plain TCP to a TLS listener
             Client(address.replace("tls://", "tcp://"), timeout=5)
-        with Client(address, security=tls.security(), timeout=30) as other:  # the certificates: in
+        # the certificates: in. (On the executor's client's event loop: in a long test process a new loop thread
+        # sometimes missed distributed's fixed 10 s start-up wait, which is not what this test is about.)
+        with Client(address, security=tls.security(), timeout=30, loop=executor.client.loop) as other:
             assert len(other.scheduler_info()["workers"]) == 2
     finally:
         executor.close()
