@@ -3,7 +3,7 @@
 # only torch (CUDA), transformers and peft on that machine, and no network: the other packages travel as wheels
 # (no dask, pydantic or mlflow needed there beforehand; no vLLM wheel and no model download). A model of
 # SmolLM2-135M's real shape with random weights is built there first (benchmarks/gpu_check.py, which holds every
-# part). docs/gpu.md says what it checks and how to run it.
+# part; the race's rounds are in benchmarks/_gpu_race.py). docs/gpu.md says what it checks and how to run it.
 #
 #   1. on a machine with the package registry and the project's .venv:
 #        make gpu-carry   (= bash benchmarks/gpu_check.sh prepare)
