@@ -110,6 +110,27 @@ def wait_for(check: Any, what: str, timeout: float = 60.0, interval: float = 0.0
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def shipped_data(path: Path, tmp_path: Path) -> list[str]:
+    """Overrides (`key=value`) under which a shipped config validates on a fresh clone: a job on data files opens
+    them when validated, and the real-model configs name files that `benchmarks/real_model.py --write-data`
+    writes into the ignored runs/; small ones are written into `tmp_path` (caches too) instead."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
+        return []
+    import sys
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        from real_model import write_data
+    finally:
+        sys.path.remove(benchmarks)
+    train, held_out = write_data(tmp_path / "data", train=200, held_out=50)
+    return [f"data.train={train}", f"data.held_out={held_out}", f"run_dir={tmp_path}"]
+
+
 @pytest.fixture(scope="session")
 def smol_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (1 layer, hidden 32) with the REAL SmolLM2-135M-Instruct tokenizer and chat template

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import shipped_data
 from typer.testing import CliRunner
 
 from plexrl.cli import app
@@ -25,26 +26,10 @@ def expected_kind(path: Path) -> str:
     return "cluster" if "jobs:" in path.read_text() else "job"
 
 
-def data_overrides(path: Path, tmp_path: Path) -> list[str]:
-    """A job on data files opens them when validated: the shipped real-model configs name files that
-    `benchmarks/real_model.py --write-data` writes; written here into `tmp_path` (caches too) instead."""
-    raw = yaml.safe_load(path.read_text())
-    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
-        return []
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from real_model import write_data
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    train, held_out = write_data(tmp_path / "data", train=200, held_out=50)
-    return ["--set", f"data.train={train}", "--set", f"data.held_out={held_out}", "--set", f"run_dir={tmp_path}"]
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shipped_config_validates_as_its_kind(path: Path, tmp_path: Path) -> None:
-    result = runner.invoke(app, ["validate", str(path), *data_overrides(path, tmp_path)])
+    sets = [arg for value in shipped_data(path, tmp_path) for arg in ("--set", value)]
+    result = runner.invoke(app, ["validate", str(path), *sets])
     assert result.exit_code == 0, result.output
     assert f"OK, a {expected_kind(path)} config" in result.output
     assert "problem" not in result.output
@@ -52,7 +37,7 @@ def test_every_shipped_config_validates_as_its_kind(path: Path, tmp_path: Path) 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_plexrl_run_and_validate_agree_on_the_kind_of_every_shipped_config(
-    path: Path, monkeypatch: pytest.MonkeyPatch
+    path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`plexrl run` reads a file once and detects its kind as `plexrl validate` does: a job goes to the job
     runner, a cluster to the cluster runner (stopped here before anything runs), any other kind is refused
@@ -72,7 +57,7 @@ def test_plexrl_run_and_validate_agree_on_the_kind_of_every_shipped_config(
 
     monkeypatch.setattr(plexrl.runtime.jobs, "run_jobs", stop("job"))
     monkeypatch.setattr(plexrl.cluster, "run_cluster", stop("cluster"))
-    kind = check_config(path).kind
+    kind = check_config(path, shipped_data(path, tmp_path)).kind
     assert read_config(path).kind == kind
     result = runner.invoke(app, ["run", str(path)])
     if kind in ("job", "cluster"):

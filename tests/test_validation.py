@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import shipped_data
 
 from plexrl.batch import Rewards, Rollouts
 from plexrl.config_kinds import check_config
@@ -192,13 +193,13 @@ def test_the_former_placement_keyword_of_operator_is_refused_naming_runs_on(
     assert any("old_ops" in m and "is now @operator(runs_on='cpu')" in m for m in msgs), msgs
 
 
-def test_every_shipped_yaml_validates() -> None:
+def test_every_shipped_yaml_validates(tmp_path: Path) -> None:
     configs = sorted(Path(__file__).parents[1].glob("configs/**/*.yaml"))
     assert configs, "configs/ must hold at least one job"
     for path in configs:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "plexrl" in first, f"{path} must open with the command that runs it"
-        check_config(path)  # its kind's own loader (`plexrl validate`; the simulator's too)
+        check_config(path, shipped_data(path, tmp_path / path.stem))  # its kind's own loader (`plexrl validate`; the simulator's too)
 
 
 def test_main_job_yaml_equals_embedded_defaults() -> None:
