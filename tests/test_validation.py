@@ -199,7 +199,9 @@ def test_every_shipped_yaml_validates(tmp_path: Path) -> None:
     for path in configs:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "plexrl" in first, f"{path} must open with the command that runs it"
-        check_config(path, shipped_data(path, tmp_path / path.stem))  # its kind's own loader (`plexrl validate`; the simulator's too)
+        check_config(
+            path, shipped_data(path, tmp_path / path.stem)
+        )  # its kind's own loader (`plexrl validate`; the simulator's too)
 
 
 def test_main_job_yaml_equals_embedded_defaults() -> None:
