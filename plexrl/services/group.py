@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from plexrl.job.sizes import uses_reference
 from plexrl.planner.state import Move
+from plexrl.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
 from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services import swap as sw
 from plexrl.services.host import HostCopy, Layout, Tally
-from plexrl.services.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
 from plexrl.services.records import recorded
 from plexrl.services.registry import SERVICES, publish
 from plexrl.services.service import NodeResult, Service
+from plexrl.sizes import uses_reference
 
 if TYPE_CHECKING:
     from plexrl.job.spec import JobSpec
