@@ -83,9 +83,9 @@ def test_a_bf16_lora_job_shares_a_bf16_base_counted_at_its_size(smol_tiny: Path,
     from test_lora import lora_job
 
     from plexrl.job.load import load_job
-    from plexrl.sizes import lora_state_bytes, model_bytes
     from plexrl.job.spec import prepare_job
     from plexrl.services.service import Service
+    from plexrl.sizes import lora_state_bytes, model_bytes
 
     cfg = lora_job(smol_tiny, tmp_path / "runs", "bf", 0)
     cfg["model"].update(dtype="bfloat16", gradient_checkpointing=True)

@@ -186,8 +186,8 @@ def test_two_lora_jobs_on_one_service_with_vllm_rollouts_learn_exactly_as_alone(
     from safetensors.torch import load_file
 
     from plexrl.engines.vllm_lora import lora_engine_bytes
-    from plexrl.sizes import lora_state_bytes
     from plexrl.runtime import Budgets
+    from plexrl.sizes import lora_state_bytes
 
     specs = [prepare_job(load_job(vllm_lora_job(smol32, tmp_path / "runs", n, s))) for n, s in (("la", 0), ("lb", 1))]
     assert [s.generation for s in specs] == ["vllm", "vllm"]
