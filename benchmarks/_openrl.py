@@ -39,9 +39,9 @@ class BaseMove:
 
 
 def lora_bases(cluster: Any) -> dict[str, int]:
-    """job id -> the bytes of its base, for each LoRA job of `cluster` (`plexrl.job.sizes.model_bytes`)."""
-    from plexrl.job.sizes import model_bytes
+    """job id -> the bytes of its base, for each LoRA job of `cluster` (`plexrl.sizes.model_bytes`)."""
     from plexrl.job.spec import prepare_job
+    from plexrl.sizes import model_bytes
 
     out = {}
     for job in cluster.jobs:

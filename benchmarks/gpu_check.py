@@ -267,8 +267,8 @@ def iteration(model: Path, cpu: bool, dtype: str, lora: bool) -> None:
 # -- a 1-rank NCCL worker group -------------------------------------------------------------------------------
 def nccl1(model: Path, cpu: bool) -> None:
     from plexrl.planner.state import Move
+    from plexrl.ranks import GroupSpec, agree, join, leave
     from plexrl.services.group import RankService
-    from plexrl.services.ranks import GroupSpec, agree, join, leave
 
     device = device_of(cpu)
     backend = "gloo" if cpu else "nccl"

@@ -110,8 +110,8 @@ def agentic_cluster(args: argparse.Namespace, run_dir: Path) -> LoadedCluster:
 def with_budget(cluster: LoadedCluster) -> LoadedCluster:
     """`cluster` with a device budget that holds its LoRA base and state and the larger full state, and half of
     the smaller one (so the two full states do not fit side by side)."""
-    from plexrl.job.sizes import model_bytes
     from plexrl.job.spec import prepare_job
+    from plexrl.sizes import model_bytes
 
     specs = [prepare_job(job) for job in cluster.jobs]
     lora = [s for s in specs if s.config.model.lora is not None]

@@ -104,7 +104,7 @@ def lora_cluster_file(args: argparse.Namespace, model: Path, run_dir: Path) -> P
         "jobs": jobs,
     }
     if args.resident > 0:  # the base once + `resident` adapter states (+ a quarter of one: estimates move)
-        from plexrl.job.sizes import lora_state_bytes, model_bytes
+        from plexrl.sizes import lora_state_bytes, model_bytes
 
         state = lora_state_bytes(model, args.rank, lora["target_modules"])  # type: ignore[arg-type]
         budget = model_bytes(model) + args.resident * state + state // 4

@@ -157,7 +157,7 @@ def run_seed(cfg: dict[str, Any], seed: int, minutes: float, target: float) -> d
     # tokens only (the engine computes no prompt logits); attention and generation not counted
     import json
 
-    from plexrl.job.sizes import count_parameters
+    from plexrl.sizes import count_parameters
 
     params = count_parameters(spec.model_path)
     shape = json.loads((Path(spec.model_path) / "config.json").read_text())

@@ -40,19 +40,24 @@ def _ours(proc: psutil.Process, me: int, since: float) -> bool:
     return any(parent.pid == me for parent in proc.parents())
 
 
+def _scan(me: int, since: float) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if _ours(proc, me, since):
+                found.append(proc)
+    return found
+
+
 def leftovers(since: float, grace_s: float = 15.0) -> list[psutil.Process]:
-    """Processes this session started (created after `since`) that are still alive after `grace_s` seconds."""
+    """Processes this session started (created after `since`) that are still alive after `grace_s` seconds. Those
+    found are waited on (`psutil.wait_procs` returns as soon as they have all ended), then looked for again: one
+    may have started another while ending, or become a zombie (not counted), which a wait would not see end."""
     me = os.getpid()
     deadline = time.monotonic() + grace_s
-    while True:
-        found = []
-        for proc in psutil.process_iter():
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                if _ours(proc, me, since):
-                    found.append(proc)
-        if not found or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.2)
+    while (found := _scan(me, since)) and (left := deadline - time.monotonic()) > 0:
+        psutil.wait_procs(found, timeout=min(left, 1.0))
+    return found
 
 
 def describe(proc: psutil.Process) -> str:

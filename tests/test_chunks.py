@@ -338,7 +338,7 @@ def test_on_dask_the_parts_stay_on_the_service_and_the_job_logs_what_it_logs_alo
 
 
 def test_a_damaged_weight_file_is_named(tmp_path: Path) -> None:
-    from plexrl.job.sizes import count_parameters
+    from plexrl.sizes import count_parameters
 
     (tmp_path / "model.safetensors").write_bytes(b"0" * 64)
     with pytest.raises(ValueError, match=r"model\.safetensors is not a safetensors file"):

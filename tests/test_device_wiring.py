@@ -212,7 +212,7 @@ def test_a_bf16_job_is_sized_at_bf16_size_by_the_cluster_check(tmp_path: Path) -
     the two refuses the bf16 job (the planner sizes it so too)."""
     from plexrl.cluster import load_cluster
     from plexrl.job.budget import estimate_weight_bytes
-    from plexrl.job.sizes import estimate_state_bytes
+    from plexrl.sizes import estimate_state_bytes
 
     job = {**copy.deepcopy(TINY), "engine": "torch", "model": {**TINY["model"], "dtype": "bfloat16"}}
     loaded = load_job(job)

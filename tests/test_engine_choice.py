@@ -19,8 +19,8 @@ from plexrl.engines.vllm_engine import vllm_installed
 from plexrl.job.budget import estimate_engine_bytes
 from plexrl.job.config import AUTO_MIN_PARAMS, auto_engine_rule
 from plexrl.job.load import load_job
-from plexrl.job.sizes import count_parameters
 from plexrl.job.spec import prepare_job, resolve_engine
+from plexrl.sizes import count_parameters
 
 
 def test_the_rule_splits_at_the_threshold() -> None:

@@ -7,6 +7,8 @@ pyproject maps them (docs/architecture.md, "Invariants" and the package map):
 - the planner imports nothing but itself; below the top, no private name crosses a package;
 - inside a package, no circle at all: not even through imports under `if TYPE_CHECKING:` (a circle there
   still means two modules each need the other to be understood, and a module split from one of them);
+- between packages (all of a package's modules, subpackages included, taken together; a module at the top of
+  plexrl stands alone), no circle either: a module two packages share sits below both, not inside one;
 - no module passes 450 lines, and one not listed in OVER_NEW_LIMIT stays under 400.
 `from pkg import sub` where `sub` is a submodule is an arrow to `pkg.sub` only: a package's `__init__` runs before
 any of its submodules whatever imports them, so it adds no arrow of its own."""
@@ -34,8 +36,8 @@ def packages() -> dict[str, Path]:
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves: import nothing of plexrl above themselves
     ("leaves", ("plexrl.devices", "plexrl.cache_files", "plexrl.errors", "plexrl.yamlio", "plexrl.batch",
-                "plexrl.reports", "plexrl.accounting", "plexrl.job.sizes", "plexrl.job.construction",
-                "plexrl.services.ranks", "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams",
+                "plexrl.reports", "plexrl.accounting", "plexrl.sizes", "plexrl.job.construction",
+                "plexrl.ranks", "plexrl.services.swap", "plexrl.services.host", "plexrl.services.streams",
                 "plexrl.paths", "plexrl.logs")),
     ("planner", ("plexrl.planner",)),  # pure: events in, instructions out
     # what a config may name, and the typed pieces it is made of: roles, operators' model, tools, data, rewards
@@ -190,7 +192,7 @@ def test_the_check_sees_a_cycle_an_upward_arrow_and_a_lazy_import(tmp_path: Path
     assert imports("plexrl.services.fake", src, known, typing=False) == set()
     g = nx.DiGraph([("plexrl.a", "plexrl.b"), ("plexrl.b", "plexrl.a")])
     assert cycles(g) == [["plexrl.a", "plexrl.b"]]
-    assert layer("plexrl.job.sizes") == "leaves" and layer("plexrl.job.spec") == "job" and layer("plexrl") == "declared"
+    assert layer("plexrl.sizes") == "leaves" and layer("plexrl.job.spec") == "job" and layer("plexrl") == "declared"
 
 
 def test_every_module_reads_in_one_sitting() -> None:
@@ -219,6 +221,33 @@ def test_the_circle_check_sees_a_type_only_circle_and_a_relative_import(tmp_path
     g = nx.DiGraph([("plexrl.runtime.a", "plexrl.runtime.b"), ("plexrl.runtime.b", "plexrl.runtime.a"),
                     ("plexrl.planner.c", "plexrl.runtime.a"), ("plexrl.runtime.a", "plexrl.planner.c")])  # fmt: skip
     assert package_cycles(g) == [["plexrl.runtime.a", "plexrl.runtime.b"]]  # (the cross-package one: elsewhere)
+
+
+def package_of(module: str) -> str:
+    """The package `module` belongs to, subpackages folded in (`plexrl.job.tasks.x`: `plexrl.job`); a module at the
+    top of plexrl (`plexrl.sizes`) is one of its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+def between_packages(g: nx.DiGraph) -> nx.DiGraph:
+    return nx.DiGraph([(package_of(a), package_of(b)) for a, b in g.edges if package_of(a) != package_of(b)])
+
+
+def test_no_import_circle_between_packages() -> None:
+    """Packages stand on floors: if the engines import a module of the job package while the job imports the
+    engines, the two packages import each other, even when that module is itself a leaf (the layer check above
+    allows it). A module that packages on different floors share sits below all of them, at the top of plexrl
+    (`plexrl.sizes`, `plexrl.ranks`) or in a lower package, not inside the higher one."""
+    assert cycles(between_packages(graph())) == []
+
+
+def test_the_package_check_sees_a_leaf_inside_a_higher_package() -> None:
+    g = nx.DiGraph([("plexrl.job.spec", "plexrl.engines.lora"), ("plexrl.engines.lora", "plexrl.job.sizes"),
+                    ("plexrl.job.tasks.x", "plexrl.errors"), ("plexrl.engines.lora", "plexrl.sizes")])  # fmt: skip
+    assert cycles(between_packages(g)) == [["plexrl.engines", "plexrl.job"]]
+    g.remove_edge("plexrl.engines.lora", "plexrl.job.sizes")
+    assert cycles(between_packages(g)) == []
 
 
 LIMIT = 450  # no module passes it: a module about to is split along its seams first

@@ -49,3 +49,17 @@ def test_a_process_started_before_the_session_or_without_its_mark_is_not_ours() 
         assert other.pid not in {p.pid for p in leaks.leftovers(time.time() + 60.0, grace_s=0.0)}
     finally:
         other.kill()
+
+
+def test_the_check_waits_for_a_process_that_is_ending_and_no_longer() -> None:
+    """A process already on its way out is not a leftover: the check waits for it to end (within its grace), and
+    returns as soon as it has, not at the end of the grace."""
+    since = time.time() - 0.5
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        start = time.monotonic()
+        assert child.pid not in {p.pid for p in leaks.leftovers(since, grace_s=30.0)}
+        assert time.monotonic() - start < 20.0
+    finally:
+        child.kill()
+        child.wait(timeout=10)

@@ -18,11 +18,12 @@ from conftest import TINY, local_runner, stable
 
 from plexrl.errors import ConfigError
 from plexrl.job.load import load_job
-from plexrl.job.sizes import model_bytes
 from plexrl.job.spec import JobRun, JobSpec, prepare_job
 from plexrl.planner.state import Move
 from plexrl.runtime import Budgets
 from plexrl.services.service import Service
+from plexrl.services.swap import checksum
+from plexrl.sizes import model_bytes
 
 
 def lora_job(model: Path, run_dir: Path, name: str, seed: int, iterations: int = 3) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def test_a_lora_state_is_adapter_and_optimizer_and_the_base_is_shared_untouched(
     assert names and all(n.startswith(("adapter.", "optimizer.")) for n in names)
     assert all(".lora_" in n for n in names if n.startswith("adapter."))
     assert size_a <= a.state_bytes() and size_a * 20 < base.nbytes() <= model_bytes(a.model_path)
-    before_base = base.checksum()
+    before_base = checksum(base.base_tensors())
     # a trained adapter: one optimizer step on job a, then its state through every tier while b runs
     engine = svc.engines[a.job_id]
     ids = torch.tensor([[1, 5, 6, 7, 8]])
@@ -88,7 +89,7 @@ def test_a_lora_state_is_adapter_and_optimizer_and_the_base_is_shared_untouched(
     after = snapshot(svc, j)
     assert after.keys() == trained.keys() and all(torch.equal(after[k], trained[k]) for k in trained)
     assert moved == 2 * sum(t.numel() * 4 for t in trained.values())  # adapter and moments only
-    assert base.checksum() == before_base  # training and swaps never touched the base
+    assert checksum(base.base_tensors()) == before_base  # training and swaps never touched the base
     svc.release(a.job_id)
     assert svc.bases  # b still uses it
     svc.release(b.job_id)
@@ -142,7 +143,7 @@ def test_a_cluster_budget_counts_a_lora_job_as_its_adapter_state_beside_one_base
     import yaml
 
     from plexrl.cluster import load_cluster
-    from plexrl.job.sizes import lora_state_bytes, model_bytes
+    from plexrl.sizes import lora_state_bytes, model_bytes
 
     jobs = [{"job": lora_job(smol_tiny, tmp_path / "runs", n, s)} for n, s in (("la", 0), ("lb", 1))]
     state = lora_state_bytes(smol_tiny, 4, ["q_proj", "v_proj"])

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from plexrl.engines.lora import LoRAEngine, SharedBase, base_key
+from plexrl.services.swap import checksum
 
 CPU = torch.device("cpu")
 
@@ -35,7 +36,7 @@ def step(engine: LoRAEngine) -> dict[str, float]:
 
 
 def test_a_bf16_base_trains_fp32_adapters_and_never_changes(smol_tiny: Path) -> None:
-    from plexrl.job.sizes import model_bytes
+    from plexrl.sizes import model_bytes
 
     base = SharedBase(smol_tiny, CPU, "eager", dtype="bfloat16")
     assert {t.dtype for t in base.base_tensors().values()} == {torch.bfloat16}
@@ -43,10 +44,10 @@ def test_a_bf16_base_trains_fp32_adapters_and_never_changes(smol_tiny: Path) -> 
     engine = engine_on(base)
     adapter = engine._adapter_params()
     assert adapter and all(p.dtype == torch.float32 and p.requires_grad for p in adapter.values())
-    before = base.checksum()
+    before = checksum(base.base_tensors())
     losses = [step(engine)["loss"] for _ in range(4)]
     assert all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0]
-    assert base.checksum() == before  # training steps the fp32 adapter only
+    assert checksum(base.base_tensors()) == before  # training steps the fp32 adapter only
     tensors = engine.state_tensors()
     assert {t.dtype for t in tensors.values()} == {torch.float32}
     n = sum(p.numel() for p in adapter.values())
@@ -82,9 +83,9 @@ def test_a_bf16_lora_job_shares_a_bf16_base_counted_at_its_size(smol_tiny: Path,
     from test_lora import lora_job
 
     from plexrl.job.load import load_job
-    from plexrl.job.sizes import lora_state_bytes, model_bytes
     from plexrl.job.spec import prepare_job
     from plexrl.services.service import Service
+    from plexrl.sizes import lora_state_bytes, model_bytes
 
     cfg = lora_job(smol_tiny, tmp_path / "runs", "bf", 0)
     cfg["model"].update(dtype="bfloat16", gradient_checkpointing=True)
@@ -108,7 +109,7 @@ def test_a_bf16_checkpoint_is_counted_at_its_fp32_size(smol_tiny: Path, tmp_path
 
     from transformers import AutoModelForCausalLM
 
-    from plexrl.job.sizes import count_parameters, model_bytes
+    from plexrl.sizes import count_parameters, model_bytes
 
     half = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(str(smol_tiny), dtype=torch.bfloat16).save_pretrained(half)

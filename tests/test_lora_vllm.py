@@ -26,8 +26,8 @@ from plexrl.engines.lora import LoRAEngine, SharedBase
 from plexrl.engines.vllm_engine import vllm_cpu_build, vllm_installed
 from plexrl.errors import ConfigError
 from plexrl.job.load import load_job
-from plexrl.job.sizes import model_bytes
 from plexrl.job.spec import JobRun, prepare_job
+from plexrl.sizes import model_bytes
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make setup-vllm)")
 
@@ -186,8 +186,8 @@ def test_two_lora_jobs_on_one_service_with_vllm_rollouts_learn_exactly_as_alone(
     from safetensors.torch import load_file
 
     from plexrl.engines.vllm_lora import lora_engine_bytes
-    from plexrl.job.sizes import lora_state_bytes
     from plexrl.runtime import Budgets
+    from plexrl.sizes import lora_state_bytes
 
     specs = [prepare_job(load_job(vllm_lora_job(smol32, tmp_path / "runs", n, s))) for n, s in (("la", 0), ("lb", 1))]
     assert [s.generation for s in specs] == ["vllm", "vllm"]
@@ -223,7 +223,7 @@ def test_engine_choice_and_budgets_of_a_lora_job_on_vllm(smol32: Path, tmp_path:
 
     from plexrl.cluster import load_cluster
     from plexrl.engines.vllm_lora import lora_engine_bytes
-    from plexrl.job.sizes import lora_state_bytes
+    from plexrl.sizes import lora_state_bytes
 
     cfg = lora_job(smol32, tmp_path / "runs", "auto", 0)
     cfg["engine"] = "auto"  # a 3.2M-parameter base is under vllm.auto_min_params: torch, as for a full job

@@ -238,7 +238,7 @@ def test_a_paused_generation_samples_exactly_what_an_unpaused_one_does(
 
 def test_the_state_estimate_bounds_a_bf16_engines_measured_state(model_dir: tuple[Path, Any]) -> None:
     from plexrl.job.load import load_job
-    from plexrl.job.sizes import estimate_state_bytes, model_bytes
+    from plexrl.sizes import estimate_state_bytes, model_bytes
 
     d, tok = model_dir
     engine = TorchEngine(d, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, dtype="bfloat16")

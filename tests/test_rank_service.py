@@ -15,7 +15,7 @@ import torch
 from test_worker_group import job
 
 from plexrl.planner.state import Move
-from plexrl.services.ranks import GroupSpec, RankState, agree, group_plan, join, leave
+from plexrl.ranks import GroupSpec, RankState, agree, group_plan, join, leave
 
 
 def _port() -> int:

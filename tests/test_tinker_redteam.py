@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import wait_for
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -178,9 +179,7 @@ def test_another_users_files_sessions_and_futures_reveal_nothing(server: Running
     asked = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 7, "num_samples": 1,
              "prompt": {"chunks": [{"tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}}  # fmt: skip
     finished = post(srv, "/asample", ANN, asked).json()["request_id"]
-    end = time.monotonic() + 60
-    while srv.sessions.futures.get(finished).kind is None and time.monotonic() < end:
-        time.sleep(0.05)
+    wait_for(lambda: srv.sessions.futures.get(finished).kind is not None, "ann's sample to finish")
     for rid in (held, finished):
         assert re.fullmatch(r"r[0-9a-f]{24}", rid)
         start = time.monotonic()

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from plexrl.engines.base import GenerationOutput, LossFn
 from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions, token_logprobs
-from plexrl.services.ranks import RankState, guarded
+from plexrl.ranks import RankState, guarded
 
 
 def _local(t: Tensor) -> Tensor:

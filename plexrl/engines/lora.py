@@ -8,8 +8,8 @@ its weights and two moments (gigabytes for a 135M model). The KL reference of a 
 (`disable_adapter`): no reference copy either.
 
 Invariants kept:
-- the base never changes: its parameters have requires_grad False and are outside every optimizer; the
-  service checks a checksum of the base in validate mode (`SharedBase.checksum`);
+- the base never changes: its parameters have requires_grad False and are outside every optimizer (the tests
+  compare a checksum of `SharedBase.base_tensors` before and after training and swaps);
 - a job's results do not depend on the other adapters (docs invariant 4): only the active adapter takes
   part in a forward; a new adapter's A matrix is drawn from a generator seeded by the job's seed (peft would
   draw it from the global RNG, so the draw would depend on what ran before); B starts at zero (the adapted
@@ -94,11 +94,6 @@ class SharedBase:
         """The base's own parameters (not the adapters'), by name: what must never change."""
         model = self.base if self.model is None else self.model.get_base_model()
         return {n: p for n, p in model.named_parameters() if "lora_" not in n}
-
-    def checksum(self) -> str:
-        from plexrl.services.swap import checksum
-
-        return checksum(self.base_tensors())
 
     def add(self, job_id: str, r: int, alpha: float, dropout: float, targets: list[str], seed: int) -> str:
         """Add job `job_id`'s adapter (A drawn from `seed`, B zero); returns its name."""

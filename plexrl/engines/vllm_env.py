@@ -122,7 +122,7 @@ def _process_state_kept() -> Iterator[None]:
 
 def model_shape(model_dir: str | Path) -> Shape:
     """The sizes of the model saved in `model_dir` that an engine's memory depends on."""
-    from plexrl.job.sizes import count_parameters
+    from plexrl.sizes import count_parameters
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return Shape.of(config, count_parameters(Path(model_dir)))

@@ -99,7 +99,7 @@ def lora_generator_key(
 def lora_slot_bytes(model_dir: str | Path, r: int, dtype: str = "float32") -> int:
     """Device bytes of vLLM's LoRA buffers: `MAX_LORAS` adapter slots of rank `lora_rank_slot(r)` on every
     projection, in the engine's `dtype`."""
-    from plexrl.job.sizes import lora_state_bytes
+    from plexrl.sizes import lora_state_bytes
 
     fp32 = lora_state_bytes(model_dir, lora_rank_slot(r), list(VLLM_LORA_MODULES)) // 3  # weights, no moments
     return MAX_LORAS * (fp32 if dtype == "float32" else fp32 // 2)
@@ -108,7 +108,7 @@ def lora_slot_bytes(model_dir: str | Path, r: int, dtype: str = "float32") -> in
 def lora_engine_bytes(model_dir: str | Path, r: int, kv_cache_bytes: int, dtype: str = "float32") -> int:
     """Device bytes of a SharedLoRALLM whose base is in `dtype`: the base, the KV cache, and its LoRA slots
     (`lora_slot_bytes`)."""
-    from plexrl.job.sizes import model_bytes
+    from plexrl.sizes import model_bytes
 
     return model_bytes(Path(model_dir), dtype) + kv_cache_bytes + lora_slot_bytes(model_dir, r, dtype)
 

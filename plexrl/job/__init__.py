@@ -4,7 +4,6 @@ services, the server or the planner's state (only the planner's `JobPlan` record
 
 Modules, bottom to top (each imports only those above it in this list, and lower packages):
 
-    sizes         weights, state bytes by dtype, a LoRA adapter's state (a leaf: engines size with it too)
     construction  THE process-wide lock around building a torch model (a leaf)
     pretrained    real pretrained models shipped in packages, converted once into a local cache
     model_config  `ModelConfig`, `LoRAConfig`, `StrictModel` (the base of every config model)
@@ -17,5 +16,6 @@ Modules, bottom to top (each imports only those above it in this list, and lower
     spec          `JobSpec` (frozen) and its plan, `JobRun` (the runner's record), `prepare_job`
 
 Import the module you need (`from plexrl.job.load import load_job`); this package imports nothing, so that
-`plexrl.job.sizes` stays a leaf.
+`plexrl.job.construction` stays a leaf. What a job weighs (weights, state bytes by dtype, a LoRA adapter's
+state) is `plexrl.sizes`, below the engines and services, which size with it too.
 """

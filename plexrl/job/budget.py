@@ -1,7 +1,7 @@
 """What a job will need on a service's device, from its validated config alone (before it is prepared: no
 model is built, no task generated). A cluster's budget check (`plexrl.cluster.load_cluster`) compares it with
 `services.device_memory`; the planner admits a prepared job by `JobSpec.state_bytes()` and
-`JobSpec.engine()`, the same sizes (`plexrl.job.sizes`) read from the prepared model's files.
+`JobSpec.engine()`, the same sizes (`plexrl.sizes`) read from the prepared model's files.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from plexrl.job.checks import vllm_problem
 from plexrl.job.config import JobConfig, auto_engine_rule
 from plexrl.job.generation import generation_sizes
 from plexrl.job.load import LoadedJob
-from plexrl.job.sizes import built_weight_bytes, estimate_state_bytes, lora_state_bytes, model_bytes, state_parts
 from plexrl.job.tasks import tokenizer_size
+from plexrl.sizes import built_weight_bytes, estimate_state_bytes, lora_state_bytes, model_bytes, state_parts
 
 
 @dataclass(frozen=True, slots=True)

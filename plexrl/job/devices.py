@@ -106,7 +106,7 @@ def job_shape(cfg: JobConfig) -> Shape:
     the job builds (`model.layers`, `hidden`, ...; the vocabulary of its task's tokenizer)."""
     path = model_dir(cfg)
     if path is not None and (path / "config.json").is_file():
-        from plexrl.job.sizes import count_parameters
+        from plexrl.sizes import count_parameters
 
         config = json.loads((path / "config.json").read_text())
         try:
@@ -114,8 +114,8 @@ def job_shape(cfg: JobConfig) -> Shape:
         except (FileNotFoundError, ValueError):
             params = 0
         return Shape.of(config, params)
-    from plexrl.job.sizes import built_weight_bytes
     from plexrl.job.tasks import tokenizer_size
+    from plexrl.sizes import built_weight_bytes
 
     m = cfg.model
     vocab = tokenizer_size(cfg.task.name)

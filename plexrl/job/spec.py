@@ -15,10 +15,10 @@ from plexrl.job.checks import chunk_problems
 from plexrl.job.config import JobConfig
 from plexrl.job.generation import GenerationSizes, generation_sizes, sizing_problems
 from plexrl.job.load import LoadedJob
-from plexrl.job.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
 from plexrl.paths import resolve
 from plexrl.planner.events import JobPlan, NodePlan, RetryPlan
 from plexrl.planner.records import JobStatus
+from plexrl.sizes import count_parameters, estimate_state_bytes, lora_state_bytes, model_bytes
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ fresh port, with the workers found again by name (a killed worker comes back und
 address). Re-forming drops every job engine of the group (their shards are bound to the dead process
 group): those jobs' next nodes fail with a clear error, new jobs run.
 
-The rank side (what runs in each worker: `join`, `leave`, `agree`, `guarded`) is `plexrl.services.ranks`,
+The rank side (what runs in each worker: `join`, `leave`, `agree`, `guarded`) is `plexrl.ranks`,
 re-exported here. Nothing here decides what runs where or when: that is the planner's.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexrl.services.ranks import (
+from plexrl.ranks import (
     GroupBroken,
     GroupSpec,
     RankState,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from plexrl.job.sizes import uses_reference
+from plexrl.sizes import uses_reference
 
 if TYPE_CHECKING:
     import torch

@@ -113,7 +113,7 @@ class Generators:
         """An engine no job uses: asleep on CUDA (`plexrl.devices.idle_engine`), at most `MAX_ASLEEP` of them;
         shut down on CPU."""
         from plexrl.devices import MAX_ASLEEP, host_available, idle_engine
-        from plexrl.job.sizes import model_bytes
+        from plexrl.sizes import model_bytes
 
         llm = self._engines[key]
         weights = model_bytes(llm.model_dir, llm.dtype)

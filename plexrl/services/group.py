@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from plexrl.job.sizes import uses_reference
 from plexrl.planner.state import Move
+from plexrl.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
 from plexrl.reports import CheckpointReport, LoadReport, NodeReport
 from plexrl.services import swap as sw
 from plexrl.services.host import HostCopy, Layout, Tally
-from plexrl.services.ranks import GroupBroken, GroupSpec, RankState, agree, join, leave, member, publish_broken
 from plexrl.services.records import recorded
 from plexrl.services.registry import SERVICES, publish
 from plexrl.services.service import NodeResult, Service
+from plexrl.sizes import uses_reference
 
 if TYPE_CHECKING:
     from plexrl.job.spec import JobSpec
@@ -198,13 +198,7 @@ class RankService(Service):
         if move.src == move.dst:
             return 0
         rec = recorded(move.job_id, move.src, move.dst, lambda tally: self._carry(move, state, tally), clock=self.clock)
-        self.move_log.add(rec)
-        with self._lock:
-            self.stats.bytes_moved += state.nbytes
-            self.stats.moves += 1
-            self.stats.copies += rec.copies
-            self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
-        return state.nbytes
+        return self._counted(rec)
 
     def _carry(self, move: Move, state: ShardLocation, tally: Tally) -> int:
         """`_move`'s work; `tally`: its figures (a DCP write or read counts as one copy; every second copying)."""

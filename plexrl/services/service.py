@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from plexrl.engines.slicing import SlicePaused
 from plexrl.operator import OpContext
 from plexrl.planner.state import Move
-from plexrl.reports import NodeReport
+from plexrl.reports import MoveRecord, NodeReport
 from plexrl.services import swap as sw
 from plexrl.services.build import build_engine
 from plexrl.services.generators import Generators
@@ -423,11 +423,15 @@ class Service:
             return state.nbytes
 
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        rec = recorded(move.job_id, move.src, move.dst, carry, clock=self.clock, stream=stream)
+        return self._counted(recorded(move.job_id, move.src, move.dst, carry, clock=self.clock, stream=stream))
+
+    def _counted(self, rec: MoveRecord) -> int:
+        """Keep a carried move's record (drained into the next node report) and add it to the stats; returns the
+        bytes moved."""
         self.move_log.add(rec)
         with self._lock:
-            self.stats.bytes_moved += state.nbytes
+            self.stats.bytes_moved += rec.nbytes
             self.stats.moves += 1
             self.stats.copies += rec.copies
-            self.stats.per_tier[move.dst] = self.stats.per_tier.get(move.dst, 0) + state.nbytes
-        return state.nbytes
+            self.stats.per_tier[rec.dst] = self.stats.per_tier.get(rec.dst, 0) + rec.nbytes
+        return rec.nbytes

@@ -22,8 +22,9 @@ on a lost peer return, the next NCCL call raises in the rank's thread, `guarded`
 group (`plexrl.runtime.group`). A broken NCCL group is aborted, not destroyed (a graceful destroy waits on
 the wedged communicator). None of the nccl path has run on a GPU yet (docs/gpu.md says what has).
 
-This module sits with the services and engines (the bottom layer): `FSDPEngine` and `RankService` use it,
-and it imports nothing of plexrl. Nothing here decides what runs where or when: that is the planner's.
+This module sits below the engines, the services and the runtime, which all use it (`FSDPEngine` trains in a
+group, `RankService` joins one, `plexrl.runtime.group` forms them), and it imports nothing of plexrl. Nothing
+here decides what runs where or when: that is the planner's.
 """
 
 from __future__ import annotations
