@@ -115,13 +115,13 @@ def recover(
         log.info("session model %s (job %s of %r) recovered from the journal", model_id, e.job_id, e.user)
     for s in sessions.values():
         for r in kept_samplers(root, s.session_id, s.user):
-            m = models.get(r.model_id)
-            if m is None or m.user != r.user:  # (its model ended: the sampler ended with it)
+            live = models.get(r.model_id)
+            if live is None or live.user != r.user:  # (its model ended: the sampler ended with it)
                 continue
             samplers[r.sampler_id] = r
             s.seqs.add(r.sampler_id.split(":", 1)[1])  # ("sample:2")
             if r.weights is not None and r.weights.parent.name == "snapshots":
-                m.snapshots.append(r.weights)  # (oldest first: the latest KEEP_SNAPSHOTS stay)
+                live.snapshots.append(r.weights)  # (oldest first: the latest KEEP_SNAPSHOTS stay)
             log.info("sampling client %s of %r recovered (weights %s)", r.sampler_id, r.user, r.weights)
     return sessions, models, samplers
 
