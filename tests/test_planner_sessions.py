@@ -21,13 +21,16 @@ from plexrl.planner import (
     JobSubmitted,
     NodeFinished,
     NodePlan,
+    PlaceJob,
     Planner,
     RunCheckpoint,
     RunNode,
     ServiceJoined,
     SessionClosing,
+    Tick,
 )
 from plexrl.planner.gaps import busy_fraction, next_use
+from plexrl.planner.policies import SpreadBackfill
 from plexrl.planner.sessions import CLIENT, only_idle_left
 
 KINDS = ("forward_backward", "optim_step", "sample")
@@ -162,3 +165,40 @@ def test_a_failed_call_fails_the_session_like_any_node() -> None:
     p.handle(CallArrived("s", "sample"))
     out = p.handle(NodeFinished("s", 0, "sample", ok=False, error="engine died"))
     assert [type(i) for i in out] == [FailJob] and "engine died" in out[0].reason  # type: ignore[attr-defined]
+
+
+def test_idle_sessions_loads_fall_so_a_queued_session_goes_in_at_its_wake_without_any_event() -> None:
+    # the server's default placement: spread+backfill at max_load 1.0, one service; every session's predicted
+    # load starts at the prior's 0.5 (a call 0.1 s, its client 0.1 s): two fill the service
+    clock = Clock()
+    p = Planner(clock=clock, placement=SpreadBackfill(max_load=1.0), validate=True)
+    p.handle(ServiceJoined("s0"))
+    for s in ("a", "b", "c"):
+        p.handle(JobSubmitted(s, session()))
+    assert [p.jobs[s].status for s in "abc"] == ["running", "running", "queued"]
+    assert "waiting for room" in p.jobs["c"].reason
+    # a and b stay idle (their clients went quiet, or never came back after a restart): their loads fall, 0.1 /
+    # (0.1 + the time away), and c fits once they are at 0.25 each, at 0.3 s; the planner asks to be woken then
+    wake = p.wake_at
+    assert wake == pytest.approx(0.3, abs=1e-6)
+    assert p.job_load("a") == pytest.approx(0.5) and p.job_load("a", at=0.9) == pytest.approx(0.1)
+    clock.t = wake - 1e-3
+    p.handle(Tick())
+    assert p.jobs["c"].status == "queued"  # too early: a Tick before then changes nothing
+    clock.t = wake
+    out = p.handle(Tick())
+    assert [(i.job_id, i.service_id) for i in out if isinstance(i, PlaceJob)] == [("c", "s0")]
+    assert p.wake_at is None
+    # a session whose client is back (its call announced or running) is not away: its load does not fall
+    p.handle(CallArrived("a", "sample"))
+    assert p.job_load("a", at=1e6) == p.job_load("a") > 0.2
+
+
+def test_the_wake_time_of_idle_sessions_is_pure_arithmetic() -> None:
+    import doctest
+
+    from plexrl.planner import admission, sessions
+
+    for module in (sessions, admission):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

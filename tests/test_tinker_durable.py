@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import wait_for
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -47,11 +48,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config(tmp_path: Path, smol_tiny: Path, port: int, **fields: object) -> ServerConfig:
-    # (max_load: after a restart the resumed sessions' learned loads would leave a new one waiting on 1 service)
+def config(tmp_path: Path, smol_tiny: Path, port: int, max_load: float | None = 64, **fields: object) -> ServerConfig:
+    # (max_load 64: every session on the one service at once, whatever its predicted load; None: the default)
+    cluster: dict[str, object] = {"driver": "local", "services": {"count": 1}}
+    if max_load is not None:
+        cluster["max_load"] = max_load
     return ServerConfig(
-        port=port, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"),
-        cluster={"driver": "local", "services": {"count": 1}, "max_load": 64},
+        port=port, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), cluster=cluster,
         allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False, **fields,
     )  # fmt: skip
 
@@ -143,4 +146,96 @@ def test_what_a_client_was_told_resumes_after_a_restart(tmp_path: Path, smol_tin
     finally:
         service.close("success").result()
         empty.close("success").result()
+        srv.stop(120)
+
+
+def test_a_new_session_gets_the_one_service_after_a_restart_at_the_default_max_load(
+    tmp_path: Path, smol_tiny: Path
+) -> None:
+    # the default placement, spread+backfill at max_load 1.0, on one service: the resumed sessions' clients stay
+    # quiet, and a new session must still get the service (their predicted loads fall while they stay idle)
+    port = free_port()
+    cfg = config(tmp_path, smol_tiny, port, max_load=None, checkpoint_every=1)
+    assert cfg.cluster.placement == "spread+backfill" and cfg.cluster.max_load == 1.0
+    srv = start_server(cfg)
+    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-ann")
+    try:
+        kept = [
+            service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=seed).result(timeout=90)
+            for seed in (5, 7)
+        ]
+        for training in kept:
+            step(training)
+    finally:
+        srv.stop(120)
+    srv = start_server(cfg)
+    try:
+        late = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=9).result(timeout=90)
+        step(late)
+        assert [loss(training) > 0 for training in (*kept, late)] == [True] * 3  # all three served, on the one
+    finally:
+        service.close("success").result()
+        srv.stop(120)
+
+
+def test_a_snapshot_sampling_client_samples_again_after_a_restart(tmp_path: Path, smol_tiny: Path) -> None:
+    port = free_port()
+    cfg = config(tmp_path, smol_tiny, port, checkpoint_every=1)
+    srv = start_server(cfg)
+    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-ann")
+    params = types.SamplingParams(max_tokens=4, seed=3)
+    try:
+        training = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result(timeout=90)
+        step(training)
+        sampler = training.save_weights_and_get_sampling_client().result(timeout=120)
+        before = sampler.sample(PROMPT, 1, params).result(timeout=120)
+        step(training)  # the live weights move on; the snapshot stays what it was
+    finally:
+        srv.stop(120)
+    srv = start_server(cfg)
+    try:
+        after = sampler.sample(PROMPT, 1, params).result(timeout=120)  # (the same SDK object: its id is known)
+        assert after.sequences[0].tokens == before.sequences[0].tokens  # the snapshot's weights, the same seed
+        assert after.sequences[0].logprobs == pytest.approx(before.sequences[0].logprobs, abs=1e-4)
+        sid = sampler._sampling_session_id  # recovered for its owner only: to another user, an unknown sampler
+        assert httpx.get(f"{srv.url}/api/v1/samplers/{sid}", headers={"X-API-Key": "tml-bob"}).status_code == 404
+        assert httpx.get(f"{srv.url}/api/v1/samplers/{sid}", headers={"X-API-Key": "tml-ann"}).status_code == 200
+        again = training.save_weights_and_get_sampling_client().result(timeout=120)  # a new one beside it
+        assert again._sampling_session_id != sid
+    finally:
+        service.close("success").result()
+        srv.stop(120)
+
+
+def test_a_session_that_ends_while_its_model_opens_leaves_no_job_behind(tmp_path: Path, smol_tiny: Path) -> None:
+    # create_model submits the model's job outside the registry's lock; the client's finish comes in between
+    cfg = config(tmp_path, smol_tiny, free_port())
+    srv = start_server(cfg)
+    reg = srv.sessions
+    entered, gate, real_open = threading.Event(), threading.Event(), reg.backend.open
+
+    def slow_open(*args: object) -> str:
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return real_open(*args)  # type: ignore[arg-type]
+
+    reg.backend.open = slow_open  # type: ignore[method-assign]
+    answers: list[httpx.Response] = []
+    try:
+        sid = post(srv, "/create_session", {}).json()["session_id"]
+        body = {"session_id": sid, "model_seq_id": 0, "base_model": str(smol_tiny), "lora_config": {"rank": 4}}
+        creating = threading.Thread(target=lambda: answers.append(post(srv, "/create_model", body)))
+        creating.start()
+        assert entered.wait(60), "create_model never reached the job's submission"
+        assert post(srv, f"/sessions/{sid}/finish", {}).status_code == 200
+        gate.set()
+        creating.join(60)
+        assert answers and answers[0].status_code == 200, answers
+        rid, model_id = answers[0].json()["request_id"], answers[0].json()["model_id"]
+        job = reg.models[model_id].job_id
+        wait_for(lambda: srv.journal.get(job).finished, f"job {job} of an ended session to end")
+        result = post(srv, "/retrieve_future", {"request_id": rid}).json()
+        assert "error" in result and "closed" in result["error"], result
+    finally:
+        gate.set()
         srv.stop(120)

@@ -15,6 +15,11 @@ with no job running, then those of the users with the least decayed service time
 order; and a job of a user with no job running is placed even where the placement's load cap says no, on the
 least loaded service that holds its state, while another user runs more than one job (`squeeze`): one user's
 many jobs cannot keep another's single job out.
+
+An idle session's predicted load falls while its client stays away (`sessions.busy_fraction`), with no event: a
+job that waits for room under a load-aware placement's `max_load` goes in at the time the idle sessions' loads
+leave it room (`room_at`, the planner's `wake_at` too), so sessions whose clients went quiet (or never came back
+after a restart) cannot keep a service full for good.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from plexrl.planner import sessions
 from plexrl.planner.events import Instruction, JobHeld
 from plexrl.planner.placing import admissions
 from plexrl.planner.policies import PlacementPolicy
@@ -117,6 +123,49 @@ def weigh(
     )  # fmt: skip
 
 
+def room_at(
+    waiting: float, alive: Sequence[ServiceRecord], jobs: Mapping[str, JobRecord], cap: float,
+    load_at: Callable[[str, float], float], now: float,
+) -> float | None:  # fmt: skip
+    """The first time after `now` at which a service's load leaves room under `cap` for a job of load `waiting`
+    because its idle sessions' loads fell (`sessions.away`); None when that never comes (no idle session, or the
+    other jobs' loads alone leave no room) or there is room already (the job waits for something else).
+
+    >>> from plexrl.planner.events import JobPlan, NodePlan
+    >>> idle = JobRecord("i", JobPlan({"call": NodePlan("service")}, 9, ("call",), open=True), status="running")
+    >>> idle.cpu_started[sessions.CLIENT] = 0.0
+    >>> svc = ServiceRecord("s0", jobs={"i"})
+    >>> load = lambda job, t: 1.0 / (1.0 + max(t, 1.0))  # a call 1 s, its client away since 0 (predicted 1 s)
+    >>> t = room_at(0.6, [svc], {"i": idle}, 1.0, load, now=0.0)
+    >>> round(t, 3), load("i", t) + 0.6 <= 1.0 + 1e-9
+    (1.5, True)
+    """
+    best: float | None = None
+    for svc in alive:
+        idle = [j for j in sorted(svc.jobs) if sessions.away(jobs[j])]
+        if not idle:
+            continue
+        fixed = sum(load_at(j, now) for j in svc.jobs if j not in idle)
+
+        def fits(t: float, idle: list[str] = idle, fixed: float = fixed) -> bool:
+            return fixed + sum(load_at(j, t) for j in idle) + waiting <= cap + 1e-9
+
+        if fixed + waiting >= cap or fits(now):
+            continue
+        span = 1.0
+        while not fits(now + span):
+            span *= 2.0
+            if span > 1e9:  # (a room only in decades: no wake at all)
+                break
+        else:
+            low = 0.0
+            for _ in range(40):  # (to about span / 1e12)
+                mid = (low + span) / 2.0
+                low, span = (low, mid) if fits(now + mid) else (mid, span)
+            best = now + span if best is None else min(best, now + span)
+    return best
+
+
 def changed(before: Mapping[str, str], after: Mapping[str, str]) -> list[tuple[str, str]]:
     """(job, reason) for each job whose held reason changed ("" : no longer held), in job order."""
     return [(j, after.get(j, "")) for j in sorted(set(before) | set(after)) if after.get(j, "") != before.get(j, "")]
@@ -136,7 +185,8 @@ class Admitter:
     queue: `pending` (job ids, in submission order), `held` (job -> why its user's limits hold it), whether
     admission is `due` (only after something that can change a placement: a service joined or was lost, a job
     was submitted or ended, a state was measured smaller, or with a load-aware placement a job finished an
-    iteration), and when a quota-held job may go in without any other event (`release_at`)."""
+    iteration), and when a quota-held job, or one waiting for idle sessions' loads to fall, may go in without
+    any other event (`release_at`)."""
 
     jobs: dict[str, JobRecord]
     services: dict[str, ServiceRecord]
@@ -145,14 +195,14 @@ class Admitter:
     usage: Usage
     fair: bool
     clock: Callable[[], float]
-    job_load: Callable[[str], float]
+    job_load: Callable[[str, float], float]  # (job, at time)
     place: Callable[[JobRecord, str, Tier, float, list[Instruction]], None]
     fail: Callable[[str, str, list[Instruction]], None]
     history: Callable[[str], str]
     pending: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)
     due: bool = True
-    release_at: float | None = None
+    release_at: float | None = None  # (a quota's release, or idle sessions' loads leaving room: `room_at`)
 
     def admit(self, out: list[Instruction]) -> None:
         """Weigh the queued jobs (when due): place those the placement takes, in order, fail those that can
@@ -166,10 +216,16 @@ class Admitter:
         now = self.clock()
         pending, running, hold, squeezed = weigh(self.pending, self.jobs, self.limits, self.usage, now, len(alive),
                                                  fair=self.fair)  # fmt: skip
-        still, held = set(), {}
-        for a in admissions(pending, self.jobs, alive, self.placement, self.job_load, hold, squeezed):
+        still, held, roomless = set(), {}, []
+
+        def load(job_id: str) -> float:
+            return self.job_load(job_id, now)
+
+        for a in admissions(pending, self.jobs, alive, self.placement, load, hold, squeezed):
             if a.held or (a.target is None and not a.problem):
                 still.add(a.job_id)
+                if not a.held:
+                    roomless.append(load(a.job_id))
                 self.jobs[a.job_id].reason = a.held or a.reason  # (shown to users: the server's page and status)
                 if a.held:
                     held[a.job_id] = a.held
@@ -185,6 +241,9 @@ class Admitter:
         out += [JobHeld(j, why) for j, why in changed(self.held, held)]
         self.held = held
         times = [release_at(self.jobs[j].plan.user, self.limits, self.usage, now, len(alive)) for j in held]
+        cap = getattr(self.placement, "max_load", None)
+        if roomless and getattr(self.placement, "uses_load", False) and cap is not None:
+            times.append(room_at(min(roomless), alive, self.jobs, float(cap), self.job_load, now))
         self.release_at = min((t for t in times if t is not None), default=None)
 
     def drop(self, job_id: str, out: list[Instruction], keep_pending: bool = False) -> None:
@@ -208,6 +267,7 @@ __all__ = [
     "held",
     "order",
     "release_at",
+    "room_at",
     "running_by_user",
     "share",
     "squeeze",

@@ -309,7 +309,8 @@ class Planner:
     # -- retries (`retries.Backoffs`) ------------------------------------------------------------------
     @property
     def wake_at(self) -> float | None:
-        """When the planner next needs a `Tick` (a backoff's end, a quota-held job's way in); None: none due."""
+        """When the planner next needs a `Tick` (a backoff's end, a quota-held job's way in, idle sessions' loads
+        leaving room for a queued job); None: none due."""
         times = [t for t in (self._backing.wake_at(self.jobs), self._admission.release_at) if t is not None]
         return min(times) if times else None
 
@@ -333,9 +334,10 @@ class Planner:
         job.start_iteration(now)
         self._progress.advance(job, out)
 
-    def job_load(self, job_id: str) -> float:
-        """Predicted busy fraction of a job on its service (`gaps.busy_fraction`)."""
-        return busy_fraction(self.jobs[job_id], self.costs.predict)
+    def job_load(self, job_id: str, at: float | None = None) -> float:
+        """Predicted busy fraction of a job on its service at time `at` (default now; `gaps.busy_fraction`: an
+        idle session's falls while its client stays away)."""
+        return busy_fraction(self.jobs[job_id], self.costs.predict, self.clock() if at is None else at)
 
     def _checkpoint_finished(self, ev: CheckpointFinished, out: list[Instruction]) -> None:
         """A checkpoint ended (failed ones too: the job goes on): the service is free, the job goes on."""

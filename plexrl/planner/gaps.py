@@ -69,12 +69,13 @@ def cpu_rests(job: JobRecord, predict: Callable[[str, str], float], now: float) 
     return rests
 
 
-def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
+def busy_fraction(job: JobRecord, predict: Callable[[str, str], float], now: float | None = None) -> float:
     """Predicted busy fraction of `job` on its service: predicted service seconds per iteration (every chunk
     of a chunked node) over service + CPU seconds (nodes that run every k iterations count 1/k). Before any
-    observation the cost model's prior makes it the share of service nodes. A session's: `sessions.busy_fraction`."""
+    observation the cost model's prior makes it the share of service nodes. A session's: `sessions.busy_fraction`
+    (at `now`: an idle session's falls while its client stays away)."""
     if job.plan.open:
-        return session_busy_fraction(job, predict)
+        return session_busy_fraction(job, predict, now)
     busy = gap = 0.0
     for name, node in job.plan.nodes.items():
         sec = predict(job.job_id, name) * node.chunks / (node.every or 1)

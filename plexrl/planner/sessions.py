@@ -110,6 +110,11 @@ def idle(job: JobRecord) -> bool:
     return job.plan.open and not job.nodes and job.call is None and job.checkpoint is None
 
 
+def away(job: JobRecord) -> bool:
+    """An idle session whose client is away (its load falls with time: `busy_fraction`)."""
+    return idle(job) and CLIENT in job.cpu_started
+
+
 def only_idle_left(jobs: Iterable[JobRecord]) -> bool:
     """Whether the only jobs left are idle sessions waiting for their clients' calls (and queued jobs)."""
     left = [j for j in jobs if j.status not in TERMINAL]
@@ -117,9 +122,22 @@ def only_idle_left(jobs: Iterable[JobRecord]) -> bool:
     return bool(waiting) and all(j.status == "queued" or j in waiting for j in left)
 
 
-def busy_fraction(job: JobRecord, predict: Callable[[str, str], float]) -> float:
-    """A session's predicted busy fraction: a call's time over a call's plus the client's."""
+def busy_fraction(job: JobRecord, predict: Callable[[str, str], float], now: float | None = None) -> float:
+    """A session's predicted busy fraction: a call's time over a call's plus the client's. While its client is
+    away (idle) at `now`, the client's time is at least how long it has been away: an idle session's load falls
+    the longer it stays idle, so sessions whose clients went quiet (or never came back after a restart) do not
+    keep a service full for good (`admission.room_at` says when a queued job fits).
+
+    >>> from plexrl.planner.events import JobPlan, NodePlan
+    >>> s = JobRecord("s", JobPlan({"sample": NodePlan("service")}, 10, ("sample",), open=True))
+    >>> s.cpu_started[CLIENT] = 0.0  # idle since 0, a call predicted 1 s, the client 1 s
+    >>> busy_fraction(s, lambda job, node: 1.0, now=0.5), busy_fraction(s, lambda job, node: 1.0, now=9.0)
+    (0.5, 0.1)
+    """
     call, client = predict(job.job_id, CALL), predict(job.job_id, CLIENT)
+    since = job.cpu_started.get(CLIENT)
+    if now is not None and since is not None:
+        client = max(client, now - since)
     return call / (call + client) if call + client > 0 else 0.0
 
 
@@ -127,6 +145,7 @@ __all__ = [
     "CALL",
     "CLIENT",
     "Sessions",
+    "away",
     "busy_fraction",
     "call_arrived",
     "checkpoint_due",

@@ -81,10 +81,12 @@ def _public(entry: JobEntry) -> dict[str, Any]:
     return out
 
 
-def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, sessions: Any = None) -> Any:
+def create_app(
+    controller: Controller, cfg: ServerConfig, view: ClusterView, sessions: Any = None, open_jobs: Any = None
+) -> Any:
     """The FastAPI application over `controller` (see the module docstring). `view`: the `ClusterView` among
     the runner's hooks (given when the runner was built: `start_server`); `sessions`: the Tinker API's
-    `Registry`, served under /api/v1 when given."""
+    `Registry`, served under /api/v1 when given; `open_jobs`: the server's `limits.OpenJobs` (the sessions' too)."""
     from plexrl.server.files import ServerFiles
     from plexrl.server.guard import RequestGuard, host_names
     from plexrl.server.housekeeping import DiskCheck
@@ -103,7 +105,7 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
     roots, modules = cfg.roots(), list(cfg.allowed_modules)
     private = cfg.jobs_private()
     files, disk = ServerFiles(cfg), DiskCheck([Path(cfg.journal).resolve(), cfg.checkpoints()], cfg.min_free_disk)
-    open_jobs = open_jobs_of(controller.journal, modules)
+    open_jobs = open_jobs or open_jobs_of(controller.journal, modules, sorted(cfg.users or {}))
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
@@ -183,7 +185,7 @@ def create_app(controller: Controller, cfg: ServerConfig, view: ClusterView, ses
                 policy=files.policy(user), limits=cfg.limits,
             )  # fmt: skip
             with open_jobs.lock:  # the per-server limits and the journalling, as one step
-                full = open_jobs.check(ok.memory, cfg.limits)
+                full = open_jobs.check(ok.memory, cfg.limits, user)
                 if full:
                     raise ConfigError(full, "server")
                 entry = controller.submit(ok.name, ok.config, ok.iterations, user)
@@ -302,6 +304,7 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
     from plexrl.server.files import ServerFiles
     from plexrl.server.housekeeping import Housekeeping
     from plexrl.server.http import serve, uvicorn_server
+    from plexrl.server.limits import admit, open_jobs_of
 
     make: RunnerFactory = runner if runner is not None else functools.partial(server_runner, cfg)
     journal = Journal(cfg.journal)
@@ -337,6 +340,7 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         build, journal, prepare, checkpoint_every=every, checkpoint_dir=where,
         max_attempts=cfg.max_attempts, prepare_workers=cfg.prepare_workers,
     )  # fmt: skip
+    open_jobs = open_jobs_of(journal, list(cfg.allowed_modules), sorted(cfg.users or {}))  # (jobs and sessions)
     sessions = None
     if backend is not None:
         from plexrl.job.pretrained import pretrained_path
@@ -347,7 +351,8 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
         root, run_dir = where / "sessions", Path(cfg.run_dir).resolve()
         full = DiskCheck([root], cfg.min_free_disk).problem  # (Tinker writes are refused like POST /jobs)
         sessions = Registry(cfg.tinker, backend, root, cfg.roots(), pretrained_path, run_dir=run_dir,
-                            policy_of=ServerFiles(cfg).policy, disk=full)  # fmt: skip
+                            policy_of=ServerFiles(cfg).policy, disk=full,
+                            admit=functools.partial(admit, open_jobs, cfg.limits))  # fmt: skip
         sessions.recover([e for e in journal.jobs() if not e.finished and e.config.get("kind") == "session"])
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -367,8 +372,9 @@ def start_server(cfg: ServerConfig, *, prepare: Any = prepare_entry, runner: Any
                          retention_s=cfg.checkpoint_retention_s)  # fmt: skip
     controller.on_end = house.wake
     house.start()
-    app = create_app(controller, cfg, view, sessions)
-    http = uvicorn_server(app, cfg.http)  # connections bounded in number and time (http.py)
+    app = create_app(controller, cfg, view, sessions, open_jobs)
+    polls = sessions.futures.polls if sessions is not None else None  # (long polls: evicted last, capped per user)
+    http = uvicorn_server(app, cfg.http, polls)  # connections bounded in number and time (http.py)
     thread = threading.Thread(target=serve, args=(http, sock), name="plexrl-http", daemon=True)
     thread.start()
     host, port = sock.getsockname()[:2]

@@ -8,7 +8,8 @@ server config's `http:` section), and `serve`, which runs uvicorn over the liste
   and hold at most `max_header_bytes` (a slow or endless header: closed);
 - a **body** limit: its body must arrive within `body_timeout_s` after the headers (the routes bound its size);
 - a **count**: at most `max_connections` at once. A connection over the count evicts the one that has waited
-  longest without a whole request (idle, or half-sent); only when every connection is busy with a request is
+  longest without a whole request (idle, or half-sent); else, when every connection is busy with a request, a
+  long poll (`LongPolls`: the longest-parked one of the user who holds the most); only when none is parked is
   the new one closed. Idle or half-sent connections thus cannot lock anyone out: a real request always finds
   room, and the server never reaches the process's open-file limit (raised at start to what the count needs:
   `open_files`: the count, `FILES_SPARE`, and a few bursts of `BACKLOG` connections the event loop accepts
@@ -28,6 +29,7 @@ import asyncio
 import logging
 import resource
 import socket
+from collections import Counter
 from typing import Any
 
 from pydantic import Field
@@ -72,8 +74,56 @@ class HttpConfig(StrictModel):
     )
 
 
-def bounded_protocol(cfg: HttpConfig) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with `cfg`'s limits; see the module docstring."""
+Peer = tuple[str, int]  # a connection's client address, as uvicorn gives it (the protocol's `client`, a scope's)
+
+
+class LongPolls:
+    """The connections whose request is a long poll (a route that waits for a result it does not make, such as
+    the Tinker API's `retrieve_future`), by client address, with their user. Such a connection is busy, but it
+    works for nobody: at most `per_user` of one user are parked at once (`park` says no beyond, and the route
+    refuses the poll: 429), and when every connection is busy the longest-parked poll of the user holding the
+    most is evicted for a new connection (`victim`), so one user's long polls cannot lock another user out. Used
+    from the event loop's thread only (the routes and the connections share it): no lock."""
+
+    def __init__(self, per_user: int) -> None:
+        self.per_user = per_user
+        self._parked: dict[Peer, tuple[str | None, object]] = {}  # peer -> (user, its park's token)
+        self._since: dict[Peer, int] = {}  # peer -> park order (oldest first)
+        self._n = 0
+
+    def count(self, user: str | None) -> int:
+        return sum(1 for u, _ in self._parked.values() if u == user)
+
+    def park(self, peer: Peer | None, user: str | None) -> object | None:
+        """Park `peer`'s long poll for `user` (None: the administrator, never capped): a token for `unpark`, or
+        None when `user` has `per_user` parked already. A connection with no address is not tracked."""
+        token = object()
+        if peer is None:
+            return token
+        if user is not None and self.count(user) >= self.per_user:
+            return None
+        self._n += 1
+        self._parked[peer], self._since[peer] = (user, token), self._n
+        return token
+
+    def unpark(self, peer: Peer | None, token: object) -> None:
+        """The poll of that `park` ended (answered, or its connection evicted before: then nothing)."""
+        if peer is not None and self._parked.get(peer, (None, None))[1] is token:
+            del self._parked[peer], self._since[peer]
+
+    def victim(self) -> Peer | None:
+        """The parked connection to evict: the longest-parked of the user holding the most (None: none)."""
+        if not self._parked:
+            return None
+        held = Counter(u for u, _ in self._parked.values())
+        peer = min(self._parked, key=lambda p: (-held[self._parked[p][0]], self._since[p]))
+        del self._parked[peer], self._since[peer]
+        return peer
+
+
+def bounded_protocol(cfg: HttpConfig, polls: LongPolls | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with `cfg`'s limits, evicting `polls`' long polls last; see the module
+    docstring."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class Bounded(HttpToolsProtocol):
@@ -138,10 +188,18 @@ def bounded_protocol(cfg: HttpConfig) -> type[asyncio.Protocol]:
                 self._arm(cfg.idle_timeout_s, "idle")
 
     def _evict(connections: set[Any]) -> bool:
-        """Close the connection that has waited longest without a whole request; False if all are busy."""
+        """Close the connection that has waited longest without a whole request, else a long poll (`polls`);
+        False if all are busy with other requests."""
         waiting = [c for c in connections if isinstance(c, Bounded) and not c._busy and c.transport is not None]
         if not waiting:
-            return False
+            while polls is not None and (peer := polls.victim()) is not None:
+                parked = [c for c in connections if isinstance(c, Bounded) and c.client == peer and c.transport]
+                if parked:
+                    log.debug("evicting the long poll of %s: every connection is busy", peer)
+                    waiting = parked[:1]
+                    break
+            if not waiting:
+                return False
         oldest = min(waiting, key=lambda c: c._since)
         oldest.connections.discard(oldest)  # (its connection_lost comes later, from the loop)
         oldest.transport.abort()
@@ -169,8 +227,8 @@ def _quiet_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> 
     log.warning("%s%s", context.get("message", "asyncio error"), f": {type(exc).__name__}: {exc}" if exc else "")
 
 
-def uvicorn_server(app: Any, cfg: HttpConfig) -> Any:
-    """The uvicorn `Server` for `app` with `cfg`'s limits (not started)."""
+def uvicorn_server(app: Any, cfg: HttpConfig, polls: LongPolls | None = None) -> Any:
+    """The uvicorn `Server` for `app` with `cfg`'s limits (not started); `polls`: the long polls its routes park."""
     import uvicorn
 
     limit = open_files(cfg.max_connections + FILES_SPARE + BURSTS * BACKLOG)
@@ -181,7 +239,7 @@ def uvicorn_server(app: Any, cfg: HttpConfig) -> Any:
                     connections)  # fmt: skip
         cfg = cfg.model_copy(update={"max_connections": connections})
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", http=bounded_protocol(cfg),
+        app, log_level="warning", access_log=False, lifespan="off", http=bounded_protocol(cfg, polls),
         limit_concurrency=connections + 1, timeout_keep_alive=max(1, int(cfg.idle_timeout_s)), backlog=BACKLOG,
     )  # fmt: skip
     return uvicorn.Server(config)
@@ -197,4 +255,4 @@ def serve(server: Any, sock: socket.socket) -> None:
     asyncio.run(main())
 
 
-__all__ = ["HttpConfig", "bounded_protocol", "open_files", "serve", "uvicorn_server"]
+__all__ = ["HttpConfig", "LongPolls", "Peer", "bounded_protocol", "open_files", "serve", "uvicorn_server"]

@@ -6,7 +6,11 @@ field, its value, the limit and the setting that holds it.
 Checked at submission (`job_problems`): iterations, the model's parameters, the estimated memory (state, vLLM
 engine, one rollout batch), the KV cache, a rollout batch's tokens, the task's train and evaluation sizes, the
 LoRA rank, warm-start steps, and every reward term's `timeout_s` (`max_reward_timeout_s`). Checked against the
-jobs already open (queued or running: `OpenJobs`): their count and the sum of their memory.
+jobs already open (queued or running: `OpenJobs`): their count and the sum of their memory. Tinker sessions are
+open jobs too: counted in the same count, and a new one goes through the same check (`admit`, with the base
+model's parameters against `max_parameters`). With two users or more, each keyed user's share of
+`max_open_jobs` (the count over the users) is kept free for them while they use less of it: another user may
+fill the rest, never their share, so no user's jobs or sessions lock another user out.
 
 Enforced while the job runs, elsewhere: `max_run_s` and `max_iterations` (`plexrl.server.housekeeping`: a job
 running longer fails with the reason), `max_cpu_node_s` (a CPU node that passes it fails its job:
@@ -18,12 +22,13 @@ running longer fails with the reason), `max_cpu_node_s` (a CPU node that passes 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ByteSize, Field
 
-from plexrl.errors import Problem
+from plexrl.errors import ConfigError, Problem
 from plexrl.job.footprint import Footprint
 from plexrl.job.model_config import StrictModel
 
@@ -136,24 +141,29 @@ def _bytes(x: float) -> str:
 
 
 class OpenJobs:
-    """The memory of the jobs open on this server (queued or running), for the per-server limits. Thread-safe.
-    `open_ids()` lists the open jobs (the journal's); `weigh(job_id)` estimates one not seen at submission (a
-    job recovered from the journal), 0 when it cannot."""
+    """The jobs open on this server (queued or running) and their memory, for the per-server limits. Thread-safe.
+    `open_ids()` maps the open jobs (the journal's) to their users; `weigh(job_id)` estimates one not seen at
+    submission (a job recovered from the journal), 0 when it cannot; `users`: the server's keyed users, whose
+    shares of `max_open_jobs` are kept for them (see the module docstring)."""
 
-    def __init__(self, open_ids: Callable[[], set[str]], weigh: Callable[[str], int]) -> None:
-        self.open_ids, self.weigh = open_ids, weigh
+    def __init__(
+        self, open_ids: Callable[[], dict[str, str]], weigh: Callable[[str], int], users: Sequence[str] = ()
+    ) -> None:
+        self.open_ids, self.weigh, self.users = open_ids, weigh, sorted(set(users))
         self.lock = threading.Lock()  # held across `check` and the journalling of the job (`admit`)
         self._bytes: dict[str, int] = {}
 
-    def check(self, memory: int, limits: JobLimits) -> list[Problem]:
-        """Why one more job of `memory` bytes does not fit now (call with `lock` held)."""
+    def check(self, memory: int, limits: JobLimits, user: str | None = None) -> list[Problem]:
+        """Why one more job of `memory` bytes, of `user` (None: the administrator), does not fit now (call with
+        `lock` held)."""
         open_now = self.open_ids()
-        for gone in set(self._bytes) - open_now:
+        for gone in set(self._bytes) - set(open_now):
             del self._bytes[gone]
-        for job_id in open_now - set(self._bytes):
+        for job_id in set(open_now) - set(self._bytes):
             self._bytes[job_id] = self.weigh(job_id)
         problems = []
-        if len(open_now) >= limits.max_open_jobs:
+        cap = limits.max_open_jobs
+        if len(open_now) >= cap:
             problems.append(
                 Problem(
                     "server",
@@ -161,6 +171,19 @@ class OpenJobs:
                     "submit again when some have ended",
                 )
             )
+        elif len(self.users) >= 2:
+            share, held = max(1, cap // len(self.users)), Counter(open_now.values())
+            kept = sum(max(0, share - held[u]) for u in self.users if u != user)
+            if len(open_now) + 1 + kept > cap:
+                problems.append(
+                    Problem(
+                        "server",
+                        f"{held[user or '']} of the {len(open_now)} open jobs (sessions included) are user "
+                        f"{user!r}'s; the {cap - len(open_now)} places left of limits.max_open_jobs ({cap}) are "
+                        f"kept for the other users' shares ({share} each); submit again when some of yours have "
+                        "ended (or ask the server's owner to raise limits.max_open_jobs)",
+                    )
+                )
         total = sum(self._bytes.values())
         if total + memory > limits.max_open_bytes:
             problems.append(
@@ -178,12 +201,35 @@ class OpenJobs:
         self._bytes[job_id] = memory
 
 
-def open_jobs_of(journal: Any, modules: list[str]) -> OpenJobs:
-    """The `OpenJobs` of a server's journal: its queued and running jobs; one recovered from the journal weighed
-    from its journalled config (compiled under the allow-list `modules`; 0 if it no longer compiles)."""
+def admit(open_jobs: OpenJobs, limits: JobLimits, user: str, parameters: int, submit: Callable[[], str]) -> str:
+    """A Tinker session's job, through the job API's limits: its base model's `parameters` against
+    `max_parameters`, then `open_jobs.check` and `submit()` (which journals it) as one step; its job id.
+    ConfigError (naming each limit) when it does not fit."""
+    problems = []
+    if parameters > limits.max_parameters:
+        problems.append(
+            Problem(
+                "base_model",
+                f"{_count(parameters)} parameters; this server takes at most {_count(limits.max_parameters)} "
+                "(limits.max_parameters): use a smaller model",
+            )
+        )
+    with open_jobs.lock:
+        problems += open_jobs.check(0, limits, user)
+        if problems:
+            raise ConfigError(problems, "session")
+        job_id = submit()
+        open_jobs.add(job_id, 0)
+    return job_id
 
-    def open_ids() -> set[str]:
-        return {e.job_id for status in ("queued", "running") for e in journal.jobs(status, 1_000_000)}
+
+def open_jobs_of(journal: Any, modules: list[str], users: Sequence[str] = ()) -> OpenJobs:
+    """The `OpenJobs` of a server's journal: its queued and running jobs; one recovered from the journal weighed
+    from its journalled config (compiled under the allow-list `modules`; 0 if it no longer compiles); `users`:
+    the server's keyed users."""
+
+    def open_ids() -> dict[str, str]:
+        return {e.job_id: e.user for status in ("queued", "running") for e in journal.jobs(status, 1_000_000)}
 
     def weigh(job_id: str) -> int:
         from plexrl.job.footprint import footprint
@@ -199,7 +245,7 @@ def open_jobs_of(journal: Any, modules: list[str]) -> OpenJobs:
         except Exception:
             return 0
 
-    return OpenJobs(open_ids, weigh)
+    return OpenJobs(open_ids, weigh, users)
 
 
 def reward_timeouts(config: dict[str, Any]) -> dict[str, float]:
@@ -208,4 +254,4 @@ def reward_timeouts(config: dict[str, Any]) -> dict[str, float]:
     return {f"data.rewards[{i}].timeout_s": float(t.get("timeout_s", 0)) for i, t in enumerate(terms)}
 
 
-__all__ = ["JobLimits", "OpenJobs", "job_problems", "open_jobs_of", "reward_timeouts"]
+__all__ = ["JobLimits", "OpenJobs", "admit", "job_problems", "open_jobs_of", "reward_timeouts"]

@@ -65,6 +65,12 @@ class TinkerConfig(BaseModel):
     poll_s: float = Field(
         20.0, gt=0, le=40, description="How long a retrieve_future waits for a result before answering try_again."
     )
+    max_polls_per_user: int = Field(
+        64,
+        ge=1,
+        description="retrieve_future long polls of one user waiting at once (each holds a connection); one more "
+        "gets 429, on which the SDK backs off and asks again. With http.max_connections: docs/security.md.",
+    )
 
 
 __all__ = ["TinkerConfig"]

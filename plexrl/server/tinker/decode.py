@@ -6,9 +6,11 @@ fix; nothing is queued then, so nothing changes."""
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,12 @@ class ModelLimits:
 
     vocab: int
     context: int
+
+
+def model_limits(model_dir: Path) -> ModelLimits:
+    """The limits of the model in `model_dir` (its config.json)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return ModelLimits(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048)))
 
 
 def tensor(name: str, t: WireTensor, max_elements: int) -> np.ndarray:
@@ -278,4 +286,14 @@ def sample_seed(session_seed: int, sampler: str, seq_id: int) -> int:
     return zlib.crc32(f"{session_seed}/{sampler}/{seq_id}".encode()) & 0x7FFFFFFF
 
 
-__all__ = ["ModelLimits", "Refused", "forward_backward", "json_tokens", "optim_step", "sample", "sample_seed", "tensor"]
+__all__ = [
+    "ModelLimits",
+    "Refused",
+    "forward_backward",
+    "json_tokens",
+    "model_limits",
+    "optim_step",
+    "sample",
+    "sample_seed",
+    "tensor",
+]

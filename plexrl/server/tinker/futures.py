@@ -6,7 +6,11 @@ node ends) and awaited on the HTTP server's event loop without holding a thread 
 A result is kept until `keep_s` after it was first fetched (the SDK may fetch again after a lost answer) and at
 most `max_age_s` after it was completed. An unknown id (the server restarted since the call was sent, the result
 was fetched long ago, or it is another user's) answers 410 at once, never a hang: Tinker's "promise expired", on
-which the SDK sends a sampling call again and raises `RetryableException` for a training call (`GONE`)."""
+which the SDK sends a sampling call again and raises `RetryableException` for a training call (`GONE`).
+
+A long poll holds a connection: it is parked in `polls` (`http.LongPolls`, shared with the server's connections)
+while it waits, at most `max_polls_per_user` of one user at once (one more gets 429, on which the SDK backs off),
+and the connection limit evicts parked polls, the most-parked user's first, before it turns a connection away."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from plexrl.server.http import LongPolls, Peer
 from plexrl.server.tinker.decode import Refused
 
 Kind = Literal["json", "proto", "error"]
@@ -45,7 +50,10 @@ class Future:
 class Futures:
     """See the module docstring. Thread-safe."""
 
-    def __init__(self, keep_s: float = 120.0, max_age_s: float = 3600.0, max_open: int | None = None) -> None:
+    def __init__(
+        self, keep_s: float = 120.0, max_age_s: float = 3600.0, max_open: int | None = None, max_polls: int = 64
+    ) -> None:
+        self.polls = LongPolls(max_polls)  # (the event loop's: `wait` is its only user here)
         self._lock = threading.Lock()
         self._items: dict[str, Future] = {}
         self._open: dict[str | None, int] = {}  # user -> futures not yet fetched (pending or done)
@@ -109,26 +117,36 @@ class Futures:
         with self._lock:
             return self._items.get(request_id)
 
-    async def wait(self, request_id: str, timeout: float, user: str | None) -> Future | None:
+    async def wait(self, request_id: str, timeout: float, user: str | None, peer: Peer | None = None) -> Future | None:
         """The future once it is done, or as it is after `timeout` seconds; None at once for an unknown id or
         another user's (`user` None: the administrator, who reads every one): such a read waits for nothing
-        and changes nothing, so it tells nothing about the future either."""
+        and changes nothing, so it tells nothing about the future either. While it waits, the connection of
+        `peer` is parked (`polls`); Refused (429) when `user` has `max_polls_per_user` parked already."""
         loop = asyncio.get_running_loop()
         with self._lock:
             fut = self._items.get(request_id)
             if fut is None or (user is not None and fut.user != user):
                 return None
+            waiting = fut.kind is None
+        token = self.polls.park(peer, user) if waiting else None
+        if waiting and token is None:
+            raise Refused(429, f"user {user!r} has {self.polls.count(user)} retrieve_future long polls waiting, "
+                               "this server's tinker.max_polls_per_user; the SDK asks again after a pause (or ask "
+                               "the server's owner to raise it)")  # fmt: skip
+        waiter: asyncio.Future[None] | None = None
+        with self._lock:
             if fut.kind is None:
-                waiter: asyncio.Future[None] = loop.create_future()
+                waiter = loop.create_future()
                 fut.waiters.append((loop, waiter))
-            else:
-                waiter = None  # type: ignore[assignment]
-        if waiter is not None:
-            try:
+        try:
+            if waiter is not None:
                 await asyncio.wait_for(waiter, timeout)
-            except TimeoutError:
-                with self._lock:
-                    fut.waiters = [(lp, w) for lp, w in fut.waiters if w is not waiter]
+        except TimeoutError:
+            with self._lock:
+                fut.waiters = [(lp, w) for lp, w in fut.waiters if w is not waiter]
+        finally:
+            if token is not None:
+                self.polls.unpark(peer, token)
         with self._lock:
             if fut.kind is not None and fut.fetched_at is None:
                 fut.fetched_at = time.monotonic()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from plexrl.server.tinker import catalog, proto
+from plexrl.server.tinker import catalog, durable, proto
 from plexrl.server.tinker import decode as dec
 from plexrl.server.tinker.records import (
     KEEP_SNAPSHOTS,
@@ -178,6 +178,7 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
                     record = SamplerRecord(sampler_id, s.session_id, m.user, m.model_id, m.base_model)
                     record.weights, record.weights_id = target, value["weights_id"]
                     reg.samplers[sampler_id] = record
+                    durable.keep_sampler(reg.root, record)  # (before its client hears of it: a restart knows it)
                     m.snapshots.append(target)
                     for old in m.snapshots[:-KEEP_SNAPSHOTS]:
                         old.unlink(missing_ok=True)
@@ -255,6 +256,7 @@ def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, 
                 record = SamplerRecord(sid, s.session_id, user, live.model_id, live.base_model, model_path)
                 record.weights, record.weights_id = found, _weights_id(found)
                 reg.samplers[sid] = record
+                durable.keep_sampler(reg.root, record)
                 return {"type": "create_sampling_session", "sampling_session_id": sid}
             owner = read_owner(reg.root, src_model) or {}
             base = base or owner.get("base_model")

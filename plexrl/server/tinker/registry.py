@@ -20,7 +20,6 @@ model's job that ends fails the requests still waiting for it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import threading
@@ -29,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from plexrl.errors import ConfigError
+from plexrl.job.sizes import count_parameters
 from plexrl.paths import FilePolicy, resolve
 from plexrl.server.tinker import catalog, durable, quotas
 from plexrl.server.tinker import decode as dec
@@ -85,7 +86,8 @@ class Registry:
     """See the module docstring. `root`: where sessions' files go; `roots`: where a model may be named by path;
     `resolve_pretrained`: a pretrained short name's directory (converting it on first use); `run_dir`: where
     sessions keep their MLflow store (the server's); `policy_of`: a user's `FilePolicy` (the job API's,
-    `plexrl/server/files.py`), which a base model named by path must pass."""
+    `plexrl/server/files.py`), which a base model named by path must pass; `admit(user, parameters, submit)`:
+    a model's job through the job API's limits (`plexrl/server/limits.py`: ConfigError when it does not fit)."""
 
     def __init__(
         self,
@@ -98,11 +100,12 @@ class Registry:
         run_dir: Path | None = None,
         policy_of: Callable[[str], FilePolicy] | None = None,
         disk: Callable[[], str | None] | None = None,
+        admit: Callable[[str, int, Callable[[], str]], str] | None = None,
     ) -> None:
         self.cfg, self.backend, self.root, self.roots, self.policy_of = cfg, backend, root, roots, policy_of
         self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
-        self.resolve_pretrained, self.clock, self.disk = resolve_pretrained, clock, disk
-        self.futures = Futures(max_open=cfg.max_requests_per_user)
+        self.resolve_pretrained, self.clock, self.disk, self.admit = resolve_pretrained, clock, disk, admit
+        self.futures = Futures(max_open=cfg.max_requests_per_user, max_polls=cfg.max_polls_per_user)
         self.lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, ModelRecord] = {}
@@ -229,30 +232,15 @@ class Registry:
 
     def recover(self, entries: list[Any]) -> None:
         """At a server start, before the controller resubmits them: the journal's unfinished sessions, so their
-        clients' calls find their models again (their numbering goes on from what the client sends next); and the
-        sessions recorded open (`durable.py`), with a model or not."""
-        for sid, user in durable.kept(self.root):
-            self.sessions[sid] = ClientSession(sid, user, self.clock())
-        for e in entries:
-            cfg = SessionConfig.model_validate(e.config)
-            client = cfg.client
-            sid, model_id = str(client.get("session_id", "")), str(client.get("model_id", ""))
-            if not sid or not model_id:
-                continue
-            s = self.sessions.setdefault(sid, ClientSession(sid, e.user, self.clock()))
-            s.models.append(model_id)
-            s.seqs.add(":".join(model_id.split(":")[1:]))  # ("train:3")
-            lora = cfg.model.lora
-            m = ModelRecord(model_id, e.job_id, sid, e.user, str(client.get("base_model", "")), seed=cfg.seed)
-            m.model_dir = Path(cfg.model.path) if cfg.model.path else None
-            m.lora_rank, m.targets = (lora.r, tuple(lora.target_modules)) if lora is not None else (None, ())
-            m.limits = _limits(m.model_dir) if m.model_dir is not None else None
-            m.next_seq, m.sampler_only = None, bool(client.get("sampler_only"))
-            self.models[model_id] = m
-            self.by_job[e.job_id] = m
-            if m.sampler_only:
-                self.samplers[model_id] = SamplerRecord(model_id, sid, e.user, model_id, m.base_model)
-            log.info("session model %s (job %s of %r) recovered from the journal", model_id, e.job_id, e.user)
+        clients' calls find their models again (their numbering goes on from what the client sends next); the
+        sessions recorded open, with a model or not; and the sampling clients recorded on their models
+        (`durable.recover`)."""
+        sessions, models, samplers = durable.recover(self.root, entries, self.clock())
+        with self.lock:
+            self.sessions.update(sessions)
+            self.models.update(models)
+            self.samplers.update(samplers)
+            self.by_job.update({m.job_id: m for m in models.values()})
 
     # -- models ----------------------------------------------------------------------------------------
     def base_dir(self, name: Any, user: str | None = None) -> Path:
@@ -291,7 +279,7 @@ class Registry:
         limits read, its files' owner written, its job submitted; `first`: a call it runs before any other."""
         try:
             model_dir = self.base_dir(m.base_model, m.user)
-            limits = _limits(model_dir)
+            limits, parameters = dec.model_limits(model_dir), count_parameters(model_dir)
         except Refused:
             self._forget(m)
             raise
@@ -300,14 +288,30 @@ class Registry:
             raise Refused(400, f"the base model {m.base_model!r} cannot be read: {type(exc).__name__}: {exc}") from None
         m.model_dir = model_dir
         write_owner(self.root, m)
-        job_id = self.backend.open(self.session_config(m, model_dir), m.user)
-        with self.lock:
+        cfg = self.session_config(m, model_dir)
+
+        def submit() -> str:
+            return self.backend.open(cfg, m.user)
+
+        try:  # (through the job API's limits, journalled in the same step: `limits.admit`)
+            job_id = submit() if self.admit is None else self.admit(m.user, parameters, submit)
+        except ConfigError as exc:
+            self._forget(m)
+            raise Refused(400, "; ".join(f"{p.where}: {p.message}" for p in exc.problems)) from None
+        with self.lock:  # (`finish` closes the jobs of the models it sees with a job id, under this lock)
             m.job_id, m.limits = job_id, limits
             self.by_job[job_id] = m
             early = self._early.pop(job_id, [])
+            s = self.sessions.get(m.session_id)
+            ended = s.ended if s is not None else "forgotten"
         for news in early:
             self.job_ready(job_id) if news[0] == "ready" else self.job_ended(job_id, news[1], news[2])
-        if first is not None:
+        if ended is not None:  # its session ended while the job was submitted: no job outlives its session
+            log.warning("session model %s: its session ended (%s) as it opened; its job closes", m.model_id, ended)
+            self.backend.close(job_id)
+            if first is not None:
+                first[1](None, f"the session ended ({ended}) before its model opened")
+        elif first is not None:
             self.backend.call(job_id, first[0].kind, first[0], first[1])
 
     def _forget(self, m: ModelRecord) -> None:
@@ -439,11 +443,6 @@ def replying(futures: Futures, request_id: str, finish: Finish) -> Done:
             futures.complete(request_id, kind, payload)  # type: ignore[arg-type]
 
     return done
-
-
-def _limits(model_dir: Path) -> dec.ModelLimits:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return dec.ModelLimits(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048)))
 
 
 __all__ = ["Backend", "Done", "Finish", "Refused", "Registry", "replying"]

@@ -221,7 +221,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             body = await json_of(request)
             rid = body.get("request_id")
             user = who(request)
-            fut = await registry.futures.wait(rid, cfg.poll_s, user) if isinstance(rid, str) else None
+            peer = (request.client.host, request.client.port) if request.client is not None else None
+            fut = await registry.futures.wait(rid, cfg.poll_s, user, peer) if isinstance(rid, str) else None
             if fut is None:  # 410: the SDK sends a sampling call again, and raises RetryableException otherwise
                 return _refused(410, f"unknown request {rid!r}: {GONE}")
             if fut.kind is None:  # (the SDK asks again at once: this answer came after `poll_s`)

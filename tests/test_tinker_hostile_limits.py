@@ -1,0 +1,68 @@
+"""Tinker sessions and DAG jobs under one set of limits on a real two-user `plexrl serve`: a session is an open job
+for `limits.max_open_jobs` (checked when its model is created, journalled in the same step as `POST /jobs`), its
+base model is checked against `limits.max_parameters`, and each user's share of the open jobs is kept for them,
+so one user's sessions cannot lock the other user's DAG jobs out (nor the other way round). Raw HTTP for the
+sessions (a refusal comes before any model is placed: nothing waits for a service)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from conftest import TINY
+
+from plexrl.server.api import RunningServer, start_server
+from plexrl.server.client import Client, ServerError
+from plexrl.server.config import ServerConfig
+
+ANN, BOB = "ann-token-0123456789", "bob-token-0123456789"
+
+
+def server(tmp_path: Path, smol_tiny: Path, **limits: Any) -> RunningServer:
+    return start_server(ServerConfig(
+        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False,
+        cluster={"driver": "local", "services": {"count": 1}}, users={"ann": ANN, "bob": BOB},
+        allowed_roots=[str(tmp_path), str(smol_tiny.parent)], limits=limits,
+    ))  # fmt: skip
+
+
+def create_model(srv: RunningServer, smol_tiny: Path, key: str) -> httpx.Response:
+    headers = {"X-API-Key": f"tml-{key}"}
+    sid = httpx.post(f"{srv.url}/api/v1/create_session", json={}, headers=headers, timeout=30).json()["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": str(smol_tiny), "lora_config": {"rank": 4}}
+    return httpx.post(f"{srv.url}/api/v1/create_model", json=body, headers=headers, timeout=60)
+
+
+def test_sessions_and_dag_jobs_share_one_admission_and_neither_user_locks_the_other_out(
+    tmp_path: Path, smol_tiny: Path
+) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**TINY, "iterations": 10**5}))  # (stays open for the test)
+    srv = server(tmp_path, smol_tiny, max_open_jobs=2)  # (two users: one place of the two kept for each)
+    try:
+        assert create_model(srv, smol_tiny, ANN).status_code == 200  # ann's session: an open job
+        second = create_model(srv, smol_tiny, ANN)  # her second would take bob's share
+        assert second.status_code == 400 and "limits.max_open_jobs" in second.text, second.text
+        assert "kept for the other users' shares" in second.text
+        bob = Client(srv.url, BOB)
+        bob.submit(job)  # ann's session does not lock bob's DAG job out
+        with pytest.raises(ServerError) as err:
+            bob.submit(job)  # the server is full now: bob's second, and anything more, is refused
+        assert err.value.status == 400 and "limits.max_open_jobs" in str(err.value)
+        assert create_model(srv, smol_tiny, ANN).status_code == 400
+        assert len(srv.sessions.models) == 1  # the refused models left nothing behind
+    finally:
+        srv.stop(120)
+
+
+def test_a_sessions_base_model_is_checked_against_max_parameters(tmp_path: Path, smol_tiny: Path) -> None:
+    srv = server(tmp_path, smol_tiny, max_parameters=1000)  # (the tiny model has about 1.6 M)
+    try:
+        refused = create_model(srv, smol_tiny, ANN)
+        assert refused.status_code == 400 and "limits.max_parameters" in refused.text, refused.text
+        assert [e.job_id for e in srv.journal.jobs()] == []  # refused before its job was journalled
+    finally:
+        srv.stop(120)
