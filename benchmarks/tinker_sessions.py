@@ -46,7 +46,7 @@ def start(tmp: Path, model_dir: Path, batched: bool) -> Any:
 
     cluster = {"driver": "local", "services": {"count": 1}, "batch_rollouts": batched}
     cfg = ServerConfig(port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), cluster=cluster,
-                       allowed_roots=[str(tmp), str(model_dir.parent)], mlflow=False)  # type: ignore[arg-type]  # fmt: skip
+                       allowed_roots=[str(tmp), str(model_dir.parent)], mlflow=False)  # fmt: skip
     return start_server(cfg)
 
 

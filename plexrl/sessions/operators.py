@@ -61,7 +61,7 @@ def session_calls_together(ctxs: Sequence[OpContext], inputs: Sequence[Any], par
         pairs = zip(ctxs, calls, strict=True)
         return [CallResult(session_engine(x.engine).run(c, generator=x.engine)) for x, c in pairs]
     sessions = [session_engine(ctx.engine) for ctx in ctxs]
-    return [CallResult(r) for r in sample_many(sessions, [ctx.engine for ctx in ctxs], calls)]  # type: ignore[arg-type]
+    return [CallResult(r) for r in sample_many(sessions, [ctx.engine for ctx in ctxs], calls)]
 
 
 session_call.batched = session_calls_together  # type: ignore[attr-defined]  # (`Operator.batched`)

@@ -107,7 +107,7 @@ def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[Ge
             return generate_together(generators, asks)
     inner = [getattr(g, "inner", None) for g in generators]
     if len(generators) > 1 and all(getattr(e, "shared", None) is not None for e in inner):
-        if len({id(e.shared) for e in inner}) == 1:  # type: ignore[union-attr]
+        if len({id(e.shared) for e in inner}) == 1:
             from plexrl.engines.mixed import generate_mixed
 
             return generate_mixed(inner, asks)
