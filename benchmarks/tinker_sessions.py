@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     r1 = args.steps / alone["wall"]
     shape = f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens, LoRA r{args.rank}"
     print(f"model {'tiny (smoke)' if args.smoke else HF_NAME}; a step: snapshot, {shape}, forward_backward, "
-          f"optim_step; {args.steps} timed steps per session after one warm-up; one service (CPU or one GPU)")  # fmt: skip
+          f"optim_step; {args.steps} timed steps per session after one warm-up; one service")  # fmt: skip
     print(f"alone: {r1:.3f} steps/s ({alone['wall'] / args.steps:.2f} s/step)")
     print("| arm | sessions | total steps/s | / alone | bound (N x alone) | cohorts (members) |")
     print("|---|---|---|---|---|---|")

@@ -92,9 +92,10 @@ def test_sessions_samples_in_one_engine_call_equal_each_alone(
         same(together[j]["value"], alone[j]["value"])
     # the adapters differ: the same call under another session's adapter samples something else
     swapped = cohort(service, {"a": CALLS["b"], "b": CALLS["a"]}, 2)
-    assert swapped["a"]["value"]["sequences"][0]["logprobs"].tolist() != alone["b"]["value"]["sequences"][0][
-        "logprobs"
-    ].tolist()
+    assert (
+        swapped["a"]["value"]["sequences"][0]["logprobs"].tolist()
+        != alone["b"]["value"]["sequences"][0]["logprobs"].tolist()
+    )
 
 
 def test_a_snapshot_and_a_refused_call_in_one_engine_call(service: Service, tmp_path: Path) -> None:

@@ -22,8 +22,9 @@ kernels take fp16/bf16 only (a LoRA job in fp32 on CUDA is refused there, `plexr
 the adapters compute in that dtype too. Sampling is seeded per row
 exactly as `SharedLLM.generate` does. A job's rollout node is one call of its own; `generate_together` runs
 several jobs' rollouts in ONE call (a LoRARequest per request, each job's seeds): co-scheduled rollouts
-(`batch_rollouts`) and the sample calls of LoRA sessions queued together (`plexrl/sessions/sampling.py`). Decode-step slices
-(`begin_generation` / `resume`) are partial rollouts (`plexrl/engines/partial.py`) under the job's adapter.
+(`batch_rollouts`) and the sample calls of LoRA sessions queued together (`plexrl/sessions/sampling.py`).
+Decode-step slices (`begin_generation` / `resume`) are partial rollouts (`plexrl/engines/partial.py`) under
+the job's adapter.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ each one's batch holds (`planner.batches.shares`): consecutive spans that tile t
 time counts once, the cost model learns each member's share and each job is accounted its share. The swap
 span goes to the first member. Members whose operators differ or have no batched form run one after another
 (correct, just not batched). A session's member carries its call (`Member.call`: several sessions' `sample`
-calls, `plexrl/sessions/sampling.py`), shared by tokens sampled. The call ends when its device work does (`Service.node_end`: one event for every
-member's job). Errors are returned in the reports, never raised; an engine call that fails fails every member
-(the node fails, as a rollout alone would).
+calls, `plexrl/sessions/sampling.py`), shared by tokens sampled. The call ends when its device work does
+(`Service.node_end`: one event for every member's job). Errors are returned in the reports, never raised;
+an engine call that fails fails every member (the node fails, as a rollout alone would).
 """
 
 from __future__ import annotations

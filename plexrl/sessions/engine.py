@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plexrl.sessions import losses
-from plexrl.sessions import sampling
+from plexrl.sessions import losses, sampling
 from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Save
 from plexrl.sessions.refused import CallRefused
 

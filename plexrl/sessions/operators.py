@@ -7,8 +7,8 @@ service."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from plexrl.batch import Batch

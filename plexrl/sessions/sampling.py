@@ -102,15 +102,15 @@ def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[Ge
     from plexrl.engines.vllm_lora import VLLMLoRAEngine, generate_together
 
     asks = [([list(c.prompt)], generate_kwargs(c)) for c in calls]
-    if len(generators) > 1 and all(isinstance(g, VLLMLoRAEngine) for g in generators):
-        if len({id(g.llm) for g in generators}) == 1:
-            return generate_together(generators, asks)
+    one_vllm = all(isinstance(g, VLLMLoRAEngine) for g in generators) and len({id(g.llm) for g in generators}) == 1
+    if len(generators) > 1 and one_vllm:
+        return generate_together(generators, asks)
     inner = [getattr(g, "inner", None) for g in generators]
-    if len(generators) > 1 and all(getattr(e, "shared", None) is not None for e in inner):
-        if len({id(e.shared) for e in inner}) == 1:
-            from plexrl.engines.mixed import generate_mixed
+    one_base = all(getattr(e, "shared", None) is not None for e in inner) and len({id(e.shared) for e in inner}) == 1
+    if len(generators) > 1 and one_base:
+        from plexrl.engines.mixed import generate_mixed
 
-            return generate_mixed(inner, asks)
+        return generate_mixed(inner, asks)
     return [g.generate(p, **kw) for g, (p, kw) in zip(generators, asks, strict=True)]
 
 
