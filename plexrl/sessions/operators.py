@@ -53,7 +53,7 @@ def session_calls_together(ctxs: Sequence[OpContext], inputs: Sequence[Any], par
     from plexrl.sessions.calls import Sample
     from plexrl.sessions.sampling import sample_many
 
-    calls = [ctx.extra.get("call") for ctx in ctxs]
+    calls: list[Any] = [ctx.extra.get("call") for ctx in ctxs]
     for ctx, call in zip(ctxs, calls, strict=True):
         if call is None or call.kind != ctx.node:
             raise ValueError(f"node {ctx.node!r} of session {ctx.job_id} ran without its call")

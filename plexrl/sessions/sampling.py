@@ -105,7 +105,7 @@ def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[Ge
     one_vllm = all(isinstance(g, VLLMLoRAEngine) for g in generators) and len({id(g.llm) for g in generators}) == 1
     if len(generators) > 1 and one_vllm:
         return generate_together(generators, asks)
-    inner = [getattr(g, "inner", None) for g in generators]
+    inner: list[Any] = [getattr(g, "inner", None) for g in generators]
     one_base = all(getattr(e, "shared", None) is not None for e in inner) and len({id(e.shared) for e in inner}) == 1
     if len(generators) > 1 and one_base:
         from plexrl.engines.mixed import generate_mixed
