@@ -27,7 +27,9 @@ Both are settings of the shared base: jobs share a base only at one dtype and ch
 Rollouts run on this engine (the torch engine) or, with `engine: vllm` (or auto by the same rule as a full
 job), on a shared vLLM engine that applies the job's adapter (`plexrl/engines/vllm_lora.py`).
 
-What it does NOT do: batch several jobs' adapters into one forward, or train a critic (PPO) on an adapter.
+Several jobs' generations can share one decode loop, each row under its own adapter (`plexrl/engines/mixed.py`:
+the sample calls of LoRA sessions queued together). What it does NOT do: mix adapters in a training forward, or
+train a critic (PPO) on an adapter.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ the dtype `plexrl.devices.vllm_args` gives it: fp32 on CPU, the job's `model.dty
 kernels take fp16/bf16 only (a LoRA job in fp32 on CUDA is refused there, `plexrl.devices.vllm_problem`), and
 the adapters compute in that dtype too. Sampling is seeded per row
 exactly as `SharedLLM.generate` does. A job's rollout node is one call of its own; `generate_together` runs
-several jobs' rollouts in ONE call (a LoRARequest per request, each job's seeds), what co-scheduled rollouts
-would use: the planner does not co-schedule rollout nodes of several jobs yet. Decode-step slices
-(`begin_generation` / `resume`) are partial rollouts (`plexrl/engines/partial.py`) under the job's adapter.
+several jobs' rollouts in ONE call (a LoRARequest per request, each job's seeds): co-scheduled rollouts
+(`batch_rollouts`) and the sample calls of LoRA sessions queued together (`plexrl/sessions/sampling.py`).
+Decode-step slices (`begin_generation` / `resume`) are partial rollouts (`plexrl/engines/partial.py`) under
+the job's adapter.
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ def generate_together(
 ) -> list[GenerationOutput]:
     """The rollouts of several LoRA jobs on ONE shared engine in one vLLM call: `calls[i]` = (prompts, `generate`
     keywords) of `engines[i]`. Each job's current adapter is synced first (its loads reported with its own
-    engine). What a co-scheduled rollout of several jobs would call; the planner does not co-schedule yet."""
+    engine). What a cohort of several jobs' rollouts or sessions' samples calls."""
     if len({id(e.llm) for e in engines}) > 1:
         raise ValueError("jobs generate together only on one shared engine (the same base and LoRA settings)")
     if len({e.job_id for e in engines}) < len(engines):

@@ -124,6 +124,14 @@ class CallBoard:
             ticket = self._running[job_id] = queue.popleft()
             return ticket
 
+    def call_of(self, job_id: str, kind: str) -> tuple[bool, Any]:
+        """(True, the call) a node of kind `kind` of `job_id` runs (`take`; None for a job that is no session
+        here), or (False, None) when a session has no such call waiting (a bug: the caller fails the job)."""
+        if not self.has(job_id):
+            return True, None
+        ticket = self.take(job_id, kind)
+        return (False, None) if ticket is None else (True, ticket.call)
+
     def finished(self, job_id: str, reply: dict[str, Any] | None, error: str | None) -> str | None:
         """The running call's node ended: its reply is kept for `deliver`; returns the kind of the session's next
         waiting call (announced from now on), or None (the session is idle)."""

@@ -119,12 +119,9 @@ class Carrier:
         inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
         last = ins.chunks > 1 and ins.chunk == ins.chunks - 1
         parts = tuple(it.parts.get(ins.node, ())) if last else ()  # the earlier chunks, joined by the last
-        call = None
-        if self.calls is not None and self.calls.has(run.job_id):  # a session: its node runs its next call
-            ticket = self.calls.take(run.job_id, ins.node)
-            if ticket is None:
-                return [self.fail(run, f"starting call {ins.node!r}", "no such call is waiting (runtime bug)")]
-            call = ticket.call
+        found, call = self.calls.call_of(run.job_id, ins.node) if self.calls is not None else (True, None)
+        if not found:  # (a session's node runs its next call)
+            return [self.fail(run, f"starting call {ins.node!r}", "no such call is waiting (runtime bug)")]
         task = NodeTask(
             run.job_id, ins.iteration, ins.node, ins.service_id, inputs, ins.swaps, ins.prefetch, ins.inline,
             ins.chunk, ins.chunks, parts, call,
@@ -137,24 +134,27 @@ class Carrier:
         return []
 
     def _run_cohort(self, ins: RunNode) -> list[Event]:
-        """Co-scheduled rollouts (`planner/batches.py`): the members, this node and `ins.cohort`, go to the
-        executor as one cohort (`submit_cohort`: one engine call), the swaps and prefetch with the first; each
-        member has its own handle. Members of jobs being failed are left out (the planner drops them)."""
+        """A cohort (`planner/batches.py`): this node and `ins.cohort` go to the executor as one engine call
+        (`submit_cohort`), swaps and prefetch with the first, a handle each; jobs being failed are left out."""
         lane = ins.service_id or "cpu"
         keys = [(ins.job_id, ins.iteration, ins.node), *ins.cohort]
         tasks: list[NodeTask] = []
+        failed: list[Event] = []
         for job_id, iteration, node in keys:
             if job_id in self.failing:
                 continue
             run = self.runs[job_id]
+            found, call = self.calls.call_of(job_id, node) if self.calls is not None else (True, None)
+            if not found:  # (a session's node runs its next call)
+                failed.append(self.fail(run, f"starting call {node!r}", "no such call is waiting (runtime bug)"))
+                continue
             self.hooks.before_node(run, iteration, node, lane, self.clock())
-            outputs = self.ledger.iters[job_id].outputs
+            outputs, first = self.ledger.iters[job_id].outputs, not tasks
             inputs = {port: outputs[src] for port, src in run.spec.inputs(node).items() if src in outputs}
-            first = not tasks
             tasks.append(NodeTask(job_id, iteration, node, ins.service_id, inputs, ins.swaps if first else (),
-                                  ins.prefetch if first else ()))  # fmt: skip
+                                  ins.prefetch if first else (), call=call))  # fmt: skip
         if not tasks:
-            return []
+            return failed
         submit_cohort = getattr(self.executor, "submit_cohort", None)
         try:
             if submit_cohort is None:
@@ -163,10 +163,10 @@ class Carrier:
             handles = submit_cohort(tasks)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            return [self.fail(self.runs[t.job_id], f"sending cohort {keys} to {lane}", error) for t in tasks]
+            return failed + [self.fail(self.runs[t.job_id], f"sending cohort {keys} to {lane}", error) for t in tasks]
         for handle, task in zip(handles, tasks, strict=True):
             self.ledger.sent(handle, Pending("node", task.job_id, lane, task.iteration, task.node, task, 1))
-        return []
+        return failed
 
     def _retrying(self, run: JobRun, ins: RetryNode) -> list[Event]:
         """The planner put a failed cpu node in backoff: log it and count the wait in the iteration's metrics."""

@@ -110,19 +110,20 @@ def _run_service_cohort(
     topic: str,
     handles: list[int],
     key: str,
-    members: list[tuple[str, int, str, dict[str, NodeResult]]],
+    members: list[tuple[str, int, str, dict[str, NodeResult], Any]],
     loads: dict[str, LoadReport],
     swaps: Sequence[Move],
     prefetch: Sequence[Move],
     seq: int,
     *after: Any,
 ) -> list[NodeResult]:
-    """Co-scheduled rollouts (`services.batched.run_cohort`): the members (job, iteration, node, inputs), nodes
-    of distinct jobs, in ONE engine call, taking one place (`seq`) in the service's order; publishes each
-    member's report under its own handle and returns every member's result, in order (`_member` picks one
-    out: that member's output). A member whose job's load failed (`loads`: the members' loads, or is not
-    loaded here) is reported not run; the swaps still happen (the planner counts on them). Never raises:
-    anything that fails comes back in the members' reports. `after`: the futures it must follow; unused."""
+    """Co-scheduled rollouts (`services.batched.run_cohort`): the members (job, iteration, node, inputs, a
+    session's call or None), nodes of distinct jobs, in ONE engine call, taking one place (`seq`) in the
+    service's order; publishes each member's report under its own handle and returns every member's result,
+    in order (`_member` picks one out: that member's output). A member whose job's load failed (`loads`: the
+    members' loads, or is not loaded here) is reported not run; the swaps still happen (the planner counts on
+    them). Never raises: anything that fails comes back in the members' reports. `after`: the futures it must
+    follow; unused."""
     from plexrl.services.batched import Member, run_cohort
 
     service_id = key.rpartition("/")[2]
@@ -130,7 +131,7 @@ def _run_service_cohort(
     try:
         svc = _service(key)
         run: list[int] = []
-        for i, (job_id, iteration, node, _) in enumerate(members):
+        for i, (job_id, iteration, node, *_) in enumerate(members):
             load = loads.get(job_id)
             why = load.error if load is not None and load.error else None
             if why is None and job_id not in svc.jobs:
@@ -142,7 +143,7 @@ def _run_service_cohort(
             error = f"not run: loading the job on {service_id} failed ({why})"
             results[i] = NodeResult(NodeReport(job_id, iteration, node, error, now, now))
         if run:
-            batch = [Member(*members[i][:3], _outputs(members[i][3])) for i in run]
+            batch = [Member(*members[i][:3], _outputs(members[i][3]), members[i][4]) for i in run]
             for i, res in zip(run, run_cohort(svc, batch, swaps, prefetch, seq), strict=True):
                 results[i] = res
         else:
@@ -151,7 +152,7 @@ def _run_service_cohort(
     except Exception as exc:  # (the members' own errors come back in their reports; this is anything else)
         now = time.time()
         error = f"{type(exc).__name__}: {exc}"
-        for i, (job_id, iteration, node, _) in enumerate(members):
+        for i, (job_id, iteration, node, *_) in enumerate(members):
             if results[i] is None:
                 results[i] = NodeResult(NodeReport(job_id, iteration, node, error, now, now))
     out = [r for r in results if r is not None]

@@ -145,7 +145,8 @@ class InlineExecutor:
                                                          f"not run: loading the job on {sid} failed ({failed})", now,
                                                          now)))  # fmt: skip
                 continue
-            members.append(Member(t.job_id, t.iteration, t.node, {p: self.outputs[i] for p, i in t.inputs.items()}))
+            members.append(Member(t.job_id, t.iteration, t.node, {p: self.outputs[i] for p, i in t.inputs.items()},
+                                  t.call))  # fmt: skip
             mine.append(h)
         if not members:  # (their moves still happen: the planner counts on them)
             svc.apply(tasks[0].swaps)

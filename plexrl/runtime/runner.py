@@ -211,6 +211,8 @@ class Runner:
                 timeout = min(timeout, CALL_POLL)
             finished = self.executor.wait(timeout)
             events.extend(self._services_changed())
+            # calls that came while a node ran queue before its end frees the service: cohorts can form
+            events.extend(self._inbox.take_calls())
             for f in finished:
                 events.extend(carrier.collect(f))
 

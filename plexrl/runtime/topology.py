@@ -181,7 +181,7 @@ class OneWorker:
         assert sid is not None
         ahead = self._ordered(sid, after)
         seq = self.next_seq(sid)
-        members = [(t.job_id, t.iteration, t.node, {p: w.future for p, w in ins.items()})
+        members = [(t.job_id, t.iteration, t.node, {p: w.future for p, w in ins.items()}, t.call)
                    for t, ins in zip(tasks, inputs, strict=True)]  # fmt: skip
         loads = {t.job_id: ex.loaded[t.job_id] for t in tasks if t.job_id in ex.loaded}
         fut = ex.on(

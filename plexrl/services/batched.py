@@ -8,9 +8,10 @@ loads (its adapter's sync) and metrics. The call's span is split among the membe
 each one's batch holds (`planner.batches.shares`): consecutive spans that tile the call, so the service's busy
 time counts once, the cost model learns each member's share and each job is accounted its share. The swap
 span goes to the first member. Members whose operators differ or have no batched form run one after another
-(correct, just not batched). The call ends when its device work does (`Service.node_end`: one event for every
-member's job). Errors are returned in the reports, never raised; an engine call that fails fails every member
-(the node fails, as a rollout alone would).
+(correct, just not batched). A session's member carries its call (`Member.call`: several sessions' `sample`
+calls, `plexrl/sessions/sampling.py`), shared by tokens sampled. The call ends when its device work does
+(`Service.node_end`: one event for every member's job). Errors are returned in the reports, never raised;
+an engine call that fails fails every member (the node fails, as a rollout alone would).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Member:
     iteration: int
     node: str
     inputs: dict[str, Batch]
+    call: Any = None  # a session's call (`plexrl.sessions.calls`), which its node runs (`OpContext.extra`)
 
 
 def run_cohort(
@@ -92,7 +94,7 @@ def run_cohort(
     ops = [svc.jobs[m.job_id].graph.node(m.node) for m in members]
     batched = getattr(ops[0].operator, "batched", None)
     if batched is None or len({n.operator.ref for n in ops}) > 1:
-        results = [svc.run_node(m.job_id, m.iteration, m.node, m.inputs) for m in members]  # one after another
+        results = [svc.run_node(m.job_id, m.iteration, m.node, m.inputs, call=m.call) for m in members]  # in turn
         results[0].report.swap_start, results[0].report.swap_end = swap_start, swap_end
         results[0].report.swap_bytes, results[0].report.measured = moved, measured
         return results
@@ -100,6 +102,8 @@ def run_cohort(
     error = None
     try:
         ctxs = [svc.context(svc.jobs[m.job_id], m.iteration, m.node) for m in members]
+        for ctx, m in zip(ctxs, members, strict=True):
+            ctx.extra["call"] = m.call
         outs: list[Any] = batched(ctxs, [m.inputs for m in members], [n.params for n in ops])
     except Exception as exc:
         log.error("cohort %s failed: %s", [m.job_id for m in members], exc, exc_info=log.isEnabledFor(logging.INFO))
@@ -109,7 +113,7 @@ def run_cohort(
     if error is not None:
         outs = [None] * len(members)
     end = svc.clock()
-    weights = [0.0 if out is None else float(out.attention_mask.sum()) for out in outs]
+    weights = [_size(out) for out in outs]
     results = []
     for i, (m, out, (s, e)) in enumerate(zip(members, outs, shares(start, end, weights), strict=True)):
         first = i == 0
@@ -119,6 +123,14 @@ def run_cohort(
                             moves=svc.move_log.drain() if first else [])  # fmt: skip
         results.append(NodeResult(report) if error is not None else finish(report, out))
     return results
+
+
+def _size(out: Any) -> float:
+    """A member's share of the call: the tokens of its rollout, or those its session's sample call made."""
+    if out is None:
+        return 0.0
+    mask = getattr(out, "attention_mask", None)
+    return float(mask.sum()) if mask is not None else float(out.metrics().get("sampled_tokens", 0.0))
 
 
 __all__ = ["Member", "run_cohort"]

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plexrl.sessions import losses
+from plexrl.sessions import losses, sampling
 from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Save
+from plexrl.sessions.refused import CallRefused
 
 log = logging.getLogger(__name__)
 
@@ -275,41 +276,12 @@ class SessionEngine:
         """`num_samples` completions of the prompt from `generator` under the sampler's weights: per sequence
         its tokens (the stop token included), their log-probs under the sampling distribution and why it
         ended; with `prompt_logprobs`, the prompt's log-probs (NaN where not scored: position 0, and before
-        the last `prompt_logprobs_last_n`)."""
-        vocab = int(self.inner.policy.get_input_embeddings().weight.shape[0])
-        if not call.prompt or min(call.prompt) < 0 or max(call.prompt) >= vocab:
-            raise CallRefused(f"the prompt must be a non-empty list of token ids in [0, {vocab})")
-        if any(t < 0 or t >= vocab for t in call.stop_tokens):
-            raise CallRefused(f"stop tokens must be token ids in [0, {vocab})")
-        greedy = call.temperature == 0
+        the last `prompt_logprobs_last_n`). Several sessions' calls in one engine call: `sampling.sample_many`."""
+        sampling.check(self, call)
         with self.weights(call.weights, call.weights_id):
             self._activate()
-            out = generator.generate(
-                [list(call.prompt)], n=call.num_samples, temperature=1.0 if greedy else call.temperature,
-                max_new_tokens=call.max_tokens, seed=call.seed, greedy=greedy, stop_token_ids=call.stop_tokens,
-                stop=call.stop_strings, top_p=call.top_p, **({"top_k": call.top_k} if call.top_k > 0 else {}),
-            )  # fmt: skip
-            prompt_lp: np.ndarray | None = None
-            if call.prompt_logprobs:
-                self._activate()
-                ids = torch.tensor([list(call.prompt)])
-                lp = self.inner.logprobs(ids, torch.ones_like(ids))[0].float().numpy()
-                lp[0] = np.nan
-                if call.prompt_logprobs_last_n is not None:
-                    lp[: len(lp) - call.prompt_logprobs_last_n] = np.nan
-                prompt_lp = lp
-            topk = self._prompt_topk(call) if call.topk_prompt_logprobs > 0 else None
-        sequences = []
-        for i in range(out.response_ids.shape[0]):
-            n = int(out.response_mask[i].sum())
-            sequences.append({
-                "tokens": out.response_ids[i, :n].cpu().numpy().astype(np.int64),
-                "logprobs": out.logprobs[i, :n].float().cpu().numpy(),
-                "stop_reason": "stop" if out.finish_reasons[i] == "stop" else "length",
-            })  # fmt: skip
-        made = sum(len(s["tokens"]) for s in sequences)
-        return Reply({"sequences": sequences, "prompt_logprobs": prompt_lp, "topk_prompt_logprobs": topk},
-                     metrics={"samples": float(len(sequences)), "sampled_tokens": float(made)})  # fmt: skip
+            out = generator.generate([list(call.prompt)], **sampling.generate_kwargs(call))
+            return sampling.reply(out, *sampling.prompt_scores(self, call), sessions=1)
 
     @torch.no_grad()
     def _prompt_topk(self, call: Sample) -> dict[str, np.ndarray]:
@@ -380,10 +352,6 @@ class SessionEngine:
         self.inner.weight_version += 1
         self.weights_id = _new_id()
         return Reply({"path": call.path}, metrics={"loaded": 1.0})
-
-
-class CallRefused(Exception):
-    """A call the service will not carry out (a user error): it changes nothing and comes back in the reply."""
 
 
 ADAPTER = re.compile(r"\.job_[0-9a-f]{12}\.")  # a LoRA job's adapter name inside a parameter name (`adapter_name`)

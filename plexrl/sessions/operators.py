@@ -7,6 +7,7 @@ service."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,27 @@ def session_call(ctx: OpContext) -> CallResult:
     return CallResult(session_engine(ctx.engine).run(call, generator=ctx.engine))
 
 
+def session_calls_together(ctxs: Sequence[OpContext], inputs: Sequence[Any], params: Sequence[Any]) -> list[CallResult]:
+    """The batched form of `session_call` (a cohort, `plexrl/services/batched.py`): several sessions' `sample`
+    calls in ONE engine call (`sampling.sample_many`); one result per session, in order, each its own call's
+    reply. Calls of another kind run one after another (the planner cohorts `sample` nodes only)."""
+    from plexrl.sessions.calls import Sample
+    from plexrl.sessions.sampling import sample_many
+
+    calls: list[Any] = [ctx.extra.get("call") for ctx in ctxs]
+    for ctx, call in zip(ctxs, calls, strict=True):
+        if call is None or call.kind != ctx.node:
+            raise ValueError(f"node {ctx.node!r} of session {ctx.job_id} ran without its call")
+    if not all(isinstance(c, Sample) for c in calls):
+        pairs = zip(ctxs, calls, strict=True)
+        return [CallResult(session_engine(x.engine).run(c, generator=x.engine)) for x, c in pairs]
+    sessions = [session_engine(ctx.engine) for ctx in ctxs]
+    return [CallResult(r) for r in sample_many(sessions, [ctx.engine for ctx in ctxs], calls)]
+
+
+session_call.batched = session_calls_together  # type: ignore[attr-defined]  # (`Operator.batched`)
+
+
 def session_graph() -> PipelineGraph:
     """The session's plan: one service node per call kind, no edges (each iteration runs the one that came)."""
     p = Pipeline(SESSION_PIPELINE)
@@ -53,4 +75,4 @@ def session_graph() -> PipelineGraph:
     return p.build()
 
 
-__all__ = ["SESSION_PIPELINE", "CallResult", "session_call", "session_graph"]
+__all__ = ["SESSION_PIPELINE", "CallResult", "session_call", "session_calls_together", "session_graph"]

@@ -59,9 +59,13 @@ class SessionSpec(JobSpec):
     """A session's spec: a `JobSpec` whose plan is open (see the module docstring)."""
 
     def plan(self) -> JobPlan:
+        from plexrl.sessions.sampling import batch_limit  # (samples of sessions on one base: one engine call)
+
         plan = JobSpec.plan(self)
-        nodes = {n: dataclasses.replace(p, commits=n in COMMITS) for n, p in plan.nodes.items()}
-        return dataclasses.replace(plan, nodes=nodes, baseline=(), open=True)
+        nodes = {n: dataclasses.replace(p, commits=n in COMMITS, batchable=p.batchable and n == "sample")
+                 for n, p in plan.nodes.items()}  # fmt: skip
+        batch = batch_limit(self.config.model.lora is not None, self.generation, plan.batch)
+        return dataclasses.replace(plan, nodes=nodes, baseline=(), open=True, batch=batch)
 
     def session_engine(self, engine: Any) -> Any:
         """Its engine on its service (`Service.load_job`): the job engine wrapped (`SessionEngine`: gradients

@@ -1,0 +1,186 @@
+"""Many sessions, one engine call (`plexrl/sessions/sampling.py`, `plexrl/engines/mixed.py`): sample calls of
+several LoRA sessions over one base that wait on one service together run as ONE engine call, each row under its
+own session's adapter, and each session gets what it gets alone: the same tokens, log-probs equal within float
+noise (another batch composition), its own seed and sampling parameters, its own sampler snapshot; a refused
+call gets its error while the others run. On a real `Service` (a cohort, `services.batched.run_cohort`), and
+end to end through a `Runner` whose planner cohorts queued `sample` nodes (`batch_rollouts`), with the sessions'
+calls on a `CallBoard` as the server sends them. Tiny Llama, real SmolLM2 tokenizer, CPU, fp32."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import Clock
+from test_session_engine import call, datum, spec
+
+from plexrl.planner import CallArrived, JobPlan, JobSubmitted, NodeFinished, NodePlan, Planner, RunNode, ServiceJoined
+from plexrl.services.batched import Member, run_cohort
+from plexrl.services.service import Service
+from plexrl.sessions import sampling
+from plexrl.sessions.calls import ForwardBackward, OptimStep, Sample, Save, unpack
+
+SESSIONS = ("a", "b", "c")
+CALLS = {  # a call per session: other prompts, sizes, seeds and sampling parameters
+    "a": Sample((1, 2, 3), num_samples=3, max_tokens=7, seed=11, prompt_logprobs=True),
+    "b": Sample((5, 9, 2, 8, 13, 4), num_samples=2, max_tokens=5, seed=12, top_k=40, top_p=0.9),
+    "c": Sample((7,), num_samples=1, max_tokens=6, seed=13, temperature=0.0),
+}
+
+
+def perturb(svc: Service, job: str, seed: int) -> None:
+    """Another adapter per session (a fresh one equals the base: its B is zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in svc.engines[job].trainable().values():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Same tokens and stop reasons, log-probs within float noise, same prompt log-probs."""
+    assert len(got["sequences"]) == len(want["sequences"])
+    for g, w in zip(got["sequences"], want["sequences"], strict=True):
+        assert g["tokens"].tolist() == w["tokens"].tolist() and g["stop_reason"] == w["stop_reason"]
+        assert np.allclose(g["logprobs"], w["logprobs"], atol=1e-4), (g["logprobs"], w["logprobs"])
+    if want["prompt_logprobs"] is not None:
+        assert np.allclose(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:], atol=1e-5)
+
+
+@pytest.fixture
+def service(tmp_path: Path, smol_tiny: Path) -> Any:
+    svc = Service("s0", spill_dir=tmp_path / "spill", validate=True)
+    for i, j in enumerate(SESSIONS):
+        svc.load_job(spec(smol_tiny, j, tmp_path))
+        perturb(svc, j, i)
+    yield svc
+    svc.close()
+
+
+def cohort(svc: Service, calls: dict[str, Sample], it: int) -> dict[str, dict[str, Any]]:
+    results = run_cohort(svc, [Member(j, it, "sample", {}, c) for j, c in calls.items()], (), ())
+    out = {}
+    for j, res in zip(calls, results, strict=True):
+        assert res.report.ok, res.report.error
+        out[j] = unpack(res.report.reply)
+    return out
+
+
+def test_sessions_samples_in_one_engine_call_equal_each_alone(
+    service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alone = {j: call(service, j, 0, c) for j, c in CALLS.items()}
+    assert all(r["metrics"]["call_sessions"] == 1.0 for r in alone.values())
+    from plexrl.engines import mixed
+
+    engine_calls: list[int] = []
+    real = mixed.generate_mixed
+
+    def counted(engines: Any, calls: Any) -> Any:
+        engine_calls.append(len(engines))
+        return real(engines, calls)
+
+    monkeypatch.setattr(mixed, "generate_mixed", counted)
+    together = cohort(service, CALLS, 1)
+    assert engine_calls == [3]  # ONE engine call served the three sessions
+    for j in SESSIONS:
+        assert together[j]["error"] is None and together[j]["metrics"]["call_sessions"] == 3.0
+        same(together[j]["value"], alone[j]["value"])
+    # the adapters differ: the same call under another session's adapter samples something else
+    swapped = cohort(service, {"a": CALLS["b"], "b": CALLS["a"]}, 2)
+    assert (
+        swapped["a"]["value"]["sequences"][0]["logprobs"].tolist()
+        != alone["b"]["value"]["sequences"][0]["logprobs"].tolist()
+    )
+
+
+def test_a_snapshot_and_a_refused_call_in_one_engine_call(service: Service, tmp_path: Path) -> None:
+    snap = call(service, "b", 0, Save(str(tmp_path / "b.safetensors"), "sampler"))["value"]
+    then = call(service, "b", 1, CALLS["b"])["value"]
+    call(service, "b", 2, ForwardBackward((datum([1, 2, 3, 4, 5]),), "cross_entropy"))
+    call(service, "b", 3, OptimStep(learning_rate=0.5))  # the live weights move on
+    old = dataclasses.replace(CALLS["b"], weights=snap["path"], weights_id=snap["weights_id"])
+    bad = Sample((10**6,), num_samples=1, max_tokens=3, seed=1)
+    a_alone = call(service, "a", 4, CALLS["a"])["value"]
+    got = cohort(service, {"a": CALLS["a"], "b": old, "c": bad}, 5)
+    assert "the prompt must be a non-empty list of token ids" in got["c"]["error"]
+    same(got["b"]["value"], then)  # the snapshot's weights served b's rows
+    same(got["a"]["value"], a_alone)
+    assert got["a"]["metrics"]["call_sessions"] == 2.0
+    live = call(service, "b", 6, CALLS["b"])["value"]  # b's live weights are back
+    assert live["sequences"][0]["logprobs"].tolist() != then["sequences"][0]["logprobs"].tolist()
+
+
+def test_a_lora_sessions_plan_marks_only_sample_batchable(smol_tiny: Path, tmp_path: Path) -> None:
+    plan = spec(smol_tiny, "a", tmp_path).plan()
+    assert [n for n, p in plan.nodes.items() if p.batchable] == ["sample"]
+    assert plan.batch == sampling.MIXED_SESSIONS and plan.engine is not None
+    assert spec(smol_tiny, "f", tmp_path, lora=False).plan().batch == 0  # a full fine-tune samples alone
+
+
+def test_the_planner_cohorts_sample_calls_queued_together() -> None:
+    """Pure: a's forward_backward holds the service; b's and c's sample calls queue; both go in one cohort."""
+    nodes = {k: NodePlan("service", batchable=k == "sample") for k in ("forward_backward", "sample")}
+
+    def session() -> JobPlan:
+        return JobPlan(nodes, 10**9, tuple(nodes), open=True, engine=("base", 10), batch=8, state_bytes=1)
+
+    p = Planner(clock=Clock(), validate=True, batch_rollouts=True)
+    p.handle(ServiceJoined("s0"))
+    for j in "abc":
+        p.handle(JobSubmitted(j, session()))
+    assert [i.job_id for i in p.handle(CallArrived("a", "forward_backward")) if isinstance(i, RunNode)] == ["a"]
+    for j in "bc":
+        assert not [i for i in p.handle(CallArrived(j, "sample")) if isinstance(i, RunNode)]
+    (nxt,) = [i for i in p.handle(NodeFinished("a", 0, "forward_backward", duration=1.0)) if isinstance(i, RunNode)]
+    assert {(nxt.job_id, nxt.iteration, nxt.node), *nxt.cohort} == {("b", 0, "sample"), ("c", 0, "sample")}
+    assert p.counts()["cohorts_sent"] == 1
+
+
+def test_through_a_runner_queued_sample_calls_share_one_engine_call(smol_tiny: Path, tmp_path: Path) -> None:
+    """Four sessions on one service; a's forward_backward comes first, b's c's and d's samples queue behind it
+    and run as a cohort: each reply equals that call's reply alone on a plain service."""
+    from plexrl.runtime import InlineExecutor, Runner
+    from plexrl.runtime.calls import CallBoard
+
+    jobs = ("a", "b", "c", "d")
+    calls: dict[str, Any] = {"a": ForwardBackward((datum([1, 2, 3, 4]),), "cross_entropy")}
+    calls.update({j: dataclasses.replace(CALLS["b"], seed=20 + i) for i, j in enumerate(jobs[1:])})
+    board = CallBoard()
+    executor = InlineExecutor(services=1, validate=True)
+    runner = Runner(executor, Planner(clock=executor.clock, validate=True, batch_rollouts=True), calls=board)
+    replies: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str | None] = {}
+    lock = threading.Lock()
+
+    def done(job: str) -> Any:
+        def finish(reply: dict[str, Any] | None, error: str | None) -> None:
+            with lock:
+                if reply is None:
+                    errors[job] = error
+                else:
+                    replies[job] = unpack(reply)
+            runner.close_session(job)
+
+        return finish
+
+    for j in jobs:
+        board.open(j)
+        board.put(j, calls[j].kind, calls[j], done(j))
+    runs = runner.run([spec(smol_tiny, j, tmp_path / "runner") for j in jobs])
+    assert [r.status for r in runs] == ["done"] * 4, [r.error for r in runs]
+    assert not errors and set(replies) == set(jobs), errors
+    assert runner.planner.counts()["cohorts_sent"] >= 1
+    shared = [j for j in jobs[1:] if replies[j]["metrics"]["call_sessions"] > 1]
+    assert len(shared) >= 2, {j: replies[j]["metrics"] for j in jobs}
+    svc = Service("ref", spill_dir=tmp_path / "spill")
+    try:
+        for j in jobs[1:]:
+            svc.load_job(spec(smol_tiny, j, tmp_path / "ref"))
+            same(replies[j]["value"], call(svc, j, 0, calls[j])["value"])
+    finally:
+        svc.close()
