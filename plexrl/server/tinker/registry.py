@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from plexrl.errors import ConfigError
-from plexrl.job.sizes import count_parameters
 from plexrl.paths import FilePolicy, resolve
 from plexrl.server.tinker import catalog, durable, quotas
 from plexrl.server.tinker import decode as dec
@@ -46,6 +45,7 @@ from plexrl.server.tinker.records import (
 )
 from plexrl.sessions.calls import Call, Save, unpack
 from plexrl.sessions.spec import SessionConfig
+from plexrl.sizes import count_parameters
 
 log = logging.getLogger(__name__)
 
