@@ -7,6 +7,7 @@ job's nodes."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -90,5 +91,10 @@ def test_a_killed_service_worker_jobs_resume_elsewhere_exactly(tmp_path: Path) -
     assert ckpt in (1, 2)  # after iteration 1, or 2 if its report came back before the worker died at 3
     rows = {(e["attempt"], e["data"]["iteration"]): e["data"]["metrics"] for e in ed if e["kind"] == "iteration"}
     assert sorted(i for a, i in rows if a == 2) == list(range(ckpt + 1, 5))  # resumed right after it
-    for (attempt, i), metrics in rows.items():  # every iteration of both attempts, exactly as uninterrupted
-        assert stable([metrics]) == [expected[i]], (attempt, i)
+    for (attempt, i), metrics in rows.items():  # every iteration of both attempts, as uninterrupted
+        (got,) = stable([metrics])
+        assert got.keys() == expected[i].keys(), (attempt, i)
+        # to float32 rounding: the reference runs in this process, the jobs in worker processes whose BLAS may
+        # sum in another order (seen once in CI: train/loss 1 ulp apart, every other metric equal)
+        off = {k: (got[k], expected[i][k]) for k in got if not math.isclose(got[k], expected[i][k], rel_tol=2**-20)}
+        assert not off, (attempt, i, off)

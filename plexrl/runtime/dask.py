@@ -152,8 +152,10 @@ class DaskExecutor:
             self.client = Client(self.cluster, security=security)
         else:
             self.client = Client(self.scheduler, security=security)
-        # a local cluster: every worker it was given (a service missing at start would never be used)
-        self.client.wait_for_workers(1 if self.scheduler else self.n_services * self.ranks + 1, timeout=120)
+        # a local cluster: every worker it was given (a service missing at start would never be used); a
+        # cluster of the user's: at least one service's ranks and the CPU pool (a worker restarting joins late)
+        self.client.wait_for_workers(self.ranks + 1 if self.scheduler else self.n_services * self.ranks + 1,
+                                     timeout=120)  # fmt: skip
         gpu, self.cpu_workers = workers_of(self.client)
         if self.pin_cores and self.scheduler is None and self.launcher is None:
             self.pinned = pin(self.client, [a for _, a in gpu], self.cpu_workers, self.device, self.service_threads)
