@@ -37,6 +37,7 @@ EXPECTED = {
     "serve": "status p99",
     "service_api": "ratio sdk / in-process",
     "swap": "memory bandwidth (one reused buffer, copy_)",
+    "tinker_flood": "bound of a flooded call",
     "tinker_sessions": "total steps/s together / alone (samples batched)",
     "tools": "ratio busy / idle",
     "warm_start": "slowest seed's steps to",
@@ -88,7 +89,10 @@ def torch_threads() -> Any:
 
 # Start a process and pay its imports (Dask workers, a server, vLLM's import and engine start): 15-60 s each on
 # 2 shared cores, the rest a few seconds. `-m "not slow"` leaves them out.
-SLOW = {"client_bytes", "dask_overhead", "engine_choice", "rollout", "serve", "service_api", "tinker_sessions"}
+SLOW = {
+    "client_bytes", "dask_overhead", "engine_choice", "rollout", "serve", "service_api", "tinker_flood",
+    "tinker_sessions",
+}  # fmt: skip
 NEEDS_VLLM = {"engine_choice", "rollout"}
 # A Dask cluster started while another process on the machine holds one of distributed's default HTTP ports:
 # distributed warns, takes another port, and leaks the socket of the failed bind (its bug, not ours).

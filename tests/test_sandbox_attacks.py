@@ -16,12 +16,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from conftest import wait_for
 
 from plexrl.tools.sandbox import Sandbox, SandboxLimits
 from plexrl.tools.seccomp import ARCHES, DENIED, RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS, evaluate, filter_program
@@ -49,15 +49,6 @@ def sandbox(temp_root: Path) -> Sandbox:
 def need_full(sandbox: Sandbox) -> None:
     if not sandbox.isolation.complete:
         pytest.skip(f"full isolation unavailable on this machine: {sandbox.isolation.summary()}")
-
-
-def wait_until(condition: Callable[[], bool], deadline_s: float, what: str) -> None:
-    """Poll `condition` until it holds; fail with `what` after `deadline_s` (no fixed sleeps)."""
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} (after {deadline_s} s)")
-        time.sleep(0.01)
 
 
 def alive(procs: list[psutil.Process]) -> list[int]:
@@ -97,7 +88,7 @@ def start_caller(temp_root: Path, timeout_s: float) -> tuple[subprocess.Popen[st
         tree[:] = psutil.Process(caller.pid).children(recursive=True)
         return any("main.py" in " ".join(p.cmdline()) for p in tree if p.is_running())
 
-    wait_until(program_running, 30.0, "the sandboxed program never started")
+    wait_for(program_running, "the sandboxed program never started", 30.0)
     return caller, tree
 
 
@@ -108,15 +99,15 @@ def test_a_killed_caller_takes_its_run_and_temp_dir_with_it(temp_root: Path) -> 
     caller.wait()
     assert caller.stdout is not None
     caller.stdout.close()
-    wait_until(lambda: not alive(tree), 5.0, f"the run outlived its killed caller: {alive(tree)}")
-    wait_until(lambda: not list(temp_root.iterdir()), 5.0, "the run's temporary directory was left behind")
+    wait_for(lambda: not alive(tree), f"the run outlived its killed caller: {alive(tree)}", 5.0)
+    wait_for(lambda: not list(temp_root.iterdir()), "the run's temporary directory was left behind", 5.0)
 
 
 def test_the_launcher_enforces_the_deadline_while_the_caller_is_stopped(temp_root: Path) -> None:
     caller, tree = start_caller(temp_root, timeout_s=1.0)
     caller.send_signal(signal.SIGSTOP)  # a frozen trainer cannot enforce its timeout
     try:
-        wait_until(lambda: not alive(tree), 6.0, f"the run outlived its deadline: {alive(tree)}")
+        wait_for(lambda: not alive(tree), f"the run outlived its deadline: {alive(tree)}", 6.0)
     finally:
         caller.send_signal(signal.SIGCONT)
     out, _ = caller.communicate(timeout=30)
@@ -141,7 +132,7 @@ def test_an_exception_in_the_caller_kills_the_run(sandbox: Sandbox) -> None:
 
     def interrupt_once_running() -> None:
         with contextlib.suppress(AssertionError):  # not started: the test fails on `run` below
-            wait_until(program_running, 30.0, "the sandboxed program never started")
+            wait_for(program_running, "the sandboxed program never started", 30.0)
         os.kill(os.getpid(), signal.SIGALRM)  # the handler raises in the main thread, inside `run`
 
     def interrupt(signum: int, frame: object) -> None:
@@ -157,7 +148,7 @@ def test_an_exception_in_the_caller_kills_the_run(sandbox: Sandbox) -> None:
         watcher.join()
         signal.signal(signal.SIGALRM, previous)
     assert run, "the run had not started when the caller was interrupted"
-    wait_until(lambda: not alive(run), 5.0, f"the run outlived the interrupted call: {alive(run)}")
+    wait_for(lambda: not alive(run), f"the run outlived the interrupted call: {alive(run)}", 5.0)
 
 
 # ------------------------------------------------------------------------------------------------------ seccomp filter
@@ -345,7 +336,7 @@ def test_keys_planted_for_a_later_run_with_the_same_uid_are_cleared(temp_root: P
     assert result.ok, result.error
     uid, key = result.stdout.split()
     assert int(key) > 0, "the key was not planted"
-    wait_until(lambda: keys_of(uid) <= 2, 5.0, f"the planted key outlived the run: {keys_of(uid)} keys")
+    wait_for(lambda: keys_of(uid) <= 2, f"the planted key outlived the run: {keys_of(uid)} keys", 5.0)
 
 
 # ------------------------------------------------------------------------------------- rlimits, strict mode, host name

@@ -9,8 +9,9 @@ LoRA rank, warm-start steps, and every reward term's `timeout_s` (`max_reward_ti
 jobs already open (queued or running: `OpenJobs`): their count and the sum of their memory. Tinker sessions are
 open jobs too: counted in the same count, and a new one goes through the same check (`admit`, with the base
 model's parameters against `max_parameters`). With two users or more, each keyed user's share of
-`max_open_jobs` (the count over the users) is kept free for them while they use less of it: another user may
-fill the rest, never their share, so no user's jobs or sessions lock another user out.
+`max_open_jobs` (the count over the users, the one submitting included) is kept free for them while they use
+less of it: another user may fill the rest, never their share, so no user's jobs or sessions lock another user
+out.
 
 Enforced while the job runs, elsewhere: `max_run_s` and `max_iterations` (`plexrl.server.housekeeping`: a job
 running longer fails with the reason), `max_cpu_node_s` (a CPU node that passes it fails its job:
@@ -172,8 +173,10 @@ class OpenJobs:
                 )
             )
         elif len(self.users) >= 2:
-            share, held = max(1, cap // len(self.users)), Counter(open_now.values())
-            kept = sum(max(0, share - held[u]) for u in self.users if u != user)
+            # (a user the administrator submits for, outside the keyed ones, counts as one more user)
+            members = set(self.users) | ({user} if user else set())
+            share, held = max(1, cap // len(members)), Counter(open_now.values())
+            kept = sum(max(0, share - held[u]) for u in members if u != user)
             if len(open_now) + 1 + kept > cap:
                 problems.append(
                     Problem(
