@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         srv = start_server(cfg)
         socks: list[socket.socket] = []
+        service: Any = None
         try:
             base_rss = rss_mib()
             service = tinker.ServiceClient(base_url=srv.url, api_key=f"tml-{ANN}")
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             if r.status_code != 200 or r.headers["content-type"].startswith("application/json"):
                 raise RuntimeError(f"bob's first sample call failed: {r.status_code} {r.text[:300]}")
             bob_call = time.perf_counter() - t0  # (one of bob's calls alone: part of the bound)
+            pending = srv.sessions.futures.new("bob", "sample").request_id  # (the long polls' request: never done)
             codes: dict[int, int] = {}
             for i in range(args.samples):
                 code = post(srv.url, "/asample", {**asked, "seq_id": i + 1}).status_code
@@ -147,7 +149,6 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row("bob's queued samples", flooded, alone, args.calls,
                             f"{codes.get(200, 0)} accepted, {codes.get(429, 0)} refused (429)"))  # fmt: skip
 
-            pending = srv.sessions.futures.new("bob", "sample").request_id  # (never completed)
             for _ in range(args.polls):
                 try:
                     socks.append(park(srv.url, pending))
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for s in socks:
                 s.close()
+            if service is not None:
+                service.close("success").result(timeout=60)
             srv.stop(120)
 
 
