@@ -106,3 +106,29 @@ def test_a_device_budget_for_two_states_holds_two_through_training(tmp_path: Pat
     assert len(swap_ins) == fewest_swap_ins(schedule, 2, {a, b}) == 4
     assert sum(m.nbytes for m in moves) == (2 * len(swap_ins)) * probe  # each swap-in, and the swap-out it needed
     svc.close()
+
+
+def test_a_worker_group_rank_reports_its_moments_at_the_load(tmp_path: Path) -> None:
+    """The same on a worker group's rank (FSDP2 shards; one rank in this process, a 1-rank gloo group, as
+    tests/test_rank_service.py does): the bytes a rank reports at the load are the bytes it holds after a step."""
+    import socket
+
+    from plexrl.ranks import GroupSpec, join, leave
+    from plexrl.services.group import RankService, _storages
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    key = f"test/{tmp_path.name}"
+    rank = join(GroupSpec(key, 1, "127.0.0.1", port, timeout_s=30), 0, "cpu")
+    try:
+        job = tiny(tmp_path / "runs", "ranked", 0, GRPO)
+        svc = RankService("service-0", rank, spill_dir=tmp_path / "spill")
+        loaded = svc.load_job(job)
+        engine = svc.engines[job.job_id]
+        train(engine)
+        held, _ = _storages(engine.state_tensors())
+        assert loaded == sum(s.nbytes() for s in held.values())
+        svc.close()
+    finally:
+        leave(key)
