@@ -153,6 +153,27 @@ def test_a_fresh_buffer_shows_its_page_faults_and_a_reused_one_takes_fewer() -> 
     svc.close()
 
 
+def test_a_large_fresh_buffer_faults_in_huge_pages_where_the_kernel_offers_them() -> None:
+    """A fresh buffer of `HUGE_MIN` or more is advised for transparent huge pages: its first copy faults per 2 MiB,
+    not per 4 KiB (a 2.15 GB state: 525,449 faults and 0.91 s here without the advice, 1,674 and 0.30 s with)."""
+    from plexrl.services.host import HUGE_MIN
+    from plexrl.services.records import thread_faults
+    from plexrl.services.swap import StateLocation
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.is_file() or "[never]" in thp.read_text() or thread_faults() < 0:
+        pytest.skip("no transparent huge pages or no per-thread page-fault count on this platform")
+    svc = Service("s0")
+    size = 2 * HUGE_MIN
+    svc.engines["x"] = Tensors({"w": torch.ones(size // 4)})
+    svc.states["x"] = StateLocation("device", nbytes=size)
+    out, back = cycle(svc, "x")  # a fresh host buffer, then a fresh device one
+    assert (out.made, back.made) == (1, 1)
+    small = size // 4096  # 32,768 faults in 4 KiB pages
+    assert out.faults < small // 8 and back.faults < small // 8, (out.faults, back.faults)
+    svc.close()
+
+
 def test_background_moves_record_their_queueing_and_reach_the_next_node_report(job: JobSpec) -> None:
     svc = Service("s0")
     j = job.job_id

@@ -100,6 +100,20 @@ class FSDPEngine:
             self.optimizer = torch.optim.AdamW(params)
             self.optimizer.load_state_dict(osd)
 
+    def init_optimizer_state(self) -> None:
+        """AdamW and this rank's shards of its moments now, as its first step would make them (step 0, zeros:
+        training is bit-identical), so the size the rank reports at the load is the size its state keeps
+        (`TorchEngine.init_optimizer_state`)."""
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.policy.parameters())
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
+        for p in [p for group in self.optimizer.param_groups for p in group["params"]]:
+            state = self.optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     # -- rank 0 computes, every rank gets the result ---------------------------------------------------
     def _from_rank0(self, what: str, fn: Any) -> Any:
         import torch.distributed as dist

@@ -50,18 +50,11 @@ def _copy_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _optimize(
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, Tensor],
-    forward: Callable[[dict[str, Tensor]], tuple[Tensor, ...]],
-    loss_fn: Callable[..., tuple[Tensor, dict[str, float]]],
-    device: torch.device,
-    *,
-    minibatches: int,
-    epochs: int,
-    max_grad_norm: float,
+    model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor],
+    forward: Callable[[dict[str, Tensor]], tuple[Tensor, ...]], loss_fn: Callable[..., tuple[Tensor, dict[str, float]]],
+    device: torch.device, *, minibatches: int, epochs: int, max_grad_norm: float,
     master: Sequence[tuple[Tensor, Tensor]] = (),
-) -> tuple[dict[str, float], int]:
+) -> tuple[dict[str, float], int]:  # fmt: skip
     """`epochs` passes of `minibatches` AdamW steps over `batch` (rows split in order):
     loss, stats = loss_fn(minibatch, *forward(minibatch)). Returns the mean stats (plus `loss` and the
     pre-clip `grad_norm`) and the number of steps. `master`: (model parameter, fp32 master) pairs when the
@@ -196,15 +189,19 @@ class TorchEngine:
             self.optimizer = torch.optim.AdamW(self._trained())
             self.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
 
-    def init_optimizer_state(self) -> None:
+    def init_optimizer_state(self, critic: bool = False) -> None:
         """Make AdamW and its moments now, as its first step would (step 0, zeros: training is bit-identical), so
-        the state has all its tensors from the start and stays one flat buffer (`plexrl.services.swap.flatten`)."""
+        the state has all its tensors from the start: the size a service reports at the load is the size the
+        planner budgets, and the state stays one flat buffer (`plexrl.services.swap.flatten`). `critic` (PPO):
+        the critic and its AdamW too, as `train_critic_step` makes them."""
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self._trained())
+        if critic and self.critic_optimizer is None:
+            self.critic_optimizer = torch.optim.AdamW(self._ensure_critic().parameters(), weight_decay=0.0)
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state[p]
+        for opt in [o for o in (self.optimizer, self.critic_optimizer) if o is not None]:
+            for p in [p for group in opt.param_groups for p in group["params"]]:
+                state = opt.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=scalar)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -326,17 +323,16 @@ class TorchEngine:
             try:
                 # no dropout: in train() mode it would draw from the global RNG, so a job's results would
                 # depend on what other jobs ran before it (docs invariant 4)
-                config = AutoConfig.from_pretrained(str(self.model_dir), num_labels=1)
+                model_dir = str(self.model_dir)
+                config = AutoConfig.from_pretrained(model_dir, num_labels=1)
                 config.classifier_dropout = 0.0
-                critic = AutoModelForTokenClassification.from_pretrained(
-                    str(self.model_dir), config=config, dtype=torch.float32
-                )
+                critic = AutoModelForTokenClassification.from_pretrained(model_dir, config=config, dtype=torch.float32)
             finally:
                 hf_logging.set_verbosity(level)
             critic.score.weight.data.zero_()  # V = 0 at the start: deterministic, no random head
             if getattr(critic.score, "bias", None) is not None:
                 critic.score.bias.data.zero_()
-            self.critic = critic.to(self.device)
+            self.critic = critic.to(self.policy.device)  # where the state is: a job built on the host keeps it there
             self.critic.eval()
         return self.critic
 

@@ -115,6 +115,7 @@ class RankService(Service):
         engine = FSDPEngine(job.model_path, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, group=self.group,
                             device=str(self.device), with_reference=uses_reference(job.graph),
                             attention=job.config.model.attention)  # fmt: skip
+        engine.init_optimizer_state()  # the moments exist from the load: the size reported below is the size kept
         if job.resume_state is not None:  # this rank's part of a group checkpoint (`checkpoint`)
             part = rank_part(job.resume_state, self.rank)
             if not part.is_file():

@@ -22,7 +22,10 @@ checks the same byte counts (the pages a buffer covers). Nothing here decides wh
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 
 ALIGN = 256  # bytes between slots: every view starts where a vectorised CUDA kernel may read it
 PAGE = 4096  # the unit page-locking works in
+HUGE_MIN = 64 << 20  # a host buffer this large is its own mapping (above glibc's largest mmap threshold)
+MADV_HUGEPAGE = 14  # Linux
 
 
 def _up(n: int, unit: int) -> int:
@@ -144,6 +149,27 @@ class HostCopy:
         return self.layout.views(self.buffer)
 
 
+def fresh(nbytes: int) -> Tensor:
+    """A new flat uint8 buffer in host memory. One of `HUGE_MIN` bytes or more is advised for transparent huge
+    pages (Linux `madvise(MADV_HUGEPAGE)`, before its first touch), so that the first copy into it takes a page
+    fault per 2 MiB instead of per 4 KiB: measured here, a 2.15 GB copy into a fresh buffer took 0.91 s and
+    525,449 faults, 0.30 s and 1,674 faults so advised, 0.24 s into a touched buffer. Where the kernel offers
+    no huge pages the advice does nothing."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= HUGE_MIN and sys.platform == "linux":
+        huge = 2 << 20
+        start = -(-buf.data_ptr() // huge) * huge
+        end = (buf.data_ptr() + nbytes) // huge * huge
+        if end > start:
+            _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)  # errors: ignored
+    return buf
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def covered_bytes(ptr: int, nbytes: int) -> int:
     """The bytes of the pages that [ptr, ptr + nbytes) touches: what page-locking it holds."""
     if nbytes <= 0:
@@ -188,7 +214,7 @@ class HostPool:
                 return buf[:nbytes]
             while self._idle and self.limit is not None and self.held_bytes + nbytes > self.limit:
                 self._free(self._idle.pop(0))  # make room under the limit: the oldest kept buffer goes first
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = fresh(nbytes)
         held = covered_bytes(buf.data_ptr(), nbytes)
         if self.pin and nbytes > 0:
             _register(buf)
@@ -276,7 +302,7 @@ class DeviceCache:
             self.made += 1
             if tally is not None:
                 tally.made += 1
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return fresh(nbytes)
 
     def give(self, flat: Tensor) -> bool:
         """Keep `flat`'s whole storage for reuse if `flat` is its only user (True), else leave it (False)."""
@@ -317,4 +343,4 @@ def _unregister(ptr: int) -> None:
         log.warning("cudaHostUnregister failed (error %d)", int(err))
 
 
-__all__ = ["ALIGN", "PAGE", "DeviceCache", "HostCopy", "HostPool", "Layout", "Slot", "Tally", "covered_bytes"]
+__all__ = ["ALIGN", "PAGE", "DeviceCache", "HostCopy", "HostPool", "Layout", "Slot", "Tally", "covered_bytes", "fresh"]

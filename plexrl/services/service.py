@@ -42,6 +42,7 @@ from plexrl.services.moves import BackgroundMoves, SwapStats, hidden_share
 from plexrl.services.nodes import NodeResult, chunk_inputs, finish, run_cpu_node
 from plexrl.services.records import MoveLog, queued, recorded
 from plexrl.services.streams import StreamOrder, stream_order
+from plexrl.sizes import uses_critic
 
 if TYPE_CHECKING:
     from plexrl.batch import Batch
@@ -100,8 +101,8 @@ class Service:
         brings the job in (`plexrl.devices.build_device`; a LoRA job's adapter is made beside its shared base,
         which the planner reserved on the device, and moved out)."""
         engine, built_on = build_engine(job, self.device, tier, self.bases)
-        if hasattr(engine, "init_optimizer_state"):  # the state's every tensor exists from the start
-            engine.init_optimizer_state()
+        if hasattr(engine, "init_optimizer_state"):  # every tensor of the state exists from the start: the size
+            engine.init_optimizer_state(critic=uses_critic(job.graph))  # reported below is the size it keeps
         engine = getattr(job, "session_engine", lambda e: e)(engine)  # a session's (`plexrl.sessions.spec`)
         if job.resume_state is not None:  # the state a checkpoint saved (weights, optimizer, reference, version)
             engine.load_state(sw.load_checkpoint(job.resume_state)["engine"])

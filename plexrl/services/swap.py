@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from plexrl.services.host import DeviceCache, HostCopy, HostPool, Layout, Tally
+from plexrl.services.host import DeviceCache, HostCopy, HostPool, Layout, Tally, fresh
 from plexrl.services.streams import StreamOrder
 
 
@@ -140,7 +140,8 @@ def flatten(job_id: str, live: dict[str, Tensor], device: torch.device, pool: Ho
         host_to_device(job_id, live, host, device, order)
         pool.give(host.buffer)
         return True
-    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    n = layout.nbytes
+    flat = fresh(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)  # huge pages on CPU
     views = layout.views(flat)
     with torch.no_grad():
         for name, t in live.items():
