@@ -102,6 +102,8 @@ def session_loop(url: str, base: str, index: int, args: argparse.Namespace, read
 def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argparse.Namespace) -> dict[str, Any]:
     """N sessions at once on a fresh server: per session its timed steps' seconds, the wall of the timed part,
     the planner's cohorts (sample calls that shared an engine call) and its waits for a cohort's partners."""
+    from plexrl.sessions.calls import CALL_KINDS
+
     srv = start(tmp, model_dir, batched, args.window)
     ready = threading.Barrier(n)
     out: dict[int, list[float]] = {}
@@ -121,13 +123,18 @@ def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argp
         for t in threads:
             t.join()
         counts = srv.controller.runner.planner.counts()
+        rows = [e.data["metrics"] for j in srv.journal.jobs() if j.config.get("kind") == "session"
+                for e in srv.journal.events(j.job_id) if e.kind == "iteration"]  # fmt: skip
     finally:
         srv.stop(120)
     if errors:
         raise RuntimeError(f"a session failed: {errors[0]!r}") from errors[0]
     wall = max(sum(v) for v in out.values())
+    # the service's seconds per session-step by call kind (a cohort member's: its share), warm-up steps included
+    per_step = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) / (n * (args.steps + 1)) for k in CALL_KINDS}
     return {"times": out, "wall": wall, "cohorts": counts.get("cohorts_sent", 0),
-            "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0)}  # fmt: skip
+            "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0),
+            "service": {k: v for k, v in per_step.items() if v > 0}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,9 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     shape = f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens, LoRA r{args.rank}"
     print(f"model {'tiny (smoke)' if args.smoke else HF_NAME}; a step: snapshot, {shape}, forward_backward, "
           f"optim_step; {args.steps} timed steps per session after one warm-up; one service")  # fmt: skip
-    window = "the config's" if args.window is None else f"{args.window:g} s"
+    from plexrl.runtime.config import RuntimeConfig
+
+    window = RuntimeConfig.model_fields["batch_window_s"].default if args.window is None else args.window
     print(f"alone: {r1:.3f} steps per accelerator-second ({alone['wall'] / args.steps:.2f} s/step); the batched "
-          f"arm's wait for a cohort's partners: at most {window} per sample call")  # fmt: skip
+          f"arm's wait for a cohort's partners: at most {window:g} s per sample call")  # fmt: skip
     print("| arm | sessions | total steps per accelerator-s | / alone | bound (N x alone) | cohorts (members) | "
           "waits for partners |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
@@ -175,6 +184,14 @@ def main(argv: list[str] | None = None) -> None:
         total = n * args.steps / a["wall"]
         print(f"| {name} | {n} | {total:.3f} | {total / r1:.2f} | {n:.2f} | {a['cohorts']} ({a['members']}) | "
               f"{a['waits']} |")  # fmt: skip
+    every = {"alone": alone, **arms}
+    kinds = sorted({k for a in every.values() for k in a["service"]})
+    print("service seconds per session-step by call (warm-up included; a cohort member's: its share):")
+    print(f"| arm | {' | '.join(kinds)} | all |")
+    print("|---|" + "---|" * (len(kinds) + 1))
+    for name, a in every.items():
+        cells = " | ".join(f"{a['service'].get(k, 0.0):.3f}" for k in kinds)
+        print(f"| {name} | {cells} | {sum(a['service'].values()):.3f} |")
     print("| session | s/step batched | slowdown | s/step unbatched | slowdown | bound |")
     print("|---|---|---|---|---|---|")
     per = alone["wall"] / args.steps
