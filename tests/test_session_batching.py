@@ -108,6 +108,30 @@ def test_sessions_samples_in_one_engine_call_equal_each_alone(
     )
 
 
+def test_the_stacked_forward_equals_peft_mixed_adapter_forward(service: Service) -> None:
+    """`stacked_lora.stacked` (a fixed number of ops per LoRA layer) gives each row what peft's mixed-adapter
+    forward gives it (within float noise), rows of the three adapters interleaved; peft's own forwards come back
+    afterwards."""
+    from plexrl.engines.stacked_lora import stacked
+
+    inner = [service.engines[j].inner for j in SESSIONS]
+    model, names = inner[0].shared.model, [e.adapter for e in inner]
+    rows = [2, 0, 1, 1, 2]  # the adapter of each row
+    ids = torch.tensor([[5, 9, 2], [1, 2, 3], [7, 7, 1], [4, 8, 15], [16, 23, 42]])
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids, adapter_names=[names[r] for r in rows]).logits
+        with stacked(model, names) as select:
+            assert select is not None
+            select(rows)
+            got = model(input_ids=ids).logits
+        again = model(input_ids=ids, adapter_names=[names[r] for r in rows]).logits
+        alone = model(input_ids=ids, adapter_names=[names[0]] * len(rows)).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(again, want)  # (the patched forwards are gone)
+    assert not torch.allclose(alone, want, atol=1e-3)  # (the adapters differ: each row's is really used)
+
+
 def test_a_snapshot_and_a_refused_call_in_one_engine_call(service: Service, tmp_path: Path) -> None:
     snap = call(service, "b", 0, Save(str(tmp_path / "b.safetensors"), "sampler"))["value"]
     then = call(service, "b", 1, CALLS["b"])["value"]
