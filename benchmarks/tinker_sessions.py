@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # (the SDK would post its telemetry to the server)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (the tokenizer is local: no hub retries, ~20 s per session offline)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -123,15 +124,18 @@ def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argp
         for t in threads:
             t.join()
         counts = srv.controller.runner.planner.counts()
-        rows = [e.data["metrics"] for j in srv.journal.jobs() if j.config.get("kind") == "session"
-                for e in srv.journal.events(j.job_id) if e.kind == "iteration"]  # fmt: skip
+        timed = args.steps * (args.prompts + 3)  # the calls of the timed steps: a session's last ones
+        rows: list[dict[str, float]] = []
+        for j in srv.journal.jobs():
+            if j.config.get("kind") == "session":
+                rows += [e.data["metrics"] for e in srv.journal.events(j.job_id) if e.kind == "iteration"][-timed:]
     finally:
         srv.stop(120)
     if errors:
         raise RuntimeError(f"a session failed: {errors[0]!r}") from errors[0]
     wall = max(sum(v) for v in out.values())
-    # the service's seconds per session-step by call kind (a cohort member's: its share), warm-up steps included
-    per_step = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) / (n * (args.steps + 1)) for k in CALL_KINDS}
+    # the service's seconds per session-step by call kind (a cohort member's: its share), timed steps only
+    per_step = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) / (n * args.steps) for k in CALL_KINDS}
     return {"times": out, "wall": wall, "cohorts": counts.get("cohorts_sent", 0),
             "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0),
             "service": {k: v for k, v in per_step.items() if v > 0}}  # fmt: skip
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{a['waits']} |")  # fmt: skip
     every = {"alone": alone, **arms}
     kinds = sorted({k for a in every.values() for k in a["service"]})
-    print("service seconds per session-step by call (warm-up included; a cohort member's: its share):")
+    print("service seconds per session-step by call (timed steps; a cohort member's: its share of the call):")
     print(f"| arm | {' | '.join(kinds)} | all |")
     print("|---|" + "---|" * (len(kinds) + 1))
     for name, a in every.items():
