@@ -243,6 +243,26 @@ def test_other_work_ends_the_wait_for_partners() -> None:
         assert sent(p.handle(Tick())) == {("a", 0, "sample")}
 
 
+def test_a_partner_whose_client_never_samples_next_is_not_waited_for() -> None:
+    """b's client has sent forward_backward after forward_backward only: idle after one, b is not waited for.
+    Once it was seen to sample after a forward_backward, it is."""
+    p, clock = sessions_planner(0.5, {"a": "base", "b": "base"})
+    for it, kind in enumerate(("forward_backward", "forward_backward")):
+        p.handle(CallArrived("b", kind))
+        p.handle(NodeFinished("b", it, kind, duration=0.1))
+    assert sent(p.handle(CallArrived("a", "sample"))) == {("a", 0, "sample")}  # at once: no wait
+    p.handle(NodeFinished("a", 0, "sample", duration=0.1))
+    assert not sent(p.handle(CallArrived("b", "sample")))  # b samples after a forward_backward (a: no history yet)
+    clock.t = 0.5
+    assert sent(p.handle(Tick())) == {("b", 2, "sample")}
+    p.handle(NodeFinished("b", 2, "sample", duration=0.1))
+    p.handle(CallArrived("b", "forward_backward"))
+    p.handle(NodeFinished("b", 3, "forward_backward", duration=0.1))
+    clock.t = 1.0
+    assert not sent(p.handle(CallArrived("a", "sample")))  # b may sample next: a waits (bounded)
+    assert p.wake_at == 1.5
+
+
 def test_through_a_runner_queued_sample_calls_share_one_engine_call(smol_tiny: Path, tmp_path: Path) -> None:
     """Four sessions on one service; a's forward_backward comes first, b's c's and d's samples queue behind it
     and run as a cohort: each reply equals that call's reply alone on a plain service."""

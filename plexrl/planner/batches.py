@@ -17,7 +17,8 @@ service frees, instead of one after the other.
 A session's sample call (`JobPlan.open`: the client, not the plan, says when its next call comes, so no due
 time predicts it) that finds its service idle may wait a little for its partners (`gather_until`,
 `Planner(batch_window=...)`): while other sessions of its key on that service sit idle between calls (their
-clients may be about to send theirs), at most `batch_window` seconds after the first queued member became ready.
+clients may be about to send theirs: a session whose client was never seen to send that kind after the kind of
+its latest call is not waited for), at most `batch_window` seconds after the first queued member became ready.
 It stops waiting at once when no such session is left idle (they all queued their calls: the cohort is what can
 form), when the cohort is full, or when any other work queues on the service (the service never idles while
 something else could run). A session alone on its base never waits; one beside idle partners loses at most the
@@ -151,8 +152,9 @@ def gather_until(
     for job_id in sorted(svc.jobs - queued):
         job = jobs[job_id]
         partner = job.status == "running" and not job.closing and idle(job) and lead.node in job.plan.nodes
-        if partner and batch_key(job, lead.node) == key:
-            return until  # a session of its key between calls: its sample call may be next
+        seen = job.follows.get(job.last_call) if job.last_call is not None else None
+        if partner and batch_key(job, lead.node) == key and (not seen or lead.node in seen):
+            return until  # a session of its key between calls whose next call may be of lead's kind
     return None
 
 
