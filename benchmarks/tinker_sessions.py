@@ -7,7 +7,9 @@ each on a fresh server with one service:
 
 - alone: ONE session: its seconds per step (the single-session rate r1);
 - together, samples batched: `--sessions` N sessions at once, `cluster.batch_rollouts: true`, so sample calls
-  of several sessions queued together run as ONE engine call (`plexrl/sessions/sampling.py`);
+  of several sessions queued together run as ONE engine call (`plexrl/sessions/sampling.py`); a sample call that
+  finds the service idle waits at most `--window` seconds (`cluster.batch_window_s`, default the config's) for
+  the sessions of its base idle between calls (`plexrl/planner/batches.py`, `gather_until`);
 - together, one call per sample: the same N sessions with `batch_rollouts: false`.
 
 Every session first takes one warm-up step (not timed), then all start their `--steps` timed steps together. One
@@ -17,6 +19,7 @@ session's slowdown (its seconds per step over the alone arm's) has the bound 1.0
 call alone, one after another, would give about r1 / (the service's busy share of a step alone) in total.
 
     .venv/bin/python benchmarks/tinker_sessions.py [--sessions 8] [--steps 4] [--prompts 2] [--group 4] [--tokens 16]
+        [--window SECONDS]
     .venv/bin/python benchmarks/tinker_sessions.py --smoke   # tiny model, 2 sessions, seconds (the tests run it)
 
 The real run uses SmolLM2-135M-Instruct (converted at set-up) and takes the machine: run it alone.
@@ -35,16 +38,21 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # (the SDK would post its telemetry to the server)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (the tokenizer is local: no hub retries, ~20 s per session offline)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def start(tmp: Path, model_dir: Path, batched: bool) -> Any:
+def start(tmp: Path, model_dir: Path, batched: bool, window: float | None) -> Any:
     from plexrl.server.api import start_server
     from plexrl.server.config import ServerConfig
 
-    cluster = {"driver": "local", "services": {"count": 1}, "batch_rollouts": batched}
+    # every session on the one service, whatever their predicted loads (an SDK loop keeps its session busy)
+    cluster: dict[str, Any] = {"driver": "local", "services": {"count": 1}, "batch_rollouts": batched,
+                               "max_load": 64.0}  # fmt: skip
+    if window is not None:
+        cluster["batch_window_s"] = window
     cfg = ServerConfig(port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), cluster=cluster,
                        allowed_roots=[str(tmp), str(model_dir.parent)], mlflow=False)  # fmt: skip
     return start_server(cfg)
@@ -94,8 +102,10 @@ def session_loop(url: str, base: str, index: int, args: argparse.Namespace, read
 
 def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argparse.Namespace) -> dict[str, Any]:
     """N sessions at once on a fresh server: per session its timed steps' seconds, the wall of the timed part,
-    and the planner's cohorts (sample calls that shared an engine call)."""
-    srv = start(tmp, model_dir, batched)
+    the planner's cohorts (sample calls that shared an engine call) and its waits for a cohort's partners."""
+    from plexrl.sessions.calls import CALL_KINDS
+
+    srv = start(tmp, model_dir, batched, args.window)
     ready = threading.Barrier(n)
     out: dict[int, list[float]] = {}
     errors: list[BaseException] = []
@@ -114,13 +124,21 @@ def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argp
         for t in threads:
             t.join()
         counts = srv.controller.runner.planner.counts()
+        timed = args.steps * (args.prompts + 3)  # the calls of the timed steps: a session's last ones
+        rows: list[dict[str, float]] = []
+        for j in srv.journal.jobs():
+            if j.config.get("kind") == "session":
+                rows += [e.data["metrics"] for e in srv.journal.events(j.job_id) if e.kind == "iteration"][-timed:]
     finally:
         srv.stop(120)
     if errors:
         raise RuntimeError(f"a session failed: {errors[0]!r}") from errors[0]
     wall = max(sum(v) for v in out.values())
+    # the service's seconds per session-step by call kind (a cohort member's: its share), timed steps only
+    per_step = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) / (n * args.steps) for k in CALL_KINDS}
     return {"times": out, "wall": wall, "cohorts": counts.get("cohorts_sent", 0),
-            "members": counts.get("cohort_members", 0)}  # fmt: skip
+            "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0),
+            "service": {k: v for k, v in per_step.items() if v > 0}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,10 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--window", type=float, default=None,
+                    help="cluster.batch_window_s of the batched arm (default: the config's)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # (a generous window: a loaded test machine's SDK round trips, so that cohorts show)
         args.sessions, args.steps, args.prompts, args.group, args.tokens, args.rank = 2, 1, 2, 2, 4, 4
+        args.window = 0.5 if args.window is None else args.window
     with tempfile.TemporaryDirectory(prefix="plexrl-tinker-sessions-") as d:
         tmp = Path(d)
         if args.smoke:
@@ -154,12 +175,27 @@ def main(argv: list[str] | None = None) -> None:
     shape = f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens, LoRA r{args.rank}"
     print(f"model {'tiny (smoke)' if args.smoke else HF_NAME}; a step: snapshot, {shape}, forward_backward, "
           f"optim_step; {args.steps} timed steps per session after one warm-up; one service")  # fmt: skip
-    print(f"alone: {r1:.3f} steps/s ({alone['wall'] / args.steps:.2f} s/step)")
-    print("| arm | sessions | total steps/s | / alone | bound (N x alone) | cohorts (members) |")
-    print("|---|---|---|---|---|---|")
+    from plexrl.runtime.config import RuntimeConfig
+
+    window = RuntimeConfig.model_fields["batch_window_s"].default if args.window is None else args.window
+    print(f"alone: {r1:.3f} steps per accelerator-second ({alone['wall'] / args.steps:.2f} s/step); the batched "
+          f"arm's wait for a cohort's partners: at most {window:g} s per sample call")  # fmt: skip
+    print("| arm | sessions | total steps per accelerator-s | / alone | bound (N x alone) | cohorts (members) | "
+          "waits for partners |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    print(f"| alone | 1 | {r1:.3f} | 1.00 | 1.00 | {alone['cohorts']} ({alone['members']}) | {alone['waits']} |")
     for name, a in arms.items():
         total = n * args.steps / a["wall"]
-        print(f"| {name} | {n} | {total:.3f} | {total / r1:.2f} | {n:.2f} | {a['cohorts']} ({a['members']}) |")
+        print(f"| {name} | {n} | {total:.3f} | {total / r1:.2f} | {n:.2f} | {a['cohorts']} ({a['members']}) | "
+              f"{a['waits']} |")  # fmt: skip
+    every = {"alone": alone, **arms}
+    kinds = sorted({k for a in every.values() for k in a["service"]})
+    print("service seconds per session-step by call (timed steps; a cohort member's: its share of the call):")
+    print(f"| arm | {' | '.join(kinds)} | all |")
+    print("|---|" + "---|" * (len(kinds) + 1))
+    for name, a in every.items():
+        cells = " | ".join(f"{a['service'].get(k, 0.0):.3f}" for k in kinds)
+        print(f"| {name} | {cells} | {sum(a['service'].values()):.3f} |")
     print("| session | s/step batched | slowdown | s/step unbatched | slowdown | bound |")
     print("|---|---|---|---|---|---|")
     per = alone["wall"] / args.steps
@@ -168,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
         b, s = statistics.mean(batched["times"][i]), statistics.mean(single["times"][i])
         print(f"| {i} | {b:.2f} | {b / per:.2f} | {s:.2f} | {s / per:.2f} | 1.00 |")
     total_b = n * args.steps / batched["wall"]
-    print(f"total steps/s together / alone (samples batched): {total_b / r1:.2f} (bound {n}; "
-          f"one call per sample: {n * args.steps / single['wall'] / r1:.2f})")  # fmt: skip
+    print(f"total steps/s together / alone (samples batched): {total_b / r1:.2f} (bound {n}; one call per sample: "
+          f"{n * args.steps / single['wall'] / r1:.2f}; cohorts {batched['cohorts']} holding "
+          f"{batched['members']} sample calls)")  # fmt: skip
 
 
 if __name__ == "__main__":

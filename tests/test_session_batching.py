@@ -19,7 +19,17 @@ import torch
 from conftest import Clock
 from test_session_engine import call, datum, spec
 
-from plexrl.planner import CallArrived, JobPlan, JobSubmitted, NodeFinished, NodePlan, Planner, RunNode, ServiceJoined
+from plexrl.planner import (
+    CallArrived,
+    JobPlan,
+    JobSubmitted,
+    NodeFinished,
+    NodePlan,
+    Planner,
+    RunNode,
+    ServiceJoined,
+    Tick,
+)
 from plexrl.services.batched import Member, run_cohort
 from plexrl.services.service import Service
 from plexrl.sessions import sampling
@@ -98,6 +108,30 @@ def test_sessions_samples_in_one_engine_call_equal_each_alone(
     )
 
 
+def test_the_stacked_forward_equals_peft_mixed_adapter_forward(service: Service) -> None:
+    """`stacked_lora.stacked` (a fixed number of ops per LoRA layer) gives each row what peft's mixed-adapter
+    forward gives it (within float noise), rows of the three adapters interleaved; peft's own forwards come back
+    afterwards."""
+    from plexrl.engines.stacked_lora import stacked
+
+    inner = [service.engines[j].inner for j in SESSIONS]
+    model, names = inner[0].shared.model, [e.adapter for e in inner]
+    rows = [2, 0, 1, 1, 2]  # the adapter of each row
+    ids = torch.tensor([[5, 9, 2], [1, 2, 3], [7, 7, 1], [4, 8, 15], [16, 23, 42]])
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids, adapter_names=[names[r] for r in rows]).logits
+        with stacked(model, names) as select:
+            assert select is not None
+            select(rows)
+            got = model(input_ids=ids).logits
+        again = model(input_ids=ids, adapter_names=[names[r] for r in rows]).logits
+        alone = model(input_ids=ids, adapter_names=[names[0]] * len(rows)).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(again, want)  # (the patched forwards are gone)
+    assert not torch.allclose(alone, want, atol=1e-3)  # (the adapters differ: each row's is really used)
+
+
 def test_a_snapshot_and_a_refused_call_in_one_engine_call(service: Service, tmp_path: Path) -> None:
     snap = call(service, "b", 0, Save(str(tmp_path / "b.safetensors"), "sampler"))["value"]
     then = call(service, "b", 1, CALLS["b"])["value"]
@@ -139,6 +173,94 @@ def test_the_planner_cohorts_sample_calls_queued_together() -> None:
     (nxt,) = [i for i in p.handle(NodeFinished("a", 0, "forward_backward", duration=1.0)) if isinstance(i, RunNode)]
     assert {(nxt.job_id, nxt.iteration, nxt.node), *nxt.cohort} == {("b", 0, "sample"), ("c", 0, "sample")}
     assert p.counts()["cohorts_sent"] == 1
+
+
+def sessions_planner(window: float, bases: dict[str, str]) -> tuple[Planner, Clock]:
+    """A planner with `batch_window` and one LoRA session per job of `bases` (job -> its base), all placed on s0
+    and idle (no call yet)."""
+    nodes = {k: NodePlan("service", batchable=k == "sample") for k in ("forward_backward", "sample")}
+    clock = Clock()
+    p = Planner(clock=clock, validate=True, batch_rollouts=True, batch_window=window)
+    p.handle(ServiceJoined("s0"))
+    for j, base in bases.items():
+        plan = JobPlan(nodes, 10**9, tuple(nodes), open=True, engine=(base, 10), batch=8, state_bytes=1)
+        p.handle(JobSubmitted(j, plan))
+    return p, clock
+
+
+def sent(instructions: list[Any]) -> set[tuple[str, int, str]]:
+    """The nodes the instructions run (each RunNode's and its cohort's)."""
+    return {k for i in instructions if isinstance(i, RunNode) for k in ((i.job_id, i.iteration, i.node), *i.cohort)}
+
+
+def test_a_sample_call_alone_on_its_base_never_waits() -> None:
+    p, _ = sessions_planner(0.5, {"a": "base", "f": "other base"})  # (f: an idle session of another base)
+    assert sent(p.handle(CallArrived("a", "sample"))) == {("a", 0, "sample")}
+    assert p.wake_at is None and p.counts()["partner_waits"] == 0
+
+
+def test_a_sample_call_waits_for_idle_partners_until_they_all_came() -> None:
+    """On an idle service a's sample call waits (the window) while b and c, of its base, sit idle between calls;
+    once both sent theirs, the three run as ONE cohort at once, before the window ends."""
+    p, clock = sessions_planner(0.5, {"a": "base", "b": "base", "c": "base"})
+    assert not sent(p.handle(CallArrived("a", "sample")))
+    assert p.wake_at == 0.5  # a's ready time + the window
+    clock.t = 0.1
+    assert not sent(p.handle(CallArrived("b", "sample")))  # c is still idle: a and b wait on
+    assert p.wake_at == 0.5  # (from the first member's ready time, not pushed back)
+    clock.t = 0.2
+    assert sent(p.handle(CallArrived("c", "sample"))) == {(j, 0, "sample") for j in "abc"}
+    assert p.wake_at is None
+    assert p.counts()["partner_waits"] == 1 and p.counts()["cohorts_sent"] == 1
+
+
+def test_the_wait_for_partners_is_bounded_by_the_window() -> None:
+    """b never sends a call: a's sample runs alone when the window ends (the planner's Tick), not before."""
+    p, clock = sessions_planner(0.5, {"a": "base", "b": "base"})
+    assert not sent(p.handle(CallArrived("a", "sample")))
+    clock.t = 0.3
+    assert not sent(p.handle(Tick()))
+    clock.t = 0.5
+    assert sent(p.handle(Tick())) == {("a", 0, "sample")}
+    assert p.wake_at is None and p.counts()["cohorts_sent"] == 0
+
+
+def test_other_work_ends_the_wait_for_partners() -> None:
+    """a's sample waits for idle b; b's forward_backward comes instead: the service runs one of them at once (it
+    never idles while other work could run). The wait is bounded from a's ready time, whatever ran between."""
+    p, clock = sessions_planner(0.5, {"a": "base", "b": "base"})
+    assert not sent(p.handle(CallArrived("a", "sample")))
+    clock.t = 0.1
+    first = sent(p.handle(CallArrived("b", "forward_backward")))
+    assert len(first) == 1 and p.wake_at is None
+    clock.t = 0.2
+    if first == {("a", 0, "sample")}:  # the ordering took a's sample: b's forward_backward follows
+        assert sent(p.handle(NodeFinished("a", 0, "sample", duration=0.1))) == {("b", 0, "forward_backward")}
+    else:  # it took b's: b is idle again, so a's sample waits on, until its ready time + the window only
+        assert not sent(p.handle(NodeFinished("b", 0, "forward_backward", duration=0.1)))
+        assert p.wake_at == 0.5
+        clock.t = 0.5
+        assert sent(p.handle(Tick())) == {("a", 0, "sample")}
+
+
+def test_a_partner_whose_client_never_samples_next_is_not_waited_for() -> None:
+    """b's client has sent forward_backward after forward_backward only: idle after one, b is not waited for.
+    Once it was seen to sample after a forward_backward, it is."""
+    p, clock = sessions_planner(0.5, {"a": "base", "b": "base"})
+    for it, kind in enumerate(("forward_backward", "forward_backward")):
+        p.handle(CallArrived("b", kind))
+        p.handle(NodeFinished("b", it, kind, duration=0.1))
+    assert sent(p.handle(CallArrived("a", "sample"))) == {("a", 0, "sample")}  # at once: no wait
+    p.handle(NodeFinished("a", 0, "sample", duration=0.1))
+    assert not sent(p.handle(CallArrived("b", "sample")))  # b samples after a forward_backward (a: no history yet)
+    clock.t = 0.5
+    assert sent(p.handle(Tick())) == {("b", 2, "sample")}
+    p.handle(NodeFinished("b", 2, "sample", duration=0.1))
+    p.handle(CallArrived("b", "forward_backward"))
+    p.handle(NodeFinished("b", 3, "forward_backward", duration=0.1))
+    clock.t = 1.0
+    assert not sent(p.handle(CallArrived("a", "sample")))  # b may sample next: a waits (bounded)
+    assert p.wake_at == 1.5
 
 
 def test_through_a_runner_queued_sample_calls_share_one_engine_call(smol_tiny: Path, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Several LoRA jobs' generations over ONE shared base in one decode loop (`generate_mixed`): every forward
-pass of the loop carries the rows of every call, each row under its own job's adapter (peft's mixed-adapter
-forward, `adapter_names`: inside each LoRA layer the rows are grouped by adapter, the base's matmuls run once
-for all of them). What the torch engine does for several sessions' samples queued together on one service
+pass of the loop carries the rows of every call, each row under its own job's adapter (in a fixed number of ops
+per LoRA layer, `stacked_lora.stacked`; else peft's mixed-adapter forward, `adapter_names`), the base's matmuls
+once for all of them. What the torch engine does for several sessions' samples queued together on one service
 (`plexrl/sessions/sampling.py`); `vllm_lora.generate_together` is the same on a shared vLLM engine.
 
 Each call keeps what it has alone (`TorchEngine.generate`, plexrl/engines/decoding.py): its own seeded
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from plexrl.engines.base import GenerationOutput
+from plexrl.engines.stacked_lora import stacked
 from plexrl.engines.steps import cache_kw, nucleus, positions, top_k_only
 
 
@@ -98,10 +99,19 @@ def generate_mixed(
     ids, pmask = ids.to(device), pmask.to(device)
     kw_cache = cache_kw(model)
     model.eval()
-    with torch.no_grad():
+    adapters = list(dict.fromkeys(names))
+    with torch.no_grad(), stacked(model, adapters) as select:
+
+        def forward(live: list[int], **kw: Any) -> Any:
+            """The model on the rows `live`, each under its own adapter (`stacked_lora`, else peft's)."""
+            if select is None:
+                return model(**kw, adapter_names=[names[r] for r in live])
+            select([adapters.index(names[r]) for r in live])
+            return model(**kw)
+
         pos = positions(pmask)
-        out = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                    adapter_names=names)  # fmt: skip
+        out = forward(list(range(N)), input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
+                      logits_to_keep=1)  # fmt: skip
         past, logits = getattr(out, kw_cache), out.logits[:, -1]
         live_rows = list(range(N))  # the rows still in the batch, ascending
         mask, next_pos = pmask, pos[:, -1:] + 1
@@ -125,8 +135,8 @@ def generate_mixed(
                 batch = torch.tensor(live_rows, device=device)
             step_tok = tok[batch]
             mask = torch.cat([mask, torch.ones_like(step_tok[:, None])], 1)
-            out = model(input_ids=step_tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
-                        adapter_names=[names[r] for r in live_rows], **{kw_cache: past})  # fmt: skip
+            out = forward(live_rows, input_ids=step_tok[:, None], attention_mask=mask, position_ids=next_pos,
+                          use_cache=True, **{kw_cache: past})  # fmt: skip
             past, logits = getattr(out, kw_cache), out.logits[:, -1]
             next_pos = next_pos + 1
     return [_output(c, ids, pmask) for c in states]

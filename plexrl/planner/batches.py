@@ -14,6 +14,16 @@ A batchable node that would go ahead alone waits instead when another job of its
 node ready before the running node is predicted to end (`worth_waiting`): both then run as one cohort when the
 service frees, instead of one after the other.
 
+A session's sample call (`JobPlan.open`: the client, not the plan, says when its next call comes, so no due
+time predicts it) that finds its service idle may wait a little for its partners (`gather_until`,
+`Planner(batch_window=...)`): while other sessions of its key on that service sit idle between calls (their
+clients may be about to send theirs: a session whose client was never seen to send that kind after the kind of
+its latest call is not waited for), at most `batch_window` seconds after the first queued member became ready.
+It stops waiting at once when no such session is left idle (they all queued their calls: the cohort is what can
+form), when the cohort is full, or when any other work queues on the service (the service never idles while
+something else could run). A session alone on its base never waits; one beside idle partners loses at most the
+window per sample call.
+
 While the cohort runs, `ServiceRecord.cohort` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
 executor reports each member a consecutive share of the cohort's span (`shares`: proportional to the tokens of
@@ -27,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from plexrl.planner.policies import OrderingPolicy, OrderingView, QueuedNode
 from plexrl.planner.records import JobRecord, ServiceRecord
+from plexrl.planner.sessions import idle
 from plexrl.planner.state import Move, NoRoom
 
 Key = tuple[str, int, str]
@@ -122,6 +133,31 @@ def worth_waiting(
     return False
 
 
+def gather_until(
+    svc: ServiceRecord, jobs: Mapping[str, JobRecord], lead: QueuedNode, now: float, window: float
+) -> float | None:
+    """Until when `lead`, picked to run on the idle `svc`, waits for partners (see the module docstring): the
+    first queued member's ready time + `window`; None: it starts now. Reads only."""
+    key = batch_key(jobs[lead.job_id], lead.node)
+    if key is None or window <= 0.0 or svc.running is not None:
+        return None
+    queued = {q.job_id for q in svc.queue}
+    if len(queued) < len(svc.queue) or any(batch_key(jobs[q.job_id], q.node) != key for q in svc.queue):
+        return None  # other work could run now (or a job queues twice)
+    if len(queued) >= min(jobs[j].plan.batch for j in queued):
+        return None  # the cohort is full
+    until = min(q.ready_at for q in svc.queue) + window
+    if now >= until:
+        return None
+    for job_id in sorted(svc.jobs - queued):
+        job = jobs[job_id]
+        partner = job.status == "running" and not job.closing and idle(job) and lead.node in job.plan.nodes
+        seen = job.follows.get(job.last_call) if job.last_call is not None else None
+        if partner and batch_key(job, lead.node) == key and (not seen or lead.node in seen):
+            return until  # a session of its key between calls whose next call may be of lead's kind
+    return None
+
+
 def start_cohort(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode], ahead: bool) -> set[str]:
     """`lead` (already off the queue) starts with `members` (taken off it here) as one cohort, now or (`ahead`)
     after what runs; its jobs."""
@@ -203,6 +239,6 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
 
 
 __all__ = [
-    "advance", "batch_key", "cohort_jobs", "gather", "leave_cohorts", "member_finished", "next_service_node", "shares",
-    "start_cohort", "violation", "worth_waiting",
+    "advance", "batch_key", "cohort_jobs", "gather", "gather_until", "leave_cohorts", "member_finished",
+    "next_service_node", "shares", "start_cohort", "violation", "worth_waiting",
 ]  # fmt: skip

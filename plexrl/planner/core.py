@@ -98,6 +98,7 @@ class Planner:
         inline_below: float | None = None,
         usage: Usage | None = None,
         batch_rollouts: bool = False,
+        batch_window: float = 0.0,
         user_limits: UserLimits | None = None,
         fair_admission: bool = False,
         exclusive: bool = False,
@@ -143,7 +144,7 @@ class Planner:
                                   self._dirty, self._set_node, self._end_job)  # fmt: skip
         self._dispatcher = Dispatcher(
             self.jobs, self.services, self.costs, self.ordering, self.lookahead, self.hold_ahead, batch_rollouts,
-            clock, self._set_node, self._ordering_view, self._history,
+            clock, self._set_node, self._ordering_view, self._history, batch_window,
         )  # fmt: skip
         self._sessions = Sessions(self.jobs, self.costs, clock, self._progress.advance, self._end_job, self._history)
         self._handlers: dict[type, Callable[[Any, list[Instruction]], None]] = {
@@ -310,14 +311,16 @@ class Planner:
     @property
     def wake_at(self) -> float | None:
         """When the planner next needs a `Tick` (a backoff's end, a quota-held job's way in, idle sessions' loads
-        leaving room for a queued job); None: none due."""
-        times = [t for t in (self._backing.wake_at(self.jobs), self._admission.release_at) if t is not None]
-        return min(times) if times else None
+        leaving room for a queued job, a session's sample call done waiting for partners); None: none due."""
+        times = (self._backing.wake_at(self.jobs), self._admission.release_at, self._dispatcher.wake_at())
+        due = [t for t in times if t is not None]
+        return min(due) if due else None
 
     def _tick(self, out: list[Instruction]) -> None:
         """Send again the cpu nodes whose backoff has ended, in job and node order; weigh the held jobs again
-        once a quota's release time has come."""
+        once a quota's release time has come; offer again the services done waiting for a cohort's partners."""
         self._admission.wake(self.clock())
+        self._dirty.update(self._dispatcher.waited(self.clock()))
         for job, node, runs in self._backing.due(self.jobs, self.clock(), self._set_node):
             inline = self._progress.tiny(job, node)
             out.append(RunNode(job.job_id, job.iteration, node, "cpu", None, inline=inline, attempt=runs))

@@ -1,7 +1,9 @@
 """Which queued node each service runs next (`Dispatcher`), a part of `core.Planner` with its own counters:
 the ordering policy's pick, sent to run now or (lookahead) right after the running node, with the swaps that
 make its job resident, the prefetch of the job most likely next, and (co-scheduled rollouts) the members of
-its cohort. A job has at most one service node sent at a time, and sent jobs' states are never evicted.
+its cohort (a session's sample call on an idle service may first wait, a bounded time, for the sample calls of
+its partners: `batches.gather_until`; `holding` says until when, `wake_at` the earliest). A job has at most one
+service node sent at a time, and sent jobs' states are never evicted.
 
 Pure: it changes the planner's records and appends `RunNode`s; the planner calls it once per event, for the
 services that event concerned (`dirty`), and owns everything it is given.
@@ -10,10 +12,10 @@ services that event concerned (`dirty`), and owns everything it is given.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plexrl.planner import ahead, checkpoints
-from plexrl.planner.batches import cohort_jobs, gather, start_cohort
+from plexrl.planner.batches import cohort_jobs, gather, gather_until, start_cohort
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Instruction, RunNode
 from plexrl.planner.gaps import next_use
@@ -28,7 +30,8 @@ from plexrl.planner.views import next_job
 class Dispatcher:
     """The planner's records and policies it dispatches with (shared, not copied), the state table's setter
     (`set_node`), the ordering view of a service, the history for an error, and its counters: nodes sent ahead
-    (lookahead), times a pick was held back (`hold_ahead`), cohorts sent and their members."""
+    (lookahead), times a pick was held back (`hold_ahead`), cohorts sent and their members, times an idle
+    service waited for a cohort's partners (`batch_window` seconds at most: `batches.gather_until`)."""
 
     jobs: dict[str, JobRecord]
     services: dict[str, ServiceRecord]
@@ -41,34 +44,54 @@ class Dispatcher:
     set_node: Callable[[JobRecord, str, NodeStatus], None]
     view_of: Callable[[ServiceRecord], OrderingView]
     history: Callable[[str], str]
+    batch_window: float = 0.0
+    holding: dict[str, float] = field(default_factory=dict)  # service -> until when it waits for partners
     sent_ahead: int = 0
     held_ahead: int = 0
     cohorts_sent: int = 0
     cohort_members: int = 0
+    partner_waits: int = 0
 
     def counts(self) -> dict[str, int]:
         """Its counters, by name."""
-        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members")
+        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members", "partner_waits")
         return {name: getattr(self, name) for name in names}
+
+    def wake_at(self) -> float | None:
+        """When a service that waits for a cohort's partners stops waiting (the earliest); None: none waits."""
+        return min(self.holding.values()) if self.holding else None
+
+    def waited(self, now: float) -> set[str]:
+        """The services whose wait for partners has ended by `now` (no longer waiting: dispatch them)."""
+        over = {s for s, until in self.holding.items() if until <= now}
+        for service_id in over:
+            del self.holding[service_id]
+        return over
 
     def dispatch(self, dirty: set[str], out: list[Instruction]) -> None:
         """Offer each service of `dirty` (in id order) its next work: a checkpoint first, alone
         (`checkpoints.py`), else a node when it runs none, and (lookahead) one more to run right after."""
         for service_id in sorted(dirty):
-            svc = self.services[service_id]
-            if not svc.alive:
-                continue
-            if svc.checkpoints or svc.checkpointing is not None:  # it goes next, alone (`checkpoints.py`)
-                started = checkpoints.start(svc)
-                if started is not None:
-                    out.append(started)
-                continue
-            if not svc.queue:
-                continue
-            if svc.running is None:
-                self.one(svc, out)
-            if self.lookahead and svc.running is not None and svc.next is None and svc.queue:
-                self.one(svc, out)
+            before = self.holding.pop(service_id, None)  # (asked again: `one`)
+            self.offer(self.services[service_id], out)
+            after = self.holding.get(service_id)
+            self.partner_waits += after is not None and after != before
+
+    def offer(self, svc: ServiceRecord, out: list[Instruction]) -> None:
+        """`dispatch` for one service."""
+        if not svc.alive:
+            return
+        if svc.checkpoints or svc.checkpointing is not None:  # it goes next, alone (`checkpoints.py`)
+            started = checkpoints.start(svc)
+            if started is not None:
+                out.append(started)
+            return
+        if not svc.queue:
+            return
+        if svc.running is None:
+            self.one(svc, out)
+        if self.lookahead and svc.running is not None and svc.next is None and svc.queue:
+            self.one(svc, out)
 
     def one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
         """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node."""
@@ -90,6 +113,10 @@ class Dispatcher:
                               partner=self.batch_rollouts, preferred=self.hold_ahead) if busy else None  # fmt: skip
             if why is not None:  # a partner (the cohort forms when the service frees) or a preferred node is due
                 self.held_ahead += why == "preferred"
+                return
+            until = gather_until(svc, self.jobs, q, now, self.batch_window) if self.batch_rollouts else None
+            if until is not None:  # idle sessions of its base may send their samples: wait for them, bounded
+                self.holding[svc.service_id] = until
                 return
             try:
                 swaps = svc.state.make_resident(q.job_id, use_in, pinned)

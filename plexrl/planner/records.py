@@ -90,10 +90,12 @@ class JobRecord:
     # the iteration whose checkpoint the job waits for (queued or running on its service; `checkpoints.py`)
     checkpoint: int | None = None
     # a session (`sessions.py`): its announced call not started yet, whether it is closing, its calls that
-    # changed the trained weights
+    # changed the trained weights; its latest call's kind and the kinds seen to follow each kind (`batches.py`)
     call: str | None = None
     closing: bool = False
     commits: int = 0
+    last_call: str | None = None
+    follows: dict[str, set[str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, job_id: str, plan: JobPlan, now: float) -> JobRecord:

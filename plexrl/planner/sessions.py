@@ -83,7 +83,9 @@ def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str
     if away is not None:
         costs.observe(job.job_id, CLIENT, now - away)
         job.work_done += now - away
-    job.call = node
+    if job.last_call is not None:  # (what its client sends after each kind: `batches.gather_until`)
+        job.follows.setdefault(job.last_call, set()).add(node)
+    job.call = job.last_call = node
     return None
 
 

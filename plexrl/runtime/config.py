@@ -205,7 +205,15 @@ class RuntimeConfig(DaskNetwork):
     )
     batch_rollouts: bool = Field(
         False, description="Co-schedule rollouts: LoRA jobs on one shared vLLM engine roll out in ONE engine call "
-        "(each job's own tokens; either driver, not with services.ranks > 1).",
+        "(each job's own tokens; either driver, not with services.ranks > 1); so do the sample calls of LoRA "
+        "sessions over one base.",
+    )  # fmt: skip
+    batch_window_s: float = Field(
+        0.05, ge=0, le=10,
+        description="With batch_rollouts: how long at most a session's sample call that finds its service idle "
+        "waits for the sample calls of other sessions on its base that sit idle between calls (their clients may "
+        "be about to send theirs: one engine call for all). It stops waiting at once when they have all come, or "
+        "any other work queues there; a session alone on its base never waits. 0: never wait.",
     )  # fmt: skip
     fair_share: bool = Field(
         True,
