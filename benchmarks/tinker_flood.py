@@ -74,6 +74,13 @@ def park(url: str, request_id: str) -> socket.socket:
 
 
 def row(name: str, lat: list[float], alone: float, calls: int, bob: str) -> str:
+    """One arm's line of the table, printed at once (a run cut short still shows the arms it finished)."""
+    line = _row(name, lat, alone, calls, bob)
+    print(line, flush=True)
+    return line
+
+
+def _row(name: str, lat: list[float], alone: float, calls: int, bob: str) -> str:
     med = statistics.median(lat) if lat else float("nan")
     top = max(lat) if lat else float("nan")
     return f"| {name} | {len(lat)}/{calls} | {med:.3f} | {top:.3f} | {med / alone:.2f}x | {bob} | {rss_mib()} |"
@@ -120,7 +127,14 @@ def main(argv: list[str] | None = None) -> None:
                 loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)},
             )
             ann_calls(training, datum, 1)  # (warm-up, not timed)
-            rows = []
+            print(
+                f"tiny SmolLM2 (1 layer, real tokenizer), LoRA r4; ann: one-datum forward_backward; bob: "
+                f"{args.samples} x sample(64 x {args.tokens} tokens), {args.polls} long polls",
+                flush=True,
+            )
+            print("| arm | ann served | median s | max s | median / alone | bob | RSS MiB |")
+            print("|---|---|---|---|---|---|---|", flush=True)
+            rows: list[str] = []
             alone_lat = ann_calls(training, datum, args.calls)
             alone = statistics.median(alone_lat)
             rows.append(row("alone", alone_lat, alone, args.calls, "-"))
@@ -141,10 +155,12 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"bob's first sample call failed: {r.status_code} {r.text[:300]}")
             bob_call = time.perf_counter() - t0  # (one of bob's calls alone: part of the bound)
             pending = srv.sessions.futures.new("bob", "sample").request_id  # (the long polls' request: never done)
+            print(f"one of bob's sample calls alone: {bob_call:.2f} s", flush=True)
             codes: dict[int, int] = {}
             for i in range(args.samples):
                 code = post(srv.url, "/asample", {**asked, "seq_id": i + 1}).status_code
                 codes[code] = codes.get(code, 0) + 1
+            print(f"bob's {args.samples} sample calls sent in {time.perf_counter() - t0 - bob_call:.1f} s", flush=True)
             flooded = ann_calls(training, datum, args.calls)
             rows.append(row("bob's queued samples", flooded, alone, args.calls,
                             f"{codes.get(200, 0)} accepted, {codes.get(429, 0)} refused (429)"))  # fmt: skip
@@ -156,13 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                     break
             polled = ann_calls(training, datum, args.calls)
             rows.append(row("bob's long polls", polled, alone, args.calls, f"{len(socks)} connections opened"))
-            print(f"tiny SmolLM2 (1 layer, real tokenizer), LoRA r4; ann: one-datum forward_backward; bob: "
-                  f"{args.samples} x sample(64 x {args.tokens} tokens), {args.polls} long polls")  # fmt: skip
             print(f"server RSS before ann's session: {base_rss} MiB; one of bob's sample calls alone: {bob_call:.2f} s")
-            print("| arm | ann served | median s | max s | median / alone | bob | RSS MiB |")
-            print("|---|---|---|---|---|---|---|")
-            for line in rows:
-                print(line)
             print(f"bound of a flooded call: alone + one of bob's calls = {alone + bob_call:.3f} s "
                   f"({(alone + bob_call) / alone:.2f}x alone)")  # fmt: skip
             srv.sessions.futures.complete(pending, "json", {})
