@@ -78,7 +78,7 @@ class Dispatcher:
         if not candidates:
             return
         view = self.view_of(svc)
-        use_in = next_use(svc, self.jobs, self.costs.predict, now)
+        use_in = next_use(svc, self.jobs, self.costs.predict, now, self.ordering, view)
         pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
         while candidates:
             pick = self.ordering.pick([svc.queue[i] for i in candidates], now, view)
