@@ -61,7 +61,11 @@ def next_use(
 ) -> dict[str, float]:
     """Predicted seconds until each job on `svc` next holds the service, for Belady's victim choice with
     predictions (the state needed furthest ahead leaves first, `StateManager`):
-    - 0 with a node running or sent there, or a checkpoint due (its next iteration follows);
+    - a job with a node running or sent there: its turn after that node (at the node's end plus the cpu path
+      after it, `gap_after`, it joins the queue below; 0 when none follows). Such a job is pinned on device
+      while its node runs, so this is what `StateManager.prefetch` weighs: whether to evict another state now
+      or that one once its node has ended;
+    - 0 with a checkpoint due (its next iteration follows) or in a cohort;
     - a queued job: when `ordering` (with `view`; without them, ready order) would start its first node, the
       service serving the queue from the end of the work sent to it, each node picked taking its predicted
       time plus its job's swap-in (once), a user's simulated seconds adding to its usage (fair share);
@@ -77,12 +81,20 @@ def next_use(
             soon.add(key[0])
     out = dict.fromkeys(soon & svc.jobs, 0.0)
     t = now  # when the work sent to the service ends
-    for key, since in ((svc.running, svc.running_since), (svc.next, None)):
-        if key is not None and key[0] in jobs:
-            left = node_rest(jobs[key[0]], key[2], predict)
-            t += max(left - (now - since), 0.0) if since is not None else left
     queued = {q.job_id for q in svc.queue}
     arrivals: list[tuple[float, str, str]] = []  # (when its next service node is ready, job, that node)
+    for key, since in ((svc.running, svc.running_since), (svc.next, None)):
+        if key is None or key[0] not in jobs:
+            continue
+        job, left = jobs[key[0]], node_rest(jobs[key[0]], key[2], predict)
+        t += max(left - (now - since), 0.0) if since is not None else left
+        if job.job_id in svc.jobs and job.job_id not in queued:  # its turn after this one: when it is back
+            gap, at = (predict(job.job_id, CLIENT), next(iter(job.plan.nodes), None)) if job.plan.open else _reach(
+                job, key[2], predict)  # fmt: skip
+            away = _away(job, predict, now)  # (a cpu node of it in flight may end later)
+            if at is not None:
+                arrivals.append((max(t + gap, now + away[0] if away is not None else 0.0), job.job_id, at))
+        out.pop(job.job_id, None)
     for job_id in svc.jobs - soon - queued:
         job = jobs[job_id]
         away = _away(job, predict, now)
@@ -94,6 +106,9 @@ def next_use(
             arrivals.append((now + away[0], job_id, away[1]))
     arrivals.sort()
     _serve(svc, jobs, predict, now, t, arrivals, ordering, view, limit, out)
+    for key in (svc.running, svc.next):
+        if key is not None and key[0] in svc.jobs:
+            out.setdefault(key[0], 0.0)
     return out
 
 
