@@ -101,7 +101,7 @@ class Dispatcher:
         if not candidates:
             return
         view = self.view_of(svc)
-        use_in = next_use(svc, self.jobs, self.costs.predict, now)
+        use_in = next_use(svc, self.jobs, self.costs.predict, now, self.ordering, view)
         pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
         while candidates:
             pick = self.ordering.pick([svc.queue[i] for i in candidates], now, view)
@@ -146,6 +146,7 @@ class Dispatcher:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1
         prefetch: list[Move] = []
+        use_in = next_use(svc, self.jobs, self.costs.predict, now, self.ordering, self.view_of(svc))  # q's return
         nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | taken)
         if nxt is not None:
             prefetch = svc.state.prefetch(nxt, use_in, pinned | taken)

@@ -5,11 +5,14 @@ how far behind its solo pace a job will end (the `slowdown` ordering). Pure."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
+from plexrl.planner.policies import OrderingPolicy, OrderingView, QueuedNode
 from plexrl.planner.records import JobRecord, ServiceRecord
 from plexrl.planner.sessions import CLIENT
 from plexrl.planner.sessions import busy_fraction as session_busy_fraction
+from plexrl.planner.slices import node_rest
 
 
 def gap_after(job: JobRecord, node: str, predict: Callable[[str, str], float]) -> float:
@@ -19,45 +22,184 @@ def gap_after(job: JobRecord, node: str, predict: Callable[[str, str], float]) -
     if nothing follows at all. A session's: its client's time until the next call (`sessions.CLIENT`)."""
     if job.plan.open:
         return predict(job.job_id, CLIENT)
-    plan, succ, job_id = job.plan.nodes, job.successors, job.job_id
-    memo: dict[tuple[str, int], float] = {}
+    return _reach(job, node, predict)[0]
 
-    def reach(name: str, depth: int) -> float:  # from the end of `name` to the next service node's start
+
+def _reach(job: JobRecord, node: str, predict: Callable[[str, str], float]) -> tuple[float, str | None]:
+    """`gap_after` of a DAG job's `node`, and the service node that way reaches (None: none follows)."""
+    plan, succ, job_id = job.plan.nodes, job.successors, job.job_id
+    memo: dict[tuple[str, int], tuple[float, str | None]] = {}
+
+    def reach(name: str, depth: int) -> tuple[float, str | None]:  # from the end of `name` to the next service node
         key = (name, depth)
         if key in memo:
             return memo[key]
         wrap = not succ[name]  # the iteration's end: on to the next iteration's sources (once)
         nxt = job.sources if wrap and depth == 0 else succ[name]
-        best = math.inf
+        best: tuple[float, str | None] = (math.inf, None)
         for s in nxt:
             if plan[s].runs_on == "service":
-                best = 0.0
+                best = (0.0, s)
                 break
-            best = min(best, predict(job_id, s) + reach(s, depth + wrap))
-        memo[key] = best = best if best < math.inf else 0.0
+            sec, at = reach(s, depth + wrap)
+            if predict(job_id, s) + sec < best[0]:
+                best = (predict(job_id, s) + sec, at)
+        memo[key] = best = best if best[0] < math.inf else (0.0, None)
         return best
 
     return reach(node, 0)
 
 
 def next_use(
-    svc: ServiceRecord, jobs: dict[str, JobRecord], predict: Callable[[str, str], float], now: float
+    svc: ServiceRecord,
+    jobs: dict[str, JobRecord],
+    predict: Callable[[str, str], float],
+    now: float,
+    ordering: OrderingPolicy | None = None,
+    view: OrderingView | None = None,
+    limit: int = 64,
 ) -> dict[str, float]:
-    """Predicted seconds until each job on `svc` next needs the service: 0 with a node queued or running
-    there, the predicted rest of its CPU nodes in flight otherwise (`cpu_rests`: a retry's backoff counts), inf
-    with nothing in flight."""
-    soon = {q.job_id for q in svc.queue} | {c[0] for c in svc.checkpoints}  # (a checkpoint: its next iteration)
+    """Predicted seconds until each job on `svc` next holds the service, for Belady's victim choice with
+    predictions (the state needed furthest ahead leaves first, `StateManager`):
+    - a job with a node running or sent there: its turn after that node (at the node's end plus the cpu path
+      after it, `gap_after`, it joins the queue below; 0 when none follows). Such a job is pinned on device
+      while its node runs, so this is what `StateManager.prefetch` weighs: whether to evict another state now
+      or that one once its node has ended;
+    - 0 with a checkpoint due (its next iteration follows) or in a cohort;
+    - a queued job: when `ordering` (with `view`; without them, ready order) would start its first node, the
+      service serving the queue from the end of the work sent to it, each node picked taking its predicted
+      time plus its job's swap-in (once), a user's simulated seconds adding to its usage (fair share);
+    - a job with CPU nodes in flight joins that queue when the first of them is predicted to end (`cpu_rests`:
+      a retry's backoff counts) plus the cpu path after it (`gap_after`), at the service node it reaches;
+    - inf with nothing in flight.
+    Giving every queued job 0 made the job that had just run (out for a short CPU gap) the victim although the
+    ordering would serve it before jobs queued behind others, and broke the ties among queued jobs by job id.
+    At most `limit` picks are simulated; the jobs left get the time reached plus their ready-order wait."""
+    soon = {q[0] for q in svc.checkpoints}  # (a checkpoint: its next iteration)
     for key in (svc.running, svc.next, svc.checkpointing, *svc.cohort, *svc.next_cohort):
         if key is not None:
             soon.add(key[0])
-    out: dict[str, float] = {}
-    for job_id in svc.jobs:
-        if job_id in soon:
-            out[job_id] = 0.0
+    out = dict.fromkeys(soon & svc.jobs, 0.0)
+    t = now  # when the work sent to the service ends
+    queued = {q.job_id for q in svc.queue}
+    arrivals: list[tuple[float, str, str]] = []  # (when its next service node is ready, job, that node)
+    for key, since in ((svc.running, svc.running_since), (svc.next, None)):
+        if key is None or key[0] not in jobs:
             continue
-        rests = [max(r, 0.0) for r in cpu_rests(jobs[job_id], predict, now)]
-        out[job_id] = min(rests) if rests else math.inf
+        job, left = jobs[key[0]], node_rest(jobs[key[0]], key[2], predict)
+        t += max(left - (now - since), 0.0) if since is not None else left
+        if job.job_id in svc.jobs and job.job_id not in queued:  # its turn after this one: when it is back
+            gap, at = (predict(job.job_id, CLIENT), next(iter(job.plan.nodes), None)) if job.plan.open else _reach(
+                job, key[2], predict)  # fmt: skip
+            away = _away(job, predict, now)  # (a cpu node of it in flight may end later)
+            if at is not None:
+                arrivals.append((max(t + gap, now + away[0] if away is not None else 0.0), job.job_id, at))
+        out.pop(job.job_id, None)
+    for job_id in svc.jobs - soon - queued:
+        job = jobs[job_id]
+        away = _away(job, predict, now)
+        if away is None:
+            out[job_id] = math.inf
+        elif away[1] is None:
+            out[job_id] = away[0]
+        else:
+            arrivals.append((now + away[0], job_id, away[1]))
+    arrivals.sort()
+    _serve(svc, jobs, predict, now, t, arrivals, ordering, view, limit, out)
+    for key in (svc.running, svc.next):
+        if key is not None and key[0] in svc.jobs:
+            out.setdefault(key[0], 0.0)
     return out
+
+
+def _away(job: JobRecord, predict: Callable[[str, str], float], now: float) -> tuple[float, str | None] | None:
+    """Seconds until a job with CPU nodes in flight has its next service node ready, and that node (None: none
+    follows); None with nothing in flight."""
+    job_id = job.job_id
+    ends = [(predict(job_id, n) - (now - t0), n) for n, t0 in job.cpu_started.items()]
+    ends += [(predict(job_id, n) + (t - now), n) for n, t in job.backoff.items()]
+    if not ends:
+        return None
+    rest, node = min(ends)
+    rest = max(rest, 0.0)
+    if job.plan.open:  # a session: its next call, of a kind not known yet
+        return rest, next(iter(job.plan.nodes), None)
+    gap, at = _reach(job, node, predict)
+    return rest + gap, at
+
+
+def _serve(
+    svc: ServiceRecord,
+    jobs: dict[str, JobRecord],
+    predict: Callable[[str, str], float],
+    now: float,
+    t: float,
+    arrivals: list[tuple[float, str, str]],
+    ordering: OrderingPolicy | None,
+    view: OrderingView | None,
+    limit: int,
+    out: dict[str, float],
+) -> None:
+    """`next_use` of the queued and returning jobs: the service's picks simulated from `t` (into `out`)."""
+    pending = [q for q in svc.queue if q.job_id in jobs]
+    want = {q.job_id for q in pending} | {a[1] for a in arrivals}
+    want -= out.keys()
+    served: set[str] = set()
+    extra: dict[str, float] = {}
+    due: list[Mapping[str, float]] = []
+    base = view
+
+    def sim_view(resident: str | None) -> OrderingView | None:
+        if base is None:
+            return None
+
+        def usage(user: str) -> float:
+            return base.usage(user) + extra.get(user, 0.0)
+
+        def once() -> Mapping[str, float]:
+            if not due:
+                due.append(base.due())
+            return due[0]
+
+        return replace(base, resident=resident, usage=usage, due=once)
+
+    def cost(q: QueuedNode) -> float:
+        sec = base.service_time(q) if base is not None else node_rest(jobs[q.job_id], q.node, predict)
+        if base is not None and q.job_id not in served:
+            sec += base.swap_time(q.job_id)
+        return sec
+
+    resident = view.resident if view is not None else None
+    seq = max((q.seq for q in pending), default=0)
+    picks = 0
+    while want and picks < limit and (pending or arrivals):
+        while arrivals and (arrivals[0][0] <= t or not pending):
+            at, job_id, node = arrivals.pop(0)
+            seq += 1
+            pending.append(QueuedNode(job_id, jobs[job_id].iteration, node, at, seq))
+            t = max(t, at)
+        i = -1
+        v = sim_view(resident)
+        if ordering is not None and v is not None:
+            i = ordering.pick(pending, t, v)
+        q = pending.pop(max(i, 0))  # (-1: the ordering would wait; the first ready stands in)
+        if q.job_id in want:
+            out[q.job_id] = t - now
+            want.discard(q.job_id)
+        sec = cost(q)
+        if view is not None:
+            user = view.user(q.job_id)
+            extra[user] = extra.get(user, 0.0) + sec
+        served.add(q.job_id)
+        resident, t, picks = q.job_id, t + sec, picks + 1
+    for q in sorted(pending, key=lambda q: (q.ready_at, q.seq)):  # past the limit: in ready order
+        if q.job_id in want:
+            out[q.job_id] = t - now
+            want.discard(q.job_id)
+        t += cost(q)
+    for at, job_id, _ in arrivals:
+        if job_id in want:
+            out[job_id] = max(at, t) - now
 
 
 def cpu_rests(job: JobRecord, predict: Callable[[str, str], float], now: float) -> list[float]:

@@ -184,11 +184,16 @@ class StateManager:
         return moves
 
     def prefetch(self, job_id: str, next_use: Mapping[str, float], pinned: set[str]) -> list[Move]:
-        """Like `make_resident`, but only evicting jobs needed later than `job_id`; [] if that is not enough,
-        and always [] in the `exclusive` mode (no prefetch)."""
+        """Like `make_resident`, but only evicting jobs needed later than `job_id` and later than every pinned
+        job on device (the node running or sent: when `job_id`'s turn comes that job's node has ended, and if it
+        is needed later than a victim, evicting it then moves fewer states than evicting the victim now); [] if
+        that is not enough, and always [] in the `exclusive` mode (no prefetch)."""
         if self.exclusive or self.where.get(job_id, "device") == "device":
             return []
         horizon = next_use.get(job_id, math.inf)
+        for other in pinned:
+            if other != job_id and self.where.get(other) == "device":
+                horizon = max(horizon, next_use.get(other, 0.0))
         snapshot = dict(self.where)
         try:
             moves = self._room_on("device", self.size[job_id], next_use, pinned | {job_id}, horizon)
