@@ -18,7 +18,7 @@ from plexrl.planner import ahead, checkpoints
 from plexrl.planner.batches import cohort_jobs, gather, gather_until, start_cohort
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Instruction, RunNode
-from plexrl.planner.gaps import next_use
+from plexrl.planner.gaps import Lazy, next_use
 from plexrl.planner.policies import OrderingPolicy, OrderingView
 from plexrl.planner.records import InvalidTransition, JobRecord, NodeStatus, ServiceRecord
 from plexrl.planner.slices import paused_jobs, slices_done
@@ -101,7 +101,7 @@ class Dispatcher:
         if not candidates:
             return
         view = self.view_of(svc)
-        use_in = next_use(svc, self.jobs, self.costs.predict, now, self.ordering, view)
+        use_in = Lazy(lambda: next_use(svc, self.jobs, self.costs.predict, now, self.ordering, view))
         pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
         while candidates:
             pick = self.ordering.pick([svc.queue[i] for i in candidates], now, view)
@@ -146,7 +146,8 @@ class Dispatcher:
             svc.next = (q.job_id, q.iteration, q.node)
             self.sent_ahead += 1
         prefetch: list[Move] = []
-        use_in = next_use(svc, self.jobs, self.costs.predict, now, self.ordering, self.view_of(svc))  # q's return
+        after = self.view_of(svc)  # with q sent: its return counts
+        use_in = Lazy(lambda: next_use(svc, self.jobs, self.costs.predict, now, self.ordering, after))
         nxt = next_job(svc, self.ordering, now, use_in, view, exclude=busy | taken)
         if nxt is not None:
             prefetch = svc.state.prefetch(nxt, use_in, pinned | taken)

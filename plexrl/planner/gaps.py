@@ -5,7 +5,7 @@ how far behind its solo pace a job will end (the `slowdown` ordering). Pure."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 from plexrl.planner.policies import OrderingPolicy, OrderingView, QueuedNode
@@ -110,6 +110,31 @@ def next_use(
         if key is not None and key[0] in svc.jobs:
             out.setdefault(key[0], 0.0)
     return out
+
+
+class Lazy(Mapping[str, float]):
+    """`next_use`, computed on the first read: most dispatches find their job on device with room to spare
+    and never ask (the simulation costs up to `limit` ordering picks)."""
+
+    __slots__ = ("_compute", "_value")
+
+    def __init__(self, compute: Callable[[], dict[str, float]]) -> None:
+        self._compute = compute
+        self._value: dict[str, float] | None = None
+
+    def _got(self) -> dict[str, float]:
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+    def __getitem__(self, job_id: str) -> float:
+        return self._got()[job_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._got())
+
+    def __len__(self) -> int:
+        return len(self._got())
 
 
 def _away(job: JobRecord, predict: Callable[[str, str], float], now: float) -> tuple[float, str | None] | None:

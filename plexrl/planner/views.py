@@ -59,15 +59,19 @@ def next_job(
     svc: ServiceRecord,
     ordering: OrderingPolicy,
     now: float,
-    use_in: dict[str, float],
+    use_in: Mapping[str, float],
     view: OrderingView,
     exclude: set[str],
 ) -> str | None:
     """The job the service will most likely run after the nodes sent to it (what to prefetch): the ordering's
-    pick among the other queued jobs, else the job whose next use is soonest."""
+    pick among the other queued jobs, else the job whose next use is soonest; None when every other job is on
+    device already."""
     others = [q for q in svc.queue if q.job_id not in exclude]
     if others:
         return others[ordering.pick(others, now, view)].job_id
+    rest = [j for j in svc.jobs if j not in exclude]
+    if all(svc.state.where.get(j, "device") == "device" for j in rest):
+        return None  # nothing to prefetch (and `use_in`, a simulation, is not computed)
     later = [(t, j) for j, t in use_in.items() if j not in exclude and t < math.inf]
     return min(later)[1] if later else None
 
