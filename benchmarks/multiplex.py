@@ -278,11 +278,11 @@ def one_rep(cluster: LoadedCluster, iso_driver: str, orderings: Sequence[str]) -
 
 def bounds(rep: Rep) -> tuple[float, float]:
     """(cost bound in accelerator-seconds per step, slowdown bound) of `rep`'s mix, from its lean arm."""
-    from plexrl.accounting import cost_bound, slowdown_bound
+    from plexrl.accounting import slowdown_bound
 
     jobs = list(rep.lean.values())
     busy = [a.svc * a.steps for a in jobs]
-    return cost_bound(busy, [a.steps for a in jobs]), slowdown_bound(busy, [a.wall for a in jobs])
+    return cost_floor(rep.lean), slowdown_bound(busy, [a.wall for a in jobs])
 
 
 def summarize(reps: list[Rep], iso_label: str) -> None:
@@ -375,6 +375,18 @@ def against_slicing(lean: Sequence[dict[str, Alone]], arms: dict[str, list[Mux]]
         ok = all(max(v) <= 1.0 for v in worse.values())
         print(f"{arm} / {reference}: cost {spread(cost)} (goal <= 0.8); completion per job "
               f"{', '.join(f'{j} {spread(v)}' for j, v in worse.items())} (goal: none above 1: {ok})")  # fmt: skip
+    floor = [cost_floor(alone) / t.cps for alone, t in zip(lean, ts, strict=True)]
+    print(f"bound: no schedule on these services costs less than {spread(floor)} of {reference} (the jobs' service "
+          f"seconds alone on fully busy services, `accounting.cost_bound`)")  # fmt: skip
+
+
+def cost_floor(alone: dict[str, Alone]) -> float:
+    """The least accelerator-seconds per step of the mix `alone` ran (its jobs' service seconds alone spread over
+    their steps): what the planner could reach with no swap, start-up or idle second."""
+    from plexrl.accounting import cost_bound
+
+    jobs = list(alone.values())
+    return cost_bound([a.svc * a.steps for a in jobs], [a.steps for a in jobs])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
