@@ -83,13 +83,11 @@ def test_under_another_users_endless_calls_a_sessions_call_waits_for_the_one_run
         return [i.job_id for i in instructions if isinstance(i, RunNode)]
 
     assert ran(p.handle(CallArrived("bob", "sample"))) == ["bob"]
-    bob_calls = 0
-    for k in range(6):
+    for k in range(6):  # (round k: bob's call k runs, then ann's call k)
         clock.t += 0.01  # ann's next call comes while bob's runs: it waits
         assert ran(p.handle(CallArrived("ann", "forward_backward"))) == []
         clock.t += 5.0  # bob's call (5 s) ends; his next one is announced at once, after it
-        after_bob = ran(p.handle(NodeFinished("bob", bob_calls, "sample", duration=5.0)))
-        bob_calls += 1
+        after_bob = ran(p.handle(NodeFinished("bob", k, "sample", duration=5.0)))
         after_bob += ran(p.handle(CallArrived("bob", "sample")))
         assert after_bob == ["ann"], f"round {k}: ann's call waits for another of bob's calls"
         clock.t += 0.02  # ann's call (20 ms) ends: bob's next call runs

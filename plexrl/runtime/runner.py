@@ -266,10 +266,10 @@ class Runner:
         return out
 
 
-
 def _finishing(events: deque[Event], job_id: str) -> bool:
     """Whether a node of `job_id` ended and the planner has not handled it yet: its reply waits for that (the
     planner may hold the session for a checkpoint after the call)."""
     return any(type(e) is NodeFinished and e.job_id == job_id for e in events)
+
 
 __all__ = ["Budgets", "RunnableSpec", "Runner", "running_runners"]
