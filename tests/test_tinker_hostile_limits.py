@@ -1,8 +1,9 @@
 """Tinker sessions and DAG jobs under one set of limits on a real two-user `plexrl serve`: a session is an open job
 for `limits.max_open_jobs` (checked when its model is created, journalled in the same step as `POST /jobs`), its
 base model is checked against `limits.max_parameters`, and each user's share of the open jobs is kept for them,
-so one user's sessions cannot lock the other user's DAG jobs out (nor the other way round). Raw HTTP for the
-sessions (a refusal comes before any model is placed: nothing waits for a service)."""
+so one user's sessions cannot lock the other user's DAG jobs out (nor the other way round); a session's state
+counts in `limits.max_open_bytes` as a job's does. Raw HTTP for the sessions (a refusal comes before any model
+is placed: nothing waits for a service)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from conftest import TINY
 from plexrl.server.api import RunningServer, start_server
 from plexrl.server.client import Client, ServerError
 from plexrl.server.config import ServerConfig
+from plexrl.server.limits import session_bytes
+from plexrl.server.tinker.handlers import FULL_FINETUNE
+from plexrl.sizes import model_bytes
 
 ANN, BOB = "ann-token-0123456789", "bob-token-0123456789"
 
@@ -29,10 +33,11 @@ def server(tmp_path: Path, smol_tiny: Path, **limits: Any) -> RunningServer:
     ))  # fmt: skip
 
 
-def create_model(srv: RunningServer, smol_tiny: Path, key: str) -> httpx.Response:
+def create_model(srv: RunningServer, smol_tiny: Path, key: str, full: bool = False) -> httpx.Response:
     headers = {"X-API-Key": f"tml-{key}"}
     sid = httpx.post(f"{srv.url}/api/v1/create_session", json={}, headers=headers, timeout=30).json()["session_id"]
-    body = {"session_id": sid, "model_seq_id": 0, "base_model": str(smol_tiny), "lora_config": {"rank": 4}}
+    body: dict[str, Any] = {"session_id": sid, "model_seq_id": 0, "base_model": str(smol_tiny)}
+    body.update({"user_metadata": {FULL_FINETUNE: "true"}} if full else {"lora_config": {"rank": 4}})
     return httpx.post(f"{srv.url}/api/v1/create_model", json=body, headers=headers, timeout=60)
 
 
@@ -64,5 +69,22 @@ def test_a_sessions_base_model_is_checked_against_max_parameters(tmp_path: Path,
         refused = create_model(srv, smol_tiny, ANN)
         assert refused.status_code == 400 and "limits.max_parameters" in refused.text, refused.text
         assert [e.job_id for e in srv.journal.jobs()] == []  # refused before its job was journalled
+    finally:
+        srv.stop(120)
+
+
+def test_a_sessions_state_counts_in_max_open_bytes_as_a_jobs_does(tmp_path: Path, smol_tiny: Path) -> None:
+    base = model_bytes(smol_tiny)  # (fp32: a LoRA session holds its base and a small adapter; a full one 3 copies)
+    srv = server(tmp_path, smol_tiny, max_open_bytes=int(1.5 * base))
+    try:
+        full = create_model(srv, smol_tiny, ANN, full=True)  # weights + 2 AdamW moments: 3 x base, over the limit
+        assert full.status_code == 400 and "limits.max_open_bytes" in full.text, full.text
+        assert "raise it" in full.text and "close a ServiceClient" in full.text
+        assert create_model(srv, smol_tiny, ANN).status_code == 200  # one LoRA session fits
+        [entry] = srv.journal.jobs()
+        assert base < session_bytes(entry.config) < 1.5 * base  # counted: its base and its adapter's state
+        second = create_model(srv, smol_tiny, BOB)  # two do not: the first one's bytes are counted
+        assert second.status_code == 400 and "limits.max_open_bytes" in second.text, second.text
+        assert len(srv.sessions.models) == 1 and len(srv.journal.jobs()) == 1
     finally:
         srv.stop(120)

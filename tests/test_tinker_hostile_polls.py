@@ -1,8 +1,9 @@
 """Long polls of the Tinker API (`retrieve_future`) against the connection limit of a real `plexrl serve`, over raw
 HTTP connections (a hostile client opens them by the hundred; the SDK never would): one user's parked polls are
 capped (`tinker.max_polls_per_user`: 429 beyond), and when every connection is busy, a new connection evicts the
-longest-parked poll of the user holding the most instead of being turned away. Bounded: a few sockets, each read
-with a deadline; the polls wait longer than the test (`poll_s` 40), so nothing answers them by time."""
+longest-parked poll of the user holding the most instead of being turned away; the evicted poll ends at once
+(it does not wait out `poll_s` on a closed connection). Bounded: a few sockets, each read with a deadline; the
+polls wait longer than the test (`poll_s` 40), so nothing answers them by time."""
 
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ def test_one_users_long_polls_are_capped_and_evicted_before_another_user_is_turn
                               timeout=10).status_code == 200  # fmt: skip
         assert closed(bobs[0])
         assert polls.count("bob") == 4 and polls.count("carl") == 3
+        # the evicted poll ended at once: its waiter is gone within seconds, not the 40 s of poll_s
+        waiting = futures.get(pending["bob"])
+        assert waiting is not None
+        wait_for(lambda: len(waiting.waiters) == 4, "the evicted poll's waiter dropped", timeout=5.0)
     finally:
         for rid in pending.values():
             futures.complete(rid, "json", {})

@@ -29,7 +29,7 @@ from typing import Any
 
 from plexrl.hooks.base import Hook, HookList, RunSummary
 from plexrl.job.spec import JobRun
-from plexrl.planner import JobCancelled, JobFailed, Planner, ServiceLost, Tick, sessions
+from plexrl.planner import JobCancelled, JobFailed, NodeFinished, Planner, ServiceLost, Tick, sessions
 from plexrl.planner.events import Event
 from plexrl.runtime.calls import CallBoard
 from plexrl.runtime.carrier import Carrier
@@ -178,6 +178,9 @@ class Runner:
             while events:
                 self.events_handled += 1
                 for ins in self.planner.handle(events.popleft()):
+                    if self.calls is not None:  # replies first: an inline executor runs a node right here, and a
+                        # reply held until it ends would keep its client waiting for another user's whole call
+                        self.calls.deliver(lambda job_id: self._held(job_id) or _finishing(events, job_id))
                     events.extend(carrier.carry_out(ins))
             if self.calls is not None:  # sessions' replies, once the planner saw their calls end (`calls.py`)
                 self.calls.deliver(self._held)
@@ -261,6 +264,12 @@ class Runner:
                 self.carrier.close(self.runs[job_id], "cancelled", reason)
             out = [c for c in out if c.job_id not in gone]
         return out
+
+
+def _finishing(events: deque[Event], job_id: str) -> bool:
+    """Whether a node of `job_id` ended and the planner has not handled it yet: its reply waits for that (the
+    planner may hold the session for a checkpoint after the call)."""
+    return any(type(e) is NodeFinished and e.job_id == job_id for e in events)
 
 
 __all__ = ["Budgets", "RunnableSpec", "Runner", "running_runners"]

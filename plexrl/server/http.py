@@ -30,6 +30,7 @@ import logging
 import resource
 import socket
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field
@@ -87,37 +88,43 @@ class LongPolls:
 
     def __init__(self, per_user: int) -> None:
         self.per_user = per_user
-        self._parked: dict[Peer, tuple[str | None, object]] = {}  # peer -> (user, its park's token)
+        self._parked: dict[Peer, tuple[str | None, object, Callable[[], None] | None]] = {}  # (user, token, evicted)
         self._since: dict[Peer, int] = {}  # peer -> park order (oldest first)
         self._n = 0
 
     def count(self, user: str | None) -> int:
-        return sum(1 for u, _ in self._parked.values() if u == user)
+        return sum(1 for u, _, _ in self._parked.values() if u == user)
 
-    def park(self, peer: Peer | None, user: str | None) -> object | None:
+    def park(self, peer: Peer | None, user: str | None, evicted: Callable[[], None] | None = None) -> object | None:
         """Park `peer`'s long poll for `user` (None: the administrator, never capped): a token for `unpark`, or
-        None when `user` has `per_user` parked already. A connection with no address is not tracked."""
+        None when `user` has `per_user` parked already. A connection with no address is not tracked. `evicted`:
+        called when `victim` picks it (the poll then ends at once, instead of waiting out its time on a closed
+        connection)."""
         token = object()
         if peer is None:
             return token
         if user is not None and self.count(user) >= self.per_user:
             return None
         self._n += 1
-        self._parked[peer], self._since[peer] = (user, token), self._n
+        self._parked[peer], self._since[peer] = (user, token, evicted), self._n
         return token
 
     def unpark(self, peer: Peer | None, token: object) -> None:
         """The poll of that `park` ended (answered, or its connection evicted before: then nothing)."""
-        if peer is not None and self._parked.get(peer, (None, None))[1] is token:
+        if peer is not None and self._parked.get(peer, (None, None, None))[1] is token:
             del self._parked[peer], self._since[peer]
 
     def victim(self) -> Peer | None:
-        """The parked connection to evict: the longest-parked of the user holding the most (None: none)."""
+        """The parked connection to evict: the longest-parked of the user holding the most (None: none); its poll
+        is told (`park`'s `evicted`)."""
         if not self._parked:
             return None
-        held = Counter(u for u, _ in self._parked.values())
+        held = Counter(u for u, _, _ in self._parked.values())
         peer = min(self._parked, key=lambda p: (-held[self._parked[p][0]], self._since[p]))
-        del self._parked[peer], self._since[peer]
+        evicted = self._parked.pop(peer)[2]
+        del self._since[peer]
+        if evicted is not None:
+            evicted()
         return peer
 
 

@@ -7,11 +7,11 @@ Checked at submission (`job_problems`): iterations, the model's parameters, the 
 engine, one rollout batch), the KV cache, a rollout batch's tokens, the task's train and evaluation sizes, the
 LoRA rank, warm-start steps, and every reward term's `timeout_s` (`max_reward_timeout_s`). Checked against the
 jobs already open (queued or running: `OpenJobs`): their count and the sum of their memory. Tinker sessions are
-open jobs too: counted in the same count, and a new one goes through the same check (`admit`, with the base
-model's parameters against `max_parameters`). With two users or more, each keyed user's share of
-`max_open_jobs` (the count over the users, the one submitting included) is kept free for them while they use
-less of it: another user may fill the rest, never their share, so no user's jobs or sessions lock another user
-out.
+open jobs too: counted in the same count and in the same sum of memory (`session_bytes`: a session's state,
+counted as a job's), and a new one goes through the same check (`admit`, with the base model's parameters
+against `max_parameters`). With two users or more, each keyed user's share of `max_open_jobs` (the count over
+the users, the one submitting included) is kept free for them while they use less of it: another user may fill
+the rest, never their share, so no user's jobs or sessions lock another user out.
 
 Enforced while the job runs, elsewhere: `max_run_s` and `max_iterations` (`plexrl.server.housekeeping`: a job
 running longer fails with the reason), `max_cpu_node_s` (a CPU node that passes it fails its job:
@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ByteSize, Field
@@ -194,7 +195,7 @@ class OpenJobs:
                     "server",
                     f"the open jobs need about {_bytes(total)} and this one {_bytes(memory)}: more than this "
                     f"server's {_bytes(limits.max_open_bytes)} (limits.max_open_bytes); submit again when some "
-                    "have ended",
+                    "have ended (sessions included: close a ServiceClient), or ask the server's owner to raise it",
                 )
             )
         return problems
@@ -204,10 +205,12 @@ class OpenJobs:
         self._bytes[job_id] = memory
 
 
-def admit(open_jobs: OpenJobs, limits: JobLimits, user: str, parameters: int, submit: Callable[[], str]) -> str:
+def admit(
+    open_jobs: OpenJobs, limits: JobLimits, user: str, parameters: int, memory: int, submit: Callable[[], str]
+) -> str:
     """A Tinker session's job, through the job API's limits: its base model's `parameters` against
-    `max_parameters`, then `open_jobs.check` and `submit()` (which journals it) as one step; its job id.
-    ConfigError (naming each limit) when it does not fit."""
+    `max_parameters`, then `open_jobs.check` of its `memory` (`session_bytes`) and `submit()` (which journals
+    it) as one step; its job id. ConfigError (naming each limit) when it does not fit."""
     problems = []
     if parameters > limits.max_parameters:
         problems.append(
@@ -218,12 +221,34 @@ def admit(open_jobs: OpenJobs, limits: JobLimits, user: str, parameters: int, su
             )
         )
     with open_jobs.lock:
-        problems += open_jobs.check(0, limits, user)
+        problems += open_jobs.check(memory, limits, user)
         if problems:
             raise ConfigError(problems, "session")
         job_id = submit()
-        open_jobs.add(job_id, 0)
+        open_jobs.add(job_id, memory)
     return job_id
+
+
+def session_bytes(config: dict[str, Any]) -> int:
+    """A Tinker session's memory (its journalled `SessionConfig`), counted as a job's is
+    (`plexrl.job.budget.device_need`): a training session's state (its weights and 2 AdamW moments, or a LoRA
+    adapter and its moments) and the base a LoRA session shares; a sampling-only session's weights. 0 when its
+    model cannot be read (its opening says why)."""
+    from plexrl.job.budget import device_need
+    from plexrl.job.load import LoadedJob
+    from plexrl.sessions.operators import session_graph
+    from plexrl.sessions.spec import SessionConfig
+    from plexrl.sizes import model_bytes
+
+    try:
+        cfg = SessionConfig.model_validate(config)
+        job = cfg.job_config()
+        if cfg.client.get("sampler_only"):
+            return model_bytes(Path(str(job.model.path)), job.model.dtype)
+        need = device_need(LoadedJob(job, session_graph(), config, "session"))
+        return need.state + need.engine
+    except Exception:
+        return 0
 
 
 def open_jobs_of(journal: Any, modules: list[str], users: Sequence[str] = ()) -> OpenJobs:
@@ -240,6 +265,8 @@ def open_jobs_of(journal: Any, modules: list[str], users: Sequence[str] = ()) ->
         from plexrl.roles import allowed_modules
 
         entry = journal.get(job_id)
+        if entry is not None and entry.config.get("kind") == "session":
+            return session_bytes(entry.config)
         if entry is None or entry.config.get("kind", "job") != "job":
             return 0
         try:
@@ -257,4 +284,4 @@ def reward_timeouts(config: dict[str, Any]) -> dict[str, float]:
     return {f"data.rewards[{i}].timeout_s": float(t.get("timeout_s", 0)) for i, t in enumerate(terms)}
 
 
-__all__ = ["JobLimits", "OpenJobs", "admit", "job_problems", "open_jobs_of", "reward_timeouts"]
+__all__ = ["JobLimits", "OpenJobs", "admit", "job_problems", "open_jobs_of", "reward_timeouts", "session_bytes"]

@@ -10,11 +10,13 @@ which the SDK sends a sampling call again and raises `RetryableException` for a 
 
 A long poll holds a connection: it is parked in `polls` (`http.LongPolls`, shared with the server's connections)
 while it waits, at most `max_polls_per_user` of one user at once (one more gets 429, on which the SDK backs off),
-and the connection limit evicts parked polls, the most-parked user's first, before it turns a connection away."""
+and the connection limit evicts parked polls, the most-parked user's first, before it turns a connection away:
+an evicted poll ends at once (nothing of it waits out `poll_s`)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import threading
 import time
@@ -123,28 +125,30 @@ class Futures:
         and changes nothing, so it tells nothing about the future either. While it waits, the connection of
         `peer` is parked (`polls`); Refused (429) when `user` has `max_polls_per_user` parked already."""
         loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] | None = None
         with self._lock:
             fut = self._items.get(request_id)
             if fut is None or (user is not None and fut.user != user):
                 return None
-            waiting = fut.kind is None
-        token = self.polls.park(peer, user) if waiting else None
-        if waiting and token is None:
-            raise Refused(429, f"user {user!r} has {self.polls.count(user)} retrieve_future long polls waiting, "
-                               "this server's tinker.max_polls_per_user; the SDK asks again after a pause (or ask "
-                               "the server's owner to raise it)")  # fmt: skip
-        waiter: asyncio.Future[None] | None = None
-        with self._lock:
             if fut.kind is None:
                 waiter = loop.create_future()
                 fut.waiters.append((loop, waiter))
+        token = None
+        if waiter is not None:  # (evicted by the connection limit: the poll ends at once, its connection is gone)
+            token = self.polls.park(peer, user, functools.partial(_wake, waiter))
         try:
+            if waiter is not None and token is None:
+                raise Refused(429, f"user {user!r} has {self.polls.count(user)} retrieve_future long polls waiting, "
+                                   "this server's tinker.max_polls_per_user; the SDK asks again after a pause (or "
+                                   "ask the server's owner to raise it)")  # fmt: skip
             if waiter is not None:
                 await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
-            with self._lock:
-                fut.waiters = [(lp, w) for lp, w in fut.waiters if w is not waiter]
+            pass
         finally:
+            if waiter is not None:
+                with self._lock:
+                    fut.waiters = [(lp, w) for lp, w in fut.waiters if w is not waiter]
             if token is not None:
                 self.polls.unpark(peer, token)
         with self._lock:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from plexrl.errors import ConfigError
 from plexrl.paths import FilePolicy, resolve
+from plexrl.server.limits import session_bytes
 from plexrl.server.tinker import catalog, durable, quotas
 from plexrl.server.tinker import decode as dec
 from plexrl.server.tinker.config import TinkerConfig
@@ -86,7 +87,7 @@ class Registry:
     """See the module docstring. `root`: where sessions' files go; `roots`: where a model may be named by path;
     `resolve_pretrained`: a pretrained short name's directory (converting it on first use); `run_dir`: where
     sessions keep their MLflow store (the server's); `policy_of`: a user's `FilePolicy` (the job API's,
-    `plexrl/server/files.py`), which a base model named by path must pass; `admit(user, parameters, submit)`:
+    `plexrl/server/files.py`), which a base model named by path must pass; `admit(user, parameters, memory, submit)`:
     a model's job through the job API's limits (`plexrl/server/limits.py`: ConfigError when it does not fit)."""
 
     def __init__(
@@ -100,7 +101,7 @@ class Registry:
         run_dir: Path | None = None,
         policy_of: Callable[[str], FilePolicy] | None = None,
         disk: Callable[[], str | None] | None = None,
-        admit: Callable[[str, int, Callable[[], str]], str] | None = None,
+        admit: Callable[[str, int, int, Callable[[], str]], str] | None = None,
     ) -> None:
         self.cfg, self.backend, self.root, self.roots, self.policy_of = cfg, backend, root, roots, policy_of
         self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
@@ -289,12 +290,13 @@ class Registry:
         m.model_dir = model_dir
         write_owner(self.root, m)
         cfg = self.session_config(m, model_dir)
+        memory = session_bytes(cfg.model_dump(mode="json"))  # (its state, as a job's: `limits.max_open_bytes`)
 
         def submit() -> str:
             return self.backend.open(cfg, m.user)
 
         try:  # (through the job API's limits, journalled in the same step: `limits.admit`)
-            job_id = submit() if self.admit is None else self.admit(m.user, parameters, submit)
+            job_id = submit() if self.admit is None else self.admit(m.user, parameters, memory, submit)
         except ConfigError as exc:
             self._forget(m)
             raise Refused(400, "; ".join(f"{p.where}: {p.message}" for p in exc.problems)) from None
