@@ -15,6 +15,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 leaks.mark()  # every process the tests start inherits it: the session's end finds those left running
 
+
+def _fork_dask_workers() -> None:
+    """Dask's local worker processes forked from one process that has imported distributed and what a worker
+    imports at its start (`dask_tasks._warm_up`: transformers, the torch engine, the built-in operators) once,
+    by multiprocessing's forkserver as distributed's own test suite does, not started as fresh interpreters that
+    import it all again (5-6 s of CPU per worker, measured). Dask reads the method from the environment, so the
+    servers and scripts the tests start fork theirs too (with distributed's preload only).
+    `DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=spawn` starts them as a user's cluster does. The forkserver
+    starts with the first worker, in the environment of that moment (Nanny's PYTHONHASHSEED among it), and
+    stays (tests/leaks.py leaves it)."""
+    method = os.environ.setdefault("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "forkserver")
+    if method != "forkserver":
+        return
+    import multiprocessing.forkserver as forkserver
+
+    set_preload = forkserver.set_forkserver_preload  # (distributed calls it once, with its own list)
+
+    def with_a_workers_imports(modules: list[str]) -> None:
+        from plexrl.operator import BUILTIN_OPERATORS
+
+        ours = ["plexrl.runtime.dask_tasks", "transformers.models.auto.modeling_auto",
+                "transformers.models.llama.modeling_llama", "plexrl.engines.torch_engine",
+                *sorted({ref.partition(":")[0] for ref in BUILTIN_OPERATORS.values()})]  # fmt: skip
+        set_preload([*modules, *(m for m in ours if m not in modules)])
+
+    forkserver.set_forkserver_preload = with_a_workers_imports
+
+
+_fork_dask_workers()
+
 TINY: dict[str, Any] = {
     "name": "tiny",
     "seed": 0,
@@ -129,6 +159,21 @@ def shipped_data(path: Path, tmp_path: Path) -> list[str]:
         sys.path.remove(benchmarks)
     train, held_out = write_data(tmp_path / "data", train=200, held_out=50)
     return [f"data.train={train}", f"data.held_out={held_out}", f"run_dir={tmp_path}"]
+
+
+def tinker_server_config(
+    tmp: Path, model_dir: Path, *, port: int = 0, cluster: dict[str, Any] | None = None, **fields: Any
+) -> Any:
+    """The `plexrl serve` config the Tinker tests start: in this process (`driver: local`) with one service, its
+    journal and run directory under `tmp`, no MLflow, paths allowed under `tmp` and the model's folder
+    (`model_dir`: `smol_tiny`). `cluster`: more of the cluster section (e.g. `max_load`); `fields`: the rest."""
+    from plexrl.server.config import ServerConfig
+
+    return ServerConfig(
+        port=port, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False,
+        cluster={"driver": "local", "services": {"count": 1}, **(cluster or {})},
+        allowed_roots=[str(tmp), str(model_dir.parent)], **fields,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

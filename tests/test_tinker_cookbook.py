@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import tinker_server_config
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -41,7 +42,6 @@ from tinker_cookbook.tokenizer_utils import get_tokenizer  # noqa: E402
 
 from plexrl.job.pretrained import place_tokenizer  # noqa: E402
 from plexrl.server.api import RunningServer, start_server  # noqa: E402
-from plexrl.server.config import ServerConfig  # noqa: E402
 from plexrl.server.tinker import decode, proto  # noqa: E402
 from plexrl.server.tinker.config import TinkerConfig  # noqa: E402
 
@@ -68,12 +68,8 @@ def served(tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     place_tokenizer(model, NAME, cache)
     monkeypatch.setenv("TINKER_API_KEY", KEY)
-    cfg = ServerConfig(
-        port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"),
-        cluster={"driver": "local", "services": {"count": 1}, "max_load": 4.0},
-        allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False, tinker={"models": [str(model)]},
-    )  # fmt: skip
-    srv = start_server(cfg)
+    server = tinker_server_config(tmp_path, smol_tiny, cluster={"max_load": 4.0}, tinker={"models": [str(model)]})
+    srv = start_server(server)
     try:
         yield srv
     finally:

@@ -10,11 +10,13 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from conftest import wait_for
+from conftest import tinker_server_config, wait_for
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -48,57 +50,91 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config(tmp_path: Path, smol_tiny: Path, port: int, max_load: float | None = 64, **fields: object) -> ServerConfig:
-    # (max_load 64: every session on the one service at once, whatever its predicted load; None: the default)
-    cluster: dict[str, object] = {"driver": "local", "services": {"count": 1}}
-    if max_load is not None:
-        cluster["max_load"] = max_load
-    return ServerConfig(
-        port=port, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), cluster=cluster,
-        allowed_roots=[str(tmp_path), str(smol_tiny.parent)], mlflow=False, **fields,
-    )  # fmt: skip
+class Restartable:
+    """A server on a port kept across its restarts (a client keeps its base_url), and the SDK clients made for
+    it: `restart()` stops it and starts it again on the same journal; at the end (the `restartable` fixture)
+    the clients are closed while it still runs, then it stops."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg, self.url = cfg, f"http://127.0.0.1:{cfg.port}"
+        self.clients: list[Any] = []
+        self.srv: RunningServer | None = start_server(cfg)
+
+    @property
+    def running(self) -> RunningServer:
+        assert self.srv is not None, "the server is stopped"
+        return self.srv
+
+    def client(self) -> Any:
+        client = tinker.ServiceClient(base_url=self.url, api_key="tml-ann")
+        self.clients.append(client)
+        return client
+
+    def stop(self) -> None:
+        if self.srv is not None:
+            srv, self.srv = self.srv, None
+            srv.stop(120)
+
+    def restart(self) -> RunningServer:
+        self.stop()
+        self.srv = start_server(self.cfg)
+        return self.srv
+
+    def close(self) -> None:
+        try:
+            if self.srv is not None:  # (a client's close is a call to the server)
+                for client in self.clients:
+                    client.close("success").result()
+        finally:
+            self.stop()
+
+
+@pytest.fixture
+def restartable(tmp_path: Path, smol_tiny: Path) -> Iterator[Callable[..., Restartable]]:
+    """Starts a `Restartable` server (one service in this process, on a free port) with `max_load` (64: every
+    session on the one service at once, whatever its predicted load; None: the default) and more `fields`."""
+    made: list[Restartable] = []
+
+    def start(max_load: float | None = 64, **fields: object) -> Restartable:
+        cluster = {} if max_load is None else {"max_load": max_load}
+        cfg = tinker_server_config(tmp_path, smol_tiny, port=free_port(), cluster=cluster, **fields)
+        made.append(Restartable(cfg))
+        return made[-1]
+
+    yield start
+    for server in made:
+        server.close()
 
 
 def post(srv: RunningServer, path: str, body: object, user: str = "ann") -> httpx.Response:
     return httpx.post(f"{srv.url}/api/v1{path}", json=body, headers={"X-API-Key": f"tml-{user}"}, timeout=60)
 
 
-def test_calls_in_flight_at_a_restart_answer_410_and_the_sdk_sends_them_again(tmp_path: Path, smol_tiny: Path) -> None:
-    port = free_port()
-    cfg = config(tmp_path, smol_tiny, port, checkpoint_every=1)
-    srv = start_server(cfg)
-    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-ann")
-    try:
-        sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()
-        asked = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 7, "num_samples": 1,
-                 "prompt": {"chunks": [{"tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}}  # fmt: skip
-        in_flight = post(srv, "/asample", asked).json()["request_id"]  # (sent; its result never fetched)
-    finally:
-        srv.stop(120)
-    srv = start_server(cfg)
-    try:
-        gone = post(srv, "/retrieve_future", {"request_id": in_flight})
-        assert gone.status_code == 410 and "restarted" in gone.json()["detail"]
-        assert post(srv, "/retrieve_future", {"request_id": in_flight}, "bob").status_code == 410  # (one answer)
-        # the SDK's future on it raises what its sampling client's retry loop sends the request again on
-        untyped = types.UntypedAPIFuture(request_id=in_flight, model_id=None)
-        future = _APIFuture(types.SampleResponse, sampler.holder, untyped, time.time(), "Sample")
-        with pytest.raises(RetryableException):
-            future.result(timeout=60)
-    finally:
-        service.close("success").result()
-        srv.stop(120)
+def test_calls_in_flight_at_a_restart_answer_410_and_the_sdk_sends_them_again(
+    restartable: Callable[..., Restartable], smol_tiny: Path
+) -> None:
+    server = restartable(checkpoint_every=1)
+    sampler = server.client().create_sampling_client(base_model=str(smol_tiny)).result()
+    asked = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 7, "num_samples": 1,
+             "prompt": {"chunks": [{"tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}}  # fmt: skip
+    in_flight = post(server.running, "/asample", asked).json()["request_id"]  # (sent; its result never fetched)
+    srv = server.restart()
+    gone = post(srv, "/retrieve_future", {"request_id": in_flight})
+    assert gone.status_code == 410 and "restarted" in gone.json()["detail"]
+    assert post(srv, "/retrieve_future", {"request_id": in_flight}, "bob").status_code == 410  # (one answer)
+    # the SDK's future on it raises what its sampling client's retry loop sends the request again on
+    untyped = types.UntypedAPIFuture(request_id=in_flight, model_id=None)
+    future = _APIFuture(types.SampleResponse, sampler.holder, untyped, time.time(), "Sample")
+    with pytest.raises(RetryableException):
+        future.result(timeout=60)
 
 
-def test_what_a_client_was_told_resumes_after_a_restart(tmp_path: Path, smol_tiny: Path) -> None:
-    port = free_port()
-    cfg = config(tmp_path, smol_tiny, port, checkpoint_every=1)
-    srv = start_server(cfg)
-    url = f"http://127.0.0.1:{port}"
-    service, empty = (
-        tinker.ServiceClient(base_url=url, api_key="tml-ann"),
-        tinker.ServiceClient(base_url=url, api_key="tml-ann"),
-    )
+def test_what_a_client_was_told_resumes_after_a_restart(
+    restartable: Callable[..., Restartable], smol_tiny: Path
+) -> None:
+    server = restartable(checkpoint_every=1)
+    srv = server.running
+    service, empty = server.client(), server.client()
     gate = threading.Event()
     try:
         trained = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
@@ -127,90 +163,69 @@ def test_what_a_client_was_told_resumes_after_a_restart(tmp_path: Path, smol_tin
         assert srv.journal.get(job).checkpoint_iteration == 3
     finally:
         gate.set()  # (a failed assertion above leaves no checkpoint waiting)
-        srv.stop(120)  # (at once: nothing waits for a checkpoint here)
-    srv = start_server(cfg)
-    try:
-        resumed = loss(trained)  # the state after both acknowledged steps
-        again = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
-        step(again)
-        step(again)
-        assert loss(again) == resumed
-        before = loss(fresh)  # no step yet: resumed from its seed, where a new model of that seed starts
-        assert before == loss(service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=7).result())
-        step(fresh)
-        assert loss(fresh) < before
-        late = empty.create_lora_training_client(base_model=str(smol_tiny), rank=4).result()  # its session resumed
-        assert late.get_info().is_lora
-        out = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=3, seed=1)).result(timeout=120)
-        assert len(out.sequences) == 1 and 1 <= len(out.sequences[0].tokens) <= 3
-    finally:
-        service.close("success").result()
-        empty.close("success").result()
-        srv.stop(120)
+    server.restart()  # (at once: nothing waits for a checkpoint here)
+    resumed = loss(trained)  # the state after both acknowledged steps
+    again = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
+    step(again)
+    step(again)
+    assert loss(again) == resumed
+    before = loss(fresh)  # no step yet: resumed from its seed, where a new model of that seed starts
+    assert before == loss(service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=7).result())
+    step(fresh)
+    assert loss(fresh) < before
+    late = empty.create_lora_training_client(base_model=str(smol_tiny), rank=4).result()  # its session resumed
+    assert late.get_info().is_lora
+    out = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=3, seed=1)).result(timeout=120)
+    assert len(out.sequences) == 1 and 1 <= len(out.sequences[0].tokens) <= 3
 
 
 def test_a_new_session_gets_the_one_service_after_a_restart_at_the_default_max_load(
-    tmp_path: Path, smol_tiny: Path
+    restartable: Callable[..., Restartable], smol_tiny: Path
 ) -> None:
     # the default placement, spread+backfill at max_load 1.0, on one service: the resumed sessions' clients stay
     # quiet, and a new session must still get the service (their predicted loads fall while they stay idle)
-    port = free_port()
-    cfg = config(tmp_path, smol_tiny, port, max_load=None, checkpoint_every=1)
-    assert cfg.cluster.placement == "spread+backfill" and cfg.cluster.max_load == 1.0
-    srv = start_server(cfg)
-    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-ann")
-    try:
-        kept = [
-            service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=seed).result(timeout=90)
-            for seed in (5, 7)
-        ]
-        for training in kept:
-            step(training)
-    finally:
-        srv.stop(120)
-    srv = start_server(cfg)
-    try:
-        late = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=9).result(timeout=90)
-        step(late)
-        assert [loss(training) > 0 for training in (*kept, late)] == [True] * 3  # all three served, on the one
-    finally:
-        service.close("success").result()
-        srv.stop(120)
-
-
-def test_a_snapshot_sampling_client_samples_again_after_a_restart(tmp_path: Path, smol_tiny: Path) -> None:
-    port = free_port()
-    cfg = config(tmp_path, smol_tiny, port, checkpoint_every=1)
-    srv = start_server(cfg)
-    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-ann")
-    params = types.SamplingParams(max_tokens=4, seed=3)
-    try:
-        training = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result(timeout=90)
+    server = restartable(max_load=None, checkpoint_every=1)
+    assert server.cfg.cluster.placement == "spread+backfill" and server.cfg.cluster.max_load == 1.0
+    service = server.client()
+    kept = [
+        service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=seed).result(timeout=90)
+        for seed in (5, 7)
+    ]
+    for training in kept:
         step(training)
-        sampler = training.save_weights_and_get_sampling_client().result(timeout=120)
-        before = sampler.sample(PROMPT, 1, params).result(timeout=120)
-        step(training)  # the live weights move on; the snapshot stays what it was
-    finally:
-        srv.stop(120)
-    srv = start_server(cfg)
-    try:
-        after = sampler.sample(PROMPT, 1, params).result(timeout=120)  # (the same SDK object: its id is known)
-        assert after.sequences[0].tokens == before.sequences[0].tokens  # the snapshot's weights, the same seed
-        assert after.sequences[0].logprobs == pytest.approx(before.sequences[0].logprobs, abs=1e-4)
-        sid = sampler._sampling_session_id  # recovered for its owner only: to another user, an unknown sampler
-        assert httpx.get(f"{srv.url}/api/v1/samplers/{sid}", headers={"X-API-Key": "tml-bob"}).status_code == 404
-        assert httpx.get(f"{srv.url}/api/v1/samplers/{sid}", headers={"X-API-Key": "tml-ann"}).status_code == 200
-        again = training.save_weights_and_get_sampling_client().result(timeout=120)  # a new one beside it
-        assert again._sampling_session_id != sid
-    finally:
-        service.close("success").result()
-        srv.stop(120)
+    server.restart()
+    late = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=9).result(timeout=90)
+    step(late)
+    assert [loss(training) > 0 for training in (*kept, late)] == [True] * 3  # all three served, on the one
 
 
-def test_a_session_that_ends_while_its_model_opens_leaves_no_job_behind(tmp_path: Path, smol_tiny: Path) -> None:
+def test_a_snapshot_sampling_client_samples_again_after_a_restart(
+    restartable: Callable[..., Restartable], smol_tiny: Path
+) -> None:
+    server = restartable(checkpoint_every=1)
+    service = server.client()
+    params = types.SamplingParams(max_tokens=4, seed=3)
+    training = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result(timeout=90)
+    step(training)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=120)
+    before = sampler.sample(PROMPT, 1, params).result(timeout=120)
+    step(training)  # the live weights move on; the snapshot stays what it was
+    srv = server.restart()
+    after = sampler.sample(PROMPT, 1, params).result(timeout=120)  # (the same SDK object: its id is known)
+    assert after.sequences[0].tokens == before.sequences[0].tokens  # the snapshot's weights, the same seed
+    assert after.sequences[0].logprobs == pytest.approx(before.sequences[0].logprobs, abs=1e-4)
+    sid = sampler._sampling_session_id  # recovered for its owner only: to another user, an unknown sampler
+    assert httpx.get(f"{srv.url}/api/v1/samplers/{sid}", headers={"X-API-Key": "tml-bob"}).status_code == 404
+    assert httpx.get(f"{srv.url}/api/v1/samplers/{sid}", headers={"X-API-Key": "tml-ann"}).status_code == 200
+    again = training.save_weights_and_get_sampling_client().result(timeout=120)  # a new one beside it
+    assert again._sampling_session_id != sid
+
+
+def test_a_session_that_ends_while_its_model_opens_leaves_no_job_behind(
+    restartable: Callable[..., Restartable], smol_tiny: Path
+) -> None:
     # create_model submits the model's job outside the registry's lock; the client's finish comes in between
-    cfg = config(tmp_path, smol_tiny, free_port())
-    srv = start_server(cfg)
+    srv = restartable().running
     reg = srv.sessions
     entered, gate, real_open = threading.Event(), threading.Event(), reg.backend.open
 
@@ -238,4 +253,3 @@ def test_a_session_that_ends_while_its_model_opens_leaves_no_job_behind(tmp_path
         assert "error" in result and "closed" in result["error"], result
     finally:
         gate.set()
-        srv.stop(120)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import tinker_server_config
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -20,7 +21,6 @@ from tinker import types  # noqa: E402
 from tinker.types.tensor_data import TensorData  # noqa: E402
 
 from plexrl.server.api import RunningServer, start_server  # noqa: E402
-from plexrl.server.config import ServerConfig  # noqa: E402
 from plexrl.server.tinker.decode import MAX_TOPK_LOGPROBS  # noqa: E402
 
 PROMPT = [1, 504, 2330, 314, 253, 1345, 30, 2]
@@ -29,12 +29,7 @@ PROMPT = [1, 504, 2330, 314, 253, 1345, 30, 2]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smol_tiny: Path) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("surface")
-    cfg = ServerConfig(
-        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False,
-        cluster={"driver": "local", "services": {"count": 1}, "max_load": 4.0},
-        allowed_roots=[str(tmp), str(smol_tiny.parent)], tinker={"engine": "torch"},
-    )  # fmt: skip
-    srv = start_server(cfg)
+    srv = start_server(tinker_server_config(tmp, smol_tiny, cluster={"max_load": 4.0}, tinker={"engine": "torch"}))
     try:
         yield srv
     finally:
