@@ -129,31 +129,17 @@ class SessionEngine:
                 raise
             # a call that changes at most the accumulated gradients failed on the service: the session goes on
             log.exception("session call %s failed", call.kind)
-            dropped = ""
-            if isinstance(call, ForwardBackward) and call.backward and self.grads:
-                self.grads = {}  # (part of this call's gradients may have been added: none are kept)
-                dropped = "; the gradients accumulated since the last optim_step were dropped"
-            return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}{dropped}")
+            if isinstance(call, ForwardBackward):
+                return self.failed(call, exc)
+            return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}")
         raise TypeError(f"not a session call: {type(call).__name__}")
 
     def forward_backward(self, call: ForwardBackward) -> Reply:
         """The call's loss over its data: per datum the target tokens' log-probs (`logprobs`), and with
         `backward` the loss's gradients added to the accumulated ones. Forward passes take at most
-        `MAX_FORWARD_TOKENS` padded tokens each; the loss is a sum, so their gradients add up to the whole's."""
-        vocab = int(self.inner.policy.get_input_embeddings().weight.shape[0])
-        problem = losses.check_config(call.loss, call.config)
-        for i, d in enumerate(call.data):
-            if problem is not None:
-                break
-            if d.tokens.ndim != 1 or not len(d.tokens) or d.tokens.dtype != np.int64:
-                problem = f"datum {i}: the model input must be a non-empty list of token ids"
-            elif int(d.tokens.min()) < 0 or int(d.tokens.max()) >= vocab:
-                problem = f"datum {i}: model input token ids must lie in [0, {vocab})"
-            else:
-                problem = losses.check(call.loss, d.inputs, len(d.tokens), vocab)
-                problem = None if problem is None else f"datum {i}: {problem}"
-        if problem is not None:
-            raise CallRefused(problem)
+        `MAX_FORWARD_TOKENS` padded tokens each; the loss is a sum, so their gradients add up to the whole's.
+        Several sessions' calls in one pass: `training.forward_backward_many`."""
+        self.check_data(call)
         self._activate()
         model = self.inner.policy
         params = self.trainable()
@@ -181,6 +167,32 @@ class SessionEngine:
         tokens = sum(len(d.tokens) for d in call.data)
         return Reply({"outputs": outputs, "metrics": {"loss:sum": total}},
                      metrics={"loss": total, "datums": float(len(call.data)), "tokens": float(tokens)})  # fmt: skip
+
+    def check_data(self, call: ForwardBackward) -> None:
+        """Raise `CallRefused` naming the first problem of a forward_backward call's loss config or data."""
+        vocab = int(self.inner.policy.get_input_embeddings().weight.shape[0])
+        problem = losses.check_config(call.loss, call.config)
+        for i, d in enumerate(call.data):
+            if problem is not None:
+                break
+            if d.tokens.ndim != 1 or not len(d.tokens) or d.tokens.dtype != np.int64:
+                problem = f"datum {i}: the model input must be a non-empty list of token ids"
+            elif int(d.tokens.min()) < 0 or int(d.tokens.max()) >= vocab:
+                problem = f"datum {i}: model input token ids must lie in [0, {vocab})"
+            else:
+                problem = losses.check(call.loss, d.inputs, len(d.tokens), vocab)
+                problem = None if problem is None else f"datum {i}: {problem}"
+        if problem is not None:
+            raise CallRefused(problem)
+
+    def failed(self, call: ForwardBackward, exc: BaseException) -> Reply:
+        """The reply of a forward_backward that failed on the service: the gradients accumulated since the last
+        optim_step are dropped (part of this call's may have been added)."""
+        dropped = ""
+        if call.backward and self.grads:
+            self.grads = {}
+            dropped = "; the gradients accumulated since the last optim_step were dropped"
+        return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}{dropped}")
 
     def _target_logprobs(self, model: Any, data: list[Any]) -> list[Tensor]:
         """One forward over `data` (right-padded): per datum the log-prob [N] (or [N, K]) of each position's
