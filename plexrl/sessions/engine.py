@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from plexrl.sessions import losses, sampling
-from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Save
+from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Samples, Save
 from plexrl.sessions.refused import CallRefused
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,9 @@ class SessionEngine:
                 return self.optim_step(call)
             if isinstance(call, Sample):
                 return self.sample(call, generator if generator is not None else self)
+            if isinstance(call, Samples):  # (its calls run together: `sampling.sample_many`)
+                gen, n = generator if generator is not None else self, len(call.calls)
+                return sampling.bundled(sampling.sample_many([self] * n, [gen] * n, call.calls))
             if isinstance(call, Save):
                 return self.save(call)
             if isinstance(call, Load):

@@ -51,8 +51,8 @@ def session_calls_together(ctxs: Sequence[OpContext], inputs: Sequence[Any], par
     calls in ONE engine call (`sampling.sample_many`), or their `forward_backward` (`forward`) calls in one pass
     (`training.forward_backward_many`); one result per session, in order, each its own call's reply. Calls of
     mixed or other kinds run one after another (the planner cohorts calls of one kind only)."""
-    from plexrl.sessions.calls import ForwardBackward, Sample
-    from plexrl.sessions.sampling import sample_many
+    from plexrl.sessions.calls import ForwardBackward, Sample, Samples
+    from plexrl.sessions.sampling import bundled, sample_many
     from plexrl.sessions.training import forward_backward_many
 
     calls: list[Any] = [ctx.extra.get("call") for ctx in ctxs]
@@ -60,8 +60,16 @@ def session_calls_together(ctxs: Sequence[OpContext], inputs: Sequence[Any], par
         if call is None or call.kind != ctx.node:
             raise ValueError(f"node {ctx.node!r} of session {ctx.job_id} ran without its call")
     sessions = [session_engine(ctx.engine) for ctx in ctxs]
-    if all(isinstance(c, Sample) for c in calls):
-        return [CallResult(r) for r in sample_many(sessions, [ctx.engine for ctx in ctxs], calls)]
+    if all(isinstance(c, Sample | Samples) for c in calls):  # (a session's calls run together: rows of this call)
+        flat: list[tuple[Any, Any, Sample]] = []
+        spans: list[tuple[int, int]] = []
+        for se, ctx, c in zip(sessions, ctxs, calls, strict=True):
+            parts = c.calls if isinstance(c, Samples) else (c,)
+            spans.append((len(flat), len(parts)))
+            flat += [(se, ctx.engine, p) for p in parts]
+        got = sample_many([f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat])
+        return [CallResult(bundled(got[a : a + n]) if isinstance(c, Samples) else got[a])
+                for c, (a, n) in zip(calls, spans, strict=True)]  # fmt: skip
     if all(isinstance(c, ForwardBackward) for c in calls):
         return [CallResult(r) for r in forward_backward_many(sessions, calls)]
     pairs = zip(sessions, ctxs, calls, strict=True)
