@@ -94,8 +94,8 @@ def test_a_sessions_calls_run_together_equal_each_alone(service: Service, monkey
         same(got["value"], want)
     # in a cohort beside b's call: one engine call of four calls, two sessions
     b_alone = call(service, "b", 0, CALLS["b"])["value"]
-    results = run_cohort(service, [Member("a", 6, "sample", {}, Samples(MINE)), Member("b", 1, "sample", {}, CALLS["b"])],
-                         (), ())  # fmt: skip
+    members = [Member("a", 6, "sample", {}, Samples(MINE)), Member("b", 1, "sample", {}, CALLS["b"])]
+    results = run_cohort(service, members, (), ())
     assert engine_calls == [3, 4]
     a, b = (unpack(r.report.reply) for r in results)
     assert b["metrics"]["call_sessions"] == 2.0

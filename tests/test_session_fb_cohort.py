@@ -86,10 +86,15 @@ def grads(svc: Service, job: str) -> dict[str, torch.Tensor]:
     return got
 
 
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal within float noise relative to the tensor's scale (another summation order)."""
+    return float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-7
+
+
 def same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert set(got) == set(want) and want
     for n in want:
-        assert torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-6), (n, (got[n] - want[n]).abs().max())
+        assert close(got[n], want[n]), (n, (got[n] - want[n]).abs().max(), want[n].abs().max())
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "importance_sampling"])
@@ -137,7 +142,7 @@ def test_a_pass_adds_to_accumulated_gradients_and_leaves_the_adapters_as_they_we
     for j in first:
         assert all(p.grad is None for p in service.engines[j].trainable().values())
         assert service.engines[j].grads and all(
-            torch.allclose(service.engines[j].grads[n], g, rtol=1e-4, atol=1e-6) for n, g in want[j].items()
+            close(service.engines[j].grads[n], g) for n, g in want[j].items()
         )
         before = {n: p.detach().clone() for n, p in service.engines[j].trainable().items()}
         assert call(service, j, 4, OptimStep(learning_rate=0.1))["error"] is None

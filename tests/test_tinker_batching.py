@@ -62,7 +62,8 @@ def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(tmp_pat
             ready.wait()  # then every session's forward_backward at once
             tokens = PROMPTS[i] + together[i][0][0]
             target = TensorData.from_numpy(np.array([*tokens[1:], 0], dtype=np.int64))
-            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": target})
+            model_input = types.ModelInput.from_ints(tokens)
+            datum = types.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": target})
             losses[i] = training.forward_backward([datum], "cross_entropy").result(timeout=300).metrics["loss:sum"]
         except BaseException as exc:  # (reported below; a broken barrier frees the others)
             errors.append(exc)

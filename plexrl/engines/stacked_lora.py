@@ -186,6 +186,8 @@ def _grouped_forward(layer: Any, adapters: Sequence[str], rank: int, groups: _Gr
         names = [adapters[i] for i in groups.present]
         if not any(n in layer.lora_A for n in names):
             return result
+        if x.shape[0] != groups.inverse.shape[0]:
+            raise RuntimeError(f"a LoRA layer got {x.shape[0]} rows where the batch has {groups.inverse.shape[0]}")
         a, b = _live_stacks(layer, names, rank, x)
         flat = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # [B, L, in]
         length, p = flat.shape[1], len(names)

@@ -18,9 +18,10 @@ Sessions' calls cohort with calls of their own kind only: sample calls in one en
 (`plexrl/sessions/sampling.py`), forward_backward calls of LoRA sessions in one training pass
 (`plexrl/sessions/training.py`). A session's batchable call (`JobPlan.open`: the client, not the plan, says when
 its next call comes, so no due time predicts it) that finds its service idle may wait a little for its partners
-(`gather_until`, `Planner(batch_window=...)`): while other sessions of its key on that service sit idle between calls (their
-clients may be about to send theirs: a session whose client was never seen to send that kind after the kind of
-its latest call is not waited for), at most `batch_window` seconds after the first queued member became ready.
+(`gather_until`, `Planner(batch_window=...)`): while other sessions of its key on that service sit idle
+between calls (their clients may be about to send theirs: a session whose client was never seen to send that
+kind after the kind of its latest call is not waited for), at most `batch_window` seconds after the first queued
+member became ready.
 It stops waiting at once when no such session is left idle (they all queued their calls: the cohort is what can
 form), when the cohort is full, or when any other work queues on the service (the service never idles while
 something else could run). A session alone on its base never waits; one beside idle partners loses at most the
