@@ -27,7 +27,7 @@ MINE = (CALLS["a"], CALLS["b"], dataclasses.replace(CALLS["c"], seed=99))  # one
 def test_the_board_hands_a_sessions_waiting_sample_calls_to_one_node() -> None:
     board = CallBoard()
     told: list[tuple[str, str]] = []
-    board.bind(lambda job, kind: told.append((job, kind)))
+    board.bind(lambda job, kind: told.append((job, kind)), bundle=True)
     board.open("a")
     got: dict[int, Any] = {}
     snapshot = dataclasses.replace(CALLS["b"], weights="/x.safetensors", weights_id="old")
@@ -54,6 +54,7 @@ def test_the_board_hands_a_sessions_waiting_sample_calls_to_one_node() -> None:
 
 def test_a_node_failing_fails_every_call_it_ran() -> None:
     board = CallBoard()
+    board.bind(lambda job, kind: None, bundle=True)
     board.open("a")
     got: dict[int, Any] = {}
     for i, c in enumerate(MINE):
@@ -63,6 +64,17 @@ def test_a_node_failing_fails_every_call_it_ran() -> None:
     board.finished("a", None, "lost")
     board.deliver(lambda job: False)
     assert got == {i: (None, "lost") for i in range(3)}
+
+
+def test_without_bundling_each_call_runs_alone() -> None:
+    """A board whose runner's planner does not batch rollouts: a session's numbers are exactly those alone."""
+    board = CallBoard()
+    board.bind(lambda job, kind: None)
+    board.open("a")
+    for c in MINE:
+        board.put("a", c.kind, c, lambda reply, error: None)
+    board.started("a")
+    assert board.call_of("a", "sample") == (True, MINE[0])
 
 
 @pytest.fixture

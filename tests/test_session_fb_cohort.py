@@ -141,9 +141,7 @@ def test_a_pass_adds_to_accumulated_gradients_and_leaves_the_adapters_as_they_we
     assert {j: [p.requires_grad for p in service.engines[j].trainable().values()] for j in first} == flags
     for j in first:
         assert all(p.grad is None for p in service.engines[j].trainable().values())
-        assert service.engines[j].grads and all(
-            close(service.engines[j].grads[n], g) for n, g in want[j].items()
-        )
+        assert service.engines[j].grads and all(close(service.engines[j].grads[n], g) for n, g in want[j].items())
         before = {n: p.detach().clone() for n, p in service.engines[j].trainable().items()}
         assert call(service, j, 4, OptimStep(learning_rate=0.1))["error"] is None
         after = service.engines[j].trainable()

@@ -17,10 +17,11 @@ A reply waits for the checkpoint after its call (the planner holds a session for
 its weights, `plexrl/planner/sessions.py`), so what a client was told is on disk first: a restart resumes there.
 
 One call of a session is announced at a time (`announced`): the next only once the previous one's node
-finished, so a session's calls run in the order they came, and the planner holds at most one per job. A call
-that can run together with the calls waiting right behind it (`call.joins(next)`, e.g. a client's sample calls
-sent at once, of the same weights) takes up to `BUNDLE` of them along (`take`): the node runs them as one call
-(`call.bundle(calls)`), whose reply holds one reply per call (`value["replies"]`), each handed to its own call.
+finished, so a session's calls run in the order they came, and the planner holds at most one per job. With
+`bind(..., bundle=True)` (a runner whose planner batches rollouts), a call that can run together with the calls
+waiting right behind it (`call.joins(next)`, e.g. a client's sample calls sent at once, of the same weights)
+takes up to `BUNDLE` of them along (`take`): the node runs them as one call (`call.bundle(calls)`), whose reply
+holds one reply per call (`value["replies"]`), each handed to its own call.
 Thread-safe (one lock); `done` callbacks run on the runner's thread, outside the lock, and must not block.
 """
 
@@ -62,10 +63,13 @@ class CallBoard:
         self._replies: list[tuple[Ticket, dict[str, Any] | None, str | None]] = []  # not yet delivered
         self._held: set[str] = set()  # sessions whose kept replies wait for a checkpoint
         self._notify: Callable[[str, str], None] | None = None
+        self._bundle = False  # run a session's waiting calls that join together (`bind`)
 
-    def bind(self, notify: Callable[[str, str], None]) -> None:
-        """The runner's way to be told (set once, when the runner is built)."""
-        self._notify = notify
+    def bind(self, notify: Callable[[str, str], None], bundle: bool = False) -> None:
+        """The runner's way to be told (set once, when the runner is built); `bundle`: run a session's calls
+        that join together (`take`; the runner's planner batches rollouts: a call's numbers may then differ by
+        float noise from its numbers alone, as in a cohort)."""
+        self._notify, self._bundle = notify, bundle
 
     def open(self, job_id: str) -> None:
         """A session whose calls this board takes (before its job is submitted)."""
@@ -128,7 +132,7 @@ class CallBoard:
             if not queue or queue[0].kind != kind or job_id in self._running:
                 return None
             tickets = [queue.popleft()]
-            joins = getattr(tickets[0].call, "joins", None)
+            joins = getattr(tickets[0].call, "joins", None) if self._bundle else None
             while joins is not None and queue and len(tickets) < BUNDLE and joins(queue[0].call):
                 tickets.append(queue.popleft())
             self._running[job_id] = tickets
