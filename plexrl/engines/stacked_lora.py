@@ -24,7 +24,8 @@ one pass, `plexrl/sessions/training.py`): gradients reach each adapter's own par
 stacks are built from the live parameters inside every forward, and the rows are grouped by adapter so that each
 row's LoRA matmuls are its own adapter's only (no K-fold work):
 
-    g = x[index] as [P, m*L, in]            the rows of each of the P adapters present, m per adapter (padded)
+    g = x[index] as [P, m*L, in]            the rows of each of the P adapters present, m per adapter (padded;
+                                            no gather when the rows come grouped and none is padded)
     base(x) + (bmm(bmm(g, A), B) as [P*m, L, out])[inverse]      A [P, in, R], B [P, R, out] (scaled)
 
 `select(rows)` before each forward. A row's output, and so each adapter's gradient, is that of its rows alone up
@@ -142,6 +143,7 @@ class _Groups:
         self.index: Tensor | None = None
         self.inverse: Tensor | None = None
         self.m = 0
+        self.in_order = False
 
     def select(self, rows: Sequence[int]) -> None:
         slots: dict[int, list[int]] = {}
@@ -157,6 +159,7 @@ class _Groups:
             index += slots[a] + [slots[a][0]] * (self.m - len(slots[a]))
         self.index = torch.tensor(index, device=self.device)
         self.inverse = torch.tensor(inverse, device=self.device)
+        self.in_order = index == list(range(len(rows)))  # rows already grouped, none padded: no gather
 
 
 def _live_stacks(layer: Any, names: Sequence[str], rank: int, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,8 +194,11 @@ def _grouped_forward(layer: Any, adapters: Sequence[str], rank: int, groups: _Gr
         a, b = _live_stacks(layer, names, rank, x)
         flat = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # [B, L, in]
         length, p = flat.shape[1], len(names)
-        g = flat[groups.index].reshape(p, groups.m * length, -1)
-        y = torch.bmm(torch.bmm(g, a), b).reshape(p * groups.m, length, -1)[groups.inverse]
+        if not groups.in_order:  # (index_select: its backward adds in parallel, where indexing's is serial)
+            flat = flat.index_select(0, groups.index)
+        y = torch.bmm(torch.bmm(flat.reshape(p, groups.m * length, -1), a), b).reshape(p * groups.m, length, -1)
+        if not groups.in_order:
+            y = y.index_select(0, groups.inverse)
         return result + y.reshape(*x.shape[:-1], -1).to(result.dtype)
 
     return forward

@@ -211,6 +211,14 @@ class SessionEngine:
             mask[i, : len(d.tokens)] = 1
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        if all(d.inputs["target_tokens"].ndim == 1 for d in data):  # the batch at once, then a row per datum (a
+            # row sliced off the logits instead would fill a gradient of the whole logits per datum in backward)
+            target = torch.zeros((len(data), width), dtype=torch.long)
+            for i, d in enumerate(data):
+                target[i, : len(d.tokens)] = torch.from_numpy(d.inputs["target_tokens"])
+            lp = -F.cross_entropy(logits.float().flatten(0, 1), target.to(device).flatten(), reduction="none")
+            rows = lp.view(len(data), width)
+            return [rows[i, : len(d.tokens)] for i, d in enumerate(data)]
         out: list[Tensor] = []
         for i, d in enumerate(data):
             n = len(d.tokens)
