@@ -7,7 +7,8 @@ each on a fresh server with one service:
 
 - alone: ONE session: its seconds per step (the single-session rate r1);
 - together, samples batched: `--sessions` N sessions at once, `cluster.batch_rollouts: true`, so sample calls
-  of several sessions queued together run as ONE engine call (`plexrl/sessions/sampling.py`); a sample call that
+  of several sessions queued together run as ONE engine call (`plexrl/sessions/sampling.py`), and so do their
+  forward_backward calls (one training pass, `plexrl/sessions/training.py`); such a call that
   finds the service idle waits at most `--window` seconds (`cluster.batch_window_s`, default the config's) for
   the sessions of its base idle between calls (`plexrl/planner/batches.py`, `gather_until`);
 - together, one call per sample: the same N sessions with `batch_rollouts: false`.
@@ -126,9 +127,11 @@ def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argp
         counts = srv.controller.runner.planner.counts()
         timed = args.steps * (args.prompts + 3)  # the calls of the timed steps: a session's last ones
         rows: list[dict[str, float]] = []
+        every: list[dict[str, float]] = []
         for j in srv.journal.jobs():
             if j.config.get("kind") == "session":
-                rows += [e.data["metrics"] for e in srv.journal.events(j.job_id) if e.kind == "iteration"][-timed:]
+                mine = [e.data["metrics"] for e in srv.journal.events(j.job_id) if e.kind == "iteration"]
+                rows, every = rows + mine[-timed:], every + mine
     finally:
         srv.stop(120)
     if errors:
@@ -136,7 +139,9 @@ def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argp
     wall = max(sum(v) for v in out.values())
     # the service's seconds per session-step by call kind (a cohort member's: its share), timed steps only
     per_step = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) / (n * args.steps) for k in CALL_KINDS}
+    shared = [r["forward_backward/call_sessions"] for r in every if r.get("forward_backward/call_sessions", 1) > 1]
     return {"times": out, "wall": wall, "cohorts": counts.get("cohorts_sent", 0),
+            "fb": (round(sum(1.0 / v for v in shared)), len(shared)),
             "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0),
             "service": {k: v for k, v in per_step.items() if v > 0}}  # fmt: skip
 
@@ -181,13 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"alone: {r1:.3f} steps per accelerator-second ({alone['wall'] / args.steps:.2f} s/step); the batched "
           f"arm's wait for a cohort's partners: at most {window:g} s per sample call")  # fmt: skip
     print("| arm | sessions | total steps per accelerator-s | / alone | bound (N x alone) | cohorts (members) | "
-          "waits for partners |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
-    print(f"| alone | 1 | {r1:.3f} | 1.00 | 1.00 | {alone['cohorts']} ({alone['members']}) | {alone['waits']} |")
+          "of them forward_backward passes (calls) | waits for partners |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| alone | 1 | {r1:.3f} | 1.00 | 1.00 | {alone['cohorts']} ({alone['members']}) | {alone['fb'][0]} "
+          f"({alone['fb'][1]}) | {alone['waits']} |")  # fmt: skip
     for name, a in arms.items():
         total = n * args.steps / a["wall"]
         print(f"| {name} | {n} | {total:.3f} | {total / r1:.2f} | {n:.2f} | {a['cohorts']} ({a['members']}) | "
-              f"{a['waits']} |")  # fmt: skip
+              f"{a['fb'][0]} ({a['fb'][1]}) | {a['waits']} |")  # fmt: skip
     every = {"alone": alone, **arms}
     kinds = sorted({k for a in every.values() for k in a["service"]})
     print("service seconds per session-step by call (timed steps; a cohort member's: its share of the call):")
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     total_b = n * args.steps / batched["wall"]
     print(f"total steps/s together / alone (samples batched): {total_b / r1:.2f} (bound {n}; one call per sample: "
           f"{n * args.steps / single['wall'] / r1:.2f}; cohorts {batched['cohorts']} holding "
-          f"{batched['members']} sample calls)")  # fmt: skip
+          f"{batched['members']} calls, {batched['fb'][1]} of them forward_backward)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -149,9 +149,9 @@ def test_a_snapshot_and_a_refused_call_in_one_engine_call(service: Service, tmp_
     assert live["sequences"][0]["logprobs"].tolist() != then["sequences"][0]["logprobs"].tolist()
 
 
-def test_a_lora_sessions_plan_marks_only_sample_batchable(smol_tiny: Path, tmp_path: Path) -> None:
+def test_a_lora_sessions_plan_marks_its_batched_kinds(smol_tiny: Path, tmp_path: Path) -> None:
     plan = spec(smol_tiny, "a", tmp_path).plan()
-    assert [n for n, p in plan.nodes.items() if p.batchable] == ["sample"]
+    assert sorted(n for n, p in plan.nodes.items() if p.batchable) == ["forward", "forward_backward", "sample"]
     assert plan.batch == sampling.MIXED_SESSIONS and plan.engine is not None
     assert spec(smol_tiny, "f", tmp_path, lora=False).plan().batch == 0  # a full fine-tune samples alone
 

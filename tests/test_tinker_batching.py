@@ -2,9 +2,10 @@
 unmodified `tinker` SDK from its own thread, sample at once against `plexrl serve` (`cluster: {batch_rollouts:
 true}`, in-process services, the tiny model with the real SmolLM2 tokenizer). Their sample calls reach the idle
 service a few milliseconds apart; the first waits (at most `batch_window_s`) for the sessions of its base that
-sit idle, and the calls run as one engine call: the journal's rows show `sample/call_sessions` > 1. Each
-session's samples equal what the same call samples alone (same seed), taken afterwards: tokens exactly,
-log-probs within float noise (another batch composition)."""
+sit idle, and the calls run as one engine call: the journal's rows show `sample/call_sessions` > 1. Then all
+send a forward_backward at once: ONE training pass (`forward_backward/call_sessions`). Each session's samples
+equal what the same call samples alone (same seed), taken afterwards: tokens exactly, log-probs within float
+noise (another batch composition)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # (the SDK would post its telemetry to our server)
 tinker = pytest.importorskip("tinker")
 
 from tinker import types  # noqa: E402
+from tinker.types.tensor_data import TensorData  # noqa: E402
 
 from plexrl.server.api import start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
@@ -46,6 +49,7 @@ def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(tmp_pat
     ready = threading.Barrier(SESSIONS, timeout=300)
     samplers: dict[int, Any] = {}
     together: dict[int, Any] = {}
+    losses: dict[int, float] = {}
     errors: list[BaseException] = []
 
     def session(i: int, service: Any) -> None:
@@ -55,6 +59,12 @@ def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(tmp_pat
             ready.wait()  # every session idle on the service: now all sample at once
             prompt = types.ModelInput.from_ints(PROMPTS[i])
             together[i] = sampled(samplers[i].sample(prompt, 2, params(i)).result(timeout=300))
+            ready.wait()  # then every session's forward_backward at once
+            tokens = PROMPTS[i] + together[i][0][0]
+            target = TensorData.from_numpy(np.array([*tokens[1:], 0], dtype=np.int64))
+            model_input = types.ModelInput.from_ints(tokens)
+            datum = types.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": target})
+            losses[i] = training.forward_backward([datum], "cross_entropy").result(timeout=300).metrics["loss:sum"]
         except BaseException as exc:  # (reported below; a broken barrier frees the others)
             errors.append(exc)
             ready.abort()
@@ -79,13 +89,20 @@ def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(tmp_pat
              if e.kind == "iteration" and "sample/call_sessions" in e.data["metrics"]]
             for job_id in ids
         ]  # fmt: skip
+        trained = [
+            [e.data["metrics"]["forward_backward/call_sessions"] for e in srv.journal.events(job_id)
+             if e.kind == "iteration" and "forward_backward/call_sessions" in e.data["metrics"]]
+            for job_id in ids
+        ]  # fmt: skip
     finally:
         for c in clients:
             c.close("success").result()
         srv.stop(120)
 
     assert len(ids) == SESSIONS and all(len(rows) == 2 for rows in shared), shared  # (together, then alone)
-    assert cohorts == 1, "the four sessions' sample calls did not share one engine call"
+    assert cohorts == 2, "the four sessions' sample calls, then their forward_backward calls, did not share one call"
+    assert trained == [[SESSIONS]] * SESSIONS, trained  # ONE training pass for the four forward_backward calls
+    assert len(losses) == SESSIONS and all(v > 0 for v in losses.values()), losses
     assert all(rows[0] == SESSIONS for rows in shared), shared  # the calls at once: ONE engine call for all
     assert all(rows[1] == 1.0 for rows in shared), shared  # the calls alone: by themselves
     for i in range(SESSIONS):

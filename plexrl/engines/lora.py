@@ -28,8 +28,9 @@ Rollouts run on this engine (the torch engine) or, with `engine: vllm` (or auto 
 job), on a shared vLLM engine that applies the job's adapter (`plexrl/engines/vllm_lora.py`).
 
 Several jobs' generations can share one decode loop, each row under its own adapter (`plexrl/engines/mixed.py`:
-the sample calls of LoRA sessions queued together). What it does NOT do: mix adapters in a training forward, or
-train a critic (PPO) on an adapter.
+the sample calls of LoRA sessions queued together), and several LoRA sessions' forward_backward calls one
+training pass (`plexrl/sessions/training.py`, `stacked_lora.grouped`). What it does NOT do: mix adapters in a DAG
+job's training step, or train a critic (PPO) on an adapter.
 """
 
 from __future__ import annotations

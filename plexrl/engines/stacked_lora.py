@@ -18,6 +18,19 @@ sums as peft's forward, in another order: equal within float noise.
 What it does NOT do: LoRA variants (DoRA and the like), merged adapters, LoRA on other layers than `Linear`, or
 dropout (generation runs in eval mode). `stacked` yields None for such a model: the caller uses peft's
 `adapter_names` instead.
+
+`grouped(model, adapters)` is the same for a TRAINING forward (several LoRA sessions' forward_backward calls in
+one pass, `plexrl/sessions/training.py`): gradients reach each adapter's own parameters through autograd, so its
+stacks are built from the live parameters inside every forward, and the rows are grouped by adapter so that each
+row's LoRA matmuls are its own adapter's only (no K-fold work):
+
+    g = x[index] as [P, m*L, in]            the rows of each of the P adapters present, m per adapter (padded;
+                                            no gather when the rows come grouped and none is padded)
+    base(x) + (bmm(bmm(g, A), B) as [P*m, L, out])[inverse]      A [P, in, R], B [P, R, out] (scaled)
+
+`select(rows)` before each forward. A row's output, and so each adapter's gradient, is that of its rows alone up
+to float noise (padding rows are computed and dropped: they get no gradient). It also refuses LoRA dropout
+(`grouped` yields None: the caller runs the calls one after another).
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 Select = Callable[[Sequence[int]], None]
@@ -118,4 +132,103 @@ def stacked(model: nn.Module, adapters: Sequence[str]) -> Iterator[Select | None
             del layer.forward  # (the class's forward again)
 
 
-__all__ = ["Select", "stacked"]
+class _Groups:
+    """The rows of the next training forward grouped by adapter (shared by every layer): `present` the adapters
+    (indices) with rows, `index` [P*m] the batch row at each grouped slot (padding repeats a row), `inverse` [B]
+    each row's slot."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.present: list[int] = []
+        self.index: Tensor | None = None
+        self.inverse: Tensor | None = None
+        self.m = 0
+        self.in_order = False
+
+    def select(self, rows: Sequence[int]) -> None:
+        slots: dict[int, list[int]] = {}
+        for i, a in enumerate(rows):
+            slots.setdefault(int(a), []).append(i)
+        self.present = sorted(slots)
+        self.m = max(len(s) for s in slots.values())
+        index: list[int] = []
+        inverse = [0] * len(rows)
+        for p, a in enumerate(self.present):
+            for j, r in enumerate(slots[a]):
+                inverse[r] = p * self.m + j
+            index += slots[a] + [slots[a][0]] * (self.m - len(slots[a]))
+        self.index = torch.tensor(index, device=self.device)
+        self.inverse = torch.tensor(inverse, device=self.device)
+        self.in_order = index == list(range(len(rows)))  # rows already grouped, none padded: no gather
+
+
+def _live_stacks(layer: Any, names: Sequence[str], rank: int, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The layer's A [P, in, R] and scaled B [P, R, out] of `names`, from the live parameters (autograd runs
+    through them); zeros for an adapter the layer does not have, zero columns past a smaller rank."""
+    dtype = next(layer.lora_A[n].weight.dtype for n in names if n in layer.lora_A)
+    a_parts, b_parts = [], []
+    for name in names:
+        if name not in layer.lora_A:
+            a_parts.append(x.new_zeros(layer.in_features, rank, dtype=dtype))
+            b_parts.append(x.new_zeros(rank, layer.out_features, dtype=dtype))
+            continue
+        wa, wb = layer.lora_A[name].weight, layer.lora_B[name].weight  # [r, in], [out, r]
+        pad = rank - wa.shape[0]
+        a_parts.append(F.pad(wa.t(), (0, pad)) if pad else wa.t())
+        b = wb.t() * layer.scaling[name]
+        b_parts.append(F.pad(b, (0, 0, 0, pad)) if pad else b)
+    return torch.stack(a_parts), torch.stack(b_parts)
+
+
+def _grouped_forward(layer: Any, adapters: Sequence[str], rank: int, groups: _Groups) -> Callable[..., Tensor]:
+    base = layer.base_layer
+
+    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        result: Tensor = base(x, *args, **kwargs)
+        assert groups.index is not None and groups.inverse is not None, "select the rows' adapters first"
+        names = [adapters[i] for i in groups.present]
+        if not any(n in layer.lora_A for n in names):
+            return result
+        if x.shape[0] != groups.inverse.shape[0]:
+            raise RuntimeError(f"a LoRA layer got {x.shape[0]} rows where the batch has {groups.inverse.shape[0]}")
+        a, b = _live_stacks(layer, names, rank, x)
+        flat = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # [B, L, in]
+        length, p = flat.shape[1], len(names)
+        if not groups.in_order:  # (index_select: its backward adds in parallel, where indexing's is serial)
+            flat = flat.index_select(0, groups.index)
+        y = torch.bmm(torch.bmm(flat.reshape(p, groups.m * length, -1), a), b).reshape(p * groups.m, length, -1)
+        if not groups.in_order:
+            y = y.index_select(0, groups.inverse)
+        return result + y.reshape(*x.shape[:-1], -1).to(result.dtype)
+
+    return forward
+
+
+@contextlib.contextmanager
+def grouped(model: nn.Module, adapters: Sequence[str]) -> Iterator[Select | None]:
+    """See the module docstring: within, `select(rows)` (row -> index in `adapters`) before each forward (with or
+    without gradients), and call the model without `adapter_names`; None: these adapters need peft's path (a
+    LoRA variant, dropout, a non-Linear LoRA layer) or the model has none of them."""
+    layers = _lora_layers(model, adapters)
+    weights = [layer.lora_A[a].weight for layer in layers or () for a in adapters if a in layer.lora_A]
+    dropout = any(
+        not isinstance(layer.lora_dropout[a], nn.Identity) for layer in layers or () for a in adapters
+        if a in layer.lora_dropout
+    )  # fmt: skip
+    if not layers or not weights or dropout:
+        yield None
+        return
+    rank = max(w.shape[0] for w in weights)
+    groups = _Groups(weights[0].device)
+    patched = []
+    try:
+        for layer in layers:
+            layer.forward = _grouped_forward(layer, adapters, rank, groups)
+            patched.append(layer)
+        yield groups.select
+    finally:
+        for layer in patched:
+            del layer.forward
+
+
+__all__ = ["Select", "grouped", "stacked"]

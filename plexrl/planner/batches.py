@@ -14,15 +14,18 @@ A batchable node that would go ahead alone waits instead when another job of its
 node ready before the running node is predicted to end (`worth_waiting`): both then run as one cohort when the
 service frees, instead of one after the other.
 
-A session's sample call (`JobPlan.open`: the client, not the plan, says when its next call comes, so no due
-time predicts it) that finds its service idle may wait a little for its partners (`gather_until`,
-`Planner(batch_window=...)`): while other sessions of its key on that service sit idle between calls (their
-clients may be about to send theirs: a session whose client was never seen to send that kind after the kind of
-its latest call is not waited for), at most `batch_window` seconds after the first queued member became ready.
+Sessions' calls cohort with calls of their own kind only: sample calls in one engine call
+(`plexrl/sessions/sampling.py`), forward_backward calls of LoRA sessions in one training pass
+(`plexrl/sessions/training.py`). A session's batchable call (`JobPlan.open`: the client, not the plan, says when
+its next call comes, so no due time predicts it) that finds its service idle may wait a little for its partners
+(`gather_until`, `Planner(batch_window=...)`): while other sessions of its key on that service sit idle
+between calls (their clients may be about to send theirs: a session whose client was never seen to send that
+kind after the kind of its latest call is not waited for), at most `batch_window` seconds after the first queued
+member became ready.
 It stops waiting at once when no such session is left idle (they all queued their calls: the cohort is what can
 form), when the cohort is full, or when any other work queues on the service (the service never idles while
 something else could run). A session alone on its base never waits; one beside idle partners loses at most the
-window per sample call.
+window per batchable call.
 
 While the cohort runs, `ServiceRecord.cohort` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
@@ -44,11 +47,13 @@ Key = tuple[str, int, str]
 
 
 def batch_key(job: JobRecord, node: str) -> str | None:
-    """The key of the engine `node` of `job` can share a call on; None: it runs alone."""
+    """The key of the engine `node` of `job` can share a call on; None: it runs alone. A session's call
+    (`JobPlan.open`) shares one only with calls of its own kind (samples with samples, forward_backward calls
+    with forward_backward calls): its key names the kind too."""
     plan = job.plan
     if plan.batch < 2 or plan.engine is None or not plan.nodes[node].batchable:
         return None
-    return plan.engine[0]
+    return f"{plan.engine[0]}|{node}" if plan.open else plan.engine[0]
 
 
 def gather(

@@ -17,7 +17,11 @@ A reply waits for the checkpoint after its call (the planner holds a session for
 its weights, `plexrl/planner/sessions.py`), so what a client was told is on disk first: a restart resumes there.
 
 One call of a session is announced at a time (`announced`): the next only once the previous one's node
-finished, so a session's calls run in the order they came, and the planner holds at most one per job.
+finished, so a session's calls run in the order they came, and the planner holds at most one per job. With
+`bind(..., bundle=True)` (a runner whose planner batches rollouts), a call that can run together with the calls
+waiting right behind it (`call.joins(next)`, e.g. a client's sample calls sent at once, of the same weights)
+takes up to `BUNDLE` of them along (`take`): the node runs them as one call (`call.bundle(calls)`), whose reply
+holds one reply per call (`value["replies"]`), each handed to its own call.
 Thread-safe (one lock); `done` callbacks run on the runner's thread, outside the lock, and must not block.
 """
 
@@ -28,6 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+BUNDLE = 8  # the most waiting calls of one session that one node runs together (`take`)
 
 Done = Callable[[dict[str, Any] | None, str | None], None]
 """`done(reply, error)`: the call's reply (`plexrl.sessions.calls.Reply` as plain data), or None and why the
@@ -51,16 +57,19 @@ class CallBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, deque[Ticket]] = {}
-        self._running: dict[str, Ticket] = {}
+        self._running: dict[str, list[Ticket]] = {}  # a session's running call (or calls run together)
         self._announced: set[str] = set()
         self._started: set[str] = set()  # sessions the runner has submitted (their calls may be announced)
         self._replies: list[tuple[Ticket, dict[str, Any] | None, str | None]] = []  # not yet delivered
         self._held: set[str] = set()  # sessions whose kept replies wait for a checkpoint
         self._notify: Callable[[str, str], None] | None = None
+        self._bundle = False  # run a session's waiting calls that join together (`bind`)
 
-    def bind(self, notify: Callable[[str, str], None]) -> None:
-        """The runner's way to be told (set once, when the runner is built)."""
-        self._notify = notify
+    def bind(self, notify: Callable[[str, str], None], bundle: bool = False) -> None:
+        """The runner's way to be told (set once, when the runner is built); `bundle`: run a session's calls
+        that join together (`take`; the runner's planner batches rollouts: a call's numbers may then differ by
+        float noise from its numbers alone, as in a cohort)."""
+        self._notify, self._bundle = notify, bundle
 
     def open(self, job_id: str) -> None:
         """A session whose calls this board takes (before its job is submitted)."""
@@ -114,35 +123,48 @@ class CallBoard:
             self._announced.add(job_id)
             return queue[0].kind
 
-    def take(self, job_id: str, kind: str) -> Ticket | None:
-        """The runner starts the session's announced call (of `kind`): it leaves the queue and runs; None if
-        the head of the queue is not such a call (a bug: the caller fails the job)."""
+    def take(self, job_id: str, kind: str) -> list[Ticket] | None:
+        """The runner starts the session's announced call (of `kind`), with the waiting calls right behind it
+        that join it (see the module docstring): they leave the queue and run; None if the head of the queue is
+        not such a call (a bug: the caller fails the job)."""
         with self._lock:
             queue = self._queues.get(job_id)
             if not queue or queue[0].kind != kind or job_id in self._running:
                 return None
-            ticket = self._running[job_id] = queue.popleft()
-            return ticket
+            tickets = [queue.popleft()]
+            joins = getattr(tickets[0].call, "joins", None) if self._bundle else None
+            while joins is not None and queue and len(tickets) < BUNDLE and joins(queue[0].call):
+                tickets.append(queue.popleft())
+            self._running[job_id] = tickets
+            return tickets
 
     def call_of(self, job_id: str, kind: str) -> tuple[bool, Any]:
-        """(True, the call) a node of kind `kind` of `job_id` runs (`take`; None for a job that is no session
-        here), or (False, None) when a session has no such call waiting (a bug: the caller fails the job)."""
+        """(True, the call) a node of kind `kind` of `job_id` runs (`take`: several calls run together are one
+        call, `bundle`; None for a job that is no session here), or (False, None) when a session has no such
+        call waiting (a bug: the caller fails the job)."""
         if not self.has(job_id):
             return True, None
-        ticket = self.take(job_id, kind)
-        return (False, None) if ticket is None else (True, ticket.call)
+        tickets = self.take(job_id, kind)
+        if tickets is None:
+            return False, None
+        if len(tickets) == 1:
+            return True, tickets[0].call
+        return True, tickets[0].call.bundle(tuple(t.call for t in tickets))
 
     def finished(self, job_id: str, reply: dict[str, Any] | None, error: str | None) -> str | None:
         """The running call's node ended: its reply is kept for `deliver`; returns the kind of the session's next
         waiting call (announced from now on), or None (the session is idle)."""
         with self._lock:
-            ticket = self._running.pop(job_id, None)
+            tickets = self._running.pop(job_id, [])
             queue = self._queues.get(job_id)
             nxt = queue[0].kind if queue else None
             if nxt is None:
                 self._announced.discard(job_id)
-            if ticket is not None:
-                self._replies.append((ticket, reply, error))
+            replies = (reply.get("value") or {}).get("replies") if len(tickets) > 1 and reply is not None else None
+            if isinstance(replies, list | tuple) and len(replies) == len(tickets):  # run together: each its own
+                self._replies += [(t, r, error) for t, r in zip(tickets, replies, strict=True)]
+            else:
+                self._replies += [(t, reply, error) for t in tickets]
         return nxt
 
     def deliver(self, held: Callable[[str], bool]) -> None:
@@ -162,7 +184,7 @@ class CallBoard:
         forgets the session."""
         with self._lock:
             tickets = list(self._queues.pop(job_id, ()))
-            running = self._running.pop(job_id, None)
+            running = self._running.pop(job_id, [])
             self._announced.discard(job_id)
             self._started.discard(job_id)
             kept = [r for r in self._replies if r[0].job_id == job_id]
@@ -174,8 +196,8 @@ class CallBoard:
                 ticket.done(None, f"{reason}, before the checkpoint after this call was written")
             else:
                 ticket.done(reply, error)
-        for ticket in ([running] if running is not None else []) + tickets:
+        for ticket in running + tickets:
             ticket.done(None, reason)
 
 
-__all__ = ["CallBoard", "Done", "Ticket"]
+__all__ = ["BUNDLE", "CallBoard", "Done", "Ticket"]

@@ -84,7 +84,7 @@ class Runner:
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
         self.calls = calls
         if calls is not None:
-            calls.bind(self._inbox.call_arrived)
+            calls.bind(self._inbox.call_arrived, bundle=self.planner.batch_rollouts)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
                                on_closed, checkpoint_at=checkpoint_at, calls=calls)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)

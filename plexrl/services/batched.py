@@ -126,11 +126,13 @@ def run_cohort(
 
 
 def _size(out: Any) -> float:
-    """A member's share of the call: the tokens of its rollout, or those its session's sample call made."""
+    """A member's share of the call: the tokens of its rollout, those its session's sample call made, or those
+    its session's forward_backward call trained on."""
     if out is None:
         return 0.0
     mask = getattr(out, "attention_mask", None)
-    return float(mask.sum()) if mask is not None else float(out.metrics().get("sampled_tokens", 0.0))
+    metrics = {} if mask is not None else out.metrics()
+    return float(mask.sum()) if mask is not None else float(metrics.get("sampled_tokens", metrics.get("tokens", 0.0)))
 
 
 __all__ = ["Member", "run_cohort"]

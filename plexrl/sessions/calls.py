@@ -81,6 +81,25 @@ class Sample:
     weights_id: str | None = None
     kind: CallKind = "sample"
 
+    def joins(self, other: Any) -> bool:
+        """Whether `other`, the same session's next waiting call, may run with this one as ONE engine call
+        (`Samples`, `plexrl/runtime/calls.py`'s `take`): a sample call of the same weights."""
+        return isinstance(other, Sample) and (other.weights, other.weights_id) == (self.weights, self.weights_id)
+
+    @staticmethod
+    def bundle(calls: tuple[Any, ...]) -> Samples:
+        return Samples(calls)
+
+
+@dataclass(frozen=True, slots=True)
+class Samples:
+    """Several sample calls of ONE session, of the same weights, that waited together (its client sent them at
+    once): they run as one engine call, each getting what it gets alone; the reply holds one reply per call
+    (`value["replies"]`, in order: the board hands each its own)."""
+
+    calls: tuple[Sample, ...]
+    kind: CallKind = "sample"
+
 
 @dataclass(frozen=True, slots=True)
 class Save:
@@ -101,7 +120,7 @@ class Load:
     kind: CallKind = "load"
 
 
-Call = ForwardBackward | OptimStep | Sample | Save | Load
+Call = ForwardBackward | OptimStep | Sample | Samples | Save | Load
 
 
 @dataclass(slots=True)
@@ -156,6 +175,7 @@ __all__ = [
     "OptimStep",
     "Reply",
     "Sample",
+    "Samples",
     "Save",
     "pack",
     "unpack",

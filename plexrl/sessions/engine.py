@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from plexrl.sessions import losses, sampling
-from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Save
+from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Samples, Save
 from plexrl.sessions.refused import CallRefused
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,9 @@ class SessionEngine:
                 return self.optim_step(call)
             if isinstance(call, Sample):
                 return self.sample(call, generator if generator is not None else self)
+            if isinstance(call, Samples):  # (its calls run together: `sampling.sample_many`)
+                gen, n = generator if generator is not None else self, len(call.calls)
+                return sampling.bundled(sampling.sample_many([self] * n, [gen] * n, call.calls))
             if isinstance(call, Save):
                 return self.save(call)
             if isinstance(call, Load):
@@ -129,31 +132,17 @@ class SessionEngine:
                 raise
             # a call that changes at most the accumulated gradients failed on the service: the session goes on
             log.exception("session call %s failed", call.kind)
-            dropped = ""
-            if isinstance(call, ForwardBackward) and call.backward and self.grads:
-                self.grads = {}  # (part of this call's gradients may have been added: none are kept)
-                dropped = "; the gradients accumulated since the last optim_step were dropped"
-            return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}{dropped}")
+            if isinstance(call, ForwardBackward):
+                return self.failed(call, exc)
+            return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}")
         raise TypeError(f"not a session call: {type(call).__name__}")
 
     def forward_backward(self, call: ForwardBackward) -> Reply:
         """The call's loss over its data: per datum the target tokens' log-probs (`logprobs`), and with
         `backward` the loss's gradients added to the accumulated ones. Forward passes take at most
-        `MAX_FORWARD_TOKENS` padded tokens each; the loss is a sum, so their gradients add up to the whole's."""
-        vocab = int(self.inner.policy.get_input_embeddings().weight.shape[0])
-        problem = losses.check_config(call.loss, call.config)
-        for i, d in enumerate(call.data):
-            if problem is not None:
-                break
-            if d.tokens.ndim != 1 or not len(d.tokens) or d.tokens.dtype != np.int64:
-                problem = f"datum {i}: the model input must be a non-empty list of token ids"
-            elif int(d.tokens.min()) < 0 or int(d.tokens.max()) >= vocab:
-                problem = f"datum {i}: model input token ids must lie in [0, {vocab})"
-            else:
-                problem = losses.check(call.loss, d.inputs, len(d.tokens), vocab)
-                problem = None if problem is None else f"datum {i}: {problem}"
-        if problem is not None:
-            raise CallRefused(problem)
+        `MAX_FORWARD_TOKENS` padded tokens each; the loss is a sum, so their gradients add up to the whole's.
+        Several sessions' calls in one pass: `training.forward_backward_many`."""
+        self.check_data(call)
         self._activate()
         model = self.inner.policy
         params = self.trainable()
@@ -182,6 +171,32 @@ class SessionEngine:
         return Reply({"outputs": outputs, "metrics": {"loss:sum": total}},
                      metrics={"loss": total, "datums": float(len(call.data)), "tokens": float(tokens)})  # fmt: skip
 
+    def check_data(self, call: ForwardBackward) -> None:
+        """Raise `CallRefused` naming the first problem of a forward_backward call's loss config or data."""
+        vocab = int(self.inner.policy.get_input_embeddings().weight.shape[0])
+        problem = losses.check_config(call.loss, call.config)
+        for i, d in enumerate(call.data):
+            if problem is not None:
+                break
+            if d.tokens.ndim != 1 or not len(d.tokens) or d.tokens.dtype != np.int64:
+                problem = f"datum {i}: the model input must be a non-empty list of token ids"
+            elif int(d.tokens.min()) < 0 or int(d.tokens.max()) >= vocab:
+                problem = f"datum {i}: model input token ids must lie in [0, {vocab})"
+            else:
+                problem = losses.check(call.loss, d.inputs, len(d.tokens), vocab)
+                problem = None if problem is None else f"datum {i}: {problem}"
+        if problem is not None:
+            raise CallRefused(problem)
+
+    def failed(self, call: ForwardBackward, exc: BaseException) -> Reply:
+        """The reply of a forward_backward that failed on the service: the gradients accumulated since the last
+        optim_step are dropped (part of this call's may have been added)."""
+        dropped = ""
+        if call.backward and self.grads:
+            self.grads = {}
+            dropped = "; the gradients accumulated since the last optim_step were dropped"
+        return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}{dropped}")
+
     def _target_logprobs(self, model: Any, data: list[Any]) -> list[Tensor]:
         """One forward over `data` (right-padded): per datum the log-prob [N] (or [N, K]) of each position's
         target token(s) under the current weights at temperature 1."""
@@ -196,6 +211,14 @@ class SessionEngine:
             mask[i, : len(d.tokens)] = 1
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        if all(d.inputs["target_tokens"].ndim == 1 for d in data):  # the batch at once, then a row per datum (a
+            # row sliced off the logits instead would fill a gradient of the whole logits per datum in backward)
+            target = torch.zeros((len(data), width), dtype=torch.long)
+            for i, d in enumerate(data):
+                target[i, : len(d.tokens)] = torch.from_numpy(d.inputs["target_tokens"])
+            lp = -F.cross_entropy(logits.float().flatten(0, 1), target.to(device).flatten(), reduction="none")
+            rows = lp.view(len(data), width)
+            return [rows[i, : len(d.tokens)] for i, d in enumerate(data)]
         out: list[Tensor] = []
         for i, d in enumerate(data):
             n = len(d.tokens)

@@ -48,20 +48,32 @@ def session_call(ctx: OpContext) -> CallResult:
 
 def session_calls_together(ctxs: Sequence[OpContext], inputs: Sequence[Any], params: Sequence[Any]) -> list[CallResult]:
     """The batched form of `session_call` (a cohort, `plexrl/services/batched.py`): several sessions' `sample`
-    calls in ONE engine call (`sampling.sample_many`); one result per session, in order, each its own call's
-    reply. Calls of another kind run one after another (the planner cohorts `sample` nodes only)."""
-    from plexrl.sessions.calls import Sample
-    from plexrl.sessions.sampling import sample_many
+    calls in ONE engine call (`sampling.sample_many`), or their `forward_backward` (`forward`) calls in one pass
+    (`training.forward_backward_many`); one result per session, in order, each its own call's reply. Calls of
+    mixed or other kinds run one after another (the planner cohorts calls of one kind only)."""
+    from plexrl.sessions.calls import ForwardBackward, Sample, Samples
+    from plexrl.sessions.sampling import bundled, sample_many
+    from plexrl.sessions.training import forward_backward_many
 
     calls: list[Any] = [ctx.extra.get("call") for ctx in ctxs]
     for ctx, call in zip(ctxs, calls, strict=True):
         if call is None or call.kind != ctx.node:
             raise ValueError(f"node {ctx.node!r} of session {ctx.job_id} ran without its call")
-    if not all(isinstance(c, Sample) for c in calls):
-        pairs = zip(ctxs, calls, strict=True)
-        return [CallResult(session_engine(x.engine).run(c, generator=x.engine)) for x, c in pairs]
     sessions = [session_engine(ctx.engine) for ctx in ctxs]
-    return [CallResult(r) for r in sample_many(sessions, [ctx.engine for ctx in ctxs], calls)]
+    if all(isinstance(c, Sample | Samples) for c in calls):  # (a session's calls run together: rows of this call)
+        flat: list[tuple[Any, Any, Sample]] = []
+        spans: list[tuple[int, int]] = []
+        for se, ctx, c in zip(sessions, ctxs, calls, strict=True):
+            parts = c.calls if isinstance(c, Samples) else (c,)
+            spans.append((len(flat), len(parts)))
+            flat += [(se, ctx.engine, p) for p in parts]
+        got = sample_many([f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat])
+        return [CallResult(bundled(got[a : a + n]) if isinstance(c, Samples) else got[a])
+                for c, (a, n) in zip(calls, spans, strict=True)]  # fmt: skip
+    if all(isinstance(c, ForwardBackward) for c in calls):
+        return [CallResult(r) for r in forward_backward_many(sessions, calls)]
+    pairs = zip(sessions, ctxs, calls, strict=True)
+    return [CallResult(se.run(c, generator=x.engine)) for se, x, c in pairs]
 
 
 session_call.batched = session_calls_together  # type: ignore[attr-defined]  # (`Operator.batched`)

@@ -10,6 +10,10 @@ refused (a user error) or whose snapshot is gone gets its error; the others stil
 reply's metrics is the number of sessions whose samples that engine call served (1: alone).
 
 Prompt log-probs and top-k prompt log-probs are per call (a forward each), as alone.
+
+One session's own sample calls that its client sent at once (of the same weights) run together too: the board
+hands them to one node (`plexrl/runtime/calls.py`, `calls.Samples`), whose reply holds one reply per call
+(`bundled`); in a cohort they are rows of the same engine call as the other sessions' calls.
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[Ge
     asks = [([list(c.prompt)], generate_kwargs(c)) for c in calls]
     one_vllm = all(isinstance(g, VLLMLoRAEngine) for g in generators) and len({id(g.llm) for g in generators}) == 1
     if len(generators) > 1 and one_vllm:
+        if len({id(g) for g in generators}) < len(generators):  # (a session's calls run together: one by one)
+            return [g.generate(p, **kw) for g, (p, kw) in zip(generators, asks, strict=True)]
         return generate_together(generators, asks)
     inner: list[Any] = [getattr(g, "inner", None) for g in generators]
     one_base = all(getattr(e, "shared", None) is not None for e in inner) and len({id(e.shared) for e in inner}) == 1
@@ -114,6 +120,17 @@ def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[Ge
     return [g.generate(p, **kw) for g, (p, kw) in zip(generators, asks, strict=True)]
 
 
+def bundled(replies: Sequence[Reply]) -> Reply:
+    """The reply of one session's sample calls run together (`calls.Samples`): one reply per call, in order
+    (`value["replies"]`, as plain data), with their summed counts."""
+    import dataclasses
+
+    metrics = {k: float(sum(r.metrics.get(k, 0.0) for r in replies)) for k in ("samples", "sampled_tokens")}
+    metrics["call_sessions"] = max((r.metrics.get("call_sessions", 0.0) for r in replies), default=0.0)
+    metrics["bundled_calls"] = float(len(replies))
+    return Reply({"replies": [dataclasses.asdict(r) for r in replies]}, metrics=metrics)
+
+
 def sample_many(sessions: Sequence[SessionEngine], generators: Sequence[Any], calls: Sequence[Sample]) -> list[Reply]:
     """The replies of several sessions' sample calls (`generators[i]`: the engine that generates for
     `sessions[i]`), the generations in one engine call (see the module docstring). Never raises for a call's
@@ -121,18 +138,25 @@ def sample_many(sessions: Sequence[SessionEngine], generators: Sequence[Any], ca
     replies: list[Reply | None] = [None] * len(calls)
     with contextlib.ExitStack() as stack:
         run: list[int] = []
+        placed: dict[int, tuple[str | None, str | None]] = {}  # session -> the weights put in place for it
         for i, (se, call) in enumerate(zip(sessions, calls, strict=True)):
             try:
                 check(se, call)
-                stack.enter_context(se.weights(call.weights, call.weights_id))
+                key = (call.weights, call.weights_id)
+                if id(se) not in placed:
+                    stack.enter_context(se.weights(*key))
+                    placed[id(se)] = key
+                elif placed[id(se)] != key:  # (`Sample.joins` keeps them apart: never here)
+                    raise CallRefused("a session's sample calls of other weights cannot share one engine call")
             except CallRefused as exc:
                 replies[i] = Reply(error=str(exc))
                 continue
             run.append(i)
+        served = {id(sessions[i]) for i in run}
         try:
             outs = generate_many([generators[i] for i in run], [calls[i] for i in run]) if run else []
             for i, out in zip(run, outs, strict=True):
-                replies[i] = reply(out, *prompt_scores(sessions[i], calls[i]), sessions=len(run))
+                replies[i] = reply(out, *prompt_scores(sessions[i], calls[i]), sessions=len(served))
         except CallRefused as exc:
             for i in run:
                 replies[i] = Reply(error=str(exc))
@@ -146,6 +170,7 @@ def sample_many(sessions: Sequence[SessionEngine], generators: Sequence[Any], ca
 __all__ = [
     "MIXED_SESSIONS",
     "batch_limit",
+    "bundled",
     "check",
     "generate_kwargs",
     "generate_many",

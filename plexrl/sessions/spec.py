@@ -19,6 +19,9 @@ from plexrl.planner.events import JobPlan
 from plexrl.sessions.calls import CALL_KINDS
 
 COMMITS = ("optim_step", "load")  # the calls that change a session's trained weights
+# the calls several LoRA sessions on one base run in one engine call (`sampling.sample_many`,
+# `training.forward_backward_many`), each kind with its own kind only (`planner.batches.batch_key`)
+BATCHED = ("sample", "forward_backward", "forward")
 OPEN_ITERATIONS = 1_000_000_000  # a session's calls are numbered below this (its plan is open)
 
 
@@ -59,10 +62,10 @@ class SessionSpec(JobSpec):
     """A session's spec: a `JobSpec` whose plan is open (see the module docstring)."""
 
     def plan(self) -> JobPlan:
-        from plexrl.sessions.sampling import batch_limit  # (samples of sessions on one base: one engine call)
+        from plexrl.sessions.sampling import batch_limit  # (calls of sessions on one base: one engine call)
 
         plan = JobSpec.plan(self)
-        nodes = {n: dataclasses.replace(p, commits=n in COMMITS, batchable=p.batchable and n == "sample")
+        nodes = {n: dataclasses.replace(p, commits=n in COMMITS, batchable=p.batchable and n in BATCHED)
                  for n, p in plan.nodes.items()}  # fmt: skip
         batch = batch_limit(self.config.model.lora is not None, self.generation, plan.batch)
         return dataclasses.replace(plan, nodes=nodes, baseline=(), open=True, batch=batch)
@@ -104,4 +107,4 @@ def prepare_session(
     )  # fmt: skip
 
 
-__all__ = ["COMMITS", "OPEN_ITERATIONS", "SessionConfig", "SessionSpec", "prepare_session"]
+__all__ = ["BATCHED", "COMMITS", "OPEN_ITERATIONS", "SessionConfig", "SessionSpec", "prepare_session"]
