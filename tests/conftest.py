@@ -127,6 +127,20 @@ def stable(history: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in history]
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """Wrap `owner.name` (for the test) so that each call records the length of its first argument (how many
+    engines or sessions one call served); the list of those lengths, filled as calls come."""
+    seen: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(first: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(first))
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
 def wait_for(check: Any, what: str, timeout: float = 60.0, interval: float = 0.02) -> Any:
     """Poll `check()` until it returns something truthy (returned), failing after `timeout` seconds."""
     import time

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import Clock
+from conftest import Clock, count_calls
 from test_session_engine import call, datum, spec
 
 from plexrl.planner import (
@@ -87,14 +87,7 @@ def test_sessions_samples_in_one_engine_call_equal_each_alone(
     assert all(r["metrics"]["call_sessions"] == 1.0 for r in alone.values())
     from plexrl.engines import mixed
 
-    engine_calls: list[int] = []
-    real = mixed.generate_mixed
-
-    def counted(engines: Any, calls: Any) -> Any:
-        engine_calls.append(len(engines))
-        return real(engines, calls)
-
-    monkeypatch.setattr(mixed, "generate_mixed", counted)
+    engine_calls = count_calls(monkeypatch, mixed, "generate_mixed")
     together = cohort(service, CALLS, 1)
     assert engine_calls == [3]  # ONE engine call served the three sessions
     for j in SESSIONS:

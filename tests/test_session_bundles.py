@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import count_calls
 from test_session_batching import CALLS, perturb, same
 from test_session_engine import call, datum, spec
 
@@ -91,14 +92,7 @@ def test_a_sessions_calls_run_together_equal_each_alone(service: Service, monkey
     alone = [call(service, "a", k, c)["value"] for k, c in enumerate(MINE)]
     from plexrl.engines import mixed
 
-    engine_calls: list[int] = []
-    real = mixed.generate_mixed
-
-    def counted(engines: Any, calls: Any) -> Any:
-        engine_calls.append(len(engines))
-        return real(engines, calls)
-
-    monkeypatch.setattr(mixed, "generate_mixed", counted)
+    engine_calls = count_calls(monkeypatch, mixed, "generate_mixed")
     together = call(service, "a", 5, Samples(MINE))
     assert engine_calls == [3] and together["metrics"]["bundled_calls"] == 3.0
     for got, want in zip(together["value"]["replies"], alone, strict=True):
@@ -123,14 +117,7 @@ def test_through_a_runner_a_clients_sample_calls_sent_at_once_run_as_one_node(
     from plexrl.engines import mixed
     from plexrl.runtime import InlineExecutor, Runner
 
-    engine_calls: list[int] = []
-    real = mixed.generate_mixed
-
-    def counted(engines: Any, calls: Any) -> Any:
-        engine_calls.append(len(engines))
-        return real(engines, calls)
-
-    monkeypatch.setattr(mixed, "generate_mixed", counted)
+    engine_calls = count_calls(monkeypatch, mixed, "generate_mixed")
 
     board = CallBoard()
     executor = InlineExecutor(services=1, validate=True)

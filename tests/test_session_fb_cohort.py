@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import Clock
+from conftest import Clock, count_calls
 from test_session_engine import call
 
 from plexrl.planner import CallArrived, JobPlan, JobSubmitted, NodeFinished, NodePlan, Planner, RunNode, ServiceJoined
@@ -104,14 +104,7 @@ def test_sessions_forward_backward_in_one_pass_equal_each_alone(
     todo = calls(loss, 7)
     alone = {j: call(service, j, 0, c) for j, c in todo.items()}
     alone_grads = {j: grads(service, j) for j in todo}
-    passes: list[int] = []
-    real = training._together
-
-    def counted(sessions: Any, cs: Any) -> Any:
-        passes.append(len(sessions))
-        return real(sessions, cs)
-
-    monkeypatch.setattr(training, "_together", counted)
+    passes = count_calls(monkeypatch, training, "_together")
     together = cohort(service, todo, 1)
     assert passes == [3]  # ONE pass served the three sessions
     for j in todo:
