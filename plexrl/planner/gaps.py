@@ -130,6 +130,9 @@ class Lazy(Mapping[str, float]):
     def __getitem__(self, job_id: str) -> float:
         return self._got()[job_id]
 
+    def get(self, job_id: str, default: float | None = None) -> float | None:  # type: ignore[override]
+        return self._got().get(job_id, default)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._got())
 
@@ -173,20 +176,23 @@ def _serve(
     extra: dict[str, float] = {}
     due: list[Mapping[str, float]] = []
     base = view
+    views: dict[str | None, OrderingView] = {}  # one per resident job (usage reads `extra` as it grows)
+
+    def usage(user: str) -> float:
+        return base.usage(user) + extra.get(user, 0.0) if base is not None else 0.0
+
+    def once() -> Mapping[str, float]:
+        if not due and base is not None:
+            due.append(base.due())
+        return due[0]
 
     def sim_view(resident: str | None) -> OrderingView | None:
         if base is None:
             return None
-
-        def usage(user: str) -> float:
-            return base.usage(user) + extra.get(user, 0.0)
-
-        def once() -> Mapping[str, float]:
-            if not due:
-                due.append(base.due())
-            return due[0]
-
-        return replace(base, resident=resident, usage=usage, due=once)
+        v = views.get(resident)
+        if v is None:
+            v = views[resident] = replace(base, resident=resident, usage=usage, due=once)
+        return v
 
     def cost(q: QueuedNode) -> float:
         sec = base.service_time(q) if base is not None else node_rest(jobs[q.job_id], q.node, predict)
