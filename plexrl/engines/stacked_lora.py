@@ -109,27 +109,47 @@ def _lora_layers(model: nn.Module, adapters: Sequence[str]) -> list[Any] | None:
     return layers
 
 
+def _weights(model: nn.Module, adapters: Sequence[str]) -> tuple[list[Any], int, Tensor] | None:
+    """The model's LoRA layers, the largest rank among `adapters` and one of their A weights (its device and
+    dtype); None when they need peft's path or the model has none of them."""
+    layers = _lora_layers(model, adapters)
+    weights = [layer.lora_A[a].weight for layer in layers or () for a in adapters if a in layer.lora_A]
+    if not layers or not weights:
+        return None
+    return layers, max(w.shape[0] for w in weights), weights[0]
+
+
+@contextlib.contextmanager
+def _patched(layers: Sequence[Any], make: Callable[[Any], Callable[..., Tensor]]) -> Iterator[None]:
+    """Each layer's forward replaced by `make(layer)` while within; the class's forward again after."""
+    patched = []
+    try:
+        for layer in layers:
+            layer.forward = make(layer)
+            patched.append(layer)
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward  # (the class's forward again)
+
+
 @contextlib.contextmanager
 def stacked(model: nn.Module, adapters: Sequence[str]) -> Iterator[Select | None]:
     """See the module docstring: within, `select(rows)` (row -> index in `adapters`) before each forward, and
     call the model without `adapter_names`; None: this model's LoRA layers need peft's path."""
-    layers = _lora_layers(model, adapters)
-    weights = [layer.lora_A[a].weight for layer in layers or () for a in adapters if a in layer.lora_A]
-    if not layers or not weights:
+    found = _weights(model, adapters)
+    if found is None:
         yield None
         return
-    rank = max(w.shape[0] for w in weights)
-    rows = _Rows(torch.arange(len(adapters) * rank, device=weights[0].device) // rank, weights[0].dtype)
-    patched = []
-    try:
+    layers, rank, first = found
+    rows = _Rows(torch.arange(len(adapters) * rank, device=first.device) // rank, first.dtype)
+
+    def make(layer: Any) -> Callable[..., Tensor]:
         with torch.no_grad():
-            for layer in layers:
-                layer.forward = _forward(layer, _stacks(layer, adapters, rank), rows)
-                patched.append(layer)
+            return _forward(layer, _stacks(layer, adapters, rank), rows)
+
+    with _patched(layers, make):
         yield rows.select
-    finally:
-        for layer in patched:
-            del layer.forward  # (the class's forward again)
 
 
 class _Groups:
@@ -209,26 +229,18 @@ def grouped(model: nn.Module, adapters: Sequence[str]) -> Iterator[Select | None
     """See the module docstring: within, `select(rows)` (row -> index in `adapters`) before each forward (with or
     without gradients), and call the model without `adapter_names`; None: these adapters need peft's path (a
     LoRA variant, dropout, a non-Linear LoRA layer) or the model has none of them."""
-    layers = _lora_layers(model, adapters)
-    weights = [layer.lora_A[a].weight for layer in layers or () for a in adapters if a in layer.lora_A]
-    dropout = any(
-        not isinstance(layer.lora_dropout[a], nn.Identity) for layer in layers or () for a in adapters
+    found = _weights(model, adapters)
+    dropout = found is not None and any(
+        not isinstance(layer.lora_dropout[a], nn.Identity) for layer in found[0] for a in adapters
         if a in layer.lora_dropout
     )  # fmt: skip
-    if not layers or not weights or dropout:
+    if found is None or dropout:
         yield None
         return
-    rank = max(w.shape[0] for w in weights)
-    groups = _Groups(weights[0].device)
-    patched = []
-    try:
-        for layer in layers:
-            layer.forward = _grouped_forward(layer, adapters, rank, groups)
-            patched.append(layer)
+    layers, rank, first = found
+    groups = _Groups(first.device)
+    with _patched(layers, lambda layer: _grouped_forward(layer, adapters, rank, groups)):
         yield groups.select
-    finally:
-        for layer in patched:
-            del layer.forward
 
 
 __all__ = ["Select", "grouped", "stacked"]

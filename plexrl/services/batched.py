@@ -131,8 +131,10 @@ def _size(out: Any) -> float:
     if out is None:
         return 0.0
     mask = getattr(out, "attention_mask", None)
-    metrics = {} if mask is not None else out.metrics()
-    return float(mask.sum()) if mask is not None else float(metrics.get("sampled_tokens", metrics.get("tokens", 0.0)))
+    if mask is not None:
+        return float(mask.sum())
+    metrics = out.metrics()
+    return float(metrics.get("sampled_tokens", metrics.get("tokens", 0.0)))
 
 
 __all__ = ["Member", "run_cohort"]
