@@ -222,7 +222,7 @@ def dag_config(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
         raw = tiny_job(tmp / "runs", iterations=10_000)
         raw["model"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
-        raw["pipeline"]["params"].update(eval_every=1, optimiser={"lr": 1e-3})
+        raw["pipeline"]["params"].update(eval_every=10, optimiser={"lr": 1e-3})
         return raw
     raw = load_yaml_file(SMOL_CONFIG)
     raw.update(iterations=100_000, run_dir=str(tmp / "runs"), engine="torch")
@@ -231,8 +231,9 @@ def dag_config(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return dict(raw)
 
 
-def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | None]:
-    """The DAG job alone, in-process, for `seconds`: (steps, seconds, its last held-out accuracy)."""
+def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | None, list[tuple[int, float]]]:
+    """The DAG job alone, in-process, for `seconds`: (steps, seconds, its last held-out accuracy, its curve: the
+    held-out accuracy after each evaluated step count; its evaluations run inside its clock)."""
     from plexrl.hooks.base import Hook
     from plexrl.job.load import load_job
     from plexrl.job.spec import JobRun, prepare_job
@@ -240,13 +241,14 @@ def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | No
     from plexrl.runtime import InlineExecutor, Runner
 
     spec = prepare_job(load_job(raw))
-    state: dict[str, Any] = {"steps": 0, "acc": None}
+    state: dict[str, Any] = {"steps": 0, "acc": None, "curve": []}
     runner: Any = None
 
     class Clock(Hook):
         def on_iteration_end(self, run: JobRun, iteration: int, metrics: dict[str, float]) -> None:
             if "evaluate/accuracy" in metrics:
                 state["acc"] = metrics["evaluate/accuracy"]
+                state["curve"].append((iteration + 1, metrics["evaluate/accuracy"]))
             if iteration >= 0:
                 state["steps"] = iteration + 1
             if time.perf_counter() - start >= seconds:
@@ -256,12 +258,13 @@ def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | No
     runner = Runner(executor, Planner(clock=executor.clock), hooks=[Clock()])
     start = time.perf_counter()
     runner.run([spec])
-    return state["steps"], time.perf_counter() - start, state["acc"]
+    return state["steps"], time.perf_counter() - start, state["acc"], state["curve"]
 
 
-def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tuple[int, float, float]:
+def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tuple[int, float, float, Any]:
     """The GRPO loop through the SDK for `seconds` on the DAG job's prompts and rewards: (steps, seconds,
-    held-out greedy accuracy at the end)."""
+    held-out greedy accuracy at the end, (its curve at the DAG's evaluation steps, seconds spent evaluating)).
+    Its evaluations (one sample call per held-out prompt, as an SDK user writes it) stop its clock."""
     import tinker
     from tinker import types
 
@@ -281,8 +284,28 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
         ).result()
         sampling = types.SamplingParams(max_tokens=max_new, temperature=params.get("temperature", 1.0),
                                         stop=[tok.eos_token_id])  # fmt: skip
+        every, held = (
+            params.get("eval_every", 10),
+            prompts_of([task.held_out[i] for i in range(min(eval_size, len(task.held_out)))], tok),
+        )
+        greedy = types.SamplingParams(max_tokens=max_new, temperature=0.0, stop=[tok.eos_token_id])
+        curve: list[tuple[int, float]] = []
+        evaluating = 0.0
+
+        def evaluate() -> float:
+            nonlocal evaluating
+            t0 = time.perf_counter()
+            sampler = training.save_weights_and_get_sampling_client().result()
+            outs = [sampler.sample(types.ModelInput.from_ints(p), 1, greedy) for p in held.token_ids]
+            texts = [tok.decode(f.result().sequences[0].tokens, skip_special_tokens=True) for f in outs]
+            verdicts = task.verify(texts, held.answers)
+            evaluating += time.perf_counter() - t0
+            curve.append((steps, sum(v or 0.0 for v in verdicts) / len(verdicts)))
+            return curve[-1][1]
+
+        evaluate()
         start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        while time.perf_counter() - start - evaluating < seconds:
             rows = [task.train[(steps * batch + i) % len(task.train)] for i in range(batch)]
             prompts = prompts_of(rows, tok)
             sampler = training.save_weights_and_get_sampling_client().result()
@@ -300,14 +323,11 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
                 training.forward_backward(data, "importance_sampling").result()
                 training.optim_step(types.AdamParams(learning_rate=lr, beta2=beta2, eps=1e-8)).result()
             steps += 1
-        elapsed = time.perf_counter() - start
-        sampler = training.save_weights_and_get_sampling_client().result()
-        held = prompts_of([task.held_out[i] for i in range(min(eval_size, len(task.held_out)))], tok)
-        greedy = types.SamplingParams(max_tokens=max_new, temperature=0.0, stop=[tok.eos_token_id])
-        outs = [sampler.sample(types.ModelInput.from_ints(p), 1, greedy) for p in held.token_ids]
-        texts = [tok.decode(f.result().sequences[0].tokens, skip_special_tokens=True) for f in outs]
-        verdicts = task.verify(texts, held.answers)
-        return steps, elapsed, sum(v or 0.0 for v in verdicts) / len(verdicts)
+            if steps % every == 0:
+                evaluate()
+        elapsed = time.perf_counter() - start - evaluating
+        final = curve[-1][1] if curve[-1][0] == steps else evaluate()
+        return steps, elapsed, final, (curve, evaluating)
     finally:
         service.close("success").result()
 
@@ -318,11 +338,11 @@ def smollm2(args: argparse.Namespace, tmp: Path) -> None:
 
     raw = dag_config(args, tmp)
     seconds = 5.0 if args.smoke else args.minutes * 60
-    dag_steps, dag_s, dag_acc = run_dag(raw, seconds)
+    dag_steps, dag_s, dag_acc, dag_curve = run_dag(raw, seconds)
     spec = prepare_job(load_job(raw))  # its prompts, rewards and model (cached: the DAG run built it)
     srv = server(tmp / "served-loop", Path(spec.model_path), args.driver)
     try:
-        loop_steps, loop_s, loop_acc = run_sdk_loop(srv.url, raw, spec, seconds)
+        loop_steps, loop_s, loop_acc, (loop_curve, loop_eval_s) = run_sdk_loop(srv.url, raw, spec, seconds)
     finally:
         srv.stop(120)
     print(f"each alone for {seconds:.0f} s ({'tiny smoke job' if args.smoke else 'SmolLM2-135M-Instruct, LoRA'})")
@@ -330,7 +350,17 @@ def smollm2(args: argparse.Namespace, tmp: Path) -> None:
     print("|---|---|---|---|")
     print(f"| DAG job (in-process) | {dag_steps} | {dag_steps / dag_s:.3f} | {dag_acc} |")
     print(f"| loop through the SDK | {loop_steps} | {loop_steps / loop_s:.3f} | {loop_acc:.3f} |")
-    print(f"steps/s loop / DAG: {(loop_steps / loop_s) / max(dag_steps / dag_s, 1e-9):.2f}")
+    print(
+        f"steps/s loop / DAG: {(loop_steps / loop_s) / max(dag_steps / dag_s, 1e-9):.2f} (the DAG's clock holds its "
+        f"evaluations; the loop's does not: it spent {loop_eval_s:.0f} s more evaluating)"
+    )
+    loop_at = dict(loop_curve)
+    print("held-out greedy accuracy after k steps (the DAG's evaluation points; '-': the loop did not reach k)")
+    print("| k | DAG job | loop through the SDK |")
+    print("|---|---|---|")
+    for k, acc in dag_curve:
+        other = loop_at.get(k)
+        print(f"| {k} | {acc:.3f} | {'-' if other is None else f'{other:.3f}'} |")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
