@@ -8,7 +8,8 @@ each on a fresh server with one service:
 - alone: ONE session: its seconds per step (the single-session rate r1);
 - together, samples batched: `--sessions` N sessions at once, `cluster.batch_rollouts: true`, so sample calls
   of several sessions queued together run as ONE engine call (`plexrl/sessions/sampling.py`), and so do their
-  forward_backward calls (one training pass, `plexrl/sessions/training.py`); such a call that
+  forward_backward calls on an accelerator (one training pass, `plexrl/sessions/training.py`; on a CPU they run
+  one after another, where one pass cost more); such a call that
   finds the service idle waits at most `--window` seconds (`cluster.batch_window_s`, default the config's) for
   the sessions of its base idle between calls (`plexrl/planner/batches.py`, `gather_until`);
 - together, one call per sample: the same N sessions with `batch_rollouts: false`.

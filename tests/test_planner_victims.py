@@ -161,3 +161,32 @@ def test_a_simulated_real_size_mix_swaps_in_fewer_full_states_and_evicts_the_sta
             bad[name] += wrong(evictions, spans)
     assert ins["new"] < ins["old"]
     assert bad["new"] < bad["old"]
+
+
+@pytest.mark.parametrize("copy_engine", [False, True])
+def test_a_prefetch_evicts_a_state_needed_before_the_running_job_only_on_a_copy_engine(copy_engine: bool) -> None:
+    """Room for two states: p runs (pinned; next needed in 9 s), v waits on device (needed in 5 s), j sits on host
+    and runs next (in 1 s). Where copies share the compute's cores, prefetching j now would evict v, needed
+    before p, when evicting p once its node ends moves fewer bytes: nothing is prefetched. With a copy engine
+    (a GPU service) the copy beside compute is free and hides j's swap-in: v leaves now."""
+    sm = StateManager("s0", {"device": 20 * MB, "host": None, "disk": None}, copy_engine=copy_engine)
+    assert [sm.admit(j, 10 * MB) for j in "pvj"] == ["device", "device", "host"]
+    soon = {"p": 9.0, "v": 5.0, "j": 1.0}
+    moves = sm.prefetch("j", soon, pinned={"p"})
+    if copy_engine:
+        assert moves == [Move("v", "device", "host", 10 * MB), Move("j", "host", "device", 10 * MB)]
+    else:
+        assert moves == [] and sm.where == {"p": "device", "v": "device", "j": "host"}
+    sm.validate()
+
+
+def test_services_on_gpus_join_with_a_copy_engine() -> None:
+    """The runtime's budgets say where moves run: a cuda service's on a copy stream, a cpu service's not."""
+    from plexrl.runtime.build import budgets_of
+    from plexrl.runtime.config import RuntimeConfig
+
+    cpu = RuntimeConfig.model_validate({"services": {"count": 1}})
+    assert budgets_of(cpu).joined("s0").copy_engine is False
+    p = Planner(clock=Clock(), validate=True)
+    p.handle(Budgets(device=1024 * MB, copy_engine=True).joined("s1"))
+    assert p.services["s1"].state.copy_engine is True

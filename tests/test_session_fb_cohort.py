@@ -31,6 +31,15 @@ LORAS = {
 }
 
 
+ON_ACCELERATORS = training.ONE_PASS_DEVICES  # (the default: one pass only where it pays)
+
+
+@pytest.fixture(autouse=True)
+def one_pass_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass itself is what these tests check, so it runs on this CPU too."""
+    monkeypatch.setattr(training, "ONE_PASS_DEVICES", ON_ACCELERATORS | {"cpu"})
+
+
 def spec(model_dir: Path, name: str, tmp: Path) -> Any:
     model = {"path": str(model_dir), "lora": LORAS[name]}
     tracking = {"mlflow": False, "progress": False, "log_model": False}
@@ -159,6 +168,25 @@ def test_a_refused_call_and_forward_only_calls(service: Service) -> None:
         assert not service.engines[j].grads and both[j]["metrics"]["call_sessions"] == 3.0
         for g, w in zip(both[j]["value"]["outputs"], alone[j]["value"]["outputs"], strict=True):
             assert np.allclose(g["logprobs"], w["logprobs"], atol=1e-5)
+
+
+def test_on_a_cpu_a_cohorts_calls_run_one_after_another_each_as_alone(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default one pass is for accelerators only (on a CPU it cost each session more than its call alone):
+    here the cohort's calls run each alone, with the results and gradients of each call alone."""
+    assert "cpu" not in ON_ACCELERATORS and "cuda" in ON_ACCELERATORS
+    monkeypatch.setattr(training, "ONE_PASS_DEVICES", ON_ACCELERATORS)
+    todo = calls("importance_sampling", 5)
+    alone = {j: call(service, j, 0, c) for j, c in todo.items()}
+    alone_grads = {j: grads(service, j) for j in todo}
+    passes = count_calls(monkeypatch, training, "_together")
+    together = cohort(service, todo, 1)
+    assert passes == []
+    for j in todo:
+        assert together[j]["error"] is None and together[j]["metrics"].get("call_sessions", 1.0) == 1.0
+        assert together[j]["value"]["metrics"]["loss:sum"] == alone[j]["value"]["metrics"]["loss:sum"]
+        same_grads(grads(service, j), alone_grads[j])
 
 
 def test_the_planner_cohorts_a_sessions_calls_with_calls_of_their_kind_only() -> None:

@@ -25,6 +25,7 @@ from tinker.types.tensor_data import TensorData  # noqa: E402
 
 from plexrl.server.api import start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
+from plexrl.sessions import training  # noqa: E402
 
 SESSIONS = 4
 PROMPTS = [[1, 504, 2330, 314], [1, 9, 77], [1, 2330, 30, 2, 11, 5], [1, 42]]  # one per session
@@ -38,7 +39,11 @@ def sampled(result: Any) -> list[tuple[list[int], list[float]]]:
     return [(list(s.tokens), list(s.logprobs or [])) for s in result.sequences]
 
 
-def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(tmp_path: Path, smol_tiny: Path) -> None:
+def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(
+    tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one training pass on this CPU too (by default it is for accelerators: `training.ONE_PASS_DEVICES`)
+    monkeypatch.setattr(training, "ONE_PASS_DEVICES", training.ONE_PASS_DEVICES | {"cpu"})
     cfg = ServerConfig(
         port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"), mlflow=False,
         cluster={"driver": "local", "services": {"count": 1}, "validate_state": True, "max_load": 16.0,

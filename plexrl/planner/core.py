@@ -224,7 +224,8 @@ class Planner:
             raise InvalidTransition(self._history(f"service {ev.service_id!r} joined twice"))
         self._admission.due = True
         budgets = {"device": ev.device_bytes, "host": ev.host_bytes, "disk": ev.disk_bytes}
-        state = StateManager(ev.service_id, budgets, exclusive=self.exclusive)  # type: ignore[arg-type]
+        state = StateManager(ev.service_id, budgets, exclusive=self.exclusive,  # type: ignore[arg-type]
+                             copy_engine=ev.copy_engine)  # fmt: skip
         self.services[ev.service_id] = ServiceRecord(ev.service_id, state=state)
 
     def _service_lost(self, ev: ServiceLost, out: list[Instruction]) -> None:

@@ -106,12 +106,14 @@ class JobPlan:
 # -- events -------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ServiceJoined:
-    """A service is up. Budgets in bytes per tier (None = unlimited)."""
+    """A service is up. Budgets in bytes per tier (None = unlimited); `copy_engine`: its state moves run beside
+    its compute (a GPU's copy stream), so a prefetch costs it no service time (`StateManager.prefetch`)."""
 
     service_id: str
     device_bytes: int | None = None
     host_bytes: int | None = None
     disk_bytes: int | None = None
+    copy_engine: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ class StateManager:
     engines: dict[str, int] = field(default_factory=dict)
     engine_of: dict[str, str] = field(default_factory=dict)
     exclusive: bool = False  # one job's state on device at a time; no prefetch (see the module docstring)
+    copy_engine: bool = False  # moves run beside compute (a GPU's copy stream), not on its cores (`prefetch`)
     # bytes used per tier, recomputed after any change (every write below goes through `_changed`)
     _used: dict[Tier, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -184,14 +185,16 @@ class StateManager:
         return moves
 
     def prefetch(self, job_id: str, next_use: Mapping[str, float], pinned: set[str]) -> list[Move]:
-        """Like `make_resident`, but only evicting jobs needed later than `job_id` and later than every pinned
-        job on device (the node running or sent: when `job_id`'s turn comes that job's node has ended, and if it
-        is needed later than a victim, evicting it then moves fewer states than evicting the victim now); [] if
-        that is not enough, and always [] in the `exclusive` mode (no prefetch)."""
+        """Like `make_resident`, but only evicting jobs needed later than `job_id`; [] if that is not enough, and
+        always [] in the `exclusive` mode (no prefetch). Without a `copy_engine` (moves share the compute's
+        cores, so a background copy is not free), also only jobs needed later than every pinned job on device
+        (the node running or sent: when `job_id`'s turn comes that job's node has ended, and if it is needed
+        later than a victim, evicting it then moves fewer bytes than evicting the victim now). With one, a copy
+        beside compute costs no service time, and prefetching now hides what would block later."""
         if self.exclusive or self.where.get(job_id, "device") == "device":
             return []
         horizon = next_use.get(job_id, math.inf)
-        for other in pinned:
+        for other in () if self.copy_engine else pinned:
             if other != job_id and self.where.get(other) == "device":
                 horizon = max(horizon, next_use.get(other, 0.0))
         snapshot = dict(self.where)

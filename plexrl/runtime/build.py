@@ -90,12 +90,14 @@ def device_budget(cfg: RuntimeConfig, jobs: Sequence[LoadedJob] | None = None) -
 
 
 def budgets_of(cfg: RuntimeConfig, jobs: Sequence[LoadedJob] | None = None) -> Budgets:
-    """Each service's byte budget per tier (None: unlimited); the device's from `device_budget`."""
+    """Each service's byte budget per tier (None: unlimited); the device's from `device_budget`. Services on
+    GPUs move states on a copy stream beside compute (`copy_engine`)."""
     s = cfg.services
     return Budgets(
         device_budget(cfg, jobs),
         int(s.host_memory) if s.host_memory is not None else None,
         int(s.disk) if s.disk is not None else None,
+        copy_engine=s.device == "cuda",
     )
 
 

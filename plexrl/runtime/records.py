@@ -33,14 +33,16 @@ class RunnableSpec(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Budgets:
-    """Byte budgets per tier of every service (None = unlimited)."""
+    """Byte budgets per tier of every service (None = unlimited), and whether their moves run on a copy engine
+    beside compute (`ServiceJoined.copy_engine`: services on GPUs)."""
 
     device: int | None = None
     host: int | None = None
     disk: int | None = None
+    copy_engine: bool = False
 
     def joined(self, service_id: str) -> ServiceJoined:
-        return ServiceJoined(service_id, self.device, self.host, self.disk)
+        return ServiceJoined(service_id, self.device, self.host, self.disk, self.copy_engine)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,11 @@ alone would add it (equal up to the float noise of another batch composition). E
 gets alone (per datum its target log-probs, its loss sum), with `call_sessions` the number of sessions the pass
 served. optim_step stays per session.
 
+One pass pays only on an accelerator (`ONE_PASS_DEVICES`): there a step's cost is launches and memory traffic,
+which one pass shares. On a CPU the work is compute-bound: one pass does the arithmetic of every call plus the
+padding of datums of other lengths and adapters of other ranks, and it cost each session more than its call
+alone (docs/benchmarks.md, eight LoRA sessions), so there the calls of a cohort run one after another.
+
 A call refused (a user error) gets its error while the others run. Calls of sessions not on one base, or
 adapters `grouped` does not run (LoRA dropout, variants), run one after another, each alone. A pass that fails
 fails every call of it, and each of its sessions drops its accumulated gradients, as a call alone does.
@@ -34,6 +39,8 @@ SessionEngine = Any  # (`plexrl.sessions.engine.SessionEngine`)
 
 log = logging.getLogger(__name__)
 
+ONE_PASS_DEVICES = frozenset({"cuda"})  # where several sessions' calls run as one pass (see the module docstring)
+
 
 def forward_backward_many(sessions: Sequence[SessionEngine], calls: Sequence[ForwardBackward]) -> list[Reply]:
     """The replies of several sessions' forward_backward (or forward) calls, in one pass where they allow it
@@ -52,7 +59,7 @@ def forward_backward_many(sessions: Sequence[SessionEngine], calls: Sequence[For
     one_base = len(run) > 1 and shared[0] is not None and all(s is shared[0] for s in shared)
     one_kind = len({calls[i].backward for i in run}) == 1
     done = None
-    if one_base and one_kind:
+    if one_base and one_kind and _device(together[0]) in ONE_PASS_DEVICES:
         try:
             done = _together(together, [calls[i] for i in run])
         except Exception as exc:  # (each session drops its gradients, as its call alone would)
@@ -63,6 +70,11 @@ def forward_backward_many(sessions: Sequence[SessionEngine], calls: Sequence[For
     for i, r in zip(run, done, strict=True):
         replies[i] = r
     return [r if r is not None else Reply(error="not run") for r in replies]
+
+
+def _device(se: SessionEngine) -> str:
+    """The device type the session's adapter trains on ('cpu', 'cuda', ...)."""
+    return next(iter(se.trainable().values())).device.type
 
 
 def _together(sessions: Sequence[SessionEngine], calls: Sequence[ForwardBackward]) -> list[Reply] | None:
@@ -118,4 +130,4 @@ def _together(sessions: Sequence[SessionEngine], calls: Sequence[ForwardBackward
     return out
 
 
-__all__ = ["forward_backward_many"]
+__all__ = ["ONE_PASS_DEVICES", "forward_backward_many"]

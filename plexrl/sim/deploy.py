@@ -326,7 +326,8 @@ def run_deployment(
     # (a 5 s weight sync that would free its job for a 500 s rollout) cannot overtake it
     spans = _TailSpans()
     planner = Planner(clock=ex.clock, placement=placement, ordering=ordering, exclusive=slicing)
-    runner = Runner(ex, planner, hooks=[spans], budgets=Budgets(device=device_budget(acc, eff, dep.kind)))
+    budgets = Budgets(device=device_budget(acc, eff, dep.kind), copy_engine=True)  # (GPUs: moves on a copy stream)
+    runner = Runner(ex, planner, hooks=[spans], budgets=budgets)
     runs = runner.run(jobs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
     if bad:

@@ -324,7 +324,8 @@ def replay(tr: Trace, placement: str, jobs: list[SimJob], when: dict[str, float]
     ordering = ORDERINGS[SLICING if slicing else tr.ordering]()
     planner = Planner(clock=ex.clock, placement=gate, ordering=ordering, exclusive=slicing)
     runner = Runner(ex, planner, hooks=[busy_hook, _Release(gate)],
-                    budgets=Budgets(device=device_budget(tr.accelerator, tr.efficiency, tr.deployment)))  # fmt: skip
+                    budgets=Budgets(device=device_budget(tr.accelerator, tr.efficiency, tr.deployment),
+                                    copy_engine=True))  # fmt: skip
     jobs_seen = runner.planner.jobs
     gate.ended = lambda job_id: jobs_seen[job_id].status in ("done", "failed", "cancelled")
     runs = runner.run(jobs, arrivals=when)
