@@ -14,7 +14,7 @@ of the same rank), both on SmolLM2-135M-Instruct, the same prompts, rewards and 
 machine, under a lock such as `flock LOCKFILE ...`).
 
     .venv/bin/python benchmarks/service_api.py overhead [--steps 5] [--driver local] [--layers 2]
-    .venv/bin/python benchmarks/service_api.py smollm2 [--minutes 20]
+    .venv/bin/python benchmarks/service_api.py smollm2 [--minutes 20] [--eval-size N]
     .venv/bin/python benchmarks/service_api.py --smoke        # both, tiny, seconds (the test suite runs it)
 """
 
@@ -226,6 +226,8 @@ def dag_config(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return raw
     raw = load_yaml_file(SMOL_CONFIG)
     raw.update(iterations=100_000, run_dir=str(tmp / "runs"), engine="torch")
+    if args.eval_size:
+        raw["pipeline"]["params"]["eval_size"] = args.eval_size
     raw["model"]["lora"] = {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     raw["tracking"] = {"mlflow": False, "progress": False, "log_model": False}
     return dict(raw)
@@ -373,6 +375,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="overhead: layers of the SmolLM2 copy (_smol_short)")
     ap.add_argument("--driver", choices=["local", "dask"], default="local", help="the server's driver")
     ap.add_argument("--minutes", type=float, default=20.0, help="smollm2: minutes for each arm")
+    ap.add_argument(
+        "--eval-size",
+        type=int,
+        default=0,
+        help="smollm2: held-out prompts per evaluation, both arms (default: the config's)",
+    )
     ap.add_argument("--smoke", action="store_true", help="both parts, tiny (the test suite runs it)")
     args = ap.parse_args(argv)
     if args.smoke:
