@@ -132,6 +132,8 @@ def test_the_cookbook_downloads_an_external_export_that_peft_loads_to_the_server
     final = listed["external_weights/final"]
     assert (final.checkpoint_type, final.tinker_path) == ("external", trained["export"])
     assert final.expires_at is not None and final.size_bytes == sum(p.stat().st_size for p in out.iterdir())
+    info = rest.get_weights_info_by_tinker_path(trained["export"]).result()
+    assert (info.is_lora, info.lora_rank, info.train_unembed) == (True, 4, True)
     from plexrl.server.tinker.quotas import saved_bytes  # an export counts against the user's saved bytes
 
     folder = server.sessions.root / training.model_id.replace(":", "-") / "external_weights" / "final"
@@ -262,3 +264,32 @@ def test_what_an_attacker_tries_is_refused(server: RunningServer, trained: dict[
     assert fetch(good)[0] == 403  # a deleted export's URLs fetch nothing
     with pytest.raises(tinker.NotFoundError):
         rest.get_external_weights_urls(path).result()
+
+
+def test_the_cookbooks_merge_takes_an_adapter_without_the_tied_output_head(
+    server: RunningServer, ann: Any, trained: dict[str, Any], smol_tiny: Path, tmp_path: Path, as_ann: None
+) -> None:
+    """`weights.build_hf_model` after `weights.download`: an adapter on attention and MLP merges into a model
+    with the server's log-probs; one on the output head of a tied-embedding model is refused by the cookbook
+    (it looks for `lm_head.weight`, which such a checkpoint lacks: docs/tutorial-your-loop.md says so)."""
+    from tinker_cookbook.exceptions import WeightsMergeError
+    from transformers import AutoModelForCausalLM
+
+    lora = ann.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5, train_unembed=False).result()
+    lora.forward_backward([DATUM], "cross_entropy").result()
+    lora.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    served = np.asarray(lora.forward([DATUM], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy())
+    path = lora.save_weights_external("body-only").result().path
+    adapter = weights.download(tinker_path=path, output_dir=str(tmp_path / "adapter"), base_url=server.url)
+    with warnings.catch_warnings():  # (the cookbook's own loading may warn; it is not under test here)
+        warnings.simplefilter("ignore")
+        weights.build_hf_model(base_model=str(smol_tiny), adapter_path=adapter, output_path=str(tmp_path / "merged"),
+                               dtype="float32", merge_strategy="full")  # fmt: skip
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype="float32").eval()
+    np.testing.assert_allclose(local_logprobs(merged), served, atol=1e-4)
+
+    with_head = weights.download(tinker_path=trained["export"], output_dir=str(tmp_path / "head"), base_url=server.url)
+    with warnings.catch_warnings(), pytest.raises(WeightsMergeError, match="lm_head"):
+        warnings.simplefilter("ignore")
+        weights.build_hf_model(base_model=str(smol_tiny), adapter_path=with_head, output_path=str(tmp_path / "m2"),
+                               dtype="float32", merge_strategy="full")  # fmt: skip

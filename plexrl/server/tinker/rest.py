@@ -288,6 +288,10 @@ def _page(limit: Any, offset: Any) -> tuple[int, int]:
 
 
 def _parsed(path: Any) -> tuple[str, str, str]:
+    """(model id, kind, name) of a checkpoint's `tinker://` path, an export's included."""
+    parts = path[len("tinker://") :].split("/") if isinstance(path, str) and path.startswith("tinker://") else []
+    if len(parts) == 3 and parts[1] == KIND and MODEL_ID.fullmatch(parts[0]):
+        return parts[0], KIND, checked_name(parts[2], "the checkpoint name")
     try:
         return parse_path(path)
     except Refused as exc:
