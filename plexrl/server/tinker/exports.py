@@ -155,7 +155,9 @@ def publish(reg: Registry, spec: Export, keys: list[Any], facts: dict[str, Any])
                 shutil.rmtree(spec.staging, ignore_errors=True)
                 return "error", (f"external weights {spec.name!r} exist; save under another name", "user")
             spec.staging.replace(spec.target)
-            note_checkpoint(reg.root, spec.model_id, f"{KIND}/{spec.name}", {**facts, "export_id": secrets.token_hex(8)})
+            note_checkpoint(
+                reg.root, spec.model_id, f"{KIND}/{spec.name}", {**facts, "export_id": secrets.token_hex(8)}
+            )
     except Exception as exc:
         log.exception("exporting %s failed", spec.path)
         shutil.rmtree(spec.staging, ignore_errors=True)
