@@ -156,15 +156,15 @@ class Runs:
                     "user_metadata": info.get("user_metadata"),
                 })  # fmt: skip
         exports = self.reg.root / job_of(run_id) / KIND
-        for folder in sorted(exports.iterdir()) if exports.is_dir() else ():
-            if not NAME.fullmatch(folder.name) or not folder.is_dir():  # (a hidden staging folder: not yet one)
+        for export in sorted(exports.iterdir()) if exports.is_dir() else ():
+            if not NAME.fullmatch(export.name) or not export.is_dir():  # (a hidden staging folder: not yet one)
                 continue
-            info = meta.get(f"{KIND}/{folder.name}", {})
+            info = meta.get(f"{KIND}/{export.name}", {})
             out.append({
-                "checkpoint_id": f"{KIND}/{folder.name}", "checkpoint_type": "external",
-                "time": _when(folder.stat().st_mtime), "tinker_path": tinker_path(run_id, KIND, folder.name),
-                "size_bytes": export_size(folder), "public": bool(info.get("public", False)),
-                "expires_at": info.get("expires_at"), "_file": str(folder), "user_metadata": info.get("user_metadata"),
+                "checkpoint_id": f"{KIND}/{export.name}", "checkpoint_type": "external",
+                "time": _when(export.stat().st_mtime), "tinker_path": tinker_path(run_id, KIND, export.name),
+                "size_bytes": export_size(export), "public": bool(info.get("public", False)),
+                "expires_at": info.get("expires_at"), "_file": str(export), "user_metadata": info.get("user_metadata"),
             })  # fmt: skip
         return {"checkpoints": out, "cursor": None}
 
