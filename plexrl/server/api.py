@@ -92,6 +92,7 @@ def create_app(
     from plexrl.server.housekeeping import DiskCheck
     from plexrl.server.limits import open_jobs_of
     from plexrl.server.submissions import check_submission
+    from plexrl.server.tinker.rest import signed_download
     from plexrl.server.tinker.routes import PREFIX as TINKER_PREFIX
     from plexrl.server.tinker.routes import add_tinker_routes
     from plexrl.server.tinker.routes import key_of as tinker_key
@@ -110,7 +111,9 @@ def create_app(
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
         request.state.user = None
-        if secrets and request.url.path not in PUBLIC_PATHS:
+        path = request.url.path  # (a signed download URL is its own credential: the SDK sends it no key)
+        signed = sessions is not None and signed_download(TINKER_PREFIX, path)
+        if secrets and path not in PUBLIC_PATHS and not signed:
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
             if sessions is not None and request.url.path.startswith(TINKER_PREFIX) and not value:
                 scheme, value = "bearer", tinker_key(request)  # the SDK's `X-API-Key: tml-TOKEN`

@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from plexrl.server.tinker import handlers, proto, rest
+from plexrl.server.tinker import exports, handlers, proto, rest
 from plexrl.server.tinker.decode import Refused
 from plexrl.server.tinker.futures import GONE
 from plexrl.server.tinker.registry import Registry
@@ -180,6 +180,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
     posting("/optim_step", handlers.optim_step)
     posting("/save_weights", handlers.save_weights)
     posting("/save_weights_for_sampler", handlers.save_for_sampler)
+    posting("/save_weights_external", exports.save_external)
     posting("/load_weights", handlers.load_weights, creates=True)
     posting("/create_sampling_session", handlers.create_sampler, creates=True)
     posting("/asample", handlers.asample)
