@@ -76,7 +76,8 @@ def schema_disagreements() -> list[str]:
 
 
 def test_the_schema_is_the_sdks() -> None:
-    assert schema_disagreements() == []
+    problems = schema_disagreements()
+    assert not problems, "the server's schema (proto.SCHEMA) differs from the SDK's:\n" + "\n".join(problems)
 
 
 def test_the_server_does_not_import_the_sdk() -> None:
@@ -154,7 +155,7 @@ def test_what_we_send_the_sdk_reads() -> None:
     ],
 )
 def test_a_malformed_body_is_a_wire_error(body: bytes) -> None:
-    with pytest.raises(proto.WireError, match="does not parse as a tinker_public.ForwardBackwardRequest"):
+    with pytest.raises(proto.WireError, match=r"does not parse as a tinker_public\.ForwardBackwardRequest"):
         proto.decode_forward_backward(body)
 
 

@@ -31,7 +31,16 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "loss_fn_config 5 map double", "forward_only 6 bool", "loss_fn_config_v2 7 map LossConfigValue",
     ),
     "LossConfigValue": ("number 1 double oneof value", "text 2 string oneof value"),
-    "Datum": ("model_input 1 repeated Chunk", "loss_fn_inputs 2 map Tensor"),
+    "Datum": (
+        "model_input 1 repeated Chunk", "loss_fn_inputs 2 map Tensor", "model_input_spans 3 repeated ProvenanceSpan",
+        "loss_fn_input_spans 4 repeated ProvenanceSpan",
+    ),
+    # (provenance spans: parsed, not read; only stable_reinforce, not served, uses them)
+    "ProvenanceSpan": (
+        "prompt_tokens 1 PromptProvenanceSpan oneof span", "sampled_tokens 2 SampledProvenanceSpan oneof span",
+    ),
+    "PromptProvenanceSpan": ("sequence_id 1 string", "offset 2 int64", "length 3 int64"),
+    "SampledProvenanceSpan": ("sequence_id 1 string", "offset 2 int64", "length 3 int64"),
     "Chunk": (
         "encoded_text 1 EncodedTextChunk oneof chunk", "image 2 ImageChunk oneof chunk", "dmel 3 DmelChunk oneof chunk",
     ),
