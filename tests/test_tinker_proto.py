@@ -114,11 +114,18 @@ def test_what_the_sdk_sends_is_read_dense_and_sparse() -> None:
     assert decode.tensor("w", inputs["weights"], 100).tolist() == [0.0, 1.0, 0.5]
     assert decode.tensor("t", inputs["target_tokens"], 100).dtype == np.int64
     assert np.array_equal(decode.tensor("g", inputs["grid"], 100), sparse.numpy())
-    # fields the schema does not name (a newer SDK's), at the top and inside a datum, are ignored
+    # provenance spans are a flag; fields the schema does not name (a newer SDK's: 101, 102) are ignored
     msg = sdk.ForwardBackwardRequest.FromString(request([d]))
     msg.data[0].model_input_spans.add().prompt_tokens.sequence_id = "s/0/0"
-    newer = msg.SerializeToString() + b"\xa8\x06\x01" + b"\xb2\x06\x02hi"  # fields 101 (varint), 102 (bytes)
-    assert proto.decode_forward_backward(newer) == proto.decode_forward_backward(request([d]))
+    datum = msg.data[0].SerializeToString() + b"\xb2\x06\x02hi"  # field 102 (bytes), inside the datum
+    msg.ClearField("data")
+    n = len(datum)
+    length = bytes([0x80 | n & 0x7F, n >> 7]) if n > 127 else bytes([n])
+    newer = msg.SerializeToString() + b"\xa8\x06\x01" + b"\x1a" + length + datum  # field 101 (varint) at the top
+    got = proto.decode_forward_backward(newer)
+    assert got.data[0].spans and not proto.decode_forward_backward(request([d])).data[0].spans
+    got.data[0].spans = False
+    assert got == proto.decode_forward_backward(request([d]))
 
 
 def test_what_we_send_the_sdk_reads() -> None:

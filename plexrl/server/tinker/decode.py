@@ -140,8 +140,8 @@ def forward_backward(wire: WireForwardBackward, limits: ModelLimits, cfg: Tinker
     budget = VALUES_PER_TOKEN * cfg.max_tokens_per_call  # loss-input values of the whole call, CSR densified
     for i, d in enumerate(wire.data):
         where = f"datum {i}"
-        # (provenance spans, which the cookbook's RL trainer attaches to every datum, are not read:
-        # only stable_reinforce, not served, uses them)
+        # (provenance spans, which the cookbook's RL trainer attaches to every datum, are taken and not checked:
+        # only stable_reinforce, not served, reads them)
         tokens = tokens_of(d.chunks, f"{where} model_input")
         total += len(tokens)
         if total > cfg.max_tokens_per_call:

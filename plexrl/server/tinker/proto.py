@@ -35,7 +35,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "model_input 1 repeated Chunk", "loss_fn_inputs 2 map Tensor", "model_input_spans 3 repeated ProvenanceSpan",
         "loss_fn_input_spans 4 repeated ProvenanceSpan",
     ),
-    # (provenance spans: parsed, not read; only stable_reinforce, not served, uses them)
+    # (provenance spans: only whether a datum has any is read; only stable_reinforce, not served, uses them)
     "ProvenanceSpan": (
         "prompt_tokens 1 PromptProvenanceSpan oneof span", "sampled_tokens 2 SampledProvenanceSpan oneof span",
     ),
@@ -141,11 +141,11 @@ class WireTensor:
 
 @dataclass(slots=True)
 class WireDatum:
-    """A decoded `Datum`: its chunks as (kind, tokens bytes) and its loss inputs. (Its provenance spans, which the
-    cookbook's RL trainer attaches to every datum, are not read: only stable_reinforce, not served, uses them.)"""
+    """A decoded `Datum`: its chunks as (kind, tokens bytes) and its loss inputs."""
 
     chunks: list[tuple[str, bytes]] = field(default_factory=list)
     inputs: dict[str, WireTensor] = field(default_factory=dict)
+    spans: bool = False  # it carries provenance spans (taken, not checked: decode.forward_backward)
 
 
 @dataclass(slots=True)
@@ -190,7 +190,8 @@ def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwa
             raise TooLarge(f"a datum of more than {MAX_DATUM_PARTS} model-input chunks or loss inputs")
         chunks = [(_known(c).WhichOneof("chunk") or "encoded_text", _known(c.encoded_text).tokens)
                   for c in d.model_input]  # fmt: skip
-        out.data.append(WireDatum(chunks, {k: _tensor(t) for k, t in d.loss_fn_inputs.items()}))
+        inputs = {k: _tensor(t) for k, t in d.loss_fn_inputs.items()}
+        out.data.append(WireDatum(chunks, inputs, len(d.model_input_spans) + len(d.loss_fn_input_spans) > 0))
     return out
 
 
