@@ -185,6 +185,8 @@ def test_sizes_past_the_bounds_are_too_large() -> None:
     d = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={})
     with pytest.raises(proto.TooLarge, match=r"max_datums \(2\)"):
         proto.decode_forward_backward(request([d] * 2) + b"\x1a\x00" * 10_000, max_datums=2)
+    with pytest.raises(proto.TooLarge, match="neither tokens nor tensors"):  # (a newer client's fields, but so many)
+        proto.decode_forward_backward(request([d]) + b"\xa8\x06\x01" * 30_000)
     chunks = b"\x0a\x00" * (proto.MAX_DATUM_PARTS + 1)
     with pytest.raises(proto.TooLarge, match="model-input chunks"):
         proto.decode_forward_backward(b"\x1a" + bytes([0x80 | len(chunks) & 0x7F, len(chunks) >> 7]) + chunks)

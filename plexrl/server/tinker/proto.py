@@ -8,8 +8,9 @@ descriptor pool. The `tinker` SDK is not imported: tests/test_tinker_proto.py ch
 generated one. Parsing is the library's: every length is checked against the buffer, nesting is fixed by the
 schema (groups of unknown fields at most 100 deep), strings must be UTF-8. A body that does not parse, holds a field
 of the schema with another wire type or a shape of more than `MAX_DIMS` raises `WireError` (the server answers
-400); more datums than the server takes, or more chunks or inputs than a datum may hold, `TooLarge` (413). Fields
-the schema does not name (a newer client's) are ignored, as protobuf does.
+400); more datums than the server takes, more chunks or inputs than a datum may hold, or more bytes besides tokens
+and tensors than `MAX_OVERHEAD` allows, `TooLarge` (413). Fields the schema does not name (a newer client's) are
+ignored, as protobuf does.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ DTYPE_NAMES = {1: "float32", 2: "int64", 3: "int32", 4: "bfloat16"}
 FLOAT32 = 1
 MAX_DIMS = 8  # entries of a tensor's shape taken before it is refused
 MAX_DATUM_PARTS = 256  # a datum's model-input chunks, or its loss inputs
+MAX_OVERHEAD = 64 << 10  # bytes of a body besides its tokens and tensors, and 1/32 of it more a datum
 
 
 def _file() -> descriptor_pb2.FileDescriptorProto:
@@ -181,26 +183,40 @@ def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwa
                         "end, a string not UTF-8 or nested too deep)") from None  # fmt: skip
     if len(msg.data) > max_datums:
         raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
-    v2 = _known(msg).loss_fn_config_v2
-    config = {k: getattr(v, _known(v).WhichOneof("value") or "number") for k, v in v2.items()}
+    config = {k: getattr(v, v.WhichOneof("value") or "number") for k, v in msg.loss_fn_config_v2.items()}
     out = WireForwardBackward(msg.model_id, msg.seq_id, [], msg.loss_fn, config or dict(msg.loss_fn_config),
                               msg.forward_only)  # fmt: skip
+    payload = 0  # bytes of tokens and tensors
     for d in msg.data:
-        if len(_known(d).model_input) > MAX_DATUM_PARTS or len(d.loss_fn_inputs) > MAX_DATUM_PARTS:
+        if len(d.model_input) > MAX_DATUM_PARTS or len(d.loss_fn_inputs) > MAX_DATUM_PARTS:
             raise TooLarge(f"a datum of more than {MAX_DATUM_PARTS} model-input chunks or loss inputs")
-        chunks = [(_known(c).WhichOneof("chunk") or "encoded_text", _known(c.encoded_text).tokens)
-                  for c in d.model_input]  # fmt: skip
+        chunks = [(c.WhichOneof("chunk") or "encoded_text", c.encoded_text.tokens) for c in d.model_input]
         inputs = {k: _tensor(t) for k, t in d.loss_fn_inputs.items()}
         out.data.append(WireDatum(chunks, inputs, len(d.model_input_spans) + len(d.loss_fn_input_spans) > 0))
+        payload += sum(len(b) for _, b in chunks) + sum(len(t.dense or b"") + len(t.values or b"") + len(t.crow or b"")
+                                                       + len(t.col or b"") for t in inputs.values())  # fmt: skip
+    rest = len(body) - payload  # (the SDK's: ~200 bytes a datum, ~25 a provenance span; unknown fields cost ~1 us each)
+    if rest > MAX_OVERHEAD + MAX_OVERHEAD // 32 * len(msg.data):
+        raise TooLarge(f"{rest} bytes of the body are neither tokens nor tensors (fields this server does not know?); "
+                       f"at most {MAX_OVERHEAD} and {MAX_OVERHEAD // 32} a datum")  # fmt: skip
+    _known(msg)
+    for v in msg.loss_fn_config_v2.values():
+        _known(v)
+    for d in msg.data:
+        _known(d)
+        for m in [*d.model_input, *(c.encoded_text for c in d.model_input), *d.loss_fn_inputs.values()]:
+            _known(m)
+            if m.DESCRIPTOR.name == "Tensor":
+                _known(m.sparse_csr)
     return out
 
 
 def _tensor(t: Any) -> WireTensor:
-    if len(_known(t).shape) > MAX_DIMS:
+    if len(t.shape) > MAX_DIMS:
         raise WireError(f"a tensor shape of more than {MAX_DIMS} dimensions")
     out = WireTensor(DTYPE_NAMES.get(t.dtype, f"unknown ({t.dtype})"), list(t.shape))
     if t.WhichOneof("encoding") == "sparse_csr":
-        csr = _known(t.sparse_csr)
+        csr = t.sparse_csr
         out.values, out.crow, out.col = csr.values, csr.crow_indices, csr.col_indices
     else:
         out.dense = t.dense
