@@ -183,6 +183,7 @@ def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwa
                         "end, a string not UTF-8 or nested too deep)") from None  # fmt: skip
     if len(msg.data) > max_datums:
         raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
+    read = [msg, *msg.loss_fn_config_v2.values()]  # the messages read, looked at by `_known` once the size is known
     config = {k: getattr(v, v.WhichOneof("value") or "number") for k, v in msg.loss_fn_config_v2.items()}
     out = WireForwardBackward(msg.model_id, msg.seq_id, [], msg.loss_fn, config or dict(msg.loss_fn_config),
                               msg.forward_only)  # fmt: skip
@@ -190,24 +191,21 @@ def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwa
     for d in msg.data:
         if len(d.model_input) > MAX_DATUM_PARTS or len(d.loss_fn_inputs) > MAX_DATUM_PARTS:
             raise TooLarge(f"a datum of more than {MAX_DATUM_PARTS} model-input chunks or loss inputs")
-        chunks = [(c.WhichOneof("chunk") or "encoded_text", c.encoded_text.tokens) for c in d.model_input]
-        inputs = {k: _tensor(t) for k, t in d.loss_fn_inputs.items()}
+        texts = [(c, c.encoded_text) for c in d.model_input]
+        tensors = list(d.loss_fn_inputs.items())
+        chunks = [(c.WhichOneof("chunk") or "encoded_text", x.tokens) for c, x in texts]
+        inputs = {k: _tensor(t) for k, t in tensors}
         out.data.append(WireDatum(chunks, inputs, len(d.model_input_spans) + len(d.loss_fn_input_spans) > 0))
         payload += sum(len(b) for _, b in chunks) + sum(len(t.dense or b"") + len(t.values or b"") + len(t.crow or b"")
                                                        + len(t.col or b"") for t in inputs.values())  # fmt: skip
+        read += [d, *(m for pair in texts for m in pair), *(t for _, t in tensors)]
+        read += [t.sparse_csr for k, t in tensors if inputs[k].values is not None]
     rest = len(body) - payload  # (the SDK's: ~200 bytes a datum, ~25 a provenance span; unknown fields cost ~1 us each)
     if rest > MAX_OVERHEAD + MAX_OVERHEAD // 32 * len(msg.data):
         raise TooLarge(f"{rest} bytes of the body are neither tokens nor tensors (fields this server does not know?); "
                        f"at most {MAX_OVERHEAD} and {MAX_OVERHEAD // 32} a datum")  # fmt: skip
-    _known(msg)
-    for v in msg.loss_fn_config_v2.values():
-        _known(v)
-    for d in msg.data:
-        _known(d)
-        for m in [*d.model_input, *(c.encoded_text for c in d.model_input), *d.loss_fn_inputs.values()]:
-            _known(m)
-            if m.DESCRIPTOR.name == "Tensor":
-                _known(m.sparse_csr)
+    for m in read:
+        _known(m)
     return out
 
 
