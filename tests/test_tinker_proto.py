@@ -1,9 +1,15 @@
-"""Our protobuf codec of the Tinker wire format (`plexrl/server/tinker/proto.py`) against the SDK's own encoders and
-decoders (`tinker.proto`): what the SDK sends we read, what we send the SDK reads, and a malformed body is a
-`WireError` (never a hang, a crash or a huge allocation); tensors decode dense and sparse, and bad ones are
-refused with the reason (`decode.py`)."""
+"""The Tinker wire format (`plexrl/server/tinker/proto.py`: our schema on the protobuf library) against the SDK's own
+schema, encoders and decoders (`tinker.proto`): every message and field the server reads or writes is the SDK's
+(name, number, type, repeated, map and message types), what the SDK sends we read, what we send the SDK reads, and
+a malformed body is a `WireError` (never a hang, a crash or a huge allocation); tensors decode dense and sparse,
+and bad ones are refused with the reason (`decode.py`)."""
 
 from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +18,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 
 from tinker import types  # noqa: E402
+from tinker.proto import tinker_public_pb2 as sdk  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response  # noqa: E402
 from tinker.types.tensor_data import TensorData  # noqa: E402
@@ -28,6 +35,59 @@ def request(data: list[types.Datum], loss: str = "ppo", config: dict[str, float 
     msg = forward_backward_request_to_proto(req)
     msg.forward_only = True
     return msg.SerializeToString()
+
+
+def _messages(desc: Any) -> Iterator[Any]:
+    yield desc
+    for nested in desc.nested_types:  # (a map's entry type)
+        yield from _messages(nested)
+
+
+def _shape(f: Any) -> tuple[Any, ...]:
+    kind = f.message_type or f.enum_type
+    return f.number, f.type, f.is_repeated, kind.full_name if kind else None
+
+
+def schema_disagreements() -> list[str]:
+    """Where our schema differs from the SDK's, for every message, field and enum value the server declares."""
+    problems, fields = [], 0
+    for top in proto.FILE.message_types_by_name.values():
+        for ours in _messages(top):
+            try:
+                theirs = sdk.DESCRIPTOR.pool.FindMessageTypeByName(ours.full_name)
+            except KeyError:
+                problems.append(f"{ours.full_name}: no such message in the SDK")
+                continue
+            if ours.GetOptions().map_entry != theirs.GetOptions().map_entry:
+                problems.append(f"{ours.full_name}: a map entry in one schema only")
+            for f in ours.fields:
+                fields += 1
+                t = theirs.fields_by_name.get(f.name)
+                if t is None or _shape(f) != _shape(t):
+                    problems.append(f"{f.full_name}: ours {_shape(f)}, the SDK's {t and _shape(t)}")
+                elif f.containing_oneof and f.containing_oneof.name != getattr(t.containing_oneof, "name", None):
+                    problems.append(f"{f.full_name}: in oneof {f.containing_oneof.name}, not in the SDK's")
+    for name, values in proto.ENUMS.items():
+        theirs = {v.name: v.number for v in sdk.DESCRIPTOR.enum_types_by_name[name].values}
+        problems += [f"{name}.{v}: ours {i}, the SDK's {theirs.get(v)}" for i, v in enumerate(values)
+                     if theirs.get(v) != i]  # fmt: skip
+    assert fields >= 40, fields  # (every field of the schema was compared)
+    return problems
+
+
+def test_the_schema_is_the_sdks() -> None:
+    problems = schema_disagreements()
+    assert not problems, "the server's schema (proto.SCHEMA) differs from the SDK's:\n" + "\n".join(problems)
+
+
+def test_the_server_does_not_import_the_sdk() -> None:
+    """(The SDK is a test dependency only: the schema above is the server's own.)"""
+    for path in Path(proto.__file__).parents[1].rglob("*.py"):  # plexrl/server
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            assert not [n for n in names if n.split(".")[0] == "tinker"], f"{path} imports {names}"
 
 
 def test_what_the_sdk_sends_is_read_dense_and_sparse() -> None:
@@ -54,28 +114,87 @@ def test_what_the_sdk_sends_is_read_dense_and_sparse() -> None:
     assert decode.tensor("w", inputs["weights"], 100).tolist() == [0.0, 1.0, 0.5]
     assert decode.tensor("t", inputs["target_tokens"], 100).dtype == np.int64
     assert np.array_equal(decode.tensor("g", inputs["grid"], 100), sparse.numpy())
+    # provenance spans are a flag; fields the schema does not name (a newer SDK's: 101, 102) are ignored
+    msg = sdk.ForwardBackwardRequest.FromString(request([d]))
+    msg.data[0].model_input_spans.add().prompt_tokens.sequence_id = "s/0/0"
+    datum = msg.data[0].SerializeToString() + b"\xb2\x06\x02hi"  # field 102 (bytes), inside the datum
+    msg.ClearField("data")
+    n = len(datum)
+    length = bytes([0x80 | n & 0x7F, n >> 7]) if n > 127 else bytes([n])
+    newer = msg.SerializeToString() + b"\xa8\x06\x01" + b"\x1a" + length + datum  # field 101 (varint) at the top
+    got = proto.decode_forward_backward(newer)
+    assert got.data[0].spans and not proto.decode_forward_backward(request([d])).data[0].spans
+    got.data[0].spans = False
+    assert got == proto.decode_forward_backward(request([d]))
 
 
 def test_what_we_send_the_sdk_reads() -> None:
     seqs = [{"stop_reason": "stop", "tokens": np.array([5, 6]), "logprobs": np.array([-1.0, -2.0])},
             {"stop_reason": "length", "tokens": np.array([7]), "logprobs": np.array([-3.0])}]  # fmt: skip
-    got = deserialize_sample_response(proto.encode_sample_response(seqs, np.array([np.nan, -1.5, -2.5])))
+    topk = {"token_ids": np.array([[1, 2], [3, 4], [5, 6]]), "logprobs": np.full((3, 2), -0.5)}
+    got = deserialize_sample_response(proto.encode_sample_response(seqs, np.array([np.nan, -1.5, -2.5]), topk))
     assert [s.tokens for s in got.sequences] == [[5, 6], [7]]
     assert [s.stop_reason for s in got.sequences] == ["stop", "length"]
     assert got.sequences[0].logprobs == [-1.0, -2.0] and got.prompt_logprobs == [None, -1.5, -2.5]
+    top = got.topk_prompt_logprobs_np
+    assert top is not None and top.token_ids.tolist() == [[1, 2], [3, 4], [5, 6]] and (top.logprobs == -0.5).all()
+    assert deserialize_sample_response(proto.encode_sample_response(seqs[1:], None)).prompt_logprobs is None
     outputs = [{"logprobs": np.array([-1.0, -2.0, -3.0])}, {"logprobs": np.array([[-4.0, -5.0]])}]
-    out = deserialize_forward_backward_output(proto.encode_forward_backward_output(outputs, {"loss:sum": 3.5}))
-    assert out.metrics == {"loss:sum": 3.5}
+    body = proto.encode_forward_backward_output(outputs, {"loss:sum": 3.5, "a": 1.0})
+    out = deserialize_forward_backward_output(body)
+    assert out.metrics == {"loss:sum": 3.5, "a": 1.0}
     assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0, -3.0], [[-4.0, -5.0]]]
+    assert body == proto.encode_forward_backward_output(outputs, {"a": 1.0, "loss:sum": 3.5})  # (maps in key order)
 
 
 @pytest.mark.parametrize(
     "body",
-    [b"\x0a", b"\x0a\xff\xff\xff\xff\x0f", b"\x1a\x05\x0a\x03\x0a", b"\xff" * 11, b"\x0b\x00", b"\x19\x00"],
+    [
+        b"\x0a",  # truncated: a length missing
+        b"\x0a\xff\xff\xff\xff\x0f",  # a declared length past the end
+        b"\x1a\x05\x0a\x03\x0a",  # a datum whose length runs past the body
+        b"\xff" * 11,  # a varint of more than 10 bytes
+        b"\x0b\x00",  # a group never ended
+        b"\x19\x00",  # a truncated fixed64
+        b"\x22\x01\xff",  # loss_fn not UTF-8
+        b"\x5b" * 200_000,  # groups of an unknown field nested 200000 deep
+        b"\x1a\x02\x0b\x00",  # a datum holding a group never ended
+    ],
 )
 def test_a_malformed_body_is_a_wire_error(body: bytes) -> None:
-    with pytest.raises(proto.WireError):
+    with pytest.raises(proto.WireError, match=r"does not parse as a tinker_public\.ForwardBackwardRequest"):
         proto.decode_forward_backward(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"\x18\x01", "data of ForwardBackwardRequest"),  # a message as a varint
+        (b"\x21" + b"\0" * 8, "loss_fn of ForwardBackwardRequest"),  # a string as a fixed64
+        (b"\x1a\x02\x08\x01", "model_input of Datum"),
+        (b"\x1a\x06\x0a\x04\x0a\x02\x08\x05", "tokens of EncodedTextChunk"),
+        (b"\x1a\x09\x12\x07\x0a\x01x\x12\x02\x1a\x00", "dtype of Tensor"),  # an enum as bytes
+    ],
+)
+def test_a_field_of_the_wrong_wire_type_is_named(body: bytes, field: str) -> None:
+    with pytest.raises(proto.WireError, match=f"field {field} has the wrong wire type"):
+        proto.decode_forward_backward(body)
+
+
+def test_sizes_past_the_bounds_are_too_large() -> None:
+    d = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={})
+    with pytest.raises(proto.TooLarge, match=r"max_datums \(2\)"):
+        proto.decode_forward_backward(request([d] * 2) + b"\x1a\x00" * 10_000, max_datums=2)
+    with pytest.raises(proto.TooLarge, match="neither tokens nor tensors"):  # (a newer client's fields, but so many)
+        proto.decode_forward_backward(request([d]) + b"\xa8\x06\x01" * 30_000)
+    chunks = b"\x0a\x00" * (proto.MAX_DATUM_PARTS + 1)
+    with pytest.raises(proto.TooLarge, match="model-input chunks"):
+        proto.decode_forward_backward(b"\x1a" + bytes([0x80 | len(chunks) & 0x7F, len(chunks) >> 7]) + chunks)
+    shape = b"\x22\x09" + b"\x01" * 9  # a tensor of 9 dimensions
+    entry = b"\x0a\x01x\x12" + bytes([len(shape)]) + shape
+    datum = b"\x12" + bytes([len(entry)]) + entry
+    with pytest.raises(proto.WireError, match="more than 8 dimensions"):
+        proto.decode_forward_backward(b"\x1a" + bytes([len(datum)]) + datum)
 
 
 def test_bad_tensors_are_refused_with_the_reason() -> None:

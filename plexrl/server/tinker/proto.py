@@ -2,37 +2,123 @@
 `forward_backward` request body (in), and the `SampleResponse` and `ForwardBackwardOutput` results of a
 future (out, when the client asks with `Accept: application/x-protobuf`). Everything else is JSON.
 
-A small protobuf wire-format codec of our own (varints, length-delimited fields, little-endian fixed 64-bit),
-with the field numbers of the protocol's messages; no generated code and no protobuf dependency. Decoding is
-bounded: every length is checked against what is left of the buffer, nesting is fixed by the schema, and
-anything malformed raises `WireError` (the server answers 400).
-
-Messages (field number: name):
-- ForwardBackwardRequest: 1 model_id (string), 2 seq_id (int32), 3 data (repeated Datum), 4 loss_fn (string),
-  5 loss_fn_config (map string -> double), 6 forward_only (bool), 7 loss_fn_config_v2 (map string ->
-  {1 number: double, 2 text: string}; preferred when present)
-- Datum: 1 model_input (repeated Chunk), 2 loss_fn_inputs (map string -> Tensor), 3, 4 provenance spans
-- Chunk: 1 encoded_text {1 tokens: bytes, int32 little-endian}, 2 image, 3 dmel (not served)
-- Tensor: 1 dense (bytes), 2 sparse_csr {1 values, 2 crow_indices (int64), 3 col_indices (int64)}, 3 dtype
-  (1 float32, 2 int64, 3 int32, 4 bfloat16), 4 shape (repeated int64)
-- SampleResponse: 1 sequences (repeated {1 stop_reason: 0 stop / 1 length, 2 tokens: int32 bytes, 3 logprobs:
-  float32 bytes}), 2 prompt_logprobs (float32 bytes, NaN where not scored)
-- ForwardBackwardOutput: 1 loss_fn_output_type (string), 2 loss_fn_outputs (repeated ArrayRecord {1 type_tag,
-  2 fields: map string -> BatchedTensor {1 data, 2 offsets: int64 byte offsets, one per datum + 1, 3 dtype,
-  4 trailing_shape}, 3 num_datums}), 3 metrics (map string -> double)
+`SCHEMA` and `ENUMS` are the protocol's messages (package `tinker_public`), for the fields the server reads or
+writes, with the protocol's names and numbers; they become message classes of the protobuf library in a private
+descriptor pool. The `tinker` SDK is not imported: tests/test_tinker_proto.py checks this schema against the SDK's
+generated one. Parsing is the library's: every length is checked against the buffer, nesting is fixed by the
+schema (groups of unknown fields at most 100 deep), strings must be UTF-8. A body that does not parse, holds a field
+of the schema with another wire type or a shape of more than `MAX_DIMS` raises `WireError` (the server answers
+400); more datums than the server takes, more chunks or inputs than a datum may hold, or more bytes besides tokens
+and tensors than `MAX_OVERHEAD` allows, `TooLarge` (413). Fields the schema does not name (a newer client's) are
+ignored, as protobuf does.
 """
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
-FLOAT32, INT64, INT32, BFLOAT16 = 1, 2, 3, 4
-DTYPE_NAMES = {FLOAT32: "float32", INT64: "int64", INT32: "int32", BFLOAT16: "bfloat16"}
+PACKAGE = "tinker_public"
+# a message's fields, "name number type": the type a scalar (protobuf's name), an enum or a message of this schema,
+# after "repeated" or "map" (string keys); "oneof NAME" after it for a member of that oneof
+SCHEMA: dict[str, tuple[str, ...]] = {
+    "ForwardBackwardRequest": (
+        "model_id 1 string", "seq_id 2 int32", "data 3 repeated Datum", "loss_fn 4 string",
+        "loss_fn_config 5 map double", "forward_only 6 bool", "loss_fn_config_v2 7 map LossConfigValue",
+    ),
+    "LossConfigValue": ("number 1 double oneof value", "text 2 string oneof value"),
+    "Datum": (
+        "model_input 1 repeated Chunk", "loss_fn_inputs 2 map Tensor", "model_input_spans 3 repeated ProvenanceSpan",
+        "loss_fn_input_spans 4 repeated ProvenanceSpan",
+    ),
+    # (provenance spans: only whether a datum has any is read; only stable_reinforce, not served, uses them)
+    "ProvenanceSpan": (
+        "prompt_tokens 1 PromptProvenanceSpan oneof span", "sampled_tokens 2 SampledProvenanceSpan oneof span",
+    ),
+    "PromptProvenanceSpan": ("sequence_id 1 string", "offset 2 int64", "length 3 int64"),
+    "SampledProvenanceSpan": ("sequence_id 1 string", "offset 2 int64", "length 3 int64"),
+    "Chunk": (
+        "encoded_text 1 EncodedTextChunk oneof chunk", "image 2 ImageChunk oneof chunk", "dmel 3 DmelChunk oneof chunk",
+    ),
+    "EncodedTextChunk": ("tokens 1 bytes",),  # int32 little-endian
+    "ImageChunk": (),  # (not served: refused by kind, its fields unread)
+    "DmelChunk": (),
+    "Tensor": (
+        "dense 1 bytes oneof encoding", "sparse_csr 2 SparseCsr oneof encoding", "dtype 3 DType",
+        "shape 4 repeated int64",
+    ),
+    "SparseCsr": ("values 1 bytes", "crow_indices 2 bytes", "col_indices 3 bytes"),  # the indices int64
+    "SampleResponse": (
+        "sequences 1 repeated SampledSequence", "prompt_logprobs 2 bytes", "topk_prompt_logprobs 3 TopkLogprobs",
+    ),
+    "SampledSequence": ("stop_reason 1 StopReason", "tokens 2 bytes", "logprobs 3 bytes"),  # int32, float32
+    "TopkLogprobs": ("token_ids 1 bytes", "logprobs 2 bytes", "k 3 uint32", "length 4 uint32"),
+    "ForwardBackwardOutput": (
+        "loss_fn_output_type 1 string", "loss_fn_outputs 2 repeated ArrayRecord", "metrics 3 map double",
+    ),
+    "ArrayRecord": ("type_tag 1 string", "fields 2 map BatchedTensor", "num_datums 3 int64"),
+    # a field's values of a run of datums one after another; offsets: int64 byte offsets, one per datum + 1
+    "BatchedTensor": ("data 1 bytes", "offsets 2 bytes", "dtype 3 DType", "trailing_shape 4 repeated int64"),
+}  # fmt: skip
+ENUMS = {  # values in order of their numbers, from 0
+    "DType": ("DTYPE_UNSPECIFIED", "DTYPE_FLOAT32", "DTYPE_INT64", "DTYPE_INT32", "DTYPE_BFLOAT16"),
+    "StopReason": ("STOP_REASON_STOP", "STOP_REASON_LENGTH"),
+}
+DTYPE_NAMES = {1: "float32", 2: "int64", 3: "int32", 4: "bfloat16"}
+FLOAT32 = 1
+MAX_DIMS = 8  # entries of a tensor's shape taken before it is refused
+MAX_DATUM_PARTS = 256  # a datum's model-input chunks, or its loss inputs
+MAX_OVERHEAD = 64 << 10  # bytes of a body besides its tokens and tensors, and 1/32 of it more a datum
+
+
+def _file() -> descriptor_pb2.FileDescriptorProto:
+    """`SCHEMA` and `ENUMS` as a proto3 file descriptor (a map: a repeated `<Name>Entry` {key, value} message)."""
+    t = descriptor_pb2.FieldDescriptorProto
+    f = descriptor_pb2.FileDescriptorProto(name="plexrl/tinker_public.proto", package=PACKAGE, syntax="proto3")
+    for name, values in ENUMS.items():
+        f.enum_type.add(name=name).value.extend(
+            descriptor_pb2.EnumValueDescriptorProto(name=v, number=i) for i, v in enumerate(values)
+        )
+
+    def add(m: Any, name: str, number: int, kind: str, repeated: bool = False, oneof: str = "") -> None:
+        fd = m.field.add(name=name, number=number, label=t.LABEL_REPEATED if repeated else t.LABEL_OPTIONAL)
+        if kind[0].islower():
+            fd.type = getattr(t, f"TYPE_{kind.upper()}")
+        else:
+            fd.type, fd.type_name = t.TYPE_ENUM if kind in ENUMS else t.TYPE_MESSAGE, f".{PACKAGE}.{kind}"
+        if oneof:
+            names = [o.name for o in m.oneof_decl]
+            if oneof not in names:
+                names.append(m.oneof_decl.add(name=oneof).name)
+            fd.oneof_index = names.index(oneof)
+
+    for name, fields in SCHEMA.items():
+        m = f.message_type.add(name=name)
+        for spec in fields:
+            fname, number, *rest = spec.split()
+            rest, oneof = (rest[:-2], rest[-1]) if "oneof" in rest else (rest, "")
+            label, kind = (rest[0], rest[1]) if len(rest) == 2 else ("", rest[0])
+            if label == "map":
+                entry = m.nested_type.add(name="".join(p.capitalize() for p in fname.split("_")) + "Entry")
+                entry.options.map_entry = True
+                add(entry, "key", 1, "string")
+                add(entry, "value", 2, kind)
+                kind = f"{name}.{entry.name}"
+            add(m, fname, int(number), kind, bool(label), oneof)
+    return f
+
+
+POOL = descriptor_pool.DescriptorPool()
+FILE = POOL.AddSerializedFile(_file().SerializeToString())
+ForwardBackwardRequest, SampleResponse, ForwardBackwardOutput = (
+    message_factory.GetMessageClass(FILE.message_types_by_name[n])
+    for n in ("ForwardBackwardRequest", "SampleResponse", "ForwardBackwardOutput")
+)
 
 
 class WireError(ValueError):
@@ -41,110 +127,6 @@ class WireError(ValueError):
 
 class TooLarge(WireError):
     """A body that decodes to more than a request may hold (the server answers 413)."""
-
-
-MAX_FIELDS = 1 << 16  # fields of one message (a datum's chunks and inputs, a chunk's token runs)
-MAX_DATUM_FIELDS = 256  # a datum's inputs, or its model input's chunks
-MAX_DIMS = 8  # entries of a tensor's shape read before it is refused
-
-
-# -- reading ------------------------------------------------------------------------------------------
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if pos >= len(buf):
-            raise WireError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise WireError("varint longer than 10 bytes")
-
-
-def fields(buf: bytes, most: int = MAX_FIELDS) -> Iterator[tuple[int, int, Any]]:
-    """The (field number, wire type, value) of a message, in order: an int for varints, bytes for
-    length-delimited fields, an int (the raw little-endian bits) for fixed 32 / 64-bit ones. Read as they
-    are used (nothing is built for fields not yet reached); `TooLarge` past `most` fields."""
-    pos, count = 0, 0
-    value: Any
-    while pos < len(buf):
-        count += 1
-        if count > most:
-            raise TooLarge(f"a message of more than {most} fields")
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise WireError("field number 0")
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            if pos + 8 > len(buf):
-                raise WireError("truncated fixed64")
-            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            if size > len(buf) - pos:
-                raise WireError(f"a field of {size} bytes runs past the end of the message")
-            value, pos = buf[pos : pos + size], pos + size
-        elif wire == 5:
-            if pos + 4 > len(buf):
-                raise WireError("truncated fixed32")
-            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
-        else:
-            raise WireError(f"unsupported wire type {wire}")
-        yield number, wire, value
-
-
-def _signed(v: int) -> int:
-    """A varint read as a two's-complement 64-bit integer (int32 / int64 fields)."""
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _double(v: int) -> float:
-    value: float = struct.unpack("<d", v.to_bytes(8, "little"))[0]
-    return value
-
-
-def _string(v: Any) -> str:
-    if not isinstance(v, bytes):
-        raise WireError("a string field is not length-delimited")
-    try:
-        return v.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise WireError("a string field is not UTF-8") from exc
-
-
-def _message(v: Any) -> bytes:
-    if not isinstance(v, bytes):
-        raise WireError("a message field is not length-delimited")
-    return v
-
-
-def _ints(wire: int, v: Any) -> list[int]:
-    """A repeated integer field's values: packed (one length-delimited run) or one varint."""
-    if wire == 0:
-        return [_signed(v)]
-    if wire != 2:
-        raise WireError("an integer field has the wrong wire type")
-    out, pos = [], 0
-    while pos < len(v):
-        x, pos = _varint(v, pos)
-        out.append(_signed(x))
-    return out
-
-
-def _map_entry(buf: bytes) -> tuple[str, list[tuple[int, int, Any]]]:
-    key = ""
-    rest = []
-    for number, wire, value in fields(buf):
-        if number == 1:
-            key = _string(value)
-        else:
-            rest.append((number, wire, value))
-    return key, rest
 
 
 @dataclass(slots=True)
@@ -157,30 +139,6 @@ class WireTensor:
     values: bytes | None = None
     crow: bytes | None = None
     col: bytes | None = None
-
-
-def _tensor(buf: bytes) -> WireTensor:
-    t = WireTensor("", [])
-    for number, wire, value in fields(buf):
-        if number == 1:
-            t.dense = _message(value)
-        elif number == 2:
-            for n, _, v in fields(_message(value)):
-                if n == 1:
-                    t.values = _message(v)
-                elif n == 2:
-                    t.crow = _message(v)
-                elif n == 3:
-                    t.col = _message(v)
-        elif number == 3:
-            t.dtype = DTYPE_NAMES.get(value, f"unknown ({value})") if wire == 0 else "unknown"
-        elif number == 4:
-            t.shape.extend(_ints(wire, value))
-            if len(t.shape) > MAX_DIMS:
-                raise WireError(f"a tensor shape of more than {MAX_DIMS} dimensions")
-    if t.dense is None and t.values is None:
-        t.dense = b""
-    return t
 
 
 @dataclass(slots=True)
@@ -204,91 +162,63 @@ class WireForwardBackward:
     forward_only: bool = False
 
 
+def _known(msg: Any) -> Any:
+    """`msg`, refused when it holds a field of the schema sent with another wire type (which protobuf keeps aside,
+    as an unknown field, instead of failing)."""
+    for unknown in UnknownFieldSet(msg):
+        f = msg.DESCRIPTOR.fields_by_number.get(unknown.field_number)
+        if f is not None:
+            raise WireError(f"field {f.name} of {msg.DESCRIPTOR.name} has the wrong wire type ({unknown.wire_type})")
+    return msg
+
+
 def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwardBackward:
-    """Parse a ForwardBackwardRequest (raises WireError on anything malformed, `TooLarge` as soon as it holds
-    more than `max_datums` datums: nothing is built for the rest)."""
-    out = WireForwardBackward()
-    legacy: dict[str, float | str] = {}
-    v2: dict[str, float | str] = {}
-    for number, wire, value in fields(body, max_datums + 64):
-        if number == 1:
-            out.model_id = _string(value)
-        elif number == 2:
-            out.seq_id = _signed(value) if wire == 0 else -1
-        elif number == 3:
-            if len(out.data) >= max_datums:
-                raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
-            out.data.append(_datum(_message(value)))
-        elif number == 4:
-            out.loss_fn = _string(value)
-        elif number == 5:
-            key, rest = _map_entry(_message(value))
-            legacy[key] = next((_double(v) for n, w, v in rest if n == 2 and w == 1), 0.0)
-        elif number == 6:
-            out.forward_only = bool(value)
-        elif number == 7:
-            key, rest = _map_entry(_message(value))
-            for n, _, v in rest:
-                if n != 2:
-                    continue
-                for m, w, x in fields(_message(v)):
-                    if m == 1 and w == 1:
-                        v2[key] = _double(x)
-                    elif m == 2:
-                        v2[key] = _string(x)
-    out.config = v2 or legacy
+    """Parse a ForwardBackwardRequest (raises WireError on anything malformed, `TooLarge` when it holds more than
+    `max_datums` datums: nothing is built for them)."""
+    msg = ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError:
+        raise WireError(f"it does not parse as a {PACKAGE}.ForwardBackwardRequest (truncated, a length past its "
+                        "end, a string not UTF-8 or nested too deep)") from None  # fmt: skip
+    if len(msg.data) > max_datums:
+        raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
+    read = [msg, *msg.loss_fn_config_v2.values()]  # the messages read, looked at by `_known` once the size is known
+    config = {k: getattr(v, v.WhichOneof("value") or "number") for k, v in msg.loss_fn_config_v2.items()}
+    out = WireForwardBackward(msg.model_id, msg.seq_id, [], msg.loss_fn, config or dict(msg.loss_fn_config),
+                              msg.forward_only)  # fmt: skip
+    payload = 0  # bytes of tokens and tensors
+    for d in msg.data:
+        if len(d.model_input) > MAX_DATUM_PARTS or len(d.loss_fn_inputs) > MAX_DATUM_PARTS:
+            raise TooLarge(f"a datum of more than {MAX_DATUM_PARTS} model-input chunks or loss inputs")
+        texts = [(c, c.encoded_text) for c in d.model_input]
+        tensors = list(d.loss_fn_inputs.items())
+        chunks = [(c.WhichOneof("chunk") or "encoded_text", x.tokens) for c, x in texts]
+        inputs = {k: _tensor(t) for k, t in tensors}
+        out.data.append(WireDatum(chunks, inputs, len(d.model_input_spans) + len(d.loss_fn_input_spans) > 0))
+        payload += sum(len(b) for _, b in chunks) + sum(len(t.dense or b"") + len(t.values or b"") + len(t.crow or b"")
+                                                       + len(t.col or b"") for t in inputs.values())  # fmt: skip
+        read += [d, *(m for pair in texts for m in pair), *(t for _, t in tensors)]
+        read += [t.sparse_csr for k, t in tensors if inputs[k].values is not None]
+    rest = len(body) - payload  # (the SDK's: ~200 bytes a datum, ~25 a provenance span; unknown fields cost ~1 us each)
+    if rest > MAX_OVERHEAD + MAX_OVERHEAD // 32 * len(msg.data):
+        raise TooLarge(f"{rest} bytes of the body are neither tokens nor tensors (fields this server does not know?); "
+                       f"at most {MAX_OVERHEAD} and {MAX_OVERHEAD // 32} a datum")  # fmt: skip
+    for m in read:
+        _known(m)
     return out
 
 
-def _datum(buf: bytes) -> WireDatum:
-    d = WireDatum()
-    for number, _, value in fields(buf, MAX_DATUM_FIELDS):
-        if number == 1:
-            for n, _, v in fields(_message(value), MAX_DATUM_FIELDS):
-                if n == 1:
-                    tokens = b"".join(_message(x) for m, _, x in fields(_message(v)) if m == 1)
-                    d.chunks.append(("encoded_text", tokens))
-                else:
-                    d.chunks.append(({2: "image", 3: "dmel"}.get(n, f"chunk kind {n}"), b""))
-        elif number == 2:
-            key, rest = _map_entry(_message(value))
-            for n, _, v in rest:
-                if n == 2:
-                    d.inputs[key] = _tensor(_message(v))
-        elif number in (3, 4):
-            d.spans = True
-    return d
-
-
-# -- writing ------------------------------------------------------------------------------------------
-def _put_varint(value: int) -> bytes:
-    if value < 0:
-        value += 1 << 64
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _key(number: int, wire: int) -> bytes:
-    return _put_varint(number << 3 | wire)
-
-
-def _bytes_field(number: int, data: bytes) -> bytes:
-    return _key(number, 2) + _put_varint(len(data)) + data
-
-
-def _varint_field(number: int, value: int) -> bytes:
-    return _key(number, 0) + _put_varint(value)
-
-
-def _double_field(number: int, value: float) -> bytes:
-    return _key(number, 1) + struct.pack("<d", value)
+def _tensor(t: Any) -> WireTensor:
+    if len(t.shape) > MAX_DIMS:
+        raise WireError(f"a tensor shape of more than {MAX_DIMS} dimensions")
+    out = WireTensor(DTYPE_NAMES.get(t.dtype, f"unknown ({t.dtype})"), list(t.shape))
+    if t.WhichOneof("encoding") == "sparse_csr":
+        csr = t.sparse_csr
+        out.values, out.crow, out.col = csr.values, csr.crow_indices, csr.col_indices
+    else:
+        out.dense = t.dense
+    return out
 
 
 def encode_sample_response(
@@ -296,33 +226,39 @@ def encode_sample_response(
 ) -> bytes:
     """A SampleResponse: per sequence its stop reason, int32 tokens and float32 log-probs; the prompt's
     log-probs (NaN where not scored) when asked for; the prompt's top-k (`topk`: `token_ids` int32 and
-    `logprobs` float32, both [L, K]) as a TopkLogprobs {1 token_ids, 2 logprobs, 3 k, 4 length}."""
-    out = bytearray()
+    `logprobs` float32, both [L, K]) as a TopkLogprobs."""
+    out = SampleResponse()
     for s in sequences:
-        seq = _varint_field(1, 0 if s["stop_reason"] == "stop" else 1)
-        seq += _bytes_field(2, np.asarray(s["tokens"], dtype="<i4").tobytes())
-        seq += _bytes_field(3, np.asarray(s["logprobs"], dtype="<f4").tobytes())
-        out += _bytes_field(1, seq)
+        out.sequences.add(stop_reason=0 if s["stop_reason"] == "stop" else 1,
+                          tokens=np.asarray(s["tokens"], dtype="<i4").tobytes(),
+                          logprobs=np.asarray(s["logprobs"], dtype="<f4").tobytes())  # fmt: skip
     if prompt_logprobs is not None:
-        out += _bytes_field(2, np.asarray(prompt_logprobs, dtype="<f4").tobytes())
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
     if topk is not None:
         ids, lps = np.asarray(topk["token_ids"], dtype="<i4"), np.asarray(topk["logprobs"], dtype="<f4")
+        t = out.topk_prompt_logprobs
         length, k = ids.shape
-        out += _bytes_field(3, _bytes_field(1, ids.tobytes()) + _bytes_field(2, lps.tobytes()) + _varint_field(3, k)
-                            + _varint_field(4, length))  # fmt: skip
-    return bytes(out)
+        t.token_ids, t.logprobs, t.k, t.length = ids.tobytes(), lps.tobytes(), k, length
+    data: bytes = out.SerializeToString()
+    return data
 
 
 def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """A ForwardBackwardOutput: the datums' outputs as ArrayRecords, one per run of datums whose fields have the
     same trailing shape (each field a BatchedTensor: those datums' values one after another, their byte offsets,
     the trailing shape), and the metrics."""
-    out = _bytes_field(1, b"ArrayRecord")
+    out = ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics={k: float(v) for k, v in metrics.items()})
     for run in _runs(outputs):
-        out += _bytes_field(2, _record(run))
-    for k, v in sorted(metrics.items()):
-        out += _bytes_field(3, _bytes_field(1, k.encode()) + _double_field(2, float(v)))
-    return out
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(run))
+        for name in sorted(run[0]):
+            arrays = [np.asarray(o[name], dtype="<f4") for o in run]
+            bt = record.fields[name]
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = np.cumsum([0, *[a.nbytes for a in arrays]]).astype("<i8").tobytes()
+            bt.dtype = FLOAT32
+            bt.trailing_shape.extend(arrays[0].shape[1:])
+    data: bytes = out.SerializeToString(deterministic=True)  # (metrics in key order)
+    return data
 
 
 def _runs(outputs: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarray]]]:
@@ -338,21 +274,10 @@ def _runs(outputs: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarra
     return runs
 
 
-def _record(outputs: list[dict[str, np.ndarray]]) -> bytes:
-    record = _bytes_field(1, b"ArrayRecord") + _varint_field(3, len(outputs))
-    for name in sorted(outputs[0]):
-        arrays = [np.asarray(o[name], dtype="<f4") for o in outputs]
-        offsets = np.cumsum([0, *[a.nbytes for a in arrays]]).astype("<i8")
-        bt = _bytes_field(1, b"".join(a.tobytes() for a in arrays)) + _bytes_field(2, offsets.tobytes())
-        bt += _varint_field(3, FLOAT32)
-        trailing = list(arrays[0].shape[1:])
-        if trailing:
-            bt += _bytes_field(4, b"".join(_put_varint(x) for x in trailing))
-        record += _bytes_field(2, _bytes_field(1, name.encode()) + _bytes_field(2, bt))
-    return record
-
-
 __all__ = [
+    "ENUMS",
+    "FILE",
+    "SCHEMA",
     "TooLarge",
     "WireDatum",
     "WireError",
@@ -361,5 +286,4 @@ __all__ = [
     "decode_forward_backward",
     "encode_forward_backward_output",
     "encode_sample_response",
-    "fields",
 ]
