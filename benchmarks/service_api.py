@@ -3,8 +3,9 @@
 `overhead`: one sequence of session calls (a sampler snapshot, P sample calls of G samples, a forward_backward
 with importance_sampling, an optim_step; `--steps` times) run twice: in-process, on a `Service` with the
 session's engine (no HTTP, no planner: the same work at its cheapest), and through the unmodified `tinker` SDK
-on `plexrl serve` (HTTP, futures, the planner, the journal; `--driver local | dask`). Prints per call kind the
-mean seconds of each and their ratio, and the headline `ratio sdk / in-process` over all calls.
+on `plexrl serve` (HTTP, futures, the planner, the journal; `--driver local | dask`), the two arms' steps
+interleaved (a load that drifts during the run slows both alike). Prints per call kind the mean seconds of each,
+their ratio and difference, and the headline `ratio sdk / in-process` over all calls.
 
 `smollm2`: a GRPO loop through the SDK (the cookbook's rl_loop.py shape, importance_sampling, group-centred
 rewards) against the same GRPO job declared as a DAG (`configs/grpo_smollm2_addition.yaml` with a LoRA adapter
@@ -73,48 +74,48 @@ def server(tmp: Path, model_dir: Path, driver: str, **fields: Any) -> Any:
 
 
 # -- overhead -------------------------------------------------------------------------------------------
-def in_process(model_dir: Path, tmp: Path, steps: int, prompts: int, group: int, tokens: int) -> dict[str, list[float]]:
-    """Seconds of each call, by kind, with the session's engine on a Service in this process."""
-    from plexrl.services.service import Service
-    from plexrl.sessions.calls import ForwardBackward, OptimStep, Sample, Save
-    from plexrl.sessions.spec import SessionConfig, prepare_session
+class InProcess:
+    """The session's engine on a Service in this process: each call's seconds, by kind (`times`)."""
 
-    model = {"path": str(model_dir), "lora": {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
-    tracking = {"mlflow": False, "progress": False, "log_model": False}
-    spec = prepare_session(SessionConfig(name="bench", run_dir=str(tmp), model=model, tracking=tracking))  # type: ignore[arg-type]
-    svc = Service("s0", spill_dir=tmp / "spill")
-    svc.load_job(spec)
-    times: dict[str, list[float]] = defaultdict(list)
-    it = 0
+    def __init__(self, model_dir: Path, tmp: Path, prompts: int, group: int, tokens: int) -> None:
+        from plexrl.services.service import Service
+        from plexrl.sessions.spec import SessionConfig, prepare_session
 
-    def run(call: Any) -> dict[str, Any]:
-        nonlocal it
-        t0 = time.perf_counter()
-        res = svc.run_node("bench", it, call.kind, {}, call=call)
-        times[call.kind].append(time.perf_counter() - t0)
-        it += 1
-        assert res.report.ok and res.report.reply is not None, res.report.error
+        model = {"path": str(model_dir), "lora": {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
+        tracking = {"mlflow": False, "progress": False, "log_model": False}
+        spec = prepare_session(SessionConfig(name="bench", run_dir=str(tmp), model=model, tracking=tracking))  # type: ignore[arg-type]
+        self.svc = Service("s0", spill_dir=tmp / "spill")
+        self.svc.load_job(spec)
+        self.tmp, self.prompts, self.group, self.tokens, self.it = tmp, prompts, group, tokens, 0
+        self.prompt = tuple(spec.tokenizer.encode(PROMPT))
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def run(self, call: Any) -> dict[str, Any]:
         from plexrl.sessions.calls import unpack
 
+        t0 = time.perf_counter()
+        res = self.svc.run_node("bench", self.it, call.kind, {}, call=call)
+        self.times["save_for_sampler" if call.kind == "save" else call.kind].append(time.perf_counter() - t0)
+        self.it += 1
+        assert res.report.ok and res.report.reply is not None, res.report.error
         out: dict[str, Any] = unpack(res.report.reply)["value"]
         return out
 
-    prompt = tuple(spec.tokenizer.encode(PROMPT))
-    try:
-        for step in range(steps):
-            snap = run(Save(str(tmp / f"snap{step}.safetensors"), "sampler"))
-            data = []
-            for p in range(prompts):
-                got = run(Sample(prompt, group, tokens, seed=step * 1000 + p, weights=snap["path"],
-                                 weights_id=snap["weights_id"]))  # fmt: skip
-                for s in got["sequences"]:
-                    data.append(_datum(list(prompt), s["tokens"].tolist(), s["logprobs"].tolist(), 1.0))
-            run(ForwardBackward(tuple(_as_call(d) for d in data), "importance_sampling"))
-            run(OptimStep(learning_rate=1e-4))
-    finally:
-        svc.close()
-    times["save_for_sampler"] = times.pop("save")
-    return times
+    def step(self, step: int) -> None:
+        from plexrl.sessions.calls import ForwardBackward, OptimStep, Sample, Save
+
+        snap = self.run(Save(str(self.tmp / f"snap{step}.safetensors"), "sampler"))
+        data = []
+        for p in range(self.prompts):
+            got = self.run(Sample(self.prompt, self.group, self.tokens, seed=step * 1000 + p, weights=snap["path"],
+                                  weights_id=snap["weights_id"]))  # fmt: skip
+            for s in got["sequences"]:
+                data.append(_datum(list(self.prompt), s["tokens"].tolist(), s["logprobs"].tolist(), 1.0))
+        self.run(ForwardBackward(tuple(_as_call(d) for d in data), "importance_sampling"))
+        self.run(OptimStep(learning_rate=1e-4))
+
+    def close(self) -> None:
+        self.svc.close()
 
 
 def _datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantage: float) -> dict[str, Any]:
@@ -141,43 +142,49 @@ def _sdk_datum(d: dict[str, Any]) -> Any:
     return types.Datum(model_input=types.ModelInput.from_ints(d["tokens"]), loss_fn_inputs=inputs)
 
 
-def through_sdk(url: str, model_dir: Path, steps: int, prompts: int, group: int, tokens: int) -> dict[str, list[float]]:
-    """Seconds of each call, by kind, through the SDK: from the call until its result is in the caller's hand."""
-    import tinker
-    from tinker import types
+class ThroughSDK:
+    """The same calls through the SDK on a server at `url`: each call's seconds, by kind (`times`), from the call
+    until its result is in the caller's hand."""
 
-    times: dict[str, list[float]] = defaultdict(list)
+    def __init__(self, url: str, model_dir: Path, prompts: int, group: int, tokens: int) -> None:
+        import tinker
+        from tinker import types
 
-    def timed(kind: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
-        out = fn()
-        times[kind].append(time.perf_counter() - t0)
-        return out
-
-    service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
-    try:
-        training = service.create_lora_training_client(
+        self.types, self.prompts, self.group = types, prompts, group
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        self.training = self.service.create_lora_training_client(
             base_model=str(model_dir), rank=8, train_mlp=False, train_unembed=False, seed=0
         ).result()
-        prompt = training.get_tokenizer().encode(PROMPT)
-        params = types.SamplingParams(max_tokens=tokens, temperature=1.0)
-        for _ in range(steps):
-            sampler = timed("save_for_sampler", lambda: training.save_weights_and_get_sampling_client().result())
-            data = []
-            for _p in range(prompts):
-                got = timed(
-                    "sample", lambda s=sampler: s.sample(types.ModelInput.from_ints(prompt), group, params).result()
-                )
-                for s in got.sequences:
-                    data.append(_sdk_datum(_datum(prompt, s.tokens, list(s.logprobs or []), 1.0)))
-            timed("forward_backward", lambda d=data: training.forward_backward(d, "importance_sampling").result())
-            timed("optim_step", lambda: training.optim_step(types.AdamParams(learning_rate=1e-4)).result())
-    finally:
-        service.close("success").result()
-    return times
+        self.prompt = self.training.get_tokenizer().encode(PROMPT)
+        self.params = types.SamplingParams(max_tokens=tokens, temperature=1.0)
+
+    def timed(self, kind: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        self.times[kind].append(time.perf_counter() - t0)
+        return out
+
+    def step(self, step: int) -> None:
+        types, training = self.types, self.training
+        sampler = self.timed("save_for_sampler", lambda: training.save_weights_and_get_sampling_client().result())
+        data = []
+        for _p in range(self.prompts):
+            prompt = types.ModelInput.from_ints(self.prompt)
+            got = self.timed("sample", lambda p=prompt: sampler.sample(p, self.group, self.params).result())
+            for s in got.sequences:
+                data.append(_sdk_datum(_datum(self.prompt, s.tokens, list(s.logprobs or []), 1.0)))
+        self.timed("forward_backward", lambda: training.forward_backward(data, "importance_sampling").result())
+        self.timed("optim_step", lambda: training.optim_step(types.AdamParams(learning_rate=1e-4)).result())
+
+    def close(self) -> None:
+        self.service.close("success").result()
 
 
 def overhead(args: argparse.Namespace, tmp: Path) -> None:
+    """Both arms set up side by side, then their steps interleaved (one in-process step, then the same step through
+    the SDK): a machine whose load drifts during the run slows both alike. Only one arm computes at a time; while
+    the in-process arm runs, the idle server's threads only wake to sweep sessions (once a second)."""
     if args.smoke:
         model_dir = tiny_smol(tmp / "model")
     else:
@@ -187,27 +194,38 @@ def overhead(args: argparse.Namespace, tmp: Path) -> None:
         from _smol_short import short_copy
 
         model_dir = short_copy(args.layers)
-    shape = (args.steps, args.prompts, args.group, args.tokens)
-    local = in_process(model_dir, tmp / "inproc", *shape)
+    shape = (args.prompts, args.group, args.tokens)
+    load_before = os.getloadavg()[0]
+    local = InProcess(model_dir, tmp / "inproc", *shape)
     srv = server(tmp / "served", model_dir, args.driver)
+    remote = None
     try:
-        remote = through_sdk(srv.url, model_dir, *shape)
+        remote = ThroughSDK(srv.url, model_dir, *shape)
+        for step in range(args.steps):
+            local.step(step)
+            remote.step(step)
     finally:
+        local.close()
+        if remote is not None:
+            remote.close()
         srv.stop(120)
     shown = f"{args.steps} steps x ({args.prompts} prompts x {args.group} samples of {args.tokens} tokens)"
-    print(f"{shown}, model {model_dir.name}, driver {args.driver}; the first step is a warm-up, left out")
-    print("| call | n | in-process s | through the SDK s | ratio |")
-    print("|---|---|---|---|---|")
+    load = f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (1 min)"
+    print(f"{shown}, model {model_dir.name}, driver {args.driver}; the arms' steps interleaved; the first step is a "
+          f"warm-up, left out; {load}")  # fmt: skip
+    print("| call | n | in-process s | through the SDK s | ratio | SDK - in-process ms |")
+    print("|---|---|---|---|---|---|")
     total_local = total_remote = 0.0
     skip = 1 if args.steps > 1 else 0
     for kind in ("save_for_sampler", "sample", "forward_backward", "optim_step"):
-        per = len(local[kind]) // args.steps
-        a, b = local[kind][skip * per :], remote[kind][skip * per :]
+        per = len(local.times[kind]) // args.steps
+        a, b = local.times[kind][skip * per :], remote.times[kind][skip * per :]
         total_local, total_remote = total_local + sum(a), total_remote + sum(b)
         ma, mb = statistics.mean(a), statistics.mean(b)
-        print(f"| {kind} | {len(a)} | {ma:.4f} | {mb:.4f} | {mb / ma:.2f} |")
+        print(f"| {kind} | {len(a)} | {ma:.4f} | {mb:.4f} | {mb / ma:.2f} | {1000 * (mb - ma):.1f} |")
+    calls = sum(len(v) for v in remote.times.values())
     print(f"ratio sdk / in-process (all calls): {total_remote / total_local:.2f} "
-          f"({total_remote - total_local:.3f} s more over {sum(len(v) for v in remote.values())} calls)")  # fmt: skip
+          f"({total_remote - total_local:.3f} s more over {calls} calls)")  # fmt: skip
 
 
 # -- SmolLM2: a loop through the SDK against the same GRPO job as a DAG ----------------------------------
