@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +90,19 @@ def test_sessions_sampling_at_once_through_the_sdk_share_one_engine_call(
             prompt = types.ModelInput.from_ints(PROMPTS[i])
             alone[i] = sampled(samplers[i].sample(prompt, 2, params(i)).result(timeout=300))
         ids = [e.job_id for e in srv.journal.jobs() if e.config.get("kind") == "session"]
-        shared = [
-            [e.data["metrics"]["sample/call_sessions"] for e in srv.journal.events(job_id)
-             if e.kind == "iteration" and "sample/call_sessions" in e.data["metrics"]]
-            for job_id in ids
-        ]  # fmt: skip
+
+        def rows() -> list[list[float]]:
+            return [
+                [e.data["metrics"]["sample/call_sessions"] for e in srv.journal.events(job_id)
+                 if e.kind == "iteration" and "sample/call_sessions" in e.data["metrics"]]
+                for job_id in ids
+            ]  # fmt: skip
+
+        # a call's reply goes out before its row is journalled: wait (with a deadline) for the last alone call's
+        deadline = time.monotonic() + 60
+        while any(len(r) < 2 for r in rows()) and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        shared = rows()
         trained = [
             [e.data["metrics"]["forward_backward/call_sessions"] for e in srv.journal.events(job_id)
              if e.kind == "iteration" and "forward_backward/call_sessions" in e.data["metrics"]]
