@@ -15,13 +15,14 @@ of the same rank), both on SmolLM2-135M-Instruct, the same prompts, rewards and 
 machine, under a lock such as `flock LOCKFILE ...`).
 
     .venv/bin/python benchmarks/service_api.py overhead [--steps 5] [--driver local] [--layers 2]
-    .venv/bin/python benchmarks/service_api.py smollm2 [--minutes 20] [--eval-size N]
+    .venv/bin/python benchmarks/service_api.py smollm2 [--minutes 20] [--eval-size N] [--arm both|dag|sdk]
     .venv/bin/python benchmarks/service_api.py --smoke        # both, tiny, seconds (the test suite runs it)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -269,6 +270,8 @@ def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | No
             if "evaluate/accuracy" in metrics:
                 state["acc"] = metrics["evaluate/accuracy"]
                 state["curve"].append((iteration + 1, metrics["evaluate/accuracy"]))
+                print(f"[dag] after {iteration + 1} steps: held-out {state['acc']:.3f} "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
             if iteration >= 0:
                 state["steps"] = iteration + 1
             if time.perf_counter() - start >= seconds:
@@ -279,6 +282,27 @@ def run_dag(raw: dict[str, Any], seconds: float) -> tuple[int, float, float | No
     start = time.perf_counter()
     runner.run([spec])
     return state["steps"], time.perf_counter() - start, state["acc"], state["curve"]
+
+
+CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # the grpo preset's clip_eps 0.2
+
+
+def grpo_minibatches(rows: list[tuple[list[int], list[int], list[float], float]], group: int,
+                     minibatches: int) -> list[list[dict[str, Any]]]:  # fmt: skip
+    """The DAG's GRPO update as SDK data (`operators/train.py`, the grpo preset): group-normalised advantages
+    ((r - mean) / (biased std + 1e-6) over each prompt's `group` samples), rows of advantage 0 left out, the
+    rest split into `minibatches` steps; each token's advantage divided by the whole batch's sampled tokens /
+    `minibatches` (`skip_norm: full`: Tinker's losses sum over tokens, the DAG's takes that token mean)."""
+    rewards = np.array([r for *_, r in rows], dtype=np.float64).reshape(-1, group)
+    adv = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
+    denominator = max(sum(len(toks) for _, toks, _, _ in rows), 1) / minibatches
+    kept = [
+        _datum(prompt, toks, logps, float(a) / denominator)
+        for (prompt, toks, logps, _), a in zip(rows, adv, strict=True)
+        if a != 0.0
+    ]  # fmt: skip
+    cuts = [round(i * len(kept) / minibatches) for i in range(minibatches + 1)]
+    return [kept[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tuple[int, float, float, Any]:
@@ -302,6 +326,8 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
         training = service.create_lora_training_client(
             base_model=base, rank=lora["r"], train_mlp=False, train_unembed=False, seed=0
         ).result()
+        minibatches = opt.get("minibatches", 2)  # (the grpo preset's: operators/objective.py)
+        adam = types.AdamParams(learning_rate=lr, beta1=0.9, beta2=beta2, eps=1e-8, grad_clip_norm=1.0)
         sampling = types.SamplingParams(max_tokens=max_new, temperature=params.get("temperature", 1.0),
                                         stop=[tok.eos_token_id])  # fmt: skip
         every, held = (
@@ -321,6 +347,8 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
             verdicts = task.verify(texts, held.answers)
             evaluating += time.perf_counter() - t0
             curve.append((steps, sum(v or 0.0 for v in verdicts) / len(verdicts)))
+            print(f"[sdk] after {steps} steps: held-out {curve[-1][1]:.3f} ({time.perf_counter() - start:.0f} s, "
+                  f"{evaluating:.0f} s of it evaluating)", flush=True)  # fmt: skip
             return curve[-1][1]
 
         evaluate()
@@ -330,18 +358,16 @@ def run_sdk_loop(url: str, raw: dict[str, Any], spec: Any, seconds: float) -> tu
             prompts = prompts_of(rows, tok)
             sampler = training.save_weights_and_get_sampling_client().result()
             futures = [sampler.sample(types.ModelInput.from_ints(p), group, sampling) for p in prompts.token_ids]
-            data = []
+            rows = []  # (prompt, tokens, logprobs, reward) of every sample, in prompt order
             for fut, prompt, answer in zip(futures, prompts.token_ids, prompts.answers, strict=True):
                 seqs = fut.result().sequences
                 texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in seqs]
                 rewards = [r or 0.0 for r in task.verify(texts, [answer] * len(texts))]
-                mean = sum(rewards) / len(rewards)
-                for s, r in zip(seqs, rewards, strict=True):
-                    if r != mean:
-                        data.append(_sdk_datum(_datum(list(prompt), s.tokens, list(s.logprobs or []), r - mean)))
-            if data:
-                training.forward_backward(data, "importance_sampling").result()
-                training.optim_step(types.AdamParams(learning_rate=lr, beta2=beta2, eps=1e-8)).result()
+                rows += [(list(prompt), s.tokens, list(s.logprobs or []), r)
+                         for s, r in zip(seqs, rewards, strict=True)]  # fmt: skip
+            for part in grpo_minibatches(rows, group, minibatches):
+                training.forward_backward([_sdk_datum(d) for d in part], "ppo", CLIP).result()
+                training.optim_step(adam).result()
             steps += 1
             if steps % every == 0:
                 evaluate()
@@ -358,29 +384,35 @@ def smollm2(args: argparse.Namespace, tmp: Path) -> None:
 
     raw = dag_config(args, tmp)
     seconds = 5.0 if args.smoke else args.minutes * 60
-    dag_steps, dag_s, dag_acc, dag_curve = run_dag(raw, seconds)
-    spec = prepare_job(load_job(raw))  # its prompts, rewards and model (cached: the DAG run built it)
-    srv = server(tmp / "served-loop", Path(spec.model_path), args.driver)
-    try:
-        loop_steps, loop_s, loop_acc, (loop_curve, loop_eval_s) = run_sdk_loop(srv.url, raw, spec, seconds)
-    finally:
-        srv.stop(120)
+    arms = ("dag", "sdk") if args.arm == "both" else (args.arm,)
+    dag = run_dag(raw, seconds) if "dag" in arms else None
+    loop = None
+    if "sdk" in arms:
+        spec = prepare_job(load_job(raw))  # its prompts, rewards and model (cached when the DAG run built it)
+        srv = server(tmp / "served-loop", Path(spec.model_path), args.driver)
+        try:
+            loop = run_sdk_loop(srv.url, raw, spec, seconds)
+        finally:
+            srv.stop(120)
     print(f"each alone for {seconds:.0f} s ({'tiny smoke job' if args.smoke else 'SmolLM2-135M-Instruct, LoRA'})")
     print("| arm | steps | steps/s | held-out accuracy at the end |")
     print("|---|---|---|---|")
-    print(f"| DAG job (in-process) | {dag_steps} | {dag_steps / dag_s:.3f} | {dag_acc} |")
-    print(f"| loop through the SDK | {loop_steps} | {loop_steps / loop_s:.3f} | {loop_acc:.3f} |")
-    print(
-        f"steps/s loop / DAG: {(loop_steps / loop_s) / max(dag_steps / dag_s, 1e-9):.2f} (the DAG's clock holds its "
-        f"evaluations; the loop's does not: it spent {loop_eval_s:.0f} s more evaluating)"
-    )
-    loop_at = dict(loop_curve)
-    print("held-out greedy accuracy after k steps (the DAG's evaluation points; '-': the loop did not reach k)")
+    if dag is not None:
+        print(f"| DAG job (in-process) | {dag[0]} | {dag[0] / dag[1]:.3f} | {dag[2]} |")
+    if loop is not None:
+        print(f"| loop through the SDK | {loop[0]} | {loop[0] / loop[1]:.3f} | {loop[2]:.3f} |")
+    if dag is not None and loop is not None:
+        print(
+            f"steps/s loop / DAG: {(loop[0] / loop[1]) / max(dag[0] / dag[1], 1e-9):.2f} (the DAG's clock holds its "
+            f"evaluations; the loop's does not: it spent {loop[3][1]:.0f} s more evaluating)"
+        )
+    dag_at, loop_at = dict(dag[3] if dag else []), dict(loop[3][0] if loop else [])
+    print("held-out greedy accuracy after k steps ('-': that arm did not reach or evaluate k)")
     print("| k | DAG job | loop through the SDK |")
     print("|---|---|---|")
-    for k, acc in dag_curve:
-        other = loop_at.get(k)
-        print(f"| {k} | {acc:.3f} | {'-' if other is None else f'{other:.3f}'} |")
+    for k in sorted(dag_at if dag is not None else loop_at):
+        cells = [("-" if at.get(k) is None else f"{at[k]:.3f}") for at in (dag_at, loop_at)]
+        print(f"| {k} | {cells[0]} | {cells[1]} |")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -399,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=0,
         help="smollm2: held-out prompts per evaluation, both arms (default: the config's)",
     )
+    ap.add_argument("--arm", choices=["both", "dag", "sdk"], default="both", help="smollm2: which arms run")
     ap.add_argument("--smoke", action="store_true", help="both parts, tiny (the test suite runs it)")
     args = ap.parse_args(argv)
     if args.smoke:

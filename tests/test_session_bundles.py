@@ -78,6 +78,23 @@ def test_without_bundling_each_call_runs_alone() -> None:
     assert board.call_of("a", "sample") == (True, MINE[0])
 
 
+def test_a_servers_runner_bundles_by_default_and_its_section_can_turn_it_off() -> None:
+    """`plexrl serve` builds its runner from its `cluster:` section (`build_runner`): a client's sample calls sent
+    at once run as one engine call there by default (`bundle_calls`), whether or not rollouts are batched."""
+    from plexrl.runtime import InlineExecutor
+    from plexrl.runtime.build import build_runner
+    from plexrl.runtime.config import RuntimeConfig
+
+    for section, want in ((RuntimeConfig(), Samples(MINE)), (RuntimeConfig(bundle_calls=False), MINE[0])):
+        board = CallBoard()
+        build_runner(section, [], InlineExecutor(), calls=board)
+        board.open("a")
+        for c in MINE:
+            board.put("a", c.kind, c, lambda reply, error: None)
+        board.started("a")
+        assert board.call_of("a", "sample") == (True, want)
+
+
 @pytest.fixture
 def service(tmp_path: Path, smol_tiny: Path) -> Any:
     svc = Service("s0", spill_dir=tmp_path / "spill", validate=True)

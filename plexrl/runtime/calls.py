@@ -18,10 +18,11 @@ its weights, `plexrl/planner/sessions.py`), so what a client was told is on disk
 
 One call of a session is announced at a time (`announced`): the next only once the previous one's node
 finished, so a session's calls run in the order they came, and the planner holds at most one per job. With
-`bind(..., bundle=True)` (a runner whose planner batches rollouts), a call that can run together with the calls
-waiting right behind it (`call.joins(next)`, e.g. a client's sample calls sent at once, of the same weights)
-takes up to `BUNDLE` of them along (`take`): the node runs them as one call (`call.bundle(calls)`), whose reply
-holds one reply per call (`value["replies"]`), each handed to its own call.
+`bind(..., bundle=True)` (a runner with `bundle_calls`, a server's default, or whose planner batches rollouts),
+a call that can run together with the calls waiting right behind it (`call.joins(next)`, e.g. a client's
+sample calls sent at once, of the same weights) takes up to `BUNDLE` of them along (`take`): the node runs
+them as one call (`call.bundle(calls)`), whose reply holds one reply per call (`value["replies"]`), each
+handed to its own call.
 Thread-safe (one lock); `done` callbacks run on the runner's thread, outside the lock, and must not block.
 """
 

@@ -208,6 +208,12 @@ class RuntimeConfig(DaskNetwork):
         "(each job's own tokens; either driver, not with services.ranks > 1); so do the sample calls of LoRA "
         "sessions over one base.",
     )  # fmt: skip
+    bundle_calls: bool = Field(
+        True, description="A session's own sample calls that wait together (its client sent them at once, of the "
+        "same weights) run as ONE engine call, up to 8 of them, each with its own seed and parameters: the same tokens "
+        "as alone up to the float noise of another batch composition. false: each call alone, its numbers exactly "
+        "those alone (also the default of a runner built outside a server or a cluster config).",
+    )  # fmt: skip
     batch_window_s: float = Field(
         0.05, ge=0, le=10,
         description="With batch_rollouts: how long at most a session's sample call that finds its service idle "

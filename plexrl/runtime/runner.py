@@ -57,7 +57,8 @@ class Runner:
     `checkpoint_at`: the carrier's (`Carrier`: a server's memory, its journal, where its checkpoints go; how
     often is each job's plan's). `calls`: the sessions' calls (`calls.CallBoard`; a server's Tinker API puts
     them there): while a session is open the loop looks at its inbox at least every `CALL_POLL` seconds, so a
-    call waits at most that long for the planner."""
+    call waits at most that long for the planner. `bundle_calls`: whether a session's own sample calls sent at once
+    run as one engine call (always where the planner batches rollouts)."""
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class Runner:
         on_closed: Callable[[JobRun], None] | None = None,
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
         calls: CallBoard | None = None,
+        bundle_calls: bool = False,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -84,7 +86,10 @@ class Runner:
         self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
         self.calls = calls
         if calls is not None:
-            calls.bind(self._inbox.call_arrived, bundle=self.planner.batch_rollouts)
+            # a session's own sample calls sent at once run as one (`CallBoard.take`) with `bundle_calls` (a
+            # cluster section's, `build_runner`) or where the planner batches rollouts
+            bundle = self.planner.batch_rollouts or bool(bundle_calls)
+            calls.bind(self._inbox.call_arrived, bundle=bundle)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
                                on_closed, checkpoint_at=checkpoint_at, calls=calls)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)

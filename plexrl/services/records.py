@@ -106,11 +106,11 @@ def gbps(nbytes: float, seconds: float) -> float:
 
 def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float]:
     """The sums of `records` (MoveRecords, or their dicts from a timeline): moves, bytes, copies, buffers
-    made / reused, page faults, one-copy moves, background moves, queued / copy / wait seconds, and GB/s of
-    the copying (bytes / copy seconds)."""
+    made / reused, page faults, one-copy moves, background moves (and their bytes and copy seconds), queued /
+    copy / wait seconds, and GB/s of the copying (bytes / copy seconds)."""
     keys = ("moves", "bytes", "copies", "made", "reused", "faults", "one_copy", "background")
     out: dict[str, float] = dict.fromkeys(keys, 0)
-    out.update(queued_s=0.0, copy_s=0.0, wait_s=0.0)
+    out.update(queued_s=0.0, copy_s=0.0, wait_s=0.0, background_bytes=0, background_copy_s=0.0)
     for r in records:
         rec = MoveRecord(**r) if isinstance(r, dict) else r
         out["moves"] += 1
@@ -121,6 +121,9 @@ def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float
         out["faults"] += max(rec.faults, 0)
         out["one_copy"] += not rec.why
         out["background"] += rec.background
+        if rec.background:
+            out["background_bytes"] += rec.nbytes
+            out["background_copy_s"] += rec.copy
         out["queued_s"] += rec.queued
         out["copy_s"] += rec.copy
         out["wait_s"] += rec.wait
