@@ -232,12 +232,14 @@ def makespan(specs: list[SimJob], ordering: Callable[[], OrderingPolicy], seed: 
 
 
 def test_critical_path_ends_a_tool_bound_mix_no_later_than_hrrs() -> None:
-    """Seen (8 seeds): TO BE MEASURED."""
+    """Seen (seeds 0-7, makespans in s): hrrs 37.29 33.26 29.80 33.60 37.35 31.54 37.21 35.24, critical-path
+    35.33 30.07 27.48 33.30 33.99 30.30 33.79 33.94: sooner on every seed, 6.2% on average. Over 16 seeds
+    (a scratch run of the same mixes): 5.1% sooner than hrrs, later on one seed (by 0.6 s); io-first 6.1% sooner;
+    critical-path gains most where the agent's chain sets the makespan, and is hrrs where the service does."""
     hrrs, crit = [], []
     for seed in range(8):
         specs = tool_mix(seed)
         hrrs.append(makespan(specs, ORDERINGS["hrrs"], seed))
         crit.append(makespan(specs, ORDERINGS["critical-path"], seed))
-    print("hrrs", [round(x, 2) for x in hrrs], "critical-path", [round(x, 2) for x in crit])
-    assert sum(c <= h + 0.05 for c, h in zip(crit, hrrs, strict=True)) >= 6, (hrrs, crit)
-    assert sum(crit) < sum(hrrs), (hrrs, crit)
+    assert sum(c <= h + 0.05 for c, h in zip(crit, hrrs, strict=True)) >= 7, (hrrs, crit)
+    assert sum(crit) < 0.96 * sum(hrrs), (hrrs, crit)

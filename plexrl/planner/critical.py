@@ -117,9 +117,7 @@ class CriticalPath:
             return None
         return best[1], ready_in[best[1]], best[0] - service
 
-    def _among(
-        self, queue: Sequence[_Queued], now: float, view: _View, keep: Callable[[_Queued, float], bool]
-    ) -> int:
+    def _among(self, queue: Sequence[_Queued], now: float, view: _View, keep: Callable[[_Queued, float], bool]) -> int:
         """`inner`'s pick among the nodes `keep` accepts (given the node and its predicted time + its job's
         swap-in) and the nodes that have waited `age` x their time; -1 when there are none."""
         mine = []
