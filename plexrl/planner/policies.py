@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from plexrl.planner.critical import CriticalPath
+
 
 @dataclass(frozen=True, slots=True)
 class QueuedNode:
@@ -442,5 +444,6 @@ ORDERINGS: dict[str, Callable[[], OrderingPolicy]] = {
     "slowdown": Slowdown,
     "deadline": Deadline,
     "io-first": IoFirst,
+    "critical-path": lambda: CriticalPath(Hrrs()),
     "time-slicing": TimeSlicing,
 }

@@ -179,12 +179,14 @@ class RuntimeConfig(DaskNetwork):
         1.0, gt=0, le=64,
         description="pack and spread+backfill: admit a job to a shared service while its predicted load <= this.",
     )  # fmt: skip
-    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first", "time-slicing"] = Field(
+    ordering: Literal["fifo", "hrrs", "slowdown", "deadline", "io-first", "critical-path", "time-slicing"] = Field(
         "hrrs",
         description="Ordering of ready service nodes: fifo, hrrs (highest response ratio, gap-aware), "
         "slowdown (the job furthest behind its solo pace first, then hrrs: evens out the slowdowns), "
         "deadline (least laxity against per-job deadlines, 1.6 x solo time or the mix's earliest end), "
-        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs) or "
+        "io-first (the jobs whose rest is least service work, behind verifiers and tools, first; then hrrs), "
+        "critical-path (when a job's rest of turns, tools and verifiers outlasts the service's work: that job "
+        "first, its gaps filled only with nodes predicted to end before it returns; else hrrs) or "
         "time-slicing (the llm-d / OpenRL design, for comparison: a FIFO lock per service held for a phase, the "
         "whole state moved out and in at each hand-over, no prefetch, lookahead or fair share).",
     )
@@ -201,7 +203,7 @@ class RuntimeConfig(DaskNetwork):
         None,
         description="with lookahead: send nothing ahead while a node the ordering prefers is due before the "
         "running node ends (it goes ahead instead; planner/ahead.py). Default: as the ordering says (on for "
-        "io-first, off for the others).",
+        "io-first and critical-path, off for the others).",
     )
     batch_rollouts: bool = Field(
         False, description="Co-schedule rollouts: LoRA jobs on one shared vLLM engine roll out in ONE engine call "
