@@ -99,9 +99,10 @@ def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
     """Four 5 MiB forward_backward bodies at once (`max_body_bytes` 8 MiB): one decodes, three wait (holding no
     thread), so the decodes' memory together stays that of one body; each is answered as alone afterwards."""
     budgets: list[routes.DecodeBudget] = []
+    made = routes.DecodeBudget
 
     def budget(limit: int) -> routes.DecodeBudget:
-        budgets.append(routes.DecodeBudget(limit))
+        budgets.append(made(limit))
         return budgets[-1]
 
     decode, inside, gate = proto.decode_forward_backward, [], threading.Event()
