@@ -184,15 +184,16 @@ def prescan(body: bytes, max_datums: int) -> int:
     came before it; groups nested past `MAX_GROUP_DEPTH` are a `WireError` here. Returns the datums counted."""
     pos, end, datums, other, depth = 0, len(body), 0, 0, 0  # depth: inside groups of an unknown field
     while pos < end:
-        start = pos
-        tag, pos = _varint(body, pos)
+        start, tag = pos, body[pos]
+        tag, pos = (tag, pos + 1) if tag < 0x80 else _varint(body, pos)  # (a one-byte tag: the usual case, inline)
         wire, n = tag & 7, 0
         if wire == 0:
             n, pos = _varint(body, pos)
         elif wire in (1, 5):
             pos += 8 if wire == 1 else 4
         elif wire == 2:
-            n, pos = _varint(body, pos)
+            n = body[pos] if pos < end else -1
+            n, pos = (n, pos + 1) if 0 <= n < 0x80 else _varint(body, pos)
             pos += n
         elif wire in (3, 4):
             depth += 1 if wire == 3 else -1
