@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Iterator
@@ -188,6 +189,19 @@ def tinker_server_config(
         cluster={"driver": "local", "services": {"count": 1}, **(cluster or {})},
         allowed_roots=[str(tmp), str(model_dir.parent)], **fields,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def tinker_served(tmp: Path, model_dir: Path, **kwargs: Any) -> Iterator[Any]:
+    """A `plexrl serve` of `tinker_server_config(tmp, model_dir, **kwargs)` while in the block (a module's server
+    fixture: `with tinker_served(...) as srv: yield srv`), stopped after it."""
+    from plexrl.server.api import start_server
+
+    srv = start_server(tinker_server_config(tmp, model_dir, **kwargs))
+    try:
+        yield srv
+    finally:
+        srv.stop(120)
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,12 @@
 flight answer 410 (Tinker's "promise expired", on which the unmodified SDK sends a sample again and raises
 `RetryableException` for a training call) instead of failing; an acknowledged `optim_step` is journalled before
 its answer, so the session resumes at it; a model with no step yet, a session with no model and a sampling
-client on a base model resume too."""
+client on a base model resume too; a LoRA session keeps the alpha it was created with on a server restarted with
+another `tinker.lora_alpha` (resumed, loaded from its saved state, exported)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -27,6 +29,7 @@ from tinker.lib.retryable_exception import RetryableException  # noqa: E402
 
 from plexrl.server.api import RunningServer, start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
+from plexrl.server.tinker.exports import export_dir  # noqa: E402
 
 PROMPT = types.ModelInput.from_ints([1, 4, 9, 16])
 DATUM = types.Datum(
@@ -253,3 +256,27 @@ def test_a_session_that_ends_while_its_model_opens_leaves_no_job_behind(
         assert "error" in result and "closed" in result["error"], result
     finally:
         gate.set()
+
+
+def test_a_session_keeps_its_lora_alpha_on_a_server_restarted_with_another(
+    restartable: Callable[..., Restartable], smol_tiny: Path
+) -> None:
+    server = restartable(checkpoint_every=1, tinker={"lora_alpha": 8.0})
+    service = server.client()
+    trained = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
+    step(trained)  # (its adapter's B no longer zero: the alpha scales what it adds)
+    expected = loss(trained)
+    state = trained.save_state("kept").result(timeout=120).path
+    cfg = server.cfg
+    server.cfg = cfg.model_copy(update={"tinker": cfg.tinker.model_copy(update={"lora_alpha": 64.0})})
+    srv = server.restart()
+    assert srv.sessions.cfg.lora_alpha == 64.0
+    assert loss(trained) == pytest.approx(expected, rel=1e-6)  # the session resumed from the journal: its alpha
+    loaded = service.create_training_client_from_state(state).result()  # a new model from its saved state
+    assert loss(loaded) == pytest.approx(expected, rel=1e-6)
+    for client, name in ((trained, "resumed"), (loaded, "loaded")):  # their adapters say theirs too
+        client.save_weights_external(name).result(timeout=120)
+        config = json.loads((export_dir(srv.sessions.root, client.model_id, name) / "adapter_config.json").read_text())
+        assert (config["r"], config["lora_alpha"]) == (4, 8.0), config
+    owner = json.loads((srv.sessions.root / loaded.model_id.replace(":", "-") / "owner.json").read_text())
+    assert owner["lora_alpha"] == 8.0

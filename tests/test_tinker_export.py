@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from conftest import tinker_served
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -37,8 +39,8 @@ from tinker.types.tensor_data import TensorData  # noqa: E402
 from tinker_cookbook import weights  # noqa: E402
 from tinker_cookbook.exceptions import WeightsDownloadError  # noqa: E402
 
-from plexrl.server.api import RunningServer, start_server  # noqa: E402
-from plexrl.server.config import ServerConfig  # noqa: E402
+from plexrl.server.api import RunningServer  # noqa: E402
+from plexrl.server.tinker import exports  # noqa: E402
 from plexrl.server.tinker.exports import Signer  # noqa: E402
 
 ANN, BOB = "ann-token-0123456789", "bob-token-0123456789"
@@ -53,16 +55,9 @@ DATUM = types.Datum(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smol_tiny: Path) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("export")
-    cfg = ServerConfig(
-        port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False,
-        cluster={"driver": "local", "services": {"count": 1}, "max_load": 4.0}, users={"ann": ANN, "bob": BOB},
-        allowed_roots=[str(tmp), str(smol_tiny.parent)], tinker={"engine": "torch"},
-    )  # fmt: skip
-    srv = start_server(cfg)
-    try:
+    users = {"ann": ANN, "bob": BOB}
+    with tinker_served(tmp, smol_tiny, cluster={"max_load": 4.0}, users=users, tinker={"engine": "torch"}) as srv:
         yield srv
-    finally:
-        srv.stop(120)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +197,42 @@ def test_encrypted_files_decrypt_with_the_recipients_key_only(
     assert sorted(p.name for p in folder.iterdir()) == sorted(urls.urls)  # no plaintext kept on the server
     with pytest.raises(tinker.BadRequestError, match="not a usable public key"):
         training.save_weights_external("bad", age_encryption_recipients=["age1notakey"]).result()
+
+
+def test_an_export_converts_off_the_thread_that_delivers_replies(
+    server: RunningServer, ann: Any, trained: dict[str, Any], smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While an export's conversion is held, another session's call is answered (the runner's thread delivered
+    the export's reply and went on); the export's future completes once it is whole, and one whose conversion
+    fails fails its future and leaves nothing behind."""
+    entered, gate, write = threading.Event(), threading.Event(), exports.write_export
+
+    def held(spec: exports.Export, keys: list[Any]) -> None:
+        entered.set()
+        assert gate.wait(120), "the test never opened the gate"
+        write(spec, keys)
+
+    monkeypatch.setattr(exports, "write_export", held)
+    other = ann.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=9).result()
+    training = trained["client"]
+    folder = exports.export_dir(server.sessions.root, training.model_id, "held")
+    try:
+        export = training.save_weights_external("held")
+        assert entered.wait(120), "the export never reached its conversion"
+        assert other.forward([DATUM], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0  # meanwhile
+        assert not folder.exists()  # (still converting: whole or absent)
+    finally:
+        gate.set()
+    assert export.result(timeout=120).path.endswith("/external_weights/held")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    def broken(spec: exports.Export, keys: list[Any]) -> None:
+        raise OSError("the disk is on fire")
+
+    monkeypatch.setattr(exports, "write_export", broken)
+    with pytest.raises(tinker.RequestFailedError, match="exporting the weights failed: OSError: the disk is on fire"):
+        training.save_weights_external("burnt").result(timeout=120)
+    assert not [p.name for p in folder.parent.iterdir() if "burnt" in p.name]  # (its staging folder removed)
 
 
 def fetch(url: str) -> tuple[int, str]:

@@ -1,6 +1,6 @@
 """The parts of external weights that need no server (`plexrl/server/tinker/exports.py`): URL signatures under
 an injected clock, the server's secret file, the adapter's peft key names, the recipients a request may name,
-and the one path the server's authentication lets in without a key."""
+the one path the server's authentication lets in without a key, and the LoRA alpha of saved weights."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from plexrl.server.tinker.decode import Refused
 from plexrl.server.tinker.exports import Signer, peft_tensors, recipients_of
+from plexrl.server.tinker.records import alpha_of
 from plexrl.server.tinker.rest import signed_download
 
 RUN = "s0123456789abcdef:train:0"
@@ -89,3 +90,12 @@ def test_only_the_download_routes_shape_goes_without_a_key() -> None:
                  "/api/v1/external_weights/download/a//c", "/api/v1/external_weights/download/../../jobs",
                  "/api/v1/training_runs", "/jobs", "/api/v1/external_weights/downloadX/a/b/c"]:  # fmt: skip
         assert not signed_download(prefix, path), path
+
+
+def test_saved_weights_keep_the_alpha_they_were_trained_with() -> None:
+    assert alpha_of({"lora_rank": 4, "lora_alpha": 8.0}, 32.0) == 8.0  # (recorded in owner.json at creation)
+    assert alpha_of({"lora_rank": 4, "lora_alpha": 16}, 32.0) == 16.0
+    for older in ({"lora_rank": 4}, {"lora_rank": 4, "lora_alpha": None}, {"lora_rank": 4, "lora_alpha": True},
+                  {"lora_rank": 4, "lora_alpha": -1.0}, {"lora_rank": 4, "lora_alpha": "8"}):  # fmt: skip
+        assert alpha_of(older, 32.0) == 32.0, older  # a record from before alphas were: the server's, as then
+    assert alpha_of({"lora_rank": None, "lora_alpha": 8.0}, 32.0) is None  # a full fine-tune has none

@@ -2,23 +2,26 @@
 for `limits.max_open_jobs` (checked when its model is created, journalled in the same step as `POST /jobs`), its
 base model is checked against `limits.max_parameters`, and each user's share of the open jobs is kept for them,
 so one user's sessions cannot lock the other user's DAG jobs out (nor the other way round); a session's state
-counts in `limits.max_open_bytes` as a job's does. Raw HTTP for the sessions (a refusal comes before any model
-is placed: nothing waits for a service)."""
+counts in `limits.max_open_bytes` as a job's does; forward_backward bodies decode at most `tinker.max_body_bytes`
+of them at once, however many come. Raw HTTP for the sessions (a refusal comes before any model is placed:
+nothing waits for a service)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
-from conftest import TINY
+from conftest import TINY, wait_for
 
 from plexrl.server.api import RunningServer, start_server
 from plexrl.server.client import Client, ServerError
 from plexrl.server.config import ServerConfig
 from plexrl.server.limits import session_bytes
+from plexrl.server.tinker import proto, routes
 from plexrl.server.tinker.handlers import FULL_FINETUNE
 from plexrl.sizes import model_bytes
 
@@ -88,3 +91,48 @@ def test_a_sessions_state_counts_in_max_open_bytes_as_a_jobs_does(tmp_path: Path
         assert len(srv.sessions.models) == 1 and len(srv.journal.jobs()) == 1
     finally:
         srv.stop(120)
+
+
+def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
+    tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four 5 MiB forward_backward bodies at once (`max_body_bytes` 8 MiB): one decodes, three wait (holding no
+    thread), so the decodes' memory together stays that of one body; each is answered as alone afterwards."""
+    budgets: list[routes.DecodeBudget] = []
+    made = routes.DecodeBudget
+
+    def budget(limit: int) -> routes.DecodeBudget:
+        budgets.append(made(limit))
+        return budgets[-1]
+
+    decode, inside, gate = proto.decode_forward_backward, [], threading.Event()
+
+    def held(body: bytes, max_datums: int) -> Any:
+        inside.append(len(body))
+        assert gate.wait(60), "the test never opened the gate"
+        return decode(body, max_datums)
+
+    monkeypatch.setattr(routes, "DecodeBudget", budget)
+    monkeypatch.setattr(proto, "decode_forward_backward", held)
+    srv = server(tmp_path, smol_tiny)
+    body = b"\x1a\x00" * (5 << 19)  # 5 MiB of empty datums
+    headers = {"X-API-Key": f"tml-{ANN}", "Content-Type": "application/x-protobuf"}
+    answers: list[int] = []
+
+    def send() -> None:
+        answers.append(httpx.post(f"{srv.url}/api/v1/forward_backward", content=body, headers=headers,
+                                  timeout=120).status_code)  # fmt: skip
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    try:
+        for t in senders:
+            t.start()
+        wait_for(lambda: len(inside) == 1 and len(budgets[0].waiting) == 3, "one body decoding, three waiting")
+        assert budgets[0].limit == 8 << 20 and budgets[0].used == 5 << 20
+    finally:
+        gate.set()
+        for t in senders:
+            t.join(120)
+        srv.stop(120)
+    assert answers == [413] * 4 and inside == [5 << 20] * 4  # (past max_datums: refused before the parse)
+    assert budgets[0].peak == 5 << 20 and budgets[0].used == 0 and not budgets[0].waiting

@@ -197,6 +197,27 @@ def test_sizes_past_the_bounds_are_too_large() -> None:
         proto.decode_forward_backward(b"\x1a" + bytes([len(datum)]) + datum)
 
 
+def test_a_body_past_max_datums_is_refused_before_it_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top level's tags and lengths alone count the datums (the parse builds 20-30 bytes a wire byte first):
+    an 8 MiB body of 4 M empty datums, the default `max_body_bytes`, is refused with nothing parsed."""
+    d = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={})
+    assert proto.prescan(request([d] * 3), 3) == 3  # (what the SDK sends: counted, not refused)
+
+    def parsed() -> None:
+        raise AssertionError("the body was parsed")
+
+    monkeypatch.setattr(proto, "ForwardBackwardRequest", parsed)
+    flood = b"\x1a\x00" * (4 << 20)
+    with pytest.raises(proto.TooLarge, match=r"max_datums \(256\)"):
+        proto.decode_forward_backward(flood, max_datums=256)
+    # after a model id, a group of an unknown field and a known field of another wire type: counted all the same
+    for head in (b"\x0a\x02ab", b"\x5b\x08\x01\x1a\x00\x5c", b"\x18\x01"):
+        with pytest.raises(proto.TooLarge, match=r"max_datums \(256\)"):
+            proto.decode_forward_backward(head + flood[:514], max_datums=256)
+    with pytest.raises(proto.TooLarge, match="outside its datums"):  # (a newer client's fields, but so many)
+        proto.decode_forward_backward(b"\xa8\x06\x01" * 30_000 + flood, max_datums=256)
+
+
 def test_bad_tensors_are_refused_with_the_reason() -> None:
     def wire(**fields: object) -> proto.WireTensor:
         return proto.WireTensor(**{"dtype": "float32", "shape": [3], **fields})  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import tinker_server_config
+from conftest import tinker_served
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -20,7 +20,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.types.tensor_data import TensorData  # noqa: E402
 
-from plexrl.server.api import RunningServer, start_server  # noqa: E402
+from plexrl.server.api import RunningServer  # noqa: E402
 from plexrl.server.tinker.decode import MAX_TOPK_LOGPROBS  # noqa: E402
 
 PROMPT = [1, 504, 2330, 314, 253, 1345, 30, 2]
@@ -29,11 +29,8 @@ PROMPT = [1, 504, 2330, 314, 253, 1345, 30, 2]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smol_tiny: Path) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("surface")
-    srv = start_server(tinker_server_config(tmp, smol_tiny, cluster={"max_load": 4.0}, tinker={"engine": "torch"}))
-    try:
+    with tinker_served(tmp, smol_tiny, cluster={"max_load": 4.0}, tinker={"engine": "torch"}) as srv:
         yield srv
-    finally:
-        srv.stop(120)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,12 @@ class TinkerConfig(BaseModel):
         description="Generation engine of a session's samples (a job's `engine:` rule): auto, vllm or torch.",
     )
     max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank a session may ask for.")
-    lora_alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator of every session adapter (alpha / r).")
+    lora_alpha: float = Field(
+        32.0,
+        gt=0,
+        description="LoRA scaling numerator (alpha / r) of a session adapter created from now on; a session, its saved "
+        "weights and exports keep the alpha they were created with (a server restarted with another included).",
+    )
     full_finetuning: bool = Field(
         True,
         description="Allow full fine-tuning sessions (a PlexRL extension: create_lora_training_client with "
@@ -32,7 +37,11 @@ class TinkerConfig(BaseModel):
         "gradients (float32).",
     )
     max_body_bytes: int = Field(
-        8 << 20, ge=1 << 16, le=256 << 20, description="Largest request body of the Tinker API (a forward_backward)."
+        8 << 20,
+        ge=1 << 16,
+        le=256 << 20,
+        description="Largest request body of the Tinker API (a forward_backward); also the bytes of forward_backward "
+        "bodies decoded at once, all clients together (the others wait their turn).",
     )
     max_datums: int = Field(256, ge=1, le=65536, description="Datums of one forward_backward / forward call.")
     max_tokens_per_call: int = Field(

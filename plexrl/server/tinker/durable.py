@@ -107,6 +107,7 @@ def recover(
         m = ModelRecord(model_id, e.job_id, sid, e.user, str(client.get("base_model", "")), seed=cfg.seed)
         m.model_dir = Path(cfg.model.path) if cfg.model.path else None
         m.lora_rank, m.targets = (lora.r, tuple(lora.target_modules)) if lora is not None else (None, ())
+        m.lora_alpha = lora.alpha if lora is not None else None  # (its job's, whatever the server's is now)
         m.limits = model_limits(m.model_dir) if m.model_dir is not None else None
         m.next_seq, m.sampler_only = None, bool(client.get("sampler_only"))
         models[model_id] = m

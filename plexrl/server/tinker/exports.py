@@ -3,9 +3,10 @@ a model's trained weights as files a user loads without PlexRL, and `RestClient.
 a download URL per file (the cookbook's `weights.download` uses both; `rest.py` serves the URLs and the files).
 
 What an export holds (`<root>/<job>/external_weights/<name>/`, `tinker://<model>/external_weights/<name>`):
-- a LoRA session: a PEFT adapter, `adapter_config.json` (r, lora_alpha = `tinker.lora_alpha`, target_modules,
-  base_model_name_or_path = the base as its client named it) and `adapter_model.safetensors` under peft's key
-  names (`base_model.model.<module>.lora_A.weight`): `peft.PeftModel.from_pretrained(base, dir)` loads it;
+- a LoRA session: a PEFT adapter, `adapter_config.json` (r, lora_alpha = the session's: `tinker.lora_alpha` when
+  it was created, target_modules, base_model_name_or_path = the base as its client named it) and
+  `adapter_model.safetensors` under peft's key names (`base_model.model.<module>.lora_A.weight`):
+  `peft.PeftModel.from_pretrained(base, dir)` loads it;
 - a full-parameter session: a Hugging Face model directory, `model.safetensors` (every trained weight, float32,
   a tied output head left to its config) beside the base's `config.json` (its dtype set to float32),
   `generation_config.json` and tokenizer files: `AutoModelForCausalLM.from_pretrained(dir)` loads it.
@@ -15,8 +16,10 @@ kept only as `<file>.age`: the server keeps no plaintext of it.
 How it is written: the export is a call of the model like `save_weights_for_sampler` (in the model's seq-id
 order), whose service writes the trained tensors into a hidden staging folder; once that reply comes, the
 server converts and encrypts them there, and the folder becomes the export in one rename, so an export is
-whole or absent. The conversion runs on the thread that delivers replies: an adapter takes milliseconds, a
-full model about one read and one write of its weights (and one more with encryption). An export counts
+whole or absent; then its future completes (with the error, if that failed). The conversion runs on a thread of
+`WORKERS` (at most two exports at once, each holding one model's tensors), not on the runner's thread that
+delivers every session's replies: an adapter takes milliseconds, a full model about one read and one write of
+its weights (and one more with encryption), and no other reply waits for it. An export counts
 against `tinker.max_saved_bytes_per_user` like the other saved files of its model (`quotas.saved_bytes`).
 
 Signed URLs (`Signer`): `<server>/api/v1/external_weights/download/<model>/<name>/<file>?expires=<unix s>&
@@ -36,6 +39,7 @@ import re
 import secrets
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,7 @@ AGE = ".age"
 RAW = "trained.safetensors"  # what the service writes into the staging folder (the trained tensors)
 FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # an export's files are flat: no '/' in a name
 STALE_STAGING_S = 3600.0  # a staging folder left by a failed save is removed after this long
+WORKERS = ThreadPoolExecutor(2, thread_name_prefix="tinker-export")  # (threads made on first use)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")  # fmt: skip
 
@@ -136,11 +141,11 @@ def save_external(reg: Registry, user: str | None, body: dict[str, Any]) -> dict
                 raise Refused(400, f"model {m.model_id} is still being prepared; wait for its client")
             _sweep_staging(target.parent)
             staging = target.parent / f".{name}.{secrets.token_hex(6)}.staging"
-            spec = Export(m.model_id, name, m.base_model, m.model_dir, m.lora_rank, reg.cfg.lora_alpha, m.targets,
-                          staging, target)  # fmt: skip
+            alpha = reg.cfg.lora_alpha if m.lora_alpha is None else m.lora_alpha  # (the session's own)
+            spec = Export(m.model_id, name, m.base_model, m.model_dir, m.lora_rank, alpha, m.targets, staging, target)
 
-            def finish(value: dict[str, Any]) -> tuple[str, Any]:
-                return publish(reg, spec, keys, facts)
+            def finish(value: dict[str, Any]) -> Future[tuple[str, Any]]:  # (on a worker: the reply thread goes on)
+                return WORKERS.submit(publish, reg, spec, keys, facts)
 
             return reg.ordered(m, body.get("seq_id"), Save(str(staging / RAW), "sampler"), finish)
 
@@ -299,6 +304,7 @@ __all__ = [
     "AGE",
     "KIND",
     "URL_TTL_S",
+    "WORKERS",
     "Export",
     "Signer",
     "adapter_config",

@@ -11,12 +11,17 @@ which the SDK sends a sampling call again and raises `RetryableException` for a 
 A long poll holds a connection: it is parked in `polls` (`http.LongPolls`, shared with the server's connections)
 while it waits, at most `max_polls_per_user` of one user at once (one more gets 429, on which the SDK backs off),
 and the connection limit evicts parked polls, the most-parked user's first, before it turns a connection away:
-an evicted poll ends at once (nothing of it waits out `poll_s`)."""
+an evicted poll ends at once (nothing of it waits out `poll_s`).
+
+`replying(futures, request_id, finish)` is the `done` of a call passed on to the runner: its reply completes the
+request's future (through `finish`, which may hand its work to a thread of its own: `Finish`)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import logging
 import secrets
 import threading
 import time
@@ -26,8 +31,16 @@ from typing import Any, Literal
 
 from plexrl.server.http import LongPolls, Peer
 from plexrl.server.tinker.decode import Refused
+from plexrl.sessions.calls import unpack
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["json", "proto", "error"]
+Done = Callable[[dict[str, Any] | None, str | None], None]
+Finish = Callable[[dict[str, Any]], tuple[str, Any] | concurrent.futures.Future[tuple[str, Any]]]
+"""How a call's reply value becomes its future's result: ("json", a dict) or ("proto", bytes); or a
+`concurrent.futures.Future` of that, from a finish whose work runs on a thread of its own (`exports.py`): the
+request's future completes when that one does, and the thread that delivered the reply goes on meanwhile."""
 GONE = ("this server does not know it: it restarted since the call was sent (a training client resumes from its "
         "latest checkpoint; send the call again), or its result was fetched long ago")  # fmt: skip
 
@@ -189,4 +202,33 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-__all__ = ["GONE", "Future", "Futures"]
+def replying(futures: Futures, request_id: str, finish: Finish) -> Done:
+    """The `done(reply, error)` of a call (run on the runner's thread, which must not wait): the reply's value made
+    the future's result (`finish`), a refusal on the service a user error, a call that did not run a server
+    error."""
+
+    def settle(make: Callable[[], Any]) -> None:
+        try:
+            out = make()
+        except Exception as exc:  # a reply we cannot encode: the server's fault, said so
+            log.exception("encoding the reply of request %s failed", request_id)
+            futures.fail(request_id, f"encoding the reply failed: {type(exc).__name__}: {exc}", "server")
+            return
+        if isinstance(out, concurrent.futures.Future):  # (its work runs elsewhere: settled once it is done)
+            out.add_done_callback(lambda ran: settle(ran.result))
+            return
+        kind, payload = out
+        futures.complete(request_id, kind, payload)
+
+    def done(reply: dict[str, Any] | None, error: str | None) -> None:
+        if reply is None:
+            futures.fail(request_id, error or "the call did not run", "server")
+        elif reply.get("error"):
+            futures.fail(request_id, str(reply["error"]), "user")
+        else:
+            settle(lambda: finish(unpack(reply.get("value") or {})))
+
+    return done
+
+
+__all__ = ["GONE", "Done", "Finish", "Future", "Futures", "replying"]

@@ -13,9 +13,11 @@ from typing import Any
 
 from plexrl.server.tinker import catalog, durable, proto
 from plexrl.server.tinker import decode as dec
+from plexrl.server.tinker.futures import replying
 from plexrl.server.tinker.records import (
     KEEP_SNAPSHOTS,
     SamplerRecord,
+    alpha_of,
     checked_name,
     checkpoint_facts,
     file_of,
@@ -25,7 +27,7 @@ from plexrl.server.tinker.records import (
     read_owner,
     tinker_path,
 )
-from plexrl.server.tinker.registry import Refused, Registry, replying
+from plexrl.server.tinker.registry import Refused, Registry
 from plexrl.sessions.calls import Load, Save
 
 TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -58,7 +60,7 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
     with reg.lock:
         reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"), body.get("base_model"))
-        m.lora_rank, m.targets = rank, targets
+        m.lora_rank, m.targets, m.lora_alpha = rank, targets, None if full else cfg.lora_alpha  # (kept: owner.json)
         if isinstance(lora, dict) and isinstance(lora.get("seed"), int) and not isinstance(lora["seed"], bool):
             m.seed = lora["seed"] & 0x7FFFFFFF
         fut = reg.futures.new(user, "create_model", "preparing the model")
@@ -229,6 +231,7 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"),
                           body.get("base_model") or owner.get("base_model"))  # fmt: skip
         m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
+        m.lora_alpha = alpha_of(owner, reg.cfg.lora_alpha)  # (the weights' own, whatever this server's is now)
         fut = reg.futures.new(user, "load_weights", "preparing the model")
     answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
     reg.open(m, (load, replying(reg.futures, fut.request_id, lambda v: ("json", answer))))
@@ -263,6 +266,7 @@ def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, 
             load = Load(str(found), False)
         m = reg.new_model(user, s.session_id, seq, base, kind="sample")
         m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
+        m.lora_alpha = alpha_of(owner, reg.cfg.lora_alpha)
         if m.lora_rank is None and not reg.cfg.full_finetuning:
             raise Refused(400, "that checkpoint is a full fine-tune, which this server does not load")
         record = reg.samplers[m.model_id] = SamplerRecord(m.model_id, s.session_id, user, m.model_id, m.base_model,

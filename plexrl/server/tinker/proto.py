@@ -8,9 +8,9 @@ descriptor pool. The `tinker` SDK is not imported: tests/test_tinker_proto.py ch
 generated one. Parsing is the library's: every length is checked against the buffer, nesting is fixed by the
 schema (groups of unknown fields at most 100 deep), strings must be UTF-8. A body that does not parse, holds a field
 of the schema with another wire type or a shape of more than `MAX_DIMS` raises `WireError` (the server answers
-400); more datums than the server takes, more chunks or inputs than a datum may hold, or more bytes besides tokens
-and tensors than `MAX_OVERHEAD` allows, `TooLarge` (413). Fields the schema does not name (a newer client's) are
-ignored, as protobuf does.
+400); more datums than the server takes (counted before the parse, which builds every message first: `prescan`),
+more chunks or inputs than a datum may hold, or more bytes besides tokens and tensors than `MAX_OVERHEAD` allows,
+`TooLarge` (413). Fields the schema does not name (a newer client's) are ignored, as protobuf does.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ FLOAT32 = 1
 MAX_DIMS = 8  # entries of a tensor's shape taken before it is refused
 MAX_DATUM_PARTS = 256  # a datum's model-input chunks, or its loss inputs
 MAX_OVERHEAD = 64 << 10  # bytes of a body besides its tokens and tensors, and 1/32 of it more a datum
+MAX_GROUP_DEPTH = 100  # groups of an unknown field nested in one another (the protobuf library's limit)
+MALFORMED = (f"it does not parse as a {PACKAGE}.ForwardBackwardRequest (truncated, a length past its end, a string "
+             "not UTF-8 or nested too deep)")  # fmt: skip
 
 
 def _file() -> descriptor_pb2.FileDescriptorProto:
@@ -172,15 +175,65 @@ def _known(msg: Any) -> Any:
     return msg
 
 
+def prescan(body: bytes, max_datums: int) -> int:
+    """The datums of a ForwardBackwardRequest counted from its top-level tags and lengths alone (a datum's content
+    skipped), before the protobuf library builds anything: `TooLarge` past `max_datums` datums, or past
+    `MAX_OVERHEAD` bytes outside its datums (a newer client's fields, but so many), after at most that many steps.
+    (The parse builds every message of a body before anything can be counted: 20-30 bytes of memory a wire byte
+    for empty ones.) Something malformed ends the count: the parse fails at that place, having built only what
+    came before it; groups nested past `MAX_GROUP_DEPTH` are a `WireError` here. Returns the datums counted."""
+    pos, end, datums, other, depth = 0, len(body), 0, 0, 0  # depth: inside groups of an unknown field
+    while pos < end:
+        start, tag = pos, body[pos]
+        tag, pos = (tag, pos + 1) if tag < 0x80 else _varint(body, pos)  # (a one-byte tag: the usual case, inline)
+        wire, n = tag & 7, 0
+        if wire == 0:
+            n, pos = _varint(body, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        elif wire == 2:
+            n = body[pos] if pos < end else -1
+            n, pos = (n, pos + 1) if 0 <= n < 0x80 else _varint(body, pos)
+            pos += n
+        elif wire in (3, 4):
+            depth += 1 if wire == 3 else -1
+        if depth > MAX_GROUP_DEPTH:  # (refused here: a parse allowing deeper groups would go on past this point)
+            raise WireError(MALFORMED)
+        if tag < 8 or n < 0 or wire > 5 or pos > end or depth < 0:
+            return datums  # (malformed: left to the parse, which stops here)
+        if depth == 0 and tag == (3 << 3 | 2):  # data, a Datum
+            datums += 1
+            if datums > max_datums:
+                raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
+        else:
+            other += pos - start
+            if other > MAX_OVERHEAD:
+                raise TooLarge(f"more than {MAX_OVERHEAD} bytes of the body outside its datums are neither tokens "
+                               "nor tensors (fields this server does not know?)")  # fmt: skip
+    return datums
+
+
+def _varint(body: bytes, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it; (-1, end) when it is truncated or longer than 10 bytes."""
+    value = shift = 0
+    for i in range(pos, min(pos + 10, len(body))):
+        byte = body[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i + 1
+        shift += 7
+    return -1, len(body) + 1
+
+
 def decode_forward_backward(body: bytes, max_datums: int = 1 << 16) -> WireForwardBackward:
     """Parse a ForwardBackwardRequest (raises WireError on anything malformed, `TooLarge` when it holds more than
-    `max_datums` datums: nothing is built for them)."""
+    `max_datums` datums: `prescan` refuses it before the parse, nothing is built for them)."""
+    prescan(body, max_datums)
     msg = ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError:
-        raise WireError(f"it does not parse as a {PACKAGE}.ForwardBackwardRequest (truncated, a length past its "
-                        "end, a string not UTF-8 or nested too deep)") from None  # fmt: skip
+        raise WireError(MALFORMED) from None
     if len(msg.data) > max_datums:
         raise TooLarge(f"more than this server's max_datums ({max_datums}) datums in one call")
     read = [msg, *msg.loss_fn_config_v2.values()]  # the messages read, looked at by `_known` once the size is known
@@ -286,4 +339,5 @@ __all__ = [
     "decode_forward_backward",
     "encode_forward_backward_output",
     "encode_sample_response",
+    "prescan",
 ]

@@ -10,8 +10,8 @@ Names and paths:
   `<root>/<job>/weights/<name>.pt` and `<root>/<job>/sampler_weights/<name>.safetensors`; a sampling client
   made by `save_weights_and_get_sampling_client` reads an unnamed snapshot `<root>/<job>/snapshots/<k>` (the
   latest `KEEP_SNAPSHOTS` of each model are kept);
-- `<root>/<job>/owner.json`: who owns the job's files and what model they fit (base, rank, modules), so that a
-  path stays usable after the model ended or the server restarted.
+- `<root>/<job>/owner.json`: who owns the job's files and what model they fit (base, rank, alpha, modules), so
+  that a path stays usable after the model ended or the server restarted (on another `tinker.lora_alpha` too).
 A name is `[A-Za-z0-9][A-Za-z0-9_.-]{0,63}` matched whole: nothing a client sends becomes a path otherwise.
 """
 
@@ -56,6 +56,7 @@ class ModelRecord:
     base_model: str  # as the client named it
     model_dir: Path | None = None  # resolved once prepared
     lora_rank: int | None = None  # None: full fine-tuning
+    lora_alpha: float | None = None  # its adapter's, fixed when it was created (None: the server's `lora_alpha`)
     targets: tuple[str, ...] = ()
     seed: int = 0
     limits: ModelLimits | None = None
@@ -126,7 +127,7 @@ def write_owner(root: Path, model: ModelRecord) -> None:
     folder = root / job_of(model.model_id)
     folder.mkdir(parents=True, exist_ok=True)
     facts = {"user": model.user, "model_id": model.model_id, "base_model": model.base_model,
-             "lora_rank": model.lora_rank, "targets": list(model.targets)}  # fmt: skip
+             "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "targets": list(model.targets)}  # fmt: skip
     tmp = folder / ".owner.json.tmp"
     tmp.write_text(json.dumps(facts))
     tmp.replace(folder / "owner.json")
@@ -165,6 +166,15 @@ def note_checkpoint(root: Path, model_id: str, checkpoint: str, facts: dict[str,
     tmp.replace(path)
 
 
+def alpha_of(owner: dict[str, Any], current: float) -> float | None:
+    """The LoRA alpha of the weights `owner` (`read_owner`) describes: the one recorded with them, or `current`
+    (the server's) for a record written before alphas were; None for a full fine-tune."""
+    if owner.get("lora_rank") is None:
+        return None
+    alpha = owner.get("lora_alpha")
+    return float(alpha) if isinstance(alpha, int | float) and not isinstance(alpha, bool) and alpha > 0 else current
+
+
 def read_owner(root: Path, model_id: str) -> dict[str, Any] | None:
     """What `write_owner` wrote for a model's job (None: no such model's files)."""
     try:
@@ -179,6 +189,7 @@ __all__ = [
     "ClientSession",
     "ModelRecord",
     "SamplerRecord",
+    "alpha_of",
     "checked_name",
     "checkpoint_facts",
     "file_of",

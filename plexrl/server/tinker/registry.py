@@ -34,7 +34,7 @@ from plexrl.server.limits import session_bytes
 from plexrl.server.tinker import catalog, durable, quotas
 from plexrl.server.tinker import decode as dec
 from plexrl.server.tinker.config import TinkerConfig
-from plexrl.server.tinker.futures import Futures
+from plexrl.server.tinker.futures import Done, Finish, Futures, replying
 from plexrl.server.tinker.records import (
     ClientSession,
     ModelRecord,
@@ -44,7 +44,7 @@ from plexrl.server.tinker.records import (
     tinker_path,
     write_owner,
 )
-from plexrl.sessions.calls import Call, Save, unpack
+from plexrl.sessions.calls import Call, Save
 from plexrl.sessions.spec import SessionConfig
 from plexrl.sizes import count_parameters
 
@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 
 Refused = dec.Refused
 MAX_AHEAD = 1024  # a training request may come at most this many seq ids before its turn
-Done = Callable[[dict[str, Any] | None, str | None], None]
-Finish = Callable[[dict[str, Any]], tuple[str, Any]]
-"""How a call's reply value becomes its future's result: ("json", a dict) or ("proto", bytes)."""
 
 
 class Backend(Protocol):
@@ -330,7 +327,8 @@ class Registry:
     def session_config(self, m: ModelRecord, model_dir: Path) -> SessionConfig:
         model: dict[str, Any] = {"path": str(model_dir)}
         if m.lora_rank is not None:
-            model["lora"] = {"r": m.lora_rank, "alpha": self.cfg.lora_alpha, "target_modules": list(m.targets)}
+            alpha = self.cfg.lora_alpha if m.lora_alpha is None else m.lora_alpha  # (its own: `ModelRecord`)
+            model["lora"] = {"r": m.lora_rank, "alpha": alpha, "target_modules": list(m.targets)}
         client = {"model_id": m.model_id, "session_id": m.session_id, "base_model": m.base_model,
                   "sampler_only": m.sampler_only}  # fmt: skip
         return SessionConfig.model_validate({
@@ -424,27 +422,6 @@ class Registry:
         m.held[seq] = (call.kind, call, fut.request_id, finish)
         self._flush(m)
         return {"request_id": fut.request_id, "model_id": m.model_id}
-
-
-def replying(futures: Futures, request_id: str, finish: Finish) -> Done:
-    """The `done(reply, error)` of a call: the reply's value made the future's result (`finish`), a refusal on
-    the service a user error, a call that did not run a server error."""
-
-    def done(reply: dict[str, Any] | None, error: str | None) -> None:
-        if reply is None:
-            futures.fail(request_id, error or "the call did not run", "server")
-        elif reply.get("error"):
-            futures.fail(request_id, str(reply["error"]), "user")
-        else:
-            try:
-                kind, payload = finish(unpack(reply.get("value") or {}))
-            except Exception as exc:  # a reply we cannot encode: the server's fault, said so
-                log.exception("encoding the reply of request %s failed", request_id)
-                futures.fail(request_id, f"encoding the reply failed: {type(exc).__name__}: {exc}", "server")
-                return
-            futures.complete(request_id, kind, payload)  # type: ignore[arg-type]
-
-    return done
 
 
 __all__ = ["Backend", "Done", "Finish", "Refused", "Registry", "replying"]

@@ -11,9 +11,13 @@ Errors: a refused request gets its 4xx with `{"detail": sentence}` and changes n
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
+from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -42,12 +46,60 @@ def _refused(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status, headers={"x-should-retry": "false"})
 
 
+class DecodeBudget:
+    """At most `limit` bytes of request bodies decoding at once (a larger body decodes alone), the others waiting
+    their turn in arrival order. The protobuf library builds every message of a body before anything can be
+    counted (20-30 bytes of memory a wire byte for a body of empty messages): this bounds all decodes together
+    at about 30 x `limit`, however many clients send at once. For the event loop's coroutines (a waiting request
+    holds no thread); `peak`: the most bytes held at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self.peak = limit, 0, 0
+        self.waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, size: int) -> AsyncIterator[None]:
+        size = min(size, self.limit)
+        if self.waiting or self.used + size > self.limit:
+            turn = asyncio.get_running_loop().create_future()
+            self.waiting.append((size, turn))
+            try:
+                await turn
+            except BaseException:  # (cancelled: its place given up, or its bytes given back if granted meanwhile)
+                if turn.done() and not turn.cancelled():
+                    self._release(size)
+                else:
+                    if (size, turn) in self.waiting:  # (a cancelled turn that `_grant` met is gone already)
+                        self.waiting.remove((size, turn))
+                    self._grant()
+                raise
+        else:
+            self.used += size
+        self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            self._release(size)
+
+    def _release(self, size: int) -> None:
+        self.used -= size
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.waiting and self.used + self.waiting[0][0] <= self.limit:
+            size, turn = self.waiting.popleft()
+            if not turn.done():
+                self.used += size
+                turn.set_result(None)
+
+
 def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) -> None:
     """Serve the Tinker API on `app`. `open_server`: no tokens are configured (loopback only): the user is the
     name in the client's key; otherwise it is the identity the auth middleware put in `request.state.user`
     (None: the administrator)."""
     router = APIRouter(prefix=PREFIX)
     cfg = registry.cfg
+    decodes = DecodeBudget(cfg.max_body_bytes)  # (forward_backward bodies: one of the largest size at a time)
 
     def who(request: Request) -> str | None:
         if not open_server:
@@ -200,7 +252,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
             if "protobuf" not in request.headers.get("content-type", ""):
                 raise Refused(415, "forward_backward takes a protobuf body (the SDK's); JSON is not served")
             try:
-                wire = await run(proto.decode_forward_backward, raw, cfg.max_datums)
+                async with decodes.hold(len(raw)):
+                    wire = await run(proto.decode_forward_backward, raw, cfg.max_datums)
             except proto.TooLarge as exc:
                 raise Refused(413, f"forward_backward body too large: {exc}") from None
             except proto.WireError as exc:
@@ -250,4 +303,4 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
     app.include_router(router)
 
 
-__all__ = ["KEY_PREFIX", "PREFIX", "add_tinker_routes", "key_of"]
+__all__ = ["KEY_PREFIX", "PREFIX", "DecodeBudget", "add_tinker_routes", "key_of"]
