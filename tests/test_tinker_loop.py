@@ -94,7 +94,10 @@ def served(tmp_path: Path, smol_tiny: Path) -> RunningServer:
         port=0, journal=str(tmp_path / "journal.db"), run_dir=str(tmp_path / "runs"),
         allowed_roots=[str(tmp_path), str(smol_tiny.parent)],
         cluster={"driver": "local", "services": {"count": 1}, "validate_state": True,
-                 "max_load": 4.0},  # both jobs on the one service, whatever their predicted loads
+                 "max_load": 4.0,  # both jobs on the one service, whatever their predicted loads
+                 # each sample call alone: bundled calls (the default) get the tokens they get alone, their
+                 # log-probs only up to the float noise of a batch composition that depends on arrival times
+                 "bundle_calls": False},
     )  # fmt: skip
     return start_server(cfg)
 
