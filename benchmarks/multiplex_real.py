@@ -62,14 +62,10 @@ def copy_beside_compute(nbytes: int, threads: int, reps: int = 3) -> float:
     so this, not `copy_bandwidth`, is the rate a background move can reach on this machine (beside matrix
     products alone, which stay in cache, a copy keeps its plain rate). On a GPU a copy engine moves the bytes
     beside the SMs and the plain bound holds for both kinds of move."""
-
     import threading
 
     import torch
 
-    n = max(nbytes // 4, 1)
-    src, dst = torch.ones(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-    dst.copy_(src)
     a, b = torch.ones(32 << 20), torch.ones(32 << 20)
     stop, started = threading.Event(), threading.Event()
 
@@ -84,15 +80,10 @@ def copy_beside_compute(nbytes: int, threads: int, reps: int = 3) -> float:
     try:
         if not started.wait(60):
             raise RuntimeError("the compute thread did not start within 60 s")
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
+        return copy_bandwidth(nbytes, reps)
     finally:
         stop.set()
         worker.join(60)
-    return 4 * n / best
 
 
 def swap_line(label: str, mux: Mux, bandwidth: float, beside: float) -> str:

@@ -88,7 +88,7 @@ class Runner:
         if calls is not None:
             # a session's own sample calls sent at once run as one (`CallBoard.take`) with `bundle_calls` (a
             # cluster section's, `build_runner`) or where the planner batches rollouts
-            bundle = self.planner.batch_rollouts or bool(bundle_calls)
+            bundle = self.planner.batch_rollouts or bundle_calls
             calls.bind(self._inbox.call_arrived, bundle=bundle)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
                                on_closed, checkpoint_at=checkpoint_at, calls=calls)  # fmt: skip
