@@ -202,8 +202,10 @@ def test_summaries_and_the_timeline_keep_the_records(tmp_path: Path) -> None:
     assert (s["one_copy"], s["background"], s["copy_s"]) == (1, 1, 2.0) and s["gbps"] == pytest.approx(1.5)
     assert (s["background_bytes"], s["background_copy_s"]) == (1e9, 1.0)  # (what a copy beside compute bounds)
     assert summarize([json.loads(json.dumps(r.__class__.__dict__ and _plain(r))) for r in recs]) == s
+    assert (s["fresh"], s["fresh_bytes"], s["fresh_copy_s"]) == (1, 1e9, 1.0)  # b's move made its buffer
     line = format_summary(s, bound_gbps=6.0)
     assert "moves 2 (1 one copy, 1 background)" in line and "4.0x" in line
+    assert "1 into fresh buffers 1.00 s (1.00 GB/s), the rest 2.00 GB/s" in line
 
     class Run:
         job_id = "a"

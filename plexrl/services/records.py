@@ -106,11 +106,13 @@ def gbps(nbytes: float, seconds: float) -> float:
 
 def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float]:
     """The sums of `records` (MoveRecords, or their dicts from a timeline): moves, bytes, copies, buffers
-    made / reused, page faults, one-copy moves, background moves (and their bytes and copy seconds), queued /
-    copy / wait seconds, and GB/s of the copying (bytes / copy seconds)."""
+    made / reused, page faults, one-copy moves, background moves (and their bytes and copy seconds), moves that
+    made a buffer (`fresh`, their bytes and copy seconds), queued / copy / wait seconds, and GB/s of the
+    copying (bytes / copy seconds)."""
     keys = ("moves", "bytes", "copies", "made", "reused", "faults", "one_copy", "background")
     out: dict[str, float] = dict.fromkeys(keys, 0)
-    out.update(queued_s=0.0, copy_s=0.0, wait_s=0.0, background_bytes=0, background_copy_s=0.0)
+    out.update(queued_s=0.0, copy_s=0.0, wait_s=0.0, background_bytes=0, background_copy_s=0.0, fresh=0,
+               fresh_bytes=0, fresh_copy_s=0.0)  # fmt: skip
     for r in records:
         rec = MoveRecord(**r) if isinstance(r, dict) else r
         out["moves"] += 1
@@ -124,6 +126,10 @@ def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float
         if rec.background:
             out["background_bytes"] += rec.nbytes
             out["background_copy_s"] += rec.copy
+        if rec.made:  # into memory never touched before (or given back to the system): its page faults
+            out["fresh"] += 1
+            out["fresh_bytes"] += rec.nbytes
+            out["fresh_copy_s"] += rec.copy
         out["queued_s"] += rec.queued
         out["copy_s"] += rec.copy
         out["wait_s"] += rec.wait
@@ -141,6 +147,10 @@ def format_summary(s: dict[str, float], bound_gbps: float | None = None) -> str:
     )
     if bound_gbps:
         line += f" (bound {bound_gbps:.2f} GB/s: {bound_gbps / s['gbps']:.1f}x)" if s["gbps"] > 0 else ""
+    if s.get("fresh"):  # where the copy seconds went: first touches of fresh memory vs copies into kept buffers
+        rest = gbps(s["bytes"] - s["fresh_bytes"], s["copy_s"] - s["fresh_copy_s"])
+        line += (f"; {int(s['fresh'])} into fresh buffers {s['fresh_copy_s']:.2f} s "
+                 f"({gbps(s['fresh_bytes'], s['fresh_copy_s']):.2f} GB/s), the rest {rest:.2f} GB/s")  # fmt: skip
     return line
 
 

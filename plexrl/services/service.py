@@ -89,7 +89,8 @@ class Service:
         self.paused: dict[tuple[str, int, str, int], Any] = {}  # (job, iteration, node, chunk) -> paused SliceSlot
         self.order = order if order is not None else stream_order(self.device)
         self.host_pool = HostPool(pin=self.device.type == "cuda", limit=host_memory)
-        self.device_cache = DeviceCache() if self.device.type == "cpu" else None  # CUDA: its caching allocator
+        # CUDA: its caching allocator; CPU: one memory, so the cache and the host pool take each other's kept buffers
+        self.device_cache = DeviceCache(pool=self.host_pool) if self.device.type == "cpu" else None
         # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
         self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, self.order)
 
@@ -113,7 +114,7 @@ class Service:
         self.states[job.job_id] = sw.StateLocation("device", nbytes=sw.nbytes(engine.state_tensors()))
         self.order.node_end([job.job_id])  # its build's kernels come before any move of it
         if built_on == str(self.device):  # one flat buffer from the start: every move is one copy
-            sw.flatten(job.job_id, engine.state_tensors(), self.device, self.host_pool, self.order)
+            sw.flatten(job.job_id, engine.state_tensors(), self.device, self.host_pool, self.order, self.device_cache)
         if tier != "device" and built_on != str(self.device):
             self._adopt(job.job_id, tier)
         elif tier != "device":
@@ -331,6 +332,8 @@ class Service:
         if state is not None and state.host is not None:
             self.host_pool.give(state.host.buffer)
         engine = self.engines.pop(job_id, None)
+        if engine is not None and state is not None and state.tier == "device" and self.device_cache is not None:
+            sw.recycle(engine.state_tensors(), self.device_cache)  # its buffer serves the next move, not the OS
         self.jobs.pop(job_id, None)
         if engine is not None and hasattr(engine, "shared"):  # a LoRA job: its adapter leaves the shared base
             engine.release()

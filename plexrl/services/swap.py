@@ -128,10 +128,14 @@ def host_to_device(
     return 1
 
 
-def flatten(job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder) -> bool:
+def flatten(
+    job_id: str, live: dict[str, Tensor], device: torch.device, pool: HostPool, order: StreamOrder,
+    cache: DeviceCache | None = None,
+) -> bool:  # fmt: skip
     """Lay a job's live tensors out as views of ONE device buffer (at its load), so that its every move is one
-    copy each way (`Layout.flat_of`). On CPU a direct copy (the state twice, briefly); on CUDA through a host
-    buffer (the device never holds the state twice). Returns False when it already was one buffer."""
+    copy each way (`Layout.flat_of`). On CPU a direct copy (the state twice, briefly) into a buffer from
+    `cache` when given (a kept one before a fresh one); on CUDA through a host buffer (the device never holds
+    the state twice). Returns False when it already was one buffer."""
     layout = Layout.of(live)
     if not live or layout.flat_of(live) is not None:
         return False
@@ -141,13 +145,29 @@ def flatten(job_id: str, live: dict[str, Tensor], device: torch.device, pool: Ho
         pool.give(host.buffer)
         return True
     n = layout.nbytes
-    flat = fresh(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)  # huge pages on CPU
+    if device.type == "cpu":
+        flat = cache.take(n) if cache is not None else fresh(n)  # huge pages when fresh
+    else:
+        flat = torch.empty(n, dtype=torch.uint8, device=device)
     views = layout.views(flat)
     with torch.no_grad():
         for name, t in live.items():
             views[name].copy_(t.detach())
             t.data = views[name]
     return True
+
+
+def recycle(live: dict[str, Tensor], cache: DeviceCache) -> bool:
+    """A CPU service forgetting a job whose state is on the device: its one buffer goes to `cache` (when nothing
+    else views it) for the next move to reuse, instead of back to the operating system, and its tensors are
+    left empty. Returns whether the cache kept it."""
+    layout = Layout.of(live)
+    flat = layout.flat_of(live) if live else None
+    if flat is None:
+        return False
+    for t in live.values():
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return cache.give(flat)
 
 
 def host_to_disk(host: HostCopy, path: Path) -> None:
