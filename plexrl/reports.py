@@ -23,7 +23,9 @@ class MoveRecord:
     (for the compute stream's last event of the job; on CPU the lock and bookkeeping around the copy). `lane`:
     the thread (and CUDA stream) it ran on; `background`: prefetch or early swap; `why`: empty when each way was
     one copy into one buffer, else why not (a state whose tensors are not one buffer, a tier in between).
-    `start`: on the service's clock. Plain data: it travels inside a `NodeReport` and into the timeline."""
+    `start`: on the service's clock. `cpu`: the seconds its thread ran on a core during the move
+    (`time.thread_time`; below `copy + wait` when the thread waited for a core: other work on the same cores).
+    Plain data: it travels inside a `NodeReport` and into the timeline."""
 
     job: str
     src: str
@@ -40,6 +42,7 @@ class MoveRecord:
     background: bool
     why: str = ""
     start: float = 0.0
+    cpu: float = -1.0  # -1: not measured (a record from before the field)
 
     @property
     def seconds(self) -> float:

@@ -6,6 +6,7 @@ across training, so a steady-state move is one copy into a reused buffer and all
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -70,6 +71,7 @@ def test_each_move_is_recorded_with_its_tiers_bytes_copies_and_buffers(job: JobS
     assert to_disk.copies == 1 and to_disk.why == ""  # one write of the flat host buffer
     assert back.copies == 2 and "through a host buffer" in back.why  # read into host, one copy to device
     assert all(r.copy > 0 and r.wait >= 0 and r.queued >= 0 and r.lane for r in (out, to_disk, back))
+    assert all(0 < r.cpu <= r.copy + r.wait + 0.01 for r in (out, to_disk, back))  # its thread's seconds on a core
     assert svc.move_log.drain() == []
     totals = svc.report()["move_records"]
     assert totals["moves"] == 3 and totals["bytes"] == 3 * nbytes and totals["copies"] == 4
@@ -185,8 +187,6 @@ def test_background_moves_record_their_queueing_and_reach_the_next_node_report(j
     (rec,) = res.report.moves
     assert rec.background and rec.lane.startswith("s0-prefetch") and rec.dst == "device" and rec.queued >= 0
     # a report that crossed a process as plain data gets its records back (`dataclasses.asdict`)
-    import dataclasses
-
     again = NodeReport(**dataclasses.asdict(res.report))
     assert again.moves == [rec]
     svc.close()
@@ -206,6 +206,9 @@ def test_summaries_and_the_timeline_keep_the_records(tmp_path: Path) -> None:
     line = format_summary(s, bound_gbps=6.0)
     assert "moves 2 (1 one copy, 1 background)" in line and "4.0x" in line
     assert "1 into fresh buffers 1.00 s (1.00 GB/s), the rest 2.00 GB/s" in line
+    assert "on a core" not in line  # records from before the CPU seconds were kept say nothing of them
+    timed = summarize([*recs, dataclasses.replace(recs[0], copy=2.0, wait=0.0, cpu=0.5)])
+    assert (timed["cpu_s"], timed["timed_s"]) == (0.5, 2.0) and "on a core 25% of it" in format_summary(timed)
 
     class Run:
         job_id = "a"
@@ -220,8 +223,6 @@ def test_summaries_and_the_timeline_keep_the_records(tmp_path: Path) -> None:
 
 
 def _plain(r: MoveRecord) -> dict[str, Any]:
-    import dataclasses
-
     return dataclasses.asdict(r)
 
 

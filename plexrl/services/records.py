@@ -5,7 +5,8 @@
 
 Where a move's seconds went (`MoveRecord`): queued behind other moves, copying, waiting on the compute
 stream's event. Page faults are the moving thread's minor faults (`getrusage(RUSAGE_THREAD)`), taken around
-the whole move: on a CPU service they are the first touches of fresh buffers, the cost a reused buffer saves.
+the whole move: on a CPU service they are the first touches of fresh buffers, the cost a reused buffer saves;
+its CPU seconds (`time.thread_time`) against its copy and wait seconds say how long it waited for a core.
 Nothing here decides or carries out a move (`plexrl.services.swap` does).
 """
 
@@ -58,8 +59,10 @@ def recorded(
     t0 = time.perf_counter()
     start = clock()
     faults = thread_faults()
+    cpu0 = time.thread_time()
     tally = Tally()
     nbytes = move(tally)
+    cpu = time.thread_time() - cpu0
     after = thread_faults()
     elapsed = time.perf_counter() - t0
     if since is not None:
@@ -68,7 +71,7 @@ def recorded(
         job, src, dst, nbytes, tally.copies, tally.made, tally.reused, after - faults if faults >= 0 else -1,
         queued=max(t0 - since, 0.0) if since is not None else 0.0, copy=tally.copy,
         wait=max(elapsed - tally.copy, 0.0), lane=lane(stream), background=background, why="; ".join(tally.why),
-        start=start,
+        start=start, cpu=cpu,
     )  # fmt: skip
 
 
@@ -107,12 +110,13 @@ def gbps(nbytes: float, seconds: float) -> float:
 def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float]:
     """The sums of `records` (MoveRecords, or their dicts from a timeline): moves, bytes, copies, buffers
     made / reused, page faults, one-copy moves, background moves (and their bytes and copy seconds), moves that
-    made a buffer (`fresh`, their bytes and copy seconds), queued / copy / wait seconds, and GB/s of the
+    made a buffer (`fresh`, their bytes and copy seconds), queued / copy / wait seconds, the thread's CPU seconds
+    of the moves that measured them (`cpu_s`) and those moves' copy + wait seconds (`timed_s`), and GB/s of the
     copying (bytes / copy seconds)."""
     keys = ("moves", "bytes", "copies", "made", "reused", "faults", "one_copy", "background")
     out: dict[str, float] = dict.fromkeys(keys, 0)
     out.update(queued_s=0.0, copy_s=0.0, wait_s=0.0, background_bytes=0, background_copy_s=0.0, fresh=0,
-               fresh_bytes=0, fresh_copy_s=0.0)  # fmt: skip
+               fresh_bytes=0, fresh_copy_s=0.0, cpu_s=0.0, timed_s=0.0)  # fmt: skip
     for r in records:
         rec = MoveRecord(**r) if isinstance(r, dict) else r
         out["moves"] += 1
@@ -130,6 +134,8 @@ def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float
             out["fresh"] += 1
             out["fresh_bytes"] += rec.nbytes
             out["fresh_copy_s"] += rec.copy
+        out["cpu_s"] += max(rec.cpu, 0.0)
+        out["timed_s"] += rec.copy + rec.wait if rec.cpu >= 0 else 0.0  # the seconds `cpu_s` is a share of
         out["queued_s"] += rec.queued
         out["copy_s"] += rec.copy
         out["wait_s"] += rec.wait
@@ -145,6 +151,8 @@ def format_summary(s: dict[str, float], bound_gbps: float | None = None) -> str:
         f"{int(s['reused'])}, faults {int(s['faults'])}, queued {s['queued_s']:.2f} s, copy {s['copy_s']:.2f} s, "
         f"wait {s['wait_s']:.2f} s, {s['gbps']:.2f} GB/s"
     )
+    if s.get("timed_s"):  # the share of the move seconds its thread ran on a core (the rest: waiting for one)
+        line += f", on a core {s['cpu_s'] / s['timed_s']:.0%} of it"
     if bound_gbps:
         line += f" (bound {bound_gbps:.2f} GB/s: {bound_gbps / s['gbps']:.1f}x)" if s["gbps"] > 0 else ""
     if s.get("fresh"):  # where the copy seconds went: first touches of fresh memory vs copies into kept buffers
