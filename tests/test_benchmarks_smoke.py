@@ -28,6 +28,7 @@ EXPECTED = {
     "client_bytes": "client bytes/iteration",
     "dask_overhead": "ratio dask / in-process",
     "engine_choice": "vLLM / torch time",
+    "fresh_memory": "fresh / touched:",
     "multiplex": "/ time-slicing: cost",  # the time-slicing arm ran beside the default ordering
     "multiplex_agentic": "/ time-slicing+base: cost",  # PlexRL against time-slicing with the base moves
     "multiplex_real": "state moves against the memory-copy bound",
