@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -189,6 +190,31 @@ def test_background_moves_record_their_queueing_and_reach_the_next_node_report(j
     # a report that crossed a process as plain data gets its records back (`dataclasses.asdict`)
     again = NodeReport(**dataclasses.asdict(res.report))
     assert again.moves == [rec]
+    svc.close()
+
+
+def test_a_cpu_services_background_moves_run_ahead_of_its_nodes_where_the_system_permits(job: JobSpec) -> None:
+    """On a CPU the background thread copies on the node threads' cores: it asks to run `MOVES_AHEAD` nice levels
+    above the thread that made the service; where that is not permitted it stays level and says so."""
+    from plexrl.services.moves import run_ahead, thread_nice
+    from plexrl.services.service import MOVES_AHEAD
+
+    base = thread_nice()
+    assert base is not None  # (Linux)
+    permitted: list[bool] = []
+    probe = threading.Thread(target=lambda: permitted.append(run_ahead(1, base)))  # what this process may do
+    probe.start()
+    probe.join(30)
+    svc = Service("s0")
+    j = job.job_id
+    svc.load_job(job, tier="host")
+    svc._start_prefetch([Move(j, "host", "device", 0)])
+    svc.background.wait_all()
+    tid = svc.background.native_id
+    assert tid > 0 and svc.background.lifted == permitted[0]
+    assert thread_nice(tid) == (max(base - MOVES_AHEAD, -20) if permitted[0] else base)
+    assert svc.report()["moves_ahead"] == (MOVES_AHEAD if permitted[0] else 0)
+    assert thread_nice() == base  # the caller's own thread is left as it was
     svc.close()
 
 

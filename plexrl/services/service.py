@@ -52,6 +52,8 @@ __all__ = ["NodeResult", "Service", "chunk_inputs", "run_cpu_node"]  # NodeResul
 
 log = logging.getLogger(__name__)
 
+MOVES_AHEAD = 5  # a CPU service's background moves run this many nice levels above its nodes, where permitted
+
 
 class Service:
     def __init__(
@@ -92,7 +94,8 @@ class Service:
         # CUDA: its caching allocator; CPU: one memory, so the cache and the host pool take each other's kept buffers
         self.device_cache = DeviceCache(pool=self.host_pool) if self.device.type == "cpu" else None
         # prefetch and early swaps; `lambda`: a replaced `_move` (a subclass, a test) is the one called
-        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, self.order)
+        self.background = BackgroundMoves(service_id, lambda m: self._move(m), self.stats, self._lock, self.order,
+                                          ahead=MOVES_AHEAD if self.device.type == "cpu" else 0)  # fmt: skip
 
     # -- jobs ---------------------------------------------------------------------------------------
     def load_job(self, job: JobSpec, tier: str = "device") -> int:
@@ -373,6 +376,7 @@ class Service:
             "generation_engines": self.generators.awake(),
             "sleeping_engines": len(self.generators) - self.generators.awake(),
             "weight_loads": self.generators.loads(),
+            "moves_ahead": self.background.ahead if self.background.lifted else 0,  # nice levels, where permitted
             "move_records": self.move_log.totals(),  # every move's sums (`plexrl.services.records.summarize`)
         }
 
