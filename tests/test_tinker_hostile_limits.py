@@ -136,3 +136,53 @@ def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
         srv.stop(120)
     assert answers == [413] * 4 and inside == [5 << 20] * 4  # (past max_datums: refused before the parse)
     assert budgets[0].peak == 5 << 20 and budgets[0].used == 0 and not budgets[0].waiting
+
+
+def test_large_json_bodies_parse_off_the_event_loop_within_the_same_budget(
+    tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's JSON objects take ~20x the bytes of a body of empty arrays: four 5 MiB JSON bodies at once parse
+    one at a time in a thread, the others waiting without one; a small body parses at once on the event loop
+    meanwhile (the server stays responsive); each large one is then answered as alone."""
+    budgets: list[routes.DecodeBudget] = []
+    made = routes.DecodeBudget
+
+    def budget(limit: int) -> routes.DecodeBudget:
+        budgets.append(made(limit))
+        return budgets[-1]
+
+    parse, inside, gate = routes.parse_json, [], threading.Event()
+
+    def held(raw: bytes) -> Any:
+        if len(raw) > routes.INLINE_JSON:
+            inside.append(len(raw))
+            assert gate.wait(60), "the test never opened the gate"
+        return parse(raw)
+
+    monkeypatch.setattr(routes, "DecodeBudget", budget)
+    monkeypatch.setattr(routes, "parse_json", held)
+    srv = server(tmp_path, smol_tiny)
+    pad = b"[]," * ((5 << 20) // 3)
+    body = b'{"model_id": "nobody", "pad": [' + pad + b"[]]}"
+    headers = {"X-API-Key": f"tml-{ANN}", "Content-Type": "application/json"}
+    answers: list[int] = []
+
+    def send() -> None:
+        answers.append(httpx.post(f"{srv.url}/api/v1/get_info", content=body, headers=headers,
+                                  timeout=120).status_code)  # fmt: skip
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    try:
+        for t in senders:
+            t.start()
+        wait_for(lambda: len(inside) == 1 and len(budgets[0].waiting) == 3, "one body parsing, three waiting")
+        assert budgets[0].used == len(body)
+        small = httpx.post(f"{srv.url}/api/v1/get_info", json={"model_id": "nobody"}, headers=headers, timeout=30)
+        assert small.status_code == 404 and len(inside) == 1  # answered while the large ones wait
+    finally:
+        gate.set()
+        for t in senders:
+            t.join(120)
+        srv.stop(120)
+    assert answers == [small.status_code] * 4 and inside == [len(body)] * 4
+    assert budgets[0].peak == len(body) and budgets[0].used == 0 and not budgets[0].waiting

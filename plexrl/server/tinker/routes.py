@@ -35,6 +35,13 @@ PREFIX = "/api/v1"
 KEY_PREFIX = "tml-"
 MAX_REASON = 64  # characters of a finished session's reason that are kept
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+INLINE_JSON = 64 << 10  # a JSON body up to this size parses on the event loop; a larger one in a thread, budgeted
+
+
+def parse_json(raw: bytes) -> Any:
+    """A JSON body's value. Python's objects take up to ~20x the bytes of a body of empty arrays (`[[],[],...]`),
+    so a large body parses within the `DecodeBudget` the protobuf bodies share."""
+    return json.loads(raw or b"{}")
 
 
 def key_of(request: Request) -> str:
@@ -49,8 +56,9 @@ def _refused(status: int, message: str) -> JSONResponse:
 class DecodeBudget:
     """At most `limit` bytes of request bodies decoding at once (a larger body decodes alone), the others waiting
     their turn in arrival order. The protobuf library builds every message of a body before anything can be
-    counted (20-30 bytes of memory a wire byte for a body of empty messages): this bounds all decodes together
-    at about 30 x `limit`, however many clients send at once. For the event loop's coroutines (a waiting request
+    counted (20-30 bytes of memory a wire byte for a body of empty messages), and Python's JSON parser up to
+    ~20 (`parse_json`): this bounds all decodes together at about 30 x `limit`, however many clients send at
+    once (protobuf and large JSON bodies share one budget). For the event loop's coroutines (a waiting request
     holds no thread); `peak`: the most bytes held at once."""
 
     def __init__(self, limit: int) -> None:
@@ -132,7 +140,11 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
     async def json_of(request: Request) -> dict[str, Any]:
         raw = await body_of(request)
         try:
-            body = json.loads(raw or b"{}")
+            if len(raw) <= INLINE_JSON:
+                body = parse_json(raw)
+            else:  # off the event loop, and at most `max_body_bytes` of bodies parsing at once
+                async with decodes.hold(len(raw)):
+                    body = await run_in_threadpool(parse_json, raw)
         except ValueError:
             raise Refused(400, "the body is not JSON") from None
         except RecursionError:  # (arrays or objects nested some thousands deep)
