@@ -93,11 +93,8 @@ def test_a_sessions_state_counts_in_max_open_bytes_as_a_jobs_does(tmp_path: Path
         srv.stop(120)
 
 
-def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
-    tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Four 5 MiB forward_backward bodies at once (`max_body_bytes` 8 MiB): one decodes, three wait (holding no
-    thread), so the decodes' memory together stays that of one body; each is answered as alone afterwards."""
+def recorded_budgets(monkeypatch: pytest.MonkeyPatch) -> list[routes.DecodeBudget]:
+    """The decode budgets the next server makes (one: its routes'), to look at while requests wait on them."""
     budgets: list[routes.DecodeBudget] = []
     made = routes.DecodeBudget
 
@@ -105,6 +102,16 @@ def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
         budgets.append(made(limit))
         return budgets[-1]
 
+    monkeypatch.setattr(routes, "DecodeBudget", budget)
+    return budgets
+
+
+def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
+    tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four 5 MiB forward_backward bodies at once (`max_body_bytes` 8 MiB): one decodes, three wait (holding no
+    thread), so the decodes' memory together stays that of one body; each is answered as alone afterwards."""
+    budgets = recorded_budgets(monkeypatch)
     decode, inside, gate = proto.decode_forward_backward, [], threading.Event()
 
     def held(body: bytes, max_datums: int) -> Any:
@@ -112,7 +119,6 @@ def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
         assert gate.wait(60), "the test never opened the gate"
         return decode(body, max_datums)
 
-    monkeypatch.setattr(routes, "DecodeBudget", budget)
     monkeypatch.setattr(proto, "decode_forward_backward", held)
     srv = server(tmp_path, smol_tiny)
     body = b"\x1a\x00" * (5 << 19)  # 5 MiB of empty datums
@@ -144,13 +150,7 @@ def test_large_json_bodies_parse_off_the_event_loop_within_the_same_budget(
     """Python's JSON objects take ~20x the bytes of a body of empty arrays: four 5 MiB JSON bodies at once parse
     one at a time in a thread, the others waiting without one; a small body parses at once on the event loop
     meanwhile (the server stays responsive); each large one is then answered as alone."""
-    budgets: list[routes.DecodeBudget] = []
-    made = routes.DecodeBudget
-
-    def budget(limit: int) -> routes.DecodeBudget:
-        budgets.append(made(limit))
-        return budgets[-1]
-
+    budgets = recorded_budgets(monkeypatch)
     parse, inside, gate = routes.parse_json, [], threading.Event()
 
     def held(raw: bytes) -> Any:
@@ -159,7 +159,6 @@ def test_large_json_bodies_parse_off_the_event_loop_within_the_same_budget(
             assert gate.wait(60), "the test never opened the gate"
         return parse(raw)
 
-    monkeypatch.setattr(routes, "DecodeBudget", budget)
     monkeypatch.setattr(routes, "parse_json", held)
     srv = server(tmp_path, smol_tiny)
     pad = b"[]," * ((5 << 20) // 3)

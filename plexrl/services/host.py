@@ -50,6 +50,17 @@ def _fits(cap: int, nbytes: int) -> bool:
     return nbytes <= cap <= nbytes + nbytes // 8 + PAGE
 
 
+def _take_fitting(idle: list[Tensor], nbytes: int) -> Tensor | None:
+    """The smallest kept buffer of `idle` that serves `nbytes` (`_fits`), removed from `idle`; None when none does.
+    (Kept buffers are whole uint8 storages: their length is their capacity.)"""
+    fits = [b for b in idle if _fits(b.numel(), nbytes)]
+    if not fits:
+        return None
+    buf = min(fits, key=lambda b: b.numel())
+    idle[:] = [b for b in idle if b is not buf]
+    return buf
+
+
 @dataclass(slots=True)
 class Tally:
     """What one move did, filled in as it goes (`plexrl.services.swap`; the service turns it into a
@@ -205,10 +216,8 @@ class HostPool:
         reused). `tally`: counts the buffer as made or reused."""
         with self._lock:
             self._largest = max(self._largest, nbytes)
-            fits = [b for b in self._idle if _fits(self._cap(b), nbytes)]
-            if fits:
-                buf = min(fits, key=self._cap)
-                self._idle = [b for b in self._idle if b is not buf]
+            buf = _take_fitting(self._idle, nbytes)
+            if buf is not None:
                 self.reused += 1
                 if tally is not None:
                     tally.reused += 1
@@ -241,12 +250,9 @@ class HostPool:
         if self.pin:
             return None  # page-locked: a host buffer only
         with self._lock:
-            fits = [b for b in self._idle if _fits(self._cap(b), nbytes)]
-            if not fits:
-                return None
-            buf = min(fits, key=self._cap)
-            self._idle = [b for b in self._idle if b is not buf]
-            self.held_bytes -= self._held.pop(buf.untyped_storage().data_ptr(), 0)
+            buf = _take_fitting(self._idle, nbytes)
+            if buf is not None:
+                self.held_bytes -= self._held.pop(buf.untyped_storage().data_ptr(), 0)
         return buf
 
     def give(self, buf: Tensor) -> None:
@@ -316,10 +322,8 @@ class DeviceCache:
     def take(self, nbytes: int, tally: Tally | None = None) -> Tensor:
         with self._lock:
             self._largest = max(self._largest, nbytes)
-            fits = [b for b in self._idle if _fits(b.numel(), nbytes)]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._idle = [b for b in self._idle if b is not buf]
+            buf = _take_fitting(self._idle, nbytes)
+            if buf is not None:
                 self.reused += 1
                 if tally is not None:
                     tally.reused += 1
@@ -337,12 +341,7 @@ class DeviceCache:
         """A kept buffer that fits `nbytes` (its whole storage), leaving the cache, or None: how the host pool
         takes one before making one."""
         with self._lock:
-            fits = [b for b in self._idle if _fits(b.numel(), nbytes)]
-            if not fits:
-                return None
-            buf = min(fits, key=lambda b: b.numel())
-            self._idle = [b for b in self._idle if b is not buf]
-        return buf
+            return _take_fitting(self._idle, nbytes)
 
     def give(self, flat: Tensor) -> bool:
         """Keep `flat`'s whole storage for reuse if `flat` is its only user (True), else leave it (False)."""
