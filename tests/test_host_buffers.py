@@ -23,7 +23,7 @@ from conftest import TINY
 from plexrl.job.load import load_job
 from plexrl.job.spec import JobSpec, prepare_job
 from plexrl.planner.state import Move
-from plexrl.services.host import ALIGN, PAGE, HostPool, Layout, covered_bytes
+from plexrl.services.host import ALIGN, PAGE, DeviceCache, HostPool, Layout, covered_bytes
 from plexrl.services.service import Service
 
 
@@ -66,6 +66,8 @@ def test_the_pool_counts_the_pages_it_holds_reuses_a_freed_buffer_and_keeps_to_i
     pool.clear()
     assert pool.held_bytes == 0
     assert HostPool(pin=True).pinned_bytes == 0  # the decision is the caller's: nothing held yet
+    # a CPU service's device cache shares the unpinned pool's kept buffers; a pinned (CUDA) pool's stay its own
+    assert DeviceCache(pool=HostPool(pin=True)).pool is None and DeviceCache(pool=pool).pool is pool
 
 
 def test_a_state_moves_as_one_block_and_the_host_bytes_are_its_pages(job: JobSpec, tmp_path: Path) -> None:
