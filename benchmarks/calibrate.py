@@ -64,7 +64,8 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     fit_res = run_cluster(cluster)
     plans = {h.job_id: h.spec.plan() for h in fit_res.jobs}
-    rec: dict[str, Any] = {"plans": plans, "mux_spans": [asdict(x) for x in fit_res.spans], "iso_spans": {}}
+    rec: dict[str, Any] = {"plans": plans, "mux_spans": [asdict(x) for x in fit_res.spans], "iso_spans": {},
+                           "mux_moves": fit_res.moves}  # fmt: skip
     print(f"fit run: {time.time() - t0:.1f}s", flush=True)
     alone_cfg = cfg.model_copy(update={"services": cfg.services.model_copy(update={"count": 1}),
                                        "placement": "isolated"})  # fmt: skip
@@ -96,10 +97,13 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(rec: dict[str, Any]) -> None:
     plans = rec["plans"]
-    fitted = fit(rec["mux_spans"], plans)
+    fitted = fit(rec["mux_spans"], plans, rec.get("mux_moves", ()))  # (a recording from before move records: spans)
+    fresh = (f", the first {fitted.fresh_moves} at {fitted.fresh_bandwidth / 1e9:.2f} GB/s (buffers made)"
+             if fitted.fresh_moves else "")  # fmt: skip
     print(f"fitted: round trip cpu {fitted.dispatch_cpu * 1e3:.1f} ms (median of {fitted.gaps['cpu']}), service "
           f"{fitted.dispatch_service * 1e3:.1f} ms (median of {fitted.gaps['service']}); swaps "
-          f"{fitted.swap_bandwidth / 1e9:.2f} GB/s; loads "
+          f"{fitted.swap_bandwidth / 1e9:.2f} GB/s + {fitted.move_fixed_s * 1e3:.2f} ms a move{fresh} "
+          f"({fitted.swap_from}); loads "
           + ", ".join(f"{j} {s:.1f}s" for j, s in sorted(fitted.load_seconds.items())))  # fmt: skip
     iso_fit = None
     if rec["iso_spans"]:

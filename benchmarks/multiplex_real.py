@@ -9,8 +9,10 @@ one-after-another, slowdowns, switch and queue wait, duty cycle, learning curves
 per arm, the state bytes moved and the swap seconds (blocking + in the background) next to the memory-copy
 bound measured here first (a plain copy of the largest state's bytes between touched buffers on the torch threads
 the service may use, best of 3: bytes moved / that bandwidth),
-and the share of swap time hidden from the nodes. Goals: swap time <= 1.5x its bound, >= 90% hidden; PlexRL's
-cost <= 0.8x time-slicing's with no job slower than under it.
+and the share of swap time hidden from the nodes; then the arm's move records, with the moves into kept buffers
+against that bound and the moves that made a buffer against a copy into a fresh buffer measured here (the
+first touch of memory: on this VM a host page fault per page). Goals: swap time <= 1.5x its bound, >= 90%
+hidden; PlexRL's cost <= 0.8x time-slicing's with no job slower than under it.
 
     .venv/bin/python benchmarks/real_model.py --write-data runs/data/addition   # once
     .venv/bin/python benchmarks/multiplex_real.py [--iterations 3] [--driver dask]
@@ -54,6 +56,21 @@ def copy_bandwidth(nbytes: int, reps: int = 3) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 4 * n / best
+
+
+def first_touch_bandwidth(nbytes: int) -> float:
+    """Bytes per second of one copy of `nbytes` into a fresh buffer (`plexrl.services.host.fresh`, as a service
+    makes one), measured before anything else here touches that much memory: the bound of a move that makes a
+    buffer. On this VM memory not touched before costs a host page fault per page (`benchmarks/fresh_memory.py`)."""
+    import torch
+
+    from plexrl.services.host import fresh
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = fresh(nbytes)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return nbytes / (time.perf_counter() - t0)
 
 
 def copy_beside_compute(nbytes: int, threads: int, reps: int = 3) -> float:
@@ -132,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     specs = [prepare_job(job) for job in cluster.jobs]
     largest = max(s.state_bytes() for s in specs)
+    first_touch = first_touch_bandwidth(largest)  # first: before the copies below touch this much memory
     machine = copy_bandwidth(largest)  # every core (torch's default threads)
     threads = cluster.config.services.threads or 1
     configure_torch(threads)  # the bound: a copy with the threads the service may use, as its moves copy
@@ -140,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"memory copy: {bandwidth / 1e9:.2f} GB/s on the service's {threads} torch thread(s), the bound "
         f"({machine / 1e9:.2f} GB/s on every core; {largest / 2**30:.2f} GiB, the largest state, best of 3)"
     )
+    print(f"the same copy into a fresh buffer (first touch): {first_touch / 1e9:.2f} GB/s, the bound of a move that "
+          "makes a buffer")  # fmt: skip
     beside = copy_beside_compute(largest, threads)
     print(f"the same copy beside compute ({threads} torch threads streaming through memory): "
           f"{beside / 1e9:.2f} GB/s, the bound of a background move on these cores")  # fmt: skip
@@ -149,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for arm, runs in arms.items():
         print(swap_line(arm, runs[0], bandwidth, beside))
         if runs[0].moves:  # where the moves' seconds went, against the same bound
-            print(f"    records: {format_summary(runs[0].moves, bandwidth / 1e9)}")
+            print(f"    records: {format_summary(runs[0].moves, bandwidth / 1e9, first_touch / 1e9)}")
     against_slicing([lean], arms)
     if tmp is not None:
         tmp.cleanup()

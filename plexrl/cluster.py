@@ -145,6 +145,7 @@ class ClusterResult:
     timeline: Path | None
     tracking: dict[str, str] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)  # what the timeline recorded (nodes, swaps, loads)
+    moves: list[dict[str, Any]] = field(default_factory=list)  # every state move's record (`moves.json`)
     # the planner's counts: nodes sent ahead (lookahead), co-scheduled cohorts sent and their members
     planner: dict[str, int] = field(default_factory=dict)
 
@@ -193,6 +194,7 @@ def run_cluster(loaded: LoadedCluster, *, progress: bool = False, hooks: Sequenc
         accounting.png,
         tracker.tracking if tracker else {},
         spans=list(timeline.spans),
+        moves=list(timeline.moves),
         planner=counts,
     )
 

@@ -231,7 +231,9 @@ def test_summaries_and_the_timeline_keep_the_records(tmp_path: Path) -> None:
     assert (s["fresh"], s["fresh_bytes"], s["fresh_copy_s"]) == (1, 1e9, 1.0)  # b's move made its buffer
     line = format_summary(s, bound_gbps=6.0)
     assert "moves 2 (1 one copy, 1 background)" in line and "4.0x" in line
-    assert "1 into fresh buffers 1.00 s (1.00 GB/s), the rest 2.00 GB/s" in line
+    assert "1 into fresh buffers 1.00 s (1.00 GB/s), the rest 2.00 GB/s (3.0x the bound)" in line
+    against = format_summary(s, bound_gbps=6.0, fresh_gbps=0.5)  # a first touch measured at half that speed
+    assert "1 into fresh buffers 1.00 s (1.00 GB/s, a copy into fresh memory here 0.50 GB/s: 0.5x)" in against
     assert "on a core" not in line  # records from before the CPU seconds were kept say nothing of them
     timed = summarize([*recs, dataclasses.replace(recs[0], copy=2.0, wait=0.0, cpu=0.5)])
     assert (timed["cpu_s"], timed["timed_s"]) == (0.5, 2.0) and "on a core 25% of it" in format_summary(timed)

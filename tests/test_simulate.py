@@ -253,6 +253,35 @@ def test_calibration_fitted_on_one_run_predicts_another_within_15_percent(tmp_pa
     assert abs(bare.iso_cost_per_step - sum(iso.values()) / 90) > abs(pred.iso_cost_per_step - sum(iso.values()) / 90)
 
 
+def test_calibration_takes_its_swap_model_from_the_runs_move_records(tmp_path: Path) -> None:
+    """With move records, the swap model is the records' (not the blocking spans'): moves into kept buffers give
+    bandwidth and fixed cost, moves that made a buffer the first-touch rate that the simulated run's first moves
+    pay; another job's records and empty moves do not enter it."""
+    from plexrl.sim.calibrate import FittedCosts
+
+    timeline = TimelineRecorder(tmp_path, draw=False)
+    reality(1, 1, "spread+backfill", mix(), [timeline])
+    plans = {j.job_id: j.plan() for j in mix()}
+
+    def rec(job: str, nbytes: int, seconds: float, made: int = 0) -> dict[str, Any]:
+        return {"job": job, "nbytes": nbytes, "copy": seconds * 0.8, "wait": seconds * 0.2, "made": made,
+                "background": False}  # fmt: skip
+
+    kept = [rec("j0", n, n / (8 * GB) + 0.004) for n in (GB // 4, GB, 2 * GB)]  # 8 GB/s and 4 ms a move
+    moves = [*kept, rec("j1", GB, GB / (0.5 * GB), made=1), rec("other", GB, 100.0), rec("j2", 0, 1.0)]
+    spans_only = fit(timeline.spans, plans)
+    fitted = fit(timeline.spans, plans, moves)
+    assert spans_only.swap_from == "swap spans" and spans_only.move_fixed_s == 0.0
+    assert fitted.swap_bandwidth == pytest.approx(8 * GB) and fitted.move_fixed_s == pytest.approx(0.004)
+    assert (fitted.fresh_moves, fitted.fresh_bandwidth) == (1, pytest.approx(0.5 * GB))
+    assert fitted.swap_from.startswith("move records: 3 moves into kept buffers, 1 that made one")
+    assert fitted.durations == spans_only.durations  # the rest of the fit is the spans'
+    costs = FittedCosts(fitted)
+    assert costs.swap_seconds(GB) == pytest.approx(2.004)  # the first move: a first touch
+    assert costs.swap_seconds(GB) == pytest.approx(0.129)  # then kept buffers
+    assert costs.swap_seconds(0) == 0.0
+
+
 # -- runner: late arrivals ------------------------------------------------------------------------------
 def test_jobs_arrive_when_told_and_a_job_cancelled_before_arriving_never_runs() -> None:
     jobs = mix()

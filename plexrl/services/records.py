@@ -143,8 +143,10 @@ def summarize(records: Iterable[MoveRecord | dict[str, Any]]) -> dict[str, float
     return out
 
 
-def format_summary(s: dict[str, float], bound_gbps: float | None = None) -> str:
-    """One line of `summarize`'s figures (and the copying's speed against `bound_gbps`, when given)."""
+def format_summary(s: dict[str, float], bound_gbps: float | None = None, fresh_gbps: float | None = None) -> str:
+    """One line of `summarize`'s figures (and the copying's speed against `bound_gbps`, when given; the moves
+    into kept buffers against it too, and those that made a buffer against `fresh_gbps`, the speed of a copy
+    into fresh memory, when given)."""
     line = (
         f"moves {int(s['moves'])} ({int(s['one_copy'])} one copy, {int(s['background'])} background), "
         f"{s['bytes'] / 2**30:.2f} GiB, copies {int(s['copies'])}, buffers made {int(s['made'])} / reused "
@@ -157,8 +159,15 @@ def format_summary(s: dict[str, float], bound_gbps: float | None = None) -> str:
         line += f" (bound {bound_gbps:.2f} GB/s: {bound_gbps / s['gbps']:.1f}x)" if s["gbps"] > 0 else ""
     if s.get("fresh"):  # where the copy seconds went: first touches of fresh memory vs copies into kept buffers
         rest = gbps(s["bytes"] - s["fresh_bytes"], s["copy_s"] - s["fresh_copy_s"])
-        line += (f"; {int(s['fresh'])} into fresh buffers {s['fresh_copy_s']:.2f} s "
-                 f"({gbps(s['fresh_bytes'], s['fresh_copy_s']):.2f} GB/s), the rest {rest:.2f} GB/s")  # fmt: skip
+        made = gbps(s["fresh_bytes"], s["fresh_copy_s"])
+        line += f"; {int(s['fresh'])} into fresh buffers {s['fresh_copy_s']:.2f} s ({made:.2f} GB/s"
+        line += (
+            f", a copy into fresh memory here {fresh_gbps:.2f} GB/s: {fresh_gbps / made:.1f}x)"
+            if fresh_gbps and made > 0
+            else ")"
+        )
+        line += f", the rest {rest:.2f} GB/s"
+        line += f" ({bound_gbps / rest:.1f}x the bound)" if bound_gbps and rest > 0 else ""
     return line
 
 

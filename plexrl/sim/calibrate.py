@@ -6,7 +6,10 @@ What is fitted, per job:
   recorded iteration's durations for all its nodes, so correlated nodes stay correlated);
 - the job's load time (engine start and first state placement: its `load` span);
 - its state size (measured when it was loaded: its `load` span's bytes; else the plan's estimate);
-and, for the run: the swap bandwidth (bytes / seconds over all blocking swap spans), and the dispatch
+and, for the run: the swap model (from the run's move records where given: `plexrl.sim.costs.fit_swap` over the
+moves into kept buffers gives a bandwidth and a fixed cost per move, and the moves that made a buffer give the
+first-touch rate the simulated run's first moves pay; without records, bytes / seconds over all blocking swap
+spans), and the dispatch
 latency of cpu and service nodes: the median gap between the moment a node could start (its inputs' end, or
 the previous iteration's end for a first node) and its start, counting only service nodes whose service was
 idle meanwhile, less their own swap-in (so the gap is the driver's round trip, not queueing; with none, the
@@ -30,7 +33,7 @@ from typing import Any
 from plexrl.planner import ORDERINGS, JobPlan, Planner, placement_policy
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
-from plexrl.sim.costs import _mix
+from plexrl.sim.costs import _mix, fit_swap
 
 MIN_SAMPLES = 30  # round trips observed before the prediction draws from them instead of using their median
 FEW_SAMPLES = 10  # idle-service gaps needed before their median is trusted (else the cpu round trip is used)
@@ -50,6 +53,10 @@ class Fitted:
     startup: dict[str, tuple[int, str, float]] = field(default_factory=dict)  # job -> (iteration, node, extra s)
     cpu_gaps: list[float] = field(default_factory=list)  # observed round trips (the prediction draws from them)
     service_gaps: list[float] = field(default_factory=list)
+    move_fixed_s: float = 0.0  # seconds each move pays besides its bytes (fitted from move records)
+    fresh_moves: int = 0  # moves that made a buffer in the recorded run: the simulated run's first ones pay...
+    fresh_bandwidth: float = float("inf")  # ...this rate (bytes / s): the first touch of the memory states need
+    swap_from: str = "swap spans"  # what the swap model was fitted on
 
     def medians(self, job_id: str) -> dict[str, float]:
         per: dict[str, list[float]] = defaultdict(list)
@@ -63,8 +70,9 @@ def _get(span: Any, name: str) -> Any:
     return span[name] if isinstance(span, Mapping) else getattr(span, name)
 
 
-def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan]) -> Fitted:
-    """Fit from timeline spans (`hooks.timeline.Span` objects or their dicts from `timeline.json`)."""
+def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan], moves: Iterable[Mapping[str, Any]] = ()) -> Fitted:
+    """Fit from timeline spans (`hooks.timeline.Span` objects or their dicts from `timeline.json`) and, where
+    given, the run's move records (`moves.json`; `ClusterResult.moves`) for the swap model."""
     rows = [
         {k: _get(s, k) for k in ("job", "iteration", "node", "lane", "start", "end", "kind", "nbytes")} for s in spans
     ]
@@ -126,11 +134,12 @@ def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan]) -> Fitted:
     moved = sum(r["nbytes"] for r in swaps)
     seconds = sum(r["end"] - r["start"] for r in swaps)
     state = {j: r["nbytes"] for j, r in loads.items() if r["nbytes"]}  # measured when the job was loaded
+    swap = _swap_model(moves, plans)
     return Fitted(
         durations={j: dict(v) for j, v in durations.items()},
         load_seconds={j: r["end"] - r["start"] for j, r in loads.items()},
         state_bytes={j: state.get(j, plans[j].state_bytes) for j in plans},
-        swap_bandwidth=moved / seconds if seconds > 0 and moved > 0 else float("inf"),
+        **(swap or {"swap_bandwidth": moved / seconds if seconds > 0 and moved > 0 else float("inf")}),
         dispatch_cpu=dispatch_cpu,
         dispatch_service=statistics.median(svc_gaps) if svc_gaps else dispatch_cpu,
         gaps={"cpu": len(cpu_gaps), "service": len(svc_gaps)},
@@ -138,6 +147,27 @@ def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan]) -> Fitted:
         cpu_gaps=sorted(cpu_gaps),
         service_gaps=sorted(svc_gaps) or sorted(cpu_gaps),
     )
+
+
+def _swap_model(moves: Iterable[Mapping[str, Any]], plans: Mapping[str, JobPlan]) -> dict[str, Any]:
+    """`Fitted`'s swap fields from move records (none: {}). A move into a kept buffer costs its bytes at the
+    fitted bandwidth plus a fixed cost (`fit_swap`: copy and wait seconds; its queueing the simulation makes
+    itself); a move that made a buffer paid the first touch of that memory besides (on a CPU service a page
+    fault per page; on CUDA a page-locked host buffer's registration): a run pays it once per buffer its states
+    need, so the simulated run's first `fresh_moves` moves take their bytes at `fresh_bandwidth` instead."""
+    recs = [m for m in moves if m["job"] in plans and m["nbytes"] > 0]
+    kept = fit_swap([m for m in recs if not m["made"]])
+    if not kept.moves:
+        return {}
+    made = [m for m in recs if m["made"]]
+    fresh_s = sum(float(m["copy"]) + float(m["wait"]) for m in made)
+    return {
+        "swap_bandwidth": kept.bandwidth,
+        "move_fixed_s": kept.fixed_s,
+        "fresh_moves": len(made),
+        "fresh_bandwidth": sum(m["nbytes"] for m in made) / fresh_s if fresh_s > 0 else float("inf"),
+        "swap_from": f"move records: {kept.moves} moves into kept buffers, {len(made)} that made one",
+    }
 
 
 def merge(fits: list[Fitted]) -> Fitted:
@@ -150,6 +180,10 @@ def merge(fits: list[Fitted]) -> Fitted:
         load_seconds={j: v for f in fits for j, v in f.load_seconds.items()},
         state_bytes={j: v for f in fits for j, v in f.state_bytes.items() if j in f.durations},
         swap_bandwidth=min((f.swap_bandwidth for f in fits), default=float("inf")),
+        move_fixed_s=max((f.move_fixed_s for f in fits), default=0.0),
+        fresh_moves=max((f.fresh_moves for f in fits), default=0),
+        fresh_bandwidth=min((f.fresh_bandwidth for f in fits), default=float("inf")),
+        swap_from="; ".join(sorted({f.swap_from for f in fits})),
         dispatch_cpu=statistics.median(cpu) if cpu else 0.0,
         dispatch_service=statistics.median(svc) if svc else 0.0,
         gaps={"cpu": len(cpu), "service": len(svc)},
@@ -167,6 +201,7 @@ class FittedCosts:
 
     fitted: Fitted
     seed: int = 0
+    _moves: int = 0  # moves simulated so far (the first `fitted.fresh_moves` pay the first touch)
     _iters: dict[str, list[int]] = field(default_factory=dict)
     _medians: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -190,7 +225,10 @@ class FittedCosts:
         return self._medians[job.job_id].get(node, 0.0)
 
     def swap_seconds(self, nbytes: int) -> float:
-        return nbytes / self.fitted.swap_bandwidth
+        f = self.fitted
+        self._moves += 1
+        rate = f.fresh_bandwidth if self._moves <= f.fresh_moves else f.swap_bandwidth
+        return nbytes / rate + (f.move_fixed_s if nbytes else 0.0)
 
     def load_seconds(self, job: SimJob, nbytes: int) -> float:
         return self.fitted.load_seconds.get(job.job_id, 0.0)
