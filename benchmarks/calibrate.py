@@ -16,6 +16,10 @@ that recording (a job alone has the machine to itself: its nodes and round trips
 
 Run it alone on the machine (2 cores): the fit run and the target run must see the same machine.
 
+`--moves FILE`: no run; fit the swap model to a run's move records (its `moves.json`, e.g. from the `mux` part of
+`benchmarks/gpu_check.sh` on a GPU) and print the scenario constants they stand for (`host_gbps`,
+`switch_fixed_s`; docs/simulator.md), with the first-touch rate of the moves that made a buffer.
+
 `--smoke`: a tiny two-job mix (benchmarks/_tiny.py) on the local driver, 2 iterations, in a temporary
 directory, nothing saved (the test suite runs it; its errors mean nothing).
 """
@@ -37,7 +41,7 @@ from typing import Any
 
 from plexrl.cluster import load_cluster, run_cluster
 from plexrl.runtime.runner import Budgets
-from plexrl.sim.calibrate import fit, merge, predict
+from plexrl.sim.calibrate import fit, merge, predict, swap_constants
 
 HERE = Path(__file__).resolve().parent
 
@@ -145,7 +149,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--save", default="runs/calibrate/recording.pkl", help="where to keep the recorded runs")
     ap.add_argument("--replay", help="predict again from a saved recording (no real run)")
     ap.add_argument("--smoke", action="store_true", help="a tiny 2-job mix, local driver, 2 iterations (tests)")
+    ap.add_argument("--moves", help="no run: fit the swap constants to a run's moves.json")
     args = ap.parse_args(argv)
+    if args.moves:
+        import json
+
+        print(swap_constants(json.loads(Path(args.moves).read_text())))
+        return
     logging.basicConfig(level=logging.WARNING)
     if args.smoke:
         sys.path.insert(0, str(HERE))

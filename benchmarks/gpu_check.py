@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -226,12 +227,14 @@ def peak(device: torch.device) -> Iterator[dict[str, float]]:
         out["peak"] = torch.cuda.max_memory_allocated(device)
 
 
-def run_jobs(specs: list[Any], device: torch.device, budgets: Any = None) -> tuple[list[Any], dict[str, Any]]:
+def run_jobs(
+    specs: list[Any], device: torch.device, budgets: Any = None, hooks: Sequence[Any] = ()
+) -> tuple[list[Any], dict[str, Any]]:
     from plexrl.planner import Planner
     from plexrl.runtime import InlineExecutor, Runner
 
     executor = InlineExecutor(services=1, device=str(device))
-    runner = Runner(executor, Planner(clock=executor.clock), budgets=budgets)
+    runner = Runner(executor, Planner(clock=executor.clock), budgets=budgets, hooks=list(hooks))
     runs = runner.run(specs)
     bad = [(r.job_id, r.error) for r in runs if r.status != "done"]
     if bad:
@@ -329,11 +332,14 @@ def copy_bound(device: torch.device, nbytes: int, reps: int = 3) -> float:
 
 
 def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
+    from plexrl.hooks.timeline import TimelineRecorder
     from plexrl.runtime import Budgets
     from plexrl.services.records import format_summary
+    from plexrl.sim.calibrate import swap_constants
 
     device = device_of(cpu)
     out = work_dir() / "mux-runs"
+    timeline = TimelineRecorder(work_dir() / "mux-timeline", draw=False)  # every move's record
     specs = []
     for i in range(jobs):
         cfg = job_config(model, f"mux-{i}", out)
@@ -342,7 +348,7 @@ def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
     state = max(s.state_bytes() for s in specs)
     budgets = Budgets(device=2 * state + state // 2)  # two states fit, not three
     t0 = time.perf_counter()
-    _, report = run_jobs(specs, device, budgets)
+    _, report = run_jobs(specs, device, budgets, [timeline])
     wall = time.perf_counter() - t0
     moved = report["bytes_moved"]
     busy_moving = report["blocking_swap_seconds"] - report["prefetch_wait_seconds"] + report["prefetch_seconds"]
@@ -359,6 +365,9 @@ def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
     print(f"blocking swap {report['blocking_swap_seconds']:.2f} s, background {report['prefetch_seconds']:.2f} s "
           f"(waited {report['prefetch_wait_seconds']:.2f} s): share hidden by prefetch {report['hidden_share']:.2f}; "
           f"pinned {size(report['pinned_bytes'])} (peak {size(report['pinned_peak_bytes'])})")  # fmt: skip
+    print(f"the simulator's swap constants from these records: {swap_constants(timeline.moves)}")
+    if os.environ.get("OUT"):  # the records travel back with the logs (`benchmarks/calibrate.py --moves` reads them)
+        (Path(os.environ["OUT"]) / "mux-moves.json").write_text(json.dumps(timeline.moves))
     if report["moves"] == 0:
         fail("no state moved: the device budget did not force swaps")
 

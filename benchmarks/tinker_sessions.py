@@ -5,7 +5,9 @@ Each session is the unmodified `tinker` SDK running a training loop: per step a 
 (sent together), one `forward_backward` (importance_sampling) on what was sampled and one `optim_step`. Arms,
 each on a fresh server with one service:
 
-- alone: ONE session: its seconds per step (the single-session rate r1);
+- alone: ONE session: its seconds per step (the single-session rate r1); and the same with
+  `cluster.bundle_window_s: 0`, where the first of the step's sample calls sent at once runs alone and the rest
+  together after it, instead of all in one engine call (the window's gain, printed beside);
 - together, samples batched: `--sessions` N sessions at once, `cluster.batch_rollouts: true`, so sample calls
   of several sessions queued together run as ONE engine call (`plexrl/sessions/sampling.py`), and so do their
   forward_backward calls on an accelerator (one training pass, `plexrl/sessions/training.py`; on a CPU they run
@@ -46,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def start(tmp: Path, model_dir: Path, batched: bool, window: float | None) -> Any:
+def start(tmp: Path, model_dir: Path, batched: bool, window: float | None, bundle_window: float | None = None) -> Any:
     from plexrl.server.api import start_server
     from plexrl.server.config import ServerConfig
 
@@ -55,6 +57,8 @@ def start(tmp: Path, model_dir: Path, batched: bool, window: float | None) -> An
                                "max_load": 64.0}  # fmt: skip
     if window is not None:
         cluster["batch_window_s"] = window
+    if bundle_window is not None:
+        cluster["bundle_window_s"] = bundle_window
     cfg = ServerConfig(port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), cluster=cluster,
                        allowed_roots=[str(tmp), str(model_dir.parent)], mlflow=False)  # fmt: skip
     return start_server(cfg)
@@ -102,12 +106,16 @@ def session_loop(url: str, base: str, index: int, args: argparse.Namespace, read
     return times
 
 
-def arm(tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argparse.Namespace) -> dict[str, Any]:
+def arm(
+    tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argparse.Namespace,
+    bundle_window: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """N sessions at once on a fresh server: per session its timed steps' seconds, the wall of the timed part,
-    the planner's cohorts (sample calls that shared an engine call) and its waits for a cohort's partners."""
+    the planner's cohorts (sample calls that shared an engine call) and its waits for a cohort's partners.
+    `bundle_window`: the server's `cluster.bundle_window_s` (None: the config's default)."""
     from plexrl.sessions.calls import CALL_KINDS
 
-    srv = start(tmp, model_dir, batched, args.window)
+    srv = start(tmp, model_dir, batched, args.window, bundle_window)
     ready = threading.Barrier(n)
     out: dict[int, list[float]] = {}
     errors: list[BaseException] = []
@@ -175,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
             model_dir, base = pretrained_path("smollm2-135m-instruct"), HF_NAME
         n = args.sessions
         alone = arm(tmp / "alone", model_dir, base, 1, True, args)
+        # the same session with its calls sent at once not waited for: the first of each burst runs alone
+        unwaited = arm(tmp / "alone-unwaited", model_dir, base, 1, True, args, bundle_window=0.0)
         arms = {"together, samples batched": arm(tmp / "batched", model_dir, base, n, True, args),
                 "together, one call per sample": arm(tmp / "single", model_dir, base, n, False, args)}  # fmt: skip
     r1 = args.steps / alone["wall"]
@@ -186,6 +196,12 @@ def main(argv: list[str] | None = None) -> None:
     window = RuntimeConfig.model_fields["batch_window_s"].default if args.window is None else args.window
     print(f"alone: {r1:.3f} steps per accelerator-second ({alone['wall'] / args.steps:.2f} s/step); the batched "
           f"arm's wait for a cohort's partners: at most {window:g} s per sample call")  # fmt: skip
+    bw = RuntimeConfig.model_fields["bundle_window_s"].default
+    r0 = args.steps / unwaited["wall"]
+    print(f"alone, the first call of each burst not waited for (bundle_window_s 0 against {bw:g}): {r0:.3f} steps "
+          f"per accelerator-second ({unwaited['wall'] / args.steps:.2f} s/step): the window gives {r1 / r0:.2f}x; "
+          f"sample seconds per step {unwaited['service'].get('sample', 0.0):.3f} against "
+          f"{alone['service'].get('sample', 0.0):.3f}")  # fmt: skip
     print("| arm | sessions | total steps per accelerator-s | / alone | bound (N x alone) | cohorts (members) | "
           "of them forward_backward passes (calls) | waits for partners |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

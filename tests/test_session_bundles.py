@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import count_calls
+from test_lora_vllm import smol32  # noqa: F401 (a fixture)
 from test_session_batching import CALLS, perturb, same
 from test_session_engine import call, datum, spec
 
@@ -51,6 +52,55 @@ def test_the_board_hands_a_sessions_waiting_sample_calls_to_one_node() -> None:
     board.finished("a", None, "the node failed")
     board.deliver(lambda job: False)
     assert got[3][0]["value"]["n"] == 3 and got[4] == (None, "the node failed")
+
+
+def test_a_bursting_sessions_first_call_waits_the_window_so_its_burst_runs_as_one_node() -> None:
+    """A client that sent calls at once before (its last node ran several) gets its next burst's first call
+    announced only after the window, with the calls sent with it behind it: one node for the burst. A session
+    never seen bursting is announced at once; a wait that gathered nothing stops the waiting; a session that ends
+    during a wait is never announced."""
+    timers: list[tuple[float, Any]] = []
+    board = CallBoard(timer=lambda seconds, fn: timers.append((seconds, fn)))
+    told: list[tuple[str, str]] = []
+    board.bind(lambda job, kind: told.append((job, kind)), bundle=True, window=0.02)
+    ignore = lambda reply, error: None  # noqa: E731
+
+    def burst(job: str, calls: tuple[Sample, ...]) -> None:
+        for c in calls:
+            board.put(job, c.kind, c, ignore)
+
+    def run(job: str) -> Any:
+        found, call = board.call_of(job, "sample")
+        assert found
+        board.finished(job, None, "(not looked at)")
+        return call
+
+    for job in ("a", "b"):
+        board.open(job)
+        assert board.started(job) is None
+    board.put("b", "sample", CALLS["b"], ignore)
+    assert told == [("b", "sample")] and not timers  # b never sent calls at once: at once
+    assert run("b") is CALLS["b"]
+    burst("a", MINE[:1])  # a's first burst reaches the board over a few ms: the first call announced and run
+    assert told[-1] == ("a", "sample") and not timers and run("a") is MINE[0]  # alone, before the rest came
+    burst("a", MINE[1:])
+    assert run("a") == Samples(MINE[1:]) and len(told) == 3 and not timers
+    burst("a", MINE)  # a ran calls together: its next first call waits
+    assert len(told) == 3 and [s for s, _ in timers] == [0.02]
+    timers.pop()[1]()
+    assert told[-1] == ("a", "sample") and len(told) == 4
+    assert run("a") == Samples(MINE)  # the whole burst, one node
+    board.put("a", "sample", MINE[0], ignore)  # waits, and gathers nothing
+    timers.pop()[1]()
+    assert run("a") is MINE[0]
+    board.put("a", "sample", MINE[1], ignore)  # so the next call goes at once
+    assert not timers and len(told) == 6 and run("a") is MINE[1]
+    burst("a", MINE[:2])  # bursting again: together (announced at once, both waiting), then waits again
+    assert run("a") == Samples(MINE[:2]) and len(told) == 7
+    board.put("a", "sample", MINE[2], ignore)
+    board.drop("a", "the session ended")
+    timers.pop()[1]()
+    assert len(told) == 7  # never announced
 
 
 def test_a_node_failing_fails_every_call_it_ran() -> None:
@@ -174,3 +224,51 @@ def test_a_sample_joins_only_a_sample_of_its_weights() -> None:
     a = Sample((1, 2), num_samples=1, max_tokens=2, seed=1)
     assert a.joins(dataclasses.replace(a, seed=2)) and not a.joins(dataclasses.replace(a, weights_id="x"))
     assert not a.joins(ForwardBackward((datum([1, 2]),), "cross_entropy"))
+
+
+def test_on_vllm_a_sessions_calls_sent_at_once_are_one_vllm_call_each_as_alone(
+    smol32: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A LoRA session on vLLM: its calls sent at once run as ONE `generate` of the shared engine (they ran one by
+    one before), each reply what the call gets alone; in a cohort beside another session's call, one call too."""
+    from plexrl.engines import vllm_engine
+    from plexrl.sessions.spec import SessionConfig, prepare_session
+
+    def vllm_spec(name: str) -> Any:
+        model = {"path": str(smol32), "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}
+        tracking = {"mlflow": False, "progress": False, "log_model": False}
+        cfg = SessionConfig(name=name, seed=3, run_dir=str(tmp_path), model=model, tracking=tracking, engine="vllm")  # type: ignore[arg-type]
+        return prepare_session(cfg)
+
+    svc = Service("s0", spill_dir=tmp_path / "spill", validate=True)
+    try:
+        for i, j in enumerate(("a", "b")):
+            svc.load_job(vllm_spec(j))
+            perturb(svc, j, i)
+        sizes: list[int] = []  # the calls each vLLM `generate` served
+        real = vllm_engine.SharedLLM.generate_calls
+
+        def counted(llm: Any, calls: Any, loras: Any = None) -> Any:
+            sizes.append(len(calls))
+            return real(llm, calls, loras)
+
+        monkeypatch.setattr(vllm_engine.SharedLLM, "generate_calls", counted)
+        alone = [call(svc, "a", k, c)["value"] for k, c in enumerate(MINE)]
+        b_alone = call(svc, "b", 0, CALLS["b"])["value"]
+        assert sizes == [1, 1, 1, 1]
+        together = call(svc, "a", 5, Samples(MINE))
+        assert sizes[4:] == [3] and together["metrics"]["bundled_calls"] == 3.0
+        for got, want in zip(together["value"]["replies"], alone, strict=True):
+            assert got["error"] is None and got["metrics"]["call_sessions"] == 1.0
+            same(got["value"], want)
+        members = [Member("a", 6, "sample", {}, Samples(MINE)), Member("b", 1, "sample", {}, CALLS["b"])]
+        a, b = (unpack(r.report.reply) for r in run_cohort(svc, members, (), ()))
+        assert sizes[5:] == [4]  # a's three calls and b's in one vLLM call
+        same(b["value"], b_alone)
+        for got, want in zip(a["value"]["replies"], alone, strict=True):
+            assert got["metrics"]["call_sessions"] == 2.0
+            same(got["value"], want)
+    finally:
+        svc.close()

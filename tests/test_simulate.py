@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import random
 import subprocess
@@ -353,3 +354,24 @@ def test_sensitivity_benchmark_smoke(capsys: pytest.CaptureFixture[str], monkeyp
     module.main([str(SIM / "qwen3_30b_a3b.yaml"), "--smoke", "--jobs", "2"])
     out = capsys.readouterr().out
     assert "shipped" in out and "sigma +0.2" in out and "strongest baseline" in out
+
+
+def test_calibrate_prints_the_scenario_swap_constants_a_runs_move_records_stand_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = load_benchmark("calibrate", monkeypatch)
+
+    def rec(nbytes: int, seconds: float, made: int = 0, background: bool = False) -> dict[str, Any]:
+        return {"job": "a", "nbytes": nbytes, "copy": seconds, "wait": 0.0, "made": made, "background": background}
+
+    moves = [rec(n, n / 25e9 + 0.002, background=n > 10**9) for n in (10**8, 10**9, 4 * 10**9)]  # 25 GB/s, 2 ms
+    path = tmp_path / "moves.json"
+    path.write_text(json.dumps([*moves, rec(4 * 10**9, 2.0, made=1)]))
+    module.main(["--moves", str(path)])
+    out = capsys.readouterr().out
+    assert "4 move records: 3 into kept buffers, 1 that made a buffer" in out
+    assert "25.00 GB/s + 2.00 ms a move" in out and "2.00 GB/s (the first touch" in out
+    assert "accelerator_set: {host_gbps: 25.0}; efficiency: {switch_fixed_s: 0.002}" in out
+    path.write_text(json.dumps([rec(10**9, 1.0, made=1)]))
+    module.main(["--moves", str(path)])
+    assert "none into a kept buffer: nothing to fit" in capsys.readouterr().out

@@ -239,7 +239,7 @@ def test_an_engine_failure_fails_that_job_only(tmp_path: Path, monkeypatch: pyte
     from conftest import local_runner
 
     jobs = [prepare_job(load_job(vllm_job(tmp_path / "runs", n, s))) for n, s in (("bad", 0), ("good", 1))]
-    real = SharedLLM.generate
+    real = SharedLLM.generate_calls  # (every generation goes through it)
     calls = {"n": 0}
 
     def crash_once_for_bad(self: SharedLLM, *args: Any, **kw: Any) -> Any:
@@ -248,7 +248,7 @@ def test_an_engine_failure_fails_that_job_only(tmp_path: Path, monkeypatch: pyte
             raise RuntimeError("EngineCore died: simulated")  # a fault inside vLLM
         return real(self, *args, **kw)
 
-    monkeypatch.setattr(SharedLLM, "generate", crash_once_for_bad)
+    monkeypatch.setattr(SharedLLM, "generate_calls", crash_once_for_bad)
     bad, good = local_runner().run(jobs)
     assert bad.status == "failed" and "vLLM engine failed" in bad.error and "EngineCore died" in bad.error
     assert good.status == "done", good.error

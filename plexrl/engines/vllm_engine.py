@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from plexrl.devices import CPU, Device, vllm_args
 from plexrl.engines.base import GenerationOutput
@@ -53,6 +53,8 @@ from plexrl.engines.vllm_env import config_problem as config_problem
 from plexrl.engines.vllm_env import model_problem as model_problem
 from plexrl.engines.vllm_env import vllm_cpu_build as vllm_cpu_build
 from plexrl.engines.vllm_env import vllm_installed as vllm_installed
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -228,19 +230,36 @@ class SharedLLM:
     ) -> GenerationOutput:
         """`Engine.generate` on the weights the engine holds; `lora_request`: a vLLM `LoRARequest` applied to
         every row (an engine built with `enable_lora`), else the weights alone."""
-        from vllm.inputs import TokensPrompt
-
-        rows, requests, params = self.requests(
-            prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
+        kw = dict(
+            n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
             stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
         )  # fmt: skip
+        return self.generate_calls([(prompts, kw)], [lora_request])[0]
+
+    def generate_calls(
+        self, calls: Sequence[tuple[list[list[int]], dict[str, Any]]], loras: Sequence[Any] | None = None
+    ) -> list[GenerationOutput]:
+        """Several `generate` calls in ONE vLLM call: `calls[i]` = (prompts, `generate` keywords), each request
+        seeded and parameterised as in its own call; `loras[i]`: the `LoRARequest` of call i's rows (None: the
+        weights alone). vLLM batches every row at once; each call gets back its own output, in order, with the
+        tokens it gets alone (seeded per request) up to the float noise of another batch composition."""
+        from vllm.inputs import TokensPrompt
+
+        parts = [self.requests(prompts, **kw) for prompts, kw in calls]  # (bad input raises before the engine runs)
+        lora: Any = None
+        if loras is not None and any(r is not None for r in loras):
+            lora = [r for r, (_, requests, _) in zip(loras, parts, strict=True) for _ in requests]
         with self._lock:
             self._wake()
             outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in requests], params, use_tqdm=False,
-                lora_request=lora_request,
+                [TokensPrompt(prompt_token_ids=list(p)) for _, requests, _ in parts for p in requests],
+                [sp for _, _, params in parts for sp in params], use_tqdm=False, lora_request=lora,
             )  # fmt: skip
-        return self.collect(rows, outs)
+        results, start = [], 0
+        for rows, requests, _ in parts:
+            results.append(self.collect(rows, outs[start : start + len(requests)]))
+            start += len(requests)
+        return results
 
     def requests(
         self,
@@ -332,6 +351,18 @@ class SharedLLM:
                 _free_cuda(last=not _LIVE)
 
 
+def guarded(llm: SharedLLM, run: Callable[[], T]) -> T:
+    """`run()` on `llm`: bad input (ValueError) raises as it is, the engine being fine; any other failure marks the
+    engine broken (the service rebuilds it for the other jobs) and raises RuntimeError."""
+    try:
+        return run()
+    except ValueError:
+        raise
+    except Exception as exc:
+        llm.broken = True
+        raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
+
+
 class VLLMEngine:
     """The `Engine` of one job whose rollouts run on vLLM: `generate` on the (possibly shared) `SharedLLM`,
     after loading this job's current weights into it when it does not hold them; scoring, training and
@@ -373,17 +404,17 @@ class VLLMEngine:
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> GenerationOutput:
+        kw = dict(
+            n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
+            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
+        )  # fmt: skip
+        return self.generate_calls([(prompts, kw)])[0]
+
+    def generate_calls(self, calls: Sequence[tuple[list[list[int]], dict[str, Any]]]) -> list[GenerationOutput]:
+        """Several `generate` calls of this job in ONE vLLM call (`SharedLLM.generate_calls`): a session's sample
+        calls sent at once (`plexrl/sessions/sampling.py`)."""
         self.sync()
-        try:
-            return self.llm.generate(
-                prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
-            )  # fmt: skip
-        except ValueError:
-            raise  # bad input (e.g. too long): the engine is fine
-        except Exception as exc:
-            self.llm.broken = True  # the service rebuilds it for the other jobs
-            raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
+        return guarded(self.llm, lambda: self.llm.generate_calls(calls))
 
     def begin_generation(self, prompts: list[list[int]], **kwargs: Any) -> Any:
         """A generation run in slices (decode-step preemption): a partial rollout, `plexrl/engines/partial.py`."""

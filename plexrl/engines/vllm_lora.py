@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from plexrl.devices import CPU, Device
 from plexrl.engines.base import GenerationOutput
-from plexrl.engines.vllm_engine import DEFAULT_KV_CACHE_BYTES, SharedLLM, WeightLoad, generator_key
+from plexrl.engines.vllm_engine import DEFAULT_KV_CACHE_BYTES, SharedLLM, WeightLoad, generator_key, guarded
 
 if TYPE_CHECKING:
     from plexrl.engines.lora import LoRAEngine
@@ -208,23 +208,8 @@ class SharedLoRALLM(SharedLLM):
         job's adapter registered already (`VLLMLoRAEngine.sync`); every request carries its own job's
         LoRARequest and seeds, so a job's rows are sampled as in its own call (vLLM batches the rows of all
         jobs, up to `MAX_LORAS` adapters a step). Returns one output per call, in order."""
-        from vllm.inputs import TokensPrompt
 
-        parts = [self.requests(prompts, **kw) for _, prompts, kw in calls]
-        loras = [self.adapters[job].request for job, _, _ in calls]
-        with self._lock:
-            self._wake()
-            outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for _, requests, _ in parts for p in requests],
-                [sp for _, _, params in parts for sp in params],
-                use_tqdm=False,
-                lora_request=[lora for lora, (_, requests, _) in zip(loras, parts, strict=True) for _ in requests],
-            )
-        results, start = [], 0
-        for rows, requests, _ in parts:
-            results.append(self.collect(rows, outs[start : start + len(requests)]))
-            start += len(requests)
-        return results
+        return self.generate_calls([(p, kw) for _, p, kw in calls], [self.adapters[job].request for job, _, _ in calls])
 
     def served(self) -> set[int]:
         """The int ids vLLM holds (its LRU cache of adapters)."""
@@ -279,18 +264,22 @@ class VLLMLoRAEngine:
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> GenerationOutput:
-        try:
+        kw = dict(
+            n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
+            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
+        )  # fmt: skip
+        return self.generate_calls([(prompts, kw)])[0]
+
+    def generate_calls(self, calls: Sequence[tuple[list[list[int]], dict[str, Any]]]) -> list[GenerationOutput]:
+        """Several `generate` calls of this job in ONE vLLM call under its adapter (a session's sample calls sent
+        at once, `plexrl/sessions/sampling.py`)."""
+
+        def run() -> list[GenerationOutput]:
             self.sync()
             request = self.llm.adapters[self.job_id].request
-            return self.llm.generate(
-                prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-                stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, lora_request=request, top_k=top_k,
-            )  # fmt: skip
-        except ValueError:
-            raise  # bad input (e.g. too long): the engine is fine
-        except Exception as exc:
-            self.llm.broken = True  # the service rebuilds it for the other jobs
-            raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
+            return self.llm.generate_calls(calls, [request] * len(calls))
+
+        return guarded(self.llm, run)
 
     @property
     def lora_request(self) -> Any:
@@ -327,24 +316,24 @@ class VLLMLoRAEngine:
 
 
 def generate_together(
-    engines: Sequence[VLLMLoRAEngine], calls: Sequence[tuple[list[list[int]], dict[str, Any]]]
+    engines: Sequence[VLLMLoRAEngine], calls: Sequence[tuple[list[list[int]], dict[str, Any]]], *, repeats: bool = False
 ) -> list[GenerationOutput]:
     """The rollouts of several LoRA jobs on ONE shared engine in one vLLM call: `calls[i]` = (prompts, `generate`
     keywords) of `engines[i]`. Each job's current adapter is synced first (its loads reported with its own
-    engine). What a cohort of several jobs' rollouts or sessions' samples calls."""
+    engine). What a cohort of several jobs' rollouts or sessions' samples calls. `repeats`: a job may come more
+    than once (a session's sample calls sent at once, each its own call; a DAG job's rollout is one call)."""
     if len({id(e.llm) for e in engines}) > 1:
         raise ValueError("jobs generate together only on one shared engine (the same base and LoRA settings)")
-    if len({e.job_id for e in engines}) < len(engines):
+    unique = list({e.job_id: e for e in engines}.values())
+    if len(unique) < len(engines) and not repeats:
         raise ValueError("one call per job: a job's rollouts in one batch go in one call's prompts")
-    try:
-        for e in engines:
+
+    def run() -> list[GenerationOutput]:
+        for e in unique:
             e.sync()
         return engines[0].llm.generate_many([(e.job_id, p, kw) for e, (p, kw) in zip(engines, calls, strict=True)])
-    except ValueError:
-        raise
-    except Exception as exc:
-        engines[0].llm.broken = True
-        raise RuntimeError(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
+
+    return guarded(engines[0].llm, run)
 
 
 __all__ = [

@@ -108,9 +108,10 @@ def build_runner(
     """The `Runner` of a runtime section over `executor` (default: `make_executor(cfg)`), with the planner of
     that section (`Planner.from_config`) and its budgets (on CUDA from `jobs`' headroom when they are known).
     `options` (`forget_ended`, `on_closed`, `checkpoint_every`, `checkpoint_at`, `poll`) go to the `Runner` as
-    they are; `bundle_calls` is the section's unless given."""
+    they are; `bundle_calls` and `bundle_window` are the section's unless given."""
     ex = executor if executor is not None else make_executor(cfg)
     options.setdefault("bundle_calls", cfg.bundle_calls)
+    options.setdefault("bundle_window", cfg.bundle_window_s)
     return Runner(ex, Planner.from_config(cfg, ex.clock), hooks=hooks, budgets=budgets_of(cfg, jobs), **options)
 
 

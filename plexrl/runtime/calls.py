@@ -23,6 +23,12 @@ a call that can run together with the calls waiting right behind it (`call.joins
 sample calls sent at once, of the same weights) takes up to `BUNDLE` of them along (`take`): the node runs
 them as one call (`call.bundle(calls)`), whose reply holds one reply per call (`value["replies"]`), each
 handed to its own call.
+A client that sends its calls at once sends them over a few milliseconds: the first finds its session idle and
+would run alone, the rest together after it (two engine calls for one burst). With a `window` (`bind`), a session
+whose last node ran several calls together is taken for such a client: the first call that finds it idle is
+announced only `window` seconds later (a timer thread), so that the calls sent with it wait behind it and run in
+the same node. A wait that gathered nothing (the node ran that call alone) ends this for the session until it
+runs several calls together again.
 Thread-safe (one lock); `done` callbacks run on the runner's thread, outside the lock, and must not block.
 """
 
@@ -35,6 +41,9 @@ from dataclasses import dataclass
 from typing import Any
 
 BUNDLE = 8  # the most waiting calls of one session that one node runs together (`take`)
+
+Timer = Callable[[float, Callable[[], None]], None]
+"""`timer(seconds, fn)`: call `fn()` (from any thread) once `seconds` have passed (`thread_timer`)."""
 
 Done = Callable[[dict[str, Any] | None, str | None], None]
 """`done(reply, error)`: the call's reply (`plexrl.sessions.calls.Reply` as plain data), or None and why the
@@ -51,11 +60,18 @@ class Ticket:
     done: Done
 
 
+def thread_timer(seconds: float, fn: Callable[[], None]) -> None:
+    t = threading.Timer(seconds, fn)
+    t.daemon = True
+    t.start()
+
+
 class CallBoard:
     """See the module docstring. `notify(job_id, kind)` tells the runner that an idle session's next call is
-    waiting (`Runner` binds its inbox's; any thread)."""
+    waiting (`Runner` binds its inbox's; any thread). `timer`: how a delayed announcement is scheduled (tests
+    give their own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Timer = thread_timer) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, deque[Ticket]] = {}
         self._running: dict[str, list[Ticket]] = {}  # a session's running call (or calls run together)
@@ -65,12 +81,18 @@ class CallBoard:
         self._held: set[str] = set()  # sessions whose kept replies wait for a checkpoint
         self._notify: Callable[[str, str], None] | None = None
         self._bundle = False  # run a session's waiting calls that join together (`bind`)
+        self._window = 0.0  # how long a bursting session's first call waits for the rest (`bind`)
+        self._timer = timer
+        self._bursts: set[str] = set()  # sessions whose last node ran several calls: their clients send at once
+        self._waiting: set[str] = set()  # sessions whose first call waits out the window before its announcement
+        self._waited: set[str] = set()  # ... and that did, until their next node starts
 
-    def bind(self, notify: Callable[[str, str], None], bundle: bool = False) -> None:
+    def bind(self, notify: Callable[[str, str], None], bundle: bool = False, window: float = 0.0) -> None:
         """The runner's way to be told (set once, when the runner is built); `bundle`: run a session's calls
         that join together (`take`; the runner's planner batches rollouts: a call's numbers may then differ by
-        float noise from its numbers alone, as in a cohort)."""
-        self._notify, self._bundle = notify, bundle
+        float noise from its numbers alone, as in a cohort); `window`: with `bundle`, how long the first call of
+        a session whose client sends its calls at once waits for the rest (see the module docstring)."""
+        self._notify, self._bundle, self._window = notify, bundle, window if bundle else 0.0
 
     def open(self, job_id: str) -> None:
         """A session whose calls this board takes (before its job is submitted)."""
@@ -88,14 +110,33 @@ class CallBoard:
 
     def put(self, job_id: str, kind: str, call: Any, done: Done) -> None:
         """Queue a call of session `job_id` (any thread); KeyError if the session is not open here."""
-        announce = None
+        announce, wait = None, False
         with self._lock:
             queue = self._queues[job_id]
             queue.append(Ticket(job_id, kind, call, done))
-            if job_id in self._started and job_id not in self._announced:
-                self._announced.add(job_id)
-                announce = queue[0].kind
+            if job_id in self._started and job_id not in self._announced and job_id not in self._waiting:
+                if self._window > 0 and job_id in self._bursts:
+                    self._waiting.add(job_id)
+                    wait = True
+                else:
+                    self._announced.add(job_id)
+                    announce = queue[0].kind
+        if wait:
+            self._timer(self._window, lambda: self._announce_late(job_id))
         if announce is not None and self._notify is not None:
+            self._notify(job_id, announce)
+
+    def _announce_late(self, job_id: str) -> None:
+        """The window of a bursting session's first call is over: announce its first waiting call (any thread)."""
+        with self._lock:
+            self._waiting.discard(job_id)
+            queue = self._queues.get(job_id)
+            if not queue or job_id not in self._started or job_id in self._announced:
+                return  # (withdrawn, or the session ended meanwhile)
+            self._announced.add(job_id)
+            self._waited.add(job_id)
+            announce = queue[0].kind
+        if self._notify is not None:
             self._notify(job_id, announce)
 
     def withdraw(self, job_id: str, done: Done) -> bool:
@@ -136,6 +177,11 @@ class CallBoard:
             joins = getattr(tickets[0].call, "joins", None) if self._bundle else None
             while joins is not None and queue and len(tickets) < BUNDLE and joins(queue[0].call):
                 tickets.append(queue.popleft())
+            if len(tickets) > 1:
+                self._bursts.add(job_id)
+            elif job_id in self._waited:
+                self._bursts.discard(job_id)  # it waited and gathered nothing: not a client that sends at once
+            self._waited.discard(job_id)
             self._running[job_id] = tickets
             return tickets
 
@@ -188,6 +234,8 @@ class CallBoard:
             running = self._running.pop(job_id, [])
             self._announced.discard(job_id)
             self._started.discard(job_id)
+            for bursts in (self._bursts, self._waiting, self._waited):
+                bursts.discard(job_id)
             kept = [r for r in self._replies if r[0].job_id == job_id]
             self._replies = [r for r in self._replies if r[0].job_id != job_id]
             lost = job_id in self._held
@@ -201,4 +249,4 @@ class CallBoard:
             ticket.done(None, reason)
 
 
-__all__ = ["BUNDLE", "CallBoard", "Done", "Ticket"]
+__all__ = ["BUNDLE", "CallBoard", "Done", "Ticket", "Timer", "thread_timer"]

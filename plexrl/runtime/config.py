@@ -216,6 +216,12 @@ class RuntimeConfig(DaskNetwork):
         "as alone up to the float noise of another batch composition. false: each call alone, its numbers exactly "
         "those alone (also the default of a runner built outside a server or a cluster config).",
     )  # fmt: skip
+    bundle_window_s: float = Field(
+        0.02, ge=0, le=1,
+        description="With bundle_calls: how long the first call of an idle session whose client was seen sending "
+        "calls at once waits for the rest before it runs, so that the whole burst runs as one engine call instead of "
+        "its first call alone and the rest after it. 0: never waits.",
+    )  # fmt: skip
     batch_window_s: float = Field(
         0.05, ge=0, le=10,
         description="With batch_rollouts: how long at most a session's sample call that finds its service idle "

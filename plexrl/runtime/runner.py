@@ -58,7 +58,8 @@ class Runner:
     often is each job's plan's). `calls`: the sessions' calls (`calls.CallBoard`; a server's Tinker API puts
     them there): while a session is open the loop looks at its inbox at least every `CALL_POLL` seconds, so a
     call waits at most that long for the planner. `bundle_calls`: whether a session's own sample calls sent at once
-    run as one engine call (always where the planner batches rollouts)."""
+    run as one engine call (always where the planner batches rollouts); `bundle_window`: how long the first call of
+    a session whose client sends its calls at once waits for the rest (`CallBoard.bind`)."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class Runner:
         checkpoint_at: Callable[[JobRun, int], Path] | None = None,
         calls: CallBoard | None = None,
         bundle_calls: bool = False,
+        bundle_window: float = 0.0,
     ) -> None:
         self.executor = executor
         self.clock = executor.clock
@@ -89,7 +91,7 @@ class Runner:
             # a session's own sample calls sent at once run as one (`CallBoard.take`) with `bundle_calls` (a
             # cluster section's, `build_runner`) or where the planner batches rollouts
             bundle = self.planner.batch_rollouts or bundle_calls
-            calls.bind(self._inbox.call_arrived, bundle=bundle)
+            calls.bind(self._inbox.call_arrived, bundle=bundle, window=bundle_window)
         self.carrier = Carrier(executor, self.hooks, self.planner, self._inbox, forget_ended=forget_ended, on_closed=
                                on_closed, checkpoint_at=checkpoint_at, calls=calls)  # fmt: skip
         self.runs: dict[str, JobRun] = self.carrier.runs  # the jobs' records (the carrier keeps them)

@@ -101,16 +101,17 @@ def reply(out: GenerationOutput, prompt_lp: Any, topk: Any, sessions: int) -> Re
 
 
 def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[GenerationOutput]:
-    """The calls' generations in ONE engine call where their engines allow it (vLLM LoRA engines of one shared
-    engine, or LoRA sessions of one torch base), else one after another."""
+    """The calls' generations in ONE engine call where their engines allow it (one session's calls on vLLM, vLLM
+    LoRA engines of one shared engine, or LoRA sessions of one torch base), else one after another (a full
+    fine-tuning session's calls on torch)."""
     from plexrl.engines.vllm_lora import VLLMLoRAEngine, generate_together
 
     asks = [([list(c.prompt)], generate_kwargs(c)) for c in calls]
+    if len(generators) > 1 and all(g is generators[0] for g in generators) and hasattr(generators[0], "generate_calls"):
+        return list(generators[0].generate_calls(asks))  # one session's calls on vLLM (full or LoRA): one call
     one_vllm = all(isinstance(g, VLLMLoRAEngine) for g in generators) and len({id(g.llm) for g in generators}) == 1
     if len(generators) > 1 and one_vllm:
-        if len({id(g) for g in generators}) < len(generators):  # (a session's calls run together: one by one)
-            return [g.generate(p, **kw) for g, (p, kw) in zip(generators, asks, strict=True)]
-        return generate_together(generators, asks)
+        return generate_together(generators, asks, repeats=True)  # (a session's calls sent at once: each its own)
     inner: list[Any] = [getattr(g, "inner", None) for g in generators]
     one_base = all(getattr(e, "shared", None) is not None for e in inner) and len({id(e.shared) for e in inner}) == 1
     if len(generators) > 1 and one_base:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,32 @@ def _swap_model(moves: Iterable[Mapping[str, Any]], plans: Mapping[str, JobPlan]
         "fresh_bandwidth": sum(m["nbytes"] for m in made) / fresh_s if fresh_s > 0 else float("inf"),
         "swap_from": f"move records: {kept.moves} moves into kept buffers, {len(made)} that made one",
     }
+
+
+def swap_constants(records: Sequence[dict[str, Any]]) -> str:
+    """What a run's move records (`moves.json`) say of the simulator's swap constants, as text: `fit_swap` over the
+    moves into kept buffers (all, blocking, background), the first-touch rate of those that made a buffer, and the
+    scenario's `host_gbps` / `switch_fixed_s` they stand for (docs/simulator.md)."""
+    kept = [r for r in records if r["nbytes"] > 0 and not r["made"]]
+    made = [r for r in records if r["nbytes"] > 0 and r["made"]]
+    if not kept:
+        return f"{len(records)} move records, none into a kept buffer: nothing to fit"
+    lines = [f"{len(records)} move records: {len(kept)} into kept buffers, {len(made)} that made a buffer"]
+    for label, bg in (("all", None), ("blocking", False), ("background", True)):
+        f = fit_swap(kept, background=bg)
+        if f.moves:
+            lines.append(f"  {label:<10} {f.moves:4d} moves, {f.nbytes / 2**30:8.2f} GiB: "
+                         f"{f.bandwidth / 1e9:7.2f} GB/s + {f.fixed_s * 1e3:.2f} ms a move")  # fmt: skip
+    if made:
+        secs = sum(float(r["copy"]) + float(r["wait"]) for r in made)
+        nbytes = sum(r["nbytes"] for r in made)
+        rate = nbytes / secs / 1e9 if secs > 0 else float("inf")
+        lines.append(f"  made a buffer {len(made)} moves, {nbytes / 2**30:.2f} GiB in {secs:.2f} s: {rate:.2f} GB/s "
+                     "(the first touch of that memory; once per buffer a run needs)")  # fmt: skip
+    f = fit_swap(kept)
+    lines.append(f"scenario constants (per accelerator): accelerator_set: {{host_gbps: {f.bandwidth / 1e9:.1f}}}; "
+                 f"efficiency: {{switch_fixed_s: {f.fixed_s:.3f}}}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def merge(fits: list[Fitted]) -> Fitted:
