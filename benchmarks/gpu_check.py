@@ -374,7 +374,7 @@ def mux(model: Path, cpu: bool, jobs: int, iterations: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", nargs="?", choices=["build", "env", "race", "iteration", "nccl1", "mux"])
+    ap.add_argument("part", nargs="?", choices=["build", "env", "race", "iteration", "nccl1", "mux", "sessions"])
     ap.add_argument("model", nargs="?", type=Path, help="the model directory (`build` writes it)")
     ap.add_argument("--cpu", action="store_true", help="on the CPU with the tiny model (a dry run)")
     ap.add_argument("--repeats", type=int, default=20, help="race: rounds with the service's order")
@@ -383,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--lora", action="store_true", help="iteration: a LoRA job (r 16)")
     ap.add_argument("--jobs", type=int, default=3, help="mux: jobs on the one service")
     ap.add_argument("--iterations", type=int, default=2, help="mux: iterations per job")
+    ap.add_argument("--sessions", type=int, default=8, help="sessions: LoRA sessions on the one service")
+    ap.add_argument("--steps", type=int, default=3, help="sessions: timed steps per session in each arm")
     ap.add_argument("--smoke", action="store_true", help="build a tiny model and run the race on the CPU (tests)")
     args = ap.parse_intermixed_args(argv)
     from transformers.utils import logging as hf_logging
@@ -410,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         iteration(args.model, args.cpu, args.dtype, args.lora)
     elif args.part == "nccl1":
         nccl1(args.model, args.cpu)
+    elif args.part == "sessions":
+        from _gpu_sessions import sessions
+
+        sessions(args.model, device_of(args.cpu), args.sessions, args.steps, 4, 16, work_dir() / "sessions")
     else:
         mux(args.model, args.cpu, args.jobs, args.iterations)
 

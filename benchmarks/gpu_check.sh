@@ -27,8 +27,10 @@
 #   nccl1    a 1-rank NCCL worker group: init, fully_shard, train, agree, broadcast, swaps    (45 s)
 #   mux      3 jobs on one service whose device budget holds 2: swap GB/s against the PCIe bound, the
 #            share of swap time hidden by prefetch                                            (120 s)
+#   sessions 8 LoRA sessions over one base, a step each (sample, forward_backward, optim_step): alone one
+#            after another against their calls as cohorts (one engine call, one training pass); goal >= 3x (45 s)
 #   tests    pytest -m gpu tests/test_gpu.py: the CUDA tests (engine training, service moves, bf16, LoRA) (120 s)
-# 510 s at most in all, plus the install (seconds). `run --cpu`: every part on this machine's CPU with a tiny
+# 555 s at most in all, plus the install (seconds). `run --cpu`: every part on this machine's CPU with a tiny
 # model (the script's dry run; tests/test_gpu_check.py runs it). `run --parts race,mux`: only those parts
 # (build always runs first unless its model is there). A part that fails or times out is reported and the next
 # one runs; the exit status is the number of parts that did not pass.
@@ -114,7 +116,7 @@ run() {
         case $1 in
             --cpu) CPU=1 ;;
             --parts) PARTS=$2; shift ;;
-            *) die "unknown option $1 (run [--cpu] [--parts build,env,race,bf16,lora,nccl1,mux,tests])" ;;
+            *) die "unknown option $1 (run [--cpu] [--parts build,env,race,bf16,lora,nccl1,mux,sessions,tests])" ;;
         esac
         shift
     done
@@ -147,6 +149,11 @@ run() {
     else
         TAIL=4 part mux 120 "${check[@]}" mux "$model" --jobs 3 --iterations 2
     fi
+    if [ "$CPU" = 1 ]; then
+        TAIL=3 part sessions 45 "${check[@]}" sessions "$model" --sessions 2 --steps 1 --cpu
+    else
+        TAIL=3 part sessions 45 "${check[@]}" sessions "$model" --sessions 8 --steps 3
+    fi
     part tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
     echo "gpu_check: $FAILED part(s) not ok, $((SECONDS - t0))s in all; logs in $OUT" | tee -a "$OUT/summary.txt"
     return "$FAILED"
@@ -155,5 +162,5 @@ run() {
 case ${1:-} in
     prepare) shift; prepare "$@" ;;
     run) shift; run "$@" ;;
-    *) die "usage: bash benchmarks/gpu_check.sh prepare | run [--cpu] [--parts build,env,race,bf16,lora,nccl1,mux,tests]" ;;
+    *) die "usage: bash benchmarks/gpu_check.sh prepare | run [--cpu] [--parts build,env,race,bf16,lora,nccl1,mux,sessions,tests]" ;;
 esac

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-PARTS = ["build", "env", "race", "bf16", "lora", "nccl1", "mux", "tests"]
+PARTS = ["build", "env", "race", "bf16", "lora", "nccl1", "mux", "sessions", "tests"]
 
 
 def test_gpu_check_script_parses_and_names_its_usage() -> None:
@@ -34,6 +34,9 @@ def test_the_whole_check_dry_runs_on_cpu(tmp_path: Path) -> None:
         assert f"   {part}: ok" in summary, summary
     assert "ok: every host copy equals the state after a full synchronize" in summary
     assert "ok: gloo group of 1 on cpu: init, fully_shard, train" in summary
+    assert "the simulator's swap constants from these records:" in (tmp_path / "out" / "mux.log").read_text()
+    assert (tmp_path / "out" / "mux-moves.json").is_file()  # the records travel back
+    assert "together / alone:" in summary and "(bound 2x; goal >= 3x at 8 sessions)" in summary
     assert "gpu_check: 0 part(s) not ok" in summary
 
 

@@ -101,6 +101,22 @@ def test_a_bursting_sessions_first_call_waits_the_window_so_its_burst_runs_as_on
     board.drop("a", "the session ended")
     timers.pop()[1]()
     assert len(told) == 7  # never announced
+    # a call that comes while a call it would have joined runs was sent with it: the next burst waits; a call of
+    # a kind that never runs together (forward_backward) never waits
+    board.open("c")
+    board.started("c")
+    board.put("c", "sample", MINE[0], ignore)
+    found, running = board.call_of("c", "sample")  # running, not finished yet
+    board.put("c", "sample", MINE[1], ignore)  # a moment late
+    board.finished("c", None, "(not looked at)")
+    assert run("c") is MINE[1] and not timers
+    fb = ForwardBackward((datum([1, 2, 3]),), "cross_entropy")
+    board.put("c", fb.kind, fb, ignore)
+    assert not timers and told[-1] == ("c", "forward_backward")
+    found, _ = board.call_of("c", fb.kind)
+    board.finished("c", None, "(not looked at)")
+    board.put("c", "sample", MINE[2], ignore)
+    assert [s for s, _ in timers] == [0.02]
 
 
 def test_a_node_failing_fails_every_call_it_ran() -> None:

@@ -24,11 +24,12 @@ sample calls sent at once, of the same weights) takes up to `BUNDLE` of them alo
 them as one call (`call.bundle(calls)`), whose reply holds one reply per call (`value["replies"]`), each
 handed to its own call.
 A client that sends its calls at once sends them over a few milliseconds: the first finds its session idle and
-would run alone, the rest together after it (two engine calls for one burst). With a `window` (`bind`), a session
-whose last node ran several calls together is taken for such a client: the first call that finds it idle is
-announced only `window` seconds later (a timer thread), so that the calls sent with it wait behind it and run in
-the same node. A wait that gathered nothing (the node ran that call alone) ends this for the session until it
-runs several calls together again.
+would run alone, the rest together after it (two engine calls for one burst). With a `window` (`bind`), a
+session seen sending at once (its last node ran several calls together, or a call of it came while a call it
+would have joined was running) gets the first call of its next burst that finds it idle, of a kind that runs
+together (a sample), announced only `window` seconds later (a timer thread), so that the calls sent with it
+wait behind it and run in the same node. A wait that gathered nothing (the node ran that call alone) ends this
+for the session until it shows either sign again.
 Thread-safe (one lock); `done` callbacks run on the runner's thread, outside the lock, and must not block.
 """
 
@@ -114,8 +115,12 @@ class CallBoard:
         with self._lock:
             queue = self._queues[job_id]
             queue.append(Ticket(job_id, kind, call, done))
+            running = self._running.get(job_id)
+            joins = getattr(running[0].call, "joins", None) if running and self._window > 0 else None
+            if joins is not None and len(queue) == 1 and joins(call):
+                self._bursts.add(job_id)  # it came while a call it would have joined ran: sent with it
             if job_id in self._started and job_id not in self._announced and job_id not in self._waiting:
-                if self._window > 0 and job_id in self._bursts:
+                if self._window > 0 and job_id in self._bursts and hasattr(queue[0].call, "joins"):
                     self._waiting.add(job_id)
                     wait = True
                 else:
