@@ -106,14 +106,14 @@ def test_a_bursting_sessions_first_call_waits_the_window_so_its_burst_runs_as_on
     board.open("c")
     board.started("c")
     board.put("c", "sample", MINE[0], ignore)
-    found, running = board.call_of("c", "sample")  # running, not finished yet
+    assert board.call_of("c", "sample") == (True, MINE[0])  # running, not finished yet
     board.put("c", "sample", MINE[1], ignore)  # a moment late
     board.finished("c", None, "(not looked at)")
     assert run("c") is MINE[1] and not timers
     fb = ForwardBackward((datum([1, 2, 3]),), "cross_entropy")
     board.put("c", fb.kind, fb, ignore)
     assert not timers and told[-1] == ("c", "forward_backward")
-    found, _ = board.call_of("c", fb.kind)
+    assert board.call_of("c", fb.kind) == (True, fb)
     board.finished("c", None, "(not looked at)")
     board.put("c", "sample", MINE[2], ignore)
     assert [s for s, _ in timers] == [0.02]
