@@ -44,7 +44,7 @@ def prepare_entry(
     session's entry (`kind: session`, written by the Tinker API only) becomes its `SessionSpec`
     (`prepare_session_entry`; `calls`: the runner's `CallBoard`)."""
     if entry.config.get("kind") == "session":
-        return prepare_session_entry(entry, calls, cancel)
+        return prepare_session_entry(entry, calls, cancel, device=device)
 
     from plexrl.job.load import load_job
     from plexrl.job.spec import prepare_job
@@ -90,12 +90,14 @@ def prepare_entry(
     )
 
 
-def prepare_session_entry(entry: JobEntry, calls: Any = None, cancel: threading.Event | None = None) -> Any:
+def prepare_session_entry(
+    entry: JobEntry, calls: Any = None, cancel: threading.Event | None = None, *, device: str = "cpu"
+) -> Any:
     """The spec of a journalled session: its calls opened on the board first (a call may come before its job);
-    resumed from its latest checkpoint. A session placed before (a restart, its service lost) without a
-    checkpoint resumes from scratch where the server checkpoints (its first weight change would have one, and
-    its client is told of a change only once that is written); otherwise it fails: its client's state would be
-    gone without a word."""
+    resumed from its latest checkpoint; with the defaults of the services' `device` (`prepare_session`). A
+    session placed before (a restart, its service lost) without a checkpoint resumes from scratch where the
+    server checkpoints (its first weight change would have one, and its client is told of a change only once
+    that is written); otherwise it fails: its client's state would be gone without a word."""
     from plexrl.sessions.spec import SessionConfig, prepare_session
 
     if calls is not None:
@@ -111,6 +113,7 @@ def prepare_session_entry(entry: JobEntry, calls: Any = None, cancel: threading.
         cfg, job_id=entry.job_id, user=entry.user, first_call=0 if after is None else after + 1,
         resume_state=None if entry.checkpoint is None else Path(entry.checkpoint),
         resume_run_id=entry.tracking.get("run_id") if entry.checkpoint is not None else None, cancel=cancel,
+        device=device,
     )  # fmt: skip
 
 

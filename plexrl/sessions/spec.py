@@ -51,7 +51,8 @@ class SessionConfig(BaseModel):
         nodes = [{"name": k, "op": "plexrl.sessions.operators:session_call"} for k in CALL_KINDS]
         return JobConfig.model_validate({
             "name": self.name, "seed": self.seed, "iterations": OPEN_ITERATIONS, "run_dir": self.run_dir,
-            "engine": self.engine, "vllm": self.vllm.model_dump(), "model": self.model.model_dump(),
+            "engine": self.engine, "vllm": self.vllm.model_dump(),
+            "model": self.model.model_dump(exclude_unset=True),  # (unset: the device's default, `prepare_session`)
             "warm_start": {"enabled": False}, "pipeline": {"nodes": nodes},
             "tracking": self.tracking.model_dump(),
         })  # fmt: skip
@@ -87,14 +88,21 @@ def prepare_session(
     resume_state: Path | None = None,
     resume_run_id: str | None = None,
     cancel: threading.Event | None = None,
+    device: str = "cpu",
 ) -> SessionSpec:
     """The spec of a session (job `job_id`, default its config's name): its base model found (a pretrained one
     converted on first use), its generation engine resolved by the job rule; resumed from `resume_state` (a
-    checkpoint) with its calls numbered from `first_call`."""
+    checkpoint) with its calls numbered from `first_call`. `device`: the services' ("cpu" or "cuda"), whose
+    defaults the session takes where its config leaves them unset, as a job does (`job_defaults`): on CUDA sdpa
+    attention, and bfloat16 weights for a LoRA session (its frozen base; the adapter and its moments stay
+    float32); a full fine-tuning session keeps float32 (its engine steps its weights in place, `SessionEngine`)."""
+    from plexrl.job.devices import job_defaults
     from plexrl.job.models import check_cancelled, prepare_model
     from plexrl.sessions.operators import session_graph
 
     job = cfg.job_config()
+    kind = device.split(":")[0]
+    job = job_defaults(job, kind, group=job.model.lora is None)  # (`group`: float32 kept, as on a worker group)
     run_dir = Path(job.run_dir).resolve()
     check_cancelled(cancel, "the session's preparation")
     prepared = prepare_model(job.model, job.task, job.warm_start, None, job.seed, run_dir, cancel)

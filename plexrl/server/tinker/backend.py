@@ -35,7 +35,8 @@ class RunnerBackend:
     """See the module docstring. Build the runner with `hooks=[backend.hook]`, `on_closed=backend.closed` and
     `calls=backend.board`, then `attach(runner)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device  # the runner's services': sessions take its defaults (`prepare_session`)
         self.board = CallBoard()
         self.hook = _Watch(self)
         self.runner: Any = None
@@ -54,7 +55,7 @@ class RunnerBackend:
 
     def _submit(self, cfg: SessionConfig, user: str) -> None:
         try:
-            self.runner.submit(prepare_session(cfg, user=user))
+            self.runner.submit(prepare_session(cfg, user=user, device=self.device))
         except Exception as exc:
             log.exception("session %s could not be started", cfg.name)
             why = f"the session could not start: {type(exc).__name__}: {exc}"

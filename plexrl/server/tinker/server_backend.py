@@ -51,9 +51,9 @@ class ControllerBackend:
 
     def open(self, cfg: SessionConfig, user: str) -> str:
         # (iterations 0: a session's calls are open-ended; the journal counts them as iterations done)
-        config = cfg.model_dump(mode="json")
+        config = cfg.model_dump(mode="json", exclude_unset=True)  # (what is unset takes the device's defaults)
         # with checkpoints, a session with none told its client of no change: it may resume from scratch
-        config["client"]["checkpoint_every"] = int(getattr(self.controller, "checkpoint_every", 0) or 0)
+        config.setdefault("client", {})["checkpoint_every"] = int(getattr(self.controller, "checkpoint_every", 0) or 0)
         entry = self.controller.submit(cfg.name, config, 0, user)
         self.board.open(entry.job_id)  # (its preparation opens it too: whichever comes first)
         return str(entry.job_id)
