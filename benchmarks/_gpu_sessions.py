@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 
-def session_spec(model: Path, name: str, run_dir: Path, seed: int) -> Any:
+def session_spec(model: Path, name: str, run_dir: Path, seed: int, device: str = "cpu") -> Any:
+    """A LoRA session's spec with the defaults of `device` (on CUDA a bfloat16 base and sdpa, as a server gives)."""
     from plexrl.sessions.spec import SessionConfig, prepare_session
 
     cfg = SessionConfig(
@@ -34,7 +35,7 @@ def session_spec(model: Path, name: str, run_dir: Path, seed: int) -> Any:
                                                                                       "o_proj"]}},  # type: ignore[arg-type]
         tracking={"mlflow": False, "progress": False, "log_model": False},  # type: ignore[arg-type]
     )  # fmt: skip
-    return prepare_session(cfg)
+    return prepare_session(cfg, device=device)
 
 
 def sessions(model: Path, device: torch.device, n: int, steps: int, group: int, tokens: int, work: Path) -> float:
@@ -87,7 +88,7 @@ def sessions(model: Path, device: torch.device, n: int, steps: int, group: int, 
 
     try:
         for i, job in enumerate(ids):
-            svc.load_job(session_spec(model, job, work / "runs", seed=i))
+            svc.load_job(session_spec(model, job, work / "runs", seed=i, device=device.type))
         step = 0
         for arm in ("warm-up", "alone", "together"):
             for _ in range(1 if arm == "warm-up" else steps):
