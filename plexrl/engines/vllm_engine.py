@@ -390,24 +390,9 @@ class VLLMEngine:
         out, self._loads = self._loads, []
         return out
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed: int,
-        greedy: bool = False,
-        stop_token_ids: Sequence[int] = (),
-        stop: Sequence[str] = (),
-        top_p: float = 1.0,
-        top_k: int = 0,
-    ) -> GenerationOutput:
-        kw = dict(
-            n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, greedy=greedy,
-            stop_token_ids=stop_token_ids, stop=stop, top_p=top_p, top_k=top_k,
-        )  # fmt: skip
+    def generate(self, prompts: list[list[int]], **kw: Any) -> GenerationOutput:
+        """`Engine.generate` (the keywords of `SharedLLM.generate` but `lora_request`): one call of
+        `generate_calls`."""
         return self.generate_calls([(prompts, kw)])[0]
 
     def generate_calls(self, calls: Sequence[tuple[list[list[int]], dict[str, Any]]]) -> list[GenerationOutput]:
