@@ -194,6 +194,27 @@ def test_a_sessions_calls_run_together_equal_each_alone(service: Service, monkey
         same(got["value"], want)
 
 
+def test_a_full_fine_tuning_sessions_calls_sent_at_once_are_one_decode_loop_each_as_alone(
+    smol_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full fine-tuning session on torch (no shared base): its calls sent at once run as one decode loop over its
+    own model (they ran one after another), each reply what the call gets alone."""
+    from plexrl.engines import mixed
+
+    svc = Service("s0", spill_dir=tmp_path / "spill", validate=True)
+    try:
+        svc.load_job(spec(smol_tiny, "f", tmp_path, lora=False))
+        alone = [call(svc, "f", k, c)["value"] for k, c in enumerate(MINE)]
+        engine_calls = count_calls(monkeypatch, mixed, "generate_mixed")
+        together = call(svc, "f", 5, Samples(MINE))
+        assert engine_calls == [3] and together["metrics"]["bundled_calls"] == 3.0
+        for got, want in zip(together["value"]["replies"], alone, strict=True):
+            assert got["error"] is None
+            same(got["value"], want)
+    finally:
+        svc.close()
+
+
 def test_through_a_runner_a_clients_sample_calls_sent_at_once_run_as_one_node(
     smol_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,11 +11,13 @@ would finish alone (its draws stop there). So a call's tokens are the ones it sa
 them up to the float noise of another batch composition and left padding (the same forward, other shapes).
 
 The joint batch drops finished rows (of any call) as a single generation does, once they are a quarter of it.
-What it does NOT do: pause between decode steps (no slices), or mix full fine-tuned models (one base only).
+What it does NOT do: pause between decode steps (no slices), or mix several full fine-tuned models (one base, or
+one full model's own calls).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,14 +74,18 @@ def generate_mixed(
     engines: Sequence[Any], calls: Sequence[tuple[list[list[int]], dict[str, Any]]]
 ) -> list[GenerationOutput]:
     """`calls[i]` = (prompts, `generate` keywords) of `engines[i]`, LoRA engines (`LoRAEngine`) of ONE shared
-    base, generated in one decode loop; one `GenerationOutput` per call, what `engines[i].generate` gives
+    base, or one full model's engine (`TorchEngine`) for every call (a full fine-tuning session's calls sent at
+    once), generated in one decode loop; one `GenerationOutput` per call, what `engines[i].generate` gives
     alone (see the module docstring)."""
     if not engines or len(engines) != len(calls):
         raise ValueError("generate_mixed takes one call per engine")
-    shared = engines[0].shared
-    if any(e.shared is not shared for e in engines):
+    first = engines[0]
+    shared = getattr(first, "shared", None)
+    if shared is None and any(e is not first for e in engines):
+        raise ValueError("engines generate in one call only over one shared base, or as one full model's calls")
+    if shared is not None and any(getattr(e, "shared", None) is not shared for e in engines):
         raise ValueError("engines generate in one call only over one shared base")
-    model, first = shared.model, engines[0]
+    model = shared.model if shared is not None else first.policy
     device, pad = first.device, first.pad_id
     rows: list[list[int]] = []
     names: list[str] = []  # the adapter of each row
@@ -89,7 +95,7 @@ def generate_mixed(
         for p in prompts:
             for _ in range(int(kw["n"])):
                 rows.append(p)
-                names.append(e.adapter)
+                names.append(getattr(e, "adapter", ""))
     N, Lp = len(rows), max(len(p) for p in rows)
     ids = torch.full((N, Lp), pad, dtype=torch.long)
     pmask = torch.zeros((N, Lp), dtype=torch.long)
@@ -100,10 +106,13 @@ def generate_mixed(
     kw_cache = cache_kw(model)
     model.eval()
     adapters = list(dict.fromkeys(names))
-    with torch.no_grad(), stacked(model, adapters) as select:
+    full = shared is None  # one full model's calls: no adapters
+    with torch.no_grad(), contextlib.nullcontext() if full else stacked(model, adapters) as select:
 
         def forward(live: list[int], **kw: Any) -> Any:
             """The model on the rows `live`, each under its own adapter (`stacked_lora`, else peft's)."""
+            if full:
+                return model(**kw)
             if select is None:
                 return model(**kw, adapter_names=[names[r] for r in live])
             select([adapters.index(names[r]) for r in live])

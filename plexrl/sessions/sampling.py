@@ -102,8 +102,8 @@ def reply(out: GenerationOutput, prompt_lp: Any, topk: Any, sessions: int) -> Re
 
 def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[GenerationOutput]:
     """The calls' generations in ONE engine call where their engines allow it (one session's calls on vLLM, vLLM
-    LoRA engines of one shared engine, or LoRA sessions of one torch base), else one after another (a full
-    fine-tuning session's calls on torch)."""
+    LoRA engines of one shared engine, LoRA sessions of one torch base, or one full fine-tuning session's calls
+    on torch), else one after another."""
     from plexrl.engines.vllm_lora import VLLMLoRAEngine, generate_together
 
     asks = [([list(c.prompt)], generate_kwargs(c)) for c in calls]
@@ -114,7 +114,8 @@ def generate_many(generators: Sequence[Any], calls: Sequence[Sample]) -> list[Ge
         return generate_together(generators, asks, repeats=True)  # (a session's calls sent at once: each its own)
     inner: list[Any] = [getattr(g, "inner", None) for g in generators]
     one_base = all(getattr(e, "shared", None) is not None for e in inner) and len({id(e.shared) for e in inner}) == 1
-    if len(generators) > 1 and one_base:
+    one_full = inner[0] is not None and hasattr(inner[0], "policy") and all(e is inner[0] for e in inner)
+    if len(generators) > 1 and (one_base or one_full):
         from plexrl.engines.mixed import generate_mixed
 
         return generate_mixed(inner, asks)
