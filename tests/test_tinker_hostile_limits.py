@@ -8,7 +8,9 @@ nothing waits for a service)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,26 @@ def recorded_budgets(monkeypatch: pytest.MonkeyPatch) -> list[routes.DecodeBudge
     return budgets
 
 
+@contextlib.contextmanager
+def posted_at_once(url: str, body: bytes, headers: dict[str, str], gate: threading.Event) -> Iterator[list[int]]:
+    """Four clients POST `body` to `url` at once; yields the list their status codes go into (all four once the
+    block is left: `gate` is opened and the clients joined on the way out)."""
+    answers: list[int] = []
+
+    def send() -> None:
+        answers.append(httpx.post(url, content=body, headers=headers, timeout=120).status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    try:
+        for t in senders:
+            t.start()
+        yield answers
+    finally:
+        gate.set()
+        for t in senders:
+            t.join(120)
+
+
 def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
     tmp_path: Path, smol_tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,22 +145,11 @@ def test_large_bodies_decode_one_at_a_time_the_others_waiting_their_turn(
     srv = server(tmp_path, smol_tiny)
     body = b"\x1a\x00" * (5 << 19)  # 5 MiB of empty datums
     headers = {"X-API-Key": f"tml-{ANN}", "Content-Type": "application/x-protobuf"}
-    answers: list[int] = []
-
-    def send() -> None:
-        answers.append(httpx.post(f"{srv.url}/api/v1/forward_backward", content=body, headers=headers,
-                                  timeout=120).status_code)  # fmt: skip
-
-    senders = [threading.Thread(target=send) for _ in range(4)]
     try:
-        for t in senders:
-            t.start()
-        wait_for(lambda: len(inside) == 1 and len(budgets[0].waiting) == 3, "one body decoding, three waiting")
-        assert budgets[0].limit == 8 << 20 and budgets[0].used == 5 << 20
+        with posted_at_once(f"{srv.url}/api/v1/forward_backward", body, headers, gate) as answers:
+            wait_for(lambda: len(inside) == 1 and len(budgets[0].waiting) == 3, "one body decoding, three waiting")
+            assert budgets[0].limit == 8 << 20 and budgets[0].used == 5 << 20
     finally:
-        gate.set()
-        for t in senders:
-            t.join(120)
         srv.stop(120)
     assert answers == [413] * 4 and inside == [5 << 20] * 4  # (past max_datums: refused before the parse)
     assert budgets[0].peak == 5 << 20 and budgets[0].used == 0 and not budgets[0].waiting
@@ -164,24 +175,14 @@ def test_large_json_bodies_parse_off_the_event_loop_within_the_same_budget(
     pad = b"[]," * ((5 << 20) // 3)
     body = b'{"model_id": "nobody", "pad": [' + pad + b"[]]}"
     headers = {"X-API-Key": f"tml-{ANN}", "Content-Type": "application/json"}
-    answers: list[int] = []
-
-    def send() -> None:
-        answers.append(httpx.post(f"{srv.url}/api/v1/get_info", content=body, headers=headers,
-                                  timeout=120).status_code)  # fmt: skip
-
-    senders = [threading.Thread(target=send) for _ in range(4)]
     try:
-        for t in senders:
-            t.start()
-        wait_for(lambda: len(inside) == 1 and len(budgets[0].waiting) == 3, "one body parsing, three waiting")
-        assert budgets[0].used == len(body)
-        small = httpx.post(f"{srv.url}/api/v1/get_info", json={"model_id": "nobody"}, headers=headers, timeout=30)
-        assert small.status_code == 404 and len(inside) == 1  # answered while the large ones wait
+        with posted_at_once(f"{srv.url}/api/v1/get_info", body, headers, gate) as answers:
+            wait_for(lambda: len(inside) == 1 and len(budgets[0].waiting) == 3, "one body parsing, three waiting")
+            assert budgets[0].used == len(body)
+            small = httpx.post(f"{srv.url}/api/v1/get_info", json={"model_id": "nobody"}, headers=headers,
+                               timeout=30)  # fmt: skip
+            assert small.status_code == 404 and len(inside) == 1  # answered while the large ones wait
     finally:
-        gate.set()
-        for t in senders:
-            t.join(120)
         srv.stop(120)
     assert answers == [small.status_code] * 4 and inside == [len(body)] * 4
     assert budgets[0].peak == len(body) and budgets[0].used == 0 and not budgets[0].waiting
