@@ -29,12 +29,12 @@ def session_spec(model: Path, name: str, run_dir: Path, seed: int, device: str =
     """A LoRA session's spec with the defaults of `device` (on CUDA a bfloat16 base and sdpa, as a server gives)."""
     from plexrl.sessions.spec import SessionConfig, prepare_session
 
-    cfg = SessionConfig(
-        kind="session", name=name, seed=seed, run_dir=str(run_dir), engine="torch",
-        model={"path": str(model), "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj"]}},  # type: ignore[arg-type]
-        tracking={"mlflow": False, "progress": False, "log_model": False},  # type: ignore[arg-type]
-    )  # fmt: skip
+    lora = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    cfg = SessionConfig.model_validate({
+        "kind": "session", "name": name, "seed": seed, "run_dir": str(run_dir), "engine": "torch",
+        "model": {"path": str(model), "lora": lora},
+        "tracking": {"mlflow": False, "progress": False, "log_model": False},
+    })  # fmt: skip
     return prepare_session(cfg, device=device)
 
 

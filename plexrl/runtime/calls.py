@@ -84,7 +84,7 @@ class CallBoard:
         self._bundle = False  # run a session's waiting calls that join together (`bind`)
         self._window = 0.0  # how long a bursting session's first call waits for the rest (`bind`)
         self._timer = timer
-        self._bursts: set[str] = set()  # sessions whose last node ran several calls: their clients send at once
+        self._bursts: set[str] = set()  # sessions seen sending at once (see the module docstring)
         self._waiting: set[str] = set()  # sessions whose first call waits out the window before its announcement
         self._waited: set[str] = set()  # ... and that did, until their next node starts
 

@@ -134,12 +134,14 @@ def fit(spans: Iterable[Any], plans: Mapping[str, JobPlan], moves: Iterable[Mapp
     moved = sum(r["nbytes"] for r in swaps)
     seconds = sum(r["end"] - r["start"] for r in swaps)
     state = {j: r["nbytes"] for j, r in loads.items() if r["nbytes"]}  # measured when the job was loaded
-    swap = _swap_model(moves, plans)
+    swap = _swap_model(moves, plans) or {  # without move records: the blocking swap spans
+        "swap_bandwidth": moved / seconds if seconds > 0 and moved > 0 else float("inf")
+    }
     return Fitted(
         durations={j: dict(v) for j, v in durations.items()},
         load_seconds={j: r["end"] - r["start"] for j, r in loads.items()},
         state_bytes={j: state.get(j, plans[j].state_bytes) for j in plans},
-        **(swap or {"swap_bandwidth": moved / seconds if seconds > 0 and moved > 0 else float("inf")}),
+        **swap,
         dispatch_cpu=dispatch_cpu,
         dispatch_service=statistics.median(svc_gaps) if svc_gaps else dispatch_cpu,
         gaps={"cpu": len(cpu_gaps), "service": len(svc_gaps)},
