@@ -220,7 +220,8 @@ def test_the_wait_for_partners_is_bounded_by_the_window() -> None:
 
 def test_other_work_ends_the_wait_for_partners() -> None:
     """a's sample waits for idle b; b's forward_backward comes instead: the service runs one of them at once (it
-    never idles while other work could run). The wait is bounded from a's ready time, whatever ran between."""
+    never idles while other work could run). If that was b's, a waits on for b, the window from when the service
+    freed."""
     p, clock = sessions_planner(0.5, {"a": "base", "b": "base"})
     assert not sent(p.handle(CallArrived("a", "sample")))
     clock.t = 0.1
@@ -229,11 +230,24 @@ def test_other_work_ends_the_wait_for_partners() -> None:
     clock.t = 0.2
     if first == {("a", 0, "sample")}:  # the ordering took a's sample: b's forward_backward follows
         assert sent(p.handle(NodeFinished("a", 0, "sample", duration=0.1))) == {("b", 0, "forward_backward")}
-    else:  # it took b's: b is idle again, so a's sample waits on, until its ready time + the window only
+    else:  # it took b's: b is idle again, so a's sample waits on, until the service freed + the window
         assert not sent(p.handle(NodeFinished("b", 0, "forward_backward", duration=0.1)))
-        assert p.wake_at == 0.5
-        clock.t = 0.5
+        assert p.wake_at == 0.7
+        clock.t = 0.7
         assert sent(p.handle(Tick())) == {("a", 0, "sample")}
+
+
+def test_the_wait_for_partners_counts_from_when_the_service_freed() -> None:
+    """a's sample call queues behind b's forward_backward; when that ends, b is idle and may sample next: a waits
+    the window from then (a call that waited behind other work is no reason to start without its partners)."""
+    p, clock = sessions_planner(0.5, {"a": "base", "b": "base"})
+    assert sent(p.handle(CallArrived("b", "forward_backward"))) == {("b", 0, "forward_backward")}
+    clock.t = 0.1
+    assert not sent(p.handle(CallArrived("a", "sample")))
+    clock.t = 1.0
+    assert not sent(p.handle(NodeFinished("b", 0, "forward_backward", duration=1.0)))
+    assert p.wake_at == 1.5
+    assert sent(p.handle(CallArrived("b", "sample"))) == {("a", 0, "sample"), ("b", 1, "sample")}
 
 
 def test_a_partner_whose_client_never_samples_next_is_not_waited_for() -> None:
@@ -254,6 +268,92 @@ def test_a_partner_whose_client_never_samples_next_is_not_waited_for() -> None:
     clock.t = 1.0
     assert not sent(p.handle(CallArrived("a", "sample")))  # b may sample next: a waits (bounded)
     assert p.wake_at == 1.5
+
+
+def loops(phase_window: float, rounds: int = 6) -> list[int]:
+    """Pure: three LoRA sessions of one base, each a client loop sample -> forward_backward -> sample ...
+    sending its next call the moment the last one ends; a sample call (alone or as a cohort) takes 0.1 s, a
+    forward_backward 1.0 s, the ordering is the server's (HRRS: short calls go first). The sizes of the sample
+    cohorts sent, in order."""
+    from plexrl.planner.policies import Hrrs
+
+    nodes = {k: NodePlan("service", batchable=k == "sample") for k in ("forward_backward", "sample")}
+    clock = Clock()
+    p = Planner(clock=clock, ordering=Hrrs(), validate=True, batch_rollouts=True, batch_window=0.05,
+                phase_window=phase_window)  # fmt: skip
+    p.handle(ServiceJoined("s0"))
+    for j in "abc":
+        p.handle(JobSubmitted(j, JobPlan(nodes, 10**9, tuple(nodes), open=True, engine=("base", 10), batch=8,
+                                         state_bytes=1)))  # fmt: skip
+    ends: list[tuple[float, str, int, str]] = []  # (when, job, iteration, node) of what runs
+    sizes: list[int] = []
+
+    def take(instructions: list[Any]) -> None:
+        for i in instructions:
+            if isinstance(i, RunNode):
+                members = [(i.job_id, i.iteration, i.node), *i.cohort]
+                sizes.extend([len(members)] if i.node == "sample" else [])
+                end = clock.t + (0.1 if i.node == "sample" else 1.0)
+                ends.extend((end, *m) for m in members)
+
+    for j in "abc":
+        take(p.handle(CallArrived(j, "sample")))
+    while len(sizes) < rounds * 3 and (ends or p.wake_at is not None):
+        if not ends:  # the service waits for partners: the window's end
+            clock.t = p.wake_at
+            take(p.handle(Tick()))
+            continue
+        ends.sort()
+        when, job, it, node = ends.pop(0)
+        clock.t = when
+        take(p.handle(NodeFinished(job, it, node, duration=1.0 if node == "forward_backward" else 0.1)))
+        take(p.handle(CallArrived(job, "sample" if node == "forward_backward" else "forward_backward")))
+    return sizes
+
+
+def test_sessions_keep_in_phase_so_their_samples_stay_one_cohort() -> None:
+    """The three sample together first. Without keeping phase they drift apart: the first whose forward_backward
+    ends samples at once (a short call goes first), before the others trained, and from then on each samples
+    alone. With it, one that comes back first lets its partners' queued forward_backward calls run first (once
+    they were seen to sample after one: from the second round), and every later round's three samples run as
+    ONE cohort."""
+    drift = loops(phase_window=0.0)
+    assert drift[0] == 3 and drift.count(1) > len(drift) // 2, drift
+    kept = loops(phase_window=10.0)
+    assert kept[0] == 3 and kept[2:] == [3] * len(kept[2:]), kept
+
+
+def test_keeping_phase_is_bounded_by_its_window() -> None:
+    """b and d have forward_backward calls queued when c's ends; a's sample call is held, b's runs (1 s), c's
+    sample queues. At its end a's and c's have waited past the window (0.5 s): they go, though d's
+    forward_backward is still queued and b's client is about to sample."""
+    from plexrl.planner.policies import Hrrs
+
+    nodes = {k: NodePlan("service", batchable=k == "sample") for k in ("forward_backward", "sample")}
+    clock = Clock()
+    p = Planner(clock=clock, ordering=Hrrs(), validate=True, batch_rollouts=True, phase_window=0.5)
+    p.handle(ServiceJoined("s0"))
+    for j in "abcd":
+        p.handle(JobSubmitted(j, JobPlan(nodes, 10**9, tuple(nodes), open=True, engine=("base", 10), batch=8,
+                                         state_bytes=1)))  # fmt: skip
+    for it, kind in enumerate(("sample", "forward_backward", "sample")):  # each alone: seen to sample after training
+        for j in "abcd":
+            p.handle(CallArrived(j, kind))
+            p.handle(NodeFinished(j, it, kind, duration=1.0 if kind == "forward_backward" else 0.1))
+    assert sent(p.handle(CallArrived("c", "forward_backward"))) == {("c", 3, "forward_backward")}
+    clock.t = 0.9
+    for j in "abd":
+        p.handle(CallArrived(j, "sample" if j == "a" else "forward_backward"))
+    clock.t = 1.0
+    assert sent(p.handle(NodeFinished("c", 3, "forward_backward", duration=1.0))) == {("b", 3, "forward_backward")}
+    assert p.counts()["phase_defers"] == 1  # a's sample (b comes back to sampling after its call)
+    assert not sent(p.handle(CallArrived("c", "sample")))  # (the service runs b's call)
+    clock.t = 2.0  # past the window for a's and c's: they go, though d (which samples next too) has its call queued
+    assert sent(p.handle(NodeFinished("b", 3, "forward_backward", duration=1.0))) == {
+        ("a", 3, "sample"),
+        ("c", 4, "sample"),
+    }
+    assert ("d", 3) in {(q.job_id, q.iteration) for q in p.services["s0"].queue}
 
 
 def test_through_a_runner_queued_sample_calls_share_one_engine_call(smol_tiny: Path, tmp_path: Path) -> None:

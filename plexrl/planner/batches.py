@@ -25,7 +25,16 @@ member became ready.
 It stops waiting at once when no such session is left idle (they all queued their calls: the cohort is what can
 form), when the cohort is full, or when any other work queues on the service (the service never idles while
 something else could run). A session alone on its base never waits; one beside idle partners loses at most the
-window per batchable call.
+window per batchable call. The window counts from when the service freed, if that was later than the first
+member's ready time: a member that waited behind other work is not a reason to start without the partners.
+
+Sessions keep in phase (`keep_phase`, `Planner(phase_window=...)`): a session's batchable call the ordering
+picks while other work could run lets that work go first when sessions of its key are busy on the service with
+calls of other kinds (queued or running) and their clients were seen to come back to its kind from those
+(`sessions.comes_to`: a loop that samples, trains, steps and saves). They then sample in the same cohort
+instead of each alone as it comes round: eight SDK loops on one base stay one cohort of eight instead of
+drifting into cohorts of two or three. It costs the service nothing (only other runnable work goes first) and
+the call at most `phase_window` seconds after it became ready; the cohort full, it goes.
 
 While the cohort runs, `ServiceRecord.cohort` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
@@ -40,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from plexrl.planner.policies import OrderingPolicy, OrderingView, QueuedNode
 from plexrl.planner.records import JobRecord, ServiceRecord
-from plexrl.planner.sessions import idle
+from plexrl.planner.sessions import comes_to, idle
 from plexrl.planner.state import Move, NoRoom
 
 Key = tuple[str, int, str]
@@ -151,16 +160,36 @@ def gather_until(
         return None  # other work could run now (or a job queues twice)
     if len(queued) >= min(jobs[j].plan.batch for j in queued):
         return None  # the cohort is full
-    until = min(q.ready_at for q in svc.queue) + window
+    until = max(min(q.ready_at for q in svc.queue), svc.running_since) + window  # (freed at: `advance`)
     if now >= until:
         return None
     for job_id in sorted(svc.jobs - queued):
         job = jobs[job_id]
         partner = job.status == "running" and not job.closing and idle(job) and lead.node in job.plan.nodes
-        seen = job.follows.get(job.last_call) if job.last_call is not None else None
-        if partner and batch_key(job, lead.node) == key and (not seen or lead.node in seen):
+        unseen = job.last_call is None or not job.follows.get(job.last_call)  # (no history after its latest call)
+        if partner and batch_key(job, lead.node) == key and (unseen or comes_to(job, lead.node)):
             return until  # a session of its key between calls whose next call may be of lead's kind
     return None
+
+
+def keep_phase(svc: ServiceRecord, jobs: Mapping[str, JobRecord], lead: QueuedNode, now: float, window: float) -> bool:
+    """Whether `lead`, a session's batchable call the ordering picked, lets other queued work on `svc` go first
+    (see the module docstring): a session of its key has a call of another kind queued or running there and its
+    client was seen to come to lead's kind from it, the cohort that could form now is not full, and lead became
+    ready less than `window` seconds ago. Reads only; the caller defers it only to work it can run now."""
+    job = jobs[lead.job_id]
+    key = batch_key(job, lead.node)
+    if key is None or not job.plan.open or window <= 0.0 or now >= lead.ready_at + window:
+        return False
+    queued = {q.job_id for q in svc.queue if batch_key(jobs[q.job_id], q.node) == key} | {lead.job_id}
+    if len(queued) >= min(jobs[j].plan.batch for j in queued):
+        return False  # the cohort is full
+    for job_id in sorted(svc.jobs - queued):
+        other = jobs[job_id]
+        busy = other.status == "running" and not other.closing and bool(other.nodes) and lead.node not in other.nodes
+        if busy and batch_key(other, lead.node) == key and comes_to(other, lead.node):
+            return True  # it samples (say) after the call it has here: in phase, it joins lead's cohort
+    return False
 
 
 def start_cohort(svc: ServiceRecord, lead: QueuedNode, members: Sequence[QueuedNode], ahead: bool) -> set[str]:
@@ -244,6 +273,6 @@ def violation(jobs: Mapping[str, JobRecord], services: Mapping[str, ServiceRecor
 
 
 __all__ = [
-    "advance", "batch_key", "cohort_jobs", "gather", "gather_until", "leave_cohorts", "member_finished",
+    "advance", "batch_key", "cohort_jobs", "gather", "gather_until", "keep_phase", "leave_cohorts", "member_finished",
     "next_service_node", "shares", "start_cohort", "violation", "worth_waiting",
 ]  # fmt: skip

@@ -99,6 +99,7 @@ class Planner:
         usage: Usage | None = None,
         batch_rollouts: bool = False,
         batch_window: float = 0.0,
+        phase_window: float = 0.0,
         user_limits: UserLimits | None = None,
         fair_admission: bool = False,
         exclusive: bool = False,
@@ -144,7 +145,7 @@ class Planner:
                                   self._dirty, self._set_node, self._end_job)  # fmt: skip
         self._dispatcher = Dispatcher(
             self.jobs, self.services, self.costs, self.ordering, self.lookahead, self.hold_ahead, batch_rollouts,
-            clock, self._set_node, self._ordering_view, self._history, batch_window,
+            clock, self._set_node, self._ordering_view, self._history, batch_window, phase_window,
         )  # fmt: skip
         self._sessions = Sessions(self.jobs, self.costs, clock, self._progress.advance, self._end_job, self._history)
         self._handlers: dict[type, Callable[[Any, list[Instruction]], None]] = {

@@ -2,8 +2,9 @@
 the ordering policy's pick, sent to run now or (lookahead) right after the running node, with the swaps that
 make its job resident, the prefetch of the job most likely next, and (co-scheduled rollouts) the members of
 its cohort (a session's sample call on an idle service may first wait, a bounded time, for the sample calls of
-its partners: `batches.gather_until`; `holding` says until when, `wake_at` the earliest). A job has at most one
-service node sent at a time, and sent jobs' states are never evicted.
+its partners: `batches.gather_until`; `holding` says until when, `wake_at` the earliest; one picked while other
+work could run lets that work go first while its partners are busy there: `batches.keep_phase`). A job has at
+most one service node sent at a time, and sent jobs' states are never evicted.
 
 Pure: it changes the planner's records and appends `RunNode`s; the planner calls it once per event, for the
 services that event concerned (`dirty`), and owns everything it is given.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plexrl.planner import ahead, checkpoints
-from plexrl.planner.batches import cohort_jobs, gather, gather_until, start_cohort
+from plexrl.planner.batches import cohort_jobs, gather, gather_until, keep_phase, start_cohort
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Instruction, RunNode
 from plexrl.planner.gaps import Lazy, next_use
@@ -31,7 +32,8 @@ class Dispatcher:
     """The planner's records and policies it dispatches with (shared, not copied), the state table's setter
     (`set_node`), the ordering view of a service, the history for an error, and its counters: nodes sent ahead
     (lookahead), times a pick was held back (`hold_ahead`), cohorts sent and their members, times an idle
-    service waited for a cohort's partners (`batch_window` seconds at most: `batches.gather_until`)."""
+    service waited for a cohort's partners (`batch_window` seconds at most: `batches.gather_until`), calls that
+    let other work go first so that their partners catch up (`phase_window` at most: `batches.keep_phase`)."""
 
     jobs: dict[str, JobRecord]
     services: dict[str, ServiceRecord]
@@ -45,16 +47,19 @@ class Dispatcher:
     view_of: Callable[[ServiceRecord], OrderingView]
     history: Callable[[str], str]
     batch_window: float = 0.0
+    phase_window: float = 0.0
     holding: dict[str, float] = field(default_factory=dict)  # service -> until when it waits for partners
+    keeping: dict[str, set[tuple[str, int, str]]] = field(default_factory=dict)  # service -> calls last held
     sent_ahead: int = 0
     held_ahead: int = 0
     cohorts_sent: int = 0
     cohort_members: int = 0
     partner_waits: int = 0
+    phase_defers: int = 0
 
     def counts(self) -> dict[str, int]:
         """Its counters, by name."""
-        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members", "partner_waits")
+        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members", "partner_waits", "phase_defers")
         return {name: getattr(self, name) for name in names}
 
     def wake_at(self) -> float | None:
@@ -93,6 +98,18 @@ class Dispatcher:
         if self.lookahead and svc.running is not None and svc.next is None and svc.queue:
             self.one(svc, out)
 
+    def in_phase(self, svc: ServiceRecord, candidates: list[int], now: float) -> tuple[list[int], list[int]]:
+        """The candidates (queue indices) that may go now, and those held so that their partners catch up
+        (`batches.keep_phase`), held only while something else may go. Counts the calls newly held."""
+        held = [i for i in candidates if self.batch_rollouts and keep_phase(svc, self.jobs, svc.queue[i], now,
+                                                                            self.phase_window)]  # fmt: skip
+        if not held or len(held) == len(candidates):
+            return candidates, []
+        keys = {(q.job_id, q.iteration, q.node) for q in (svc.queue[i] for i in held)}
+        self.phase_defers += len(keys - self.keeping.get(svc.service_id, set()))
+        self.keeping[svc.service_id] = keys
+        return [i for i in candidates if i not in held], held
+
     def one(self, svc: ServiceRecord, out: list[Instruction]) -> None:
         """Send the ordering policy's pick to `svc`: to run now, or (lookahead) right after the running node."""
         now = self.clock()
@@ -100,6 +117,7 @@ class Dispatcher:
         candidates = [i for i, q in enumerate(svc.queue) if q.job_id not in busy]
         if not candidates:
             return
+        candidates, held = self.in_phase(svc, candidates, now)
         view = self.view_of(svc)
         use_in = Lazy(lambda: next_use(svc, self.jobs, self.costs.predict, now, self.ordering, view))
         pinned = busy | paused_jobs(svc, self.jobs)  # never evicted: jobs sent, paused generations (slices)
@@ -127,6 +145,8 @@ class Dispatcher:
                 if pinned <= {q.job_id}:  # budgets are validated at submission
                     raise InvalidTransition(self.history(str(exc))) from None
                 candidates.remove(index)  # it cannot run beside a paused generation (kept resident); another may
+                if not candidates:  # (what was kept in phase runs rather than nothing)
+                    candidates, held = held, []
         else:
             return
         job = self.jobs[q.job_id]

@@ -112,6 +112,28 @@ def idle(job: JobRecord) -> bool:
     return job.plan.open and not job.nodes and job.call is None and job.checkpoint is None
 
 
+def comes_to(job: JobRecord, kind: str) -> bool:
+    """Whether `job`'s client was seen to come to a call of `kind` from the kind of its latest call, at once or
+    through calls of other kinds (`JobRecord.follows`): a loop that samples, trains, steps and saves comes back
+    to sampling from each; a client that only trains after its first sample does not.
+
+    >>> from plexrl.planner.events import JobPlan, NodePlan
+    >>> s = JobRecord("s", JobPlan({k: NodePlan("service") for k in "abc"}, 10, tuple("abc"), open=True))
+    >>> s.follows, s.last_call = {"a": {"b"}, "b": {"c"}, "c": {"b"}}, "c"
+    >>> comes_to(s, "c"), comes_to(s, "a")
+    (True, False)
+    """
+    seen, todo = set(), [job.last_call] if job.last_call is not None else []
+    while todo:
+        for nxt in job.follows.get(todo.pop(), ()):
+            if nxt == kind:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
 def away(job: JobRecord) -> bool:
     """An idle session whose client is away (its load falls with time: `busy_fraction`)."""
     return idle(job) and CLIENT in job.cpu_started
@@ -151,6 +173,7 @@ __all__ = [
     "busy_fraction",
     "call_arrived",
     "checkpoint_due",
+    "comes_to",
     "idle",
     "observe_call",
     "only_idle_left",

@@ -48,6 +48,9 @@ class PlannerSettings(Protocol):
     def batch_window_s(self) -> float: ...  # how long a session's sample waits for same-base partners (`batches.py`)
 
     @property
+    def phase_window_s(self) -> float: ...  # how long it lets other work go first for busy partners (`batches.py`)
+
+    @property
     def state_moves(self) -> str: ...  # "planned" (the StateManager's) or "exclusive" (time-slicing's)
 
     @property
@@ -85,6 +88,7 @@ def policies_of(section: PlannerSettings) -> dict[str, Any]:
         inline_below=INLINE_BELOW_S if dask else None,
         batch_rollouts=section.batch_rollouts,
         batch_window=section.batch_window_s,
+        phase_window=section.phase_window_s,
         validate=section.validate_state,
         user_limits=UserLimits(section.max_jobs_per_user, section.max_share_per_user),
         fair_admission=section.fair_share,

@@ -229,6 +229,13 @@ class RuntimeConfig(DaskNetwork):
         "be about to send theirs: one engine call for all). It stops waiting at once when they have all come, or "
         "any other work queues there; a session alone on its base never waits. 0: never wait.",
     )  # fmt: skip
+    phase_window_s: float = Field(
+        10.0, ge=0, le=600,
+        description="With batch_rollouts: how long at most a session's sample call lets other runnable work on its "
+        "service go first while sessions of its base are busy there with calls of other kinds (training, saving) "
+        "after which their clients sample: they then sample in one engine call instead of each alone as it comes "
+        "round. The service never idles for it. 0: never.",
+    )  # fmt: skip
     fair_share: bool = Field(
         True,
         description="Order each service's ready nodes by user first (the user whose jobs used the least service "
