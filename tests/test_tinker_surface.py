@@ -1,18 +1,21 @@
 """The rest of the Tinker surface through the unmodified `tinker` SDK against a real `plexrl serve` (torch engine,
 the tiny model with the real SmolLM2 tokenizer): the losses `cispo` and `dro` (values checked against the
 documented definitions on the log-probs the server returns), sampling with `top_k`, and `topk_prompt_logprobs`
-(checked against the model run directly with transformers), with the cap on K."""
+(checked against the model run directly with transformers), with the cap on K; the RestClient's routes; and
+`unload_model` (no SDK method sends it: posted raw, its future read through the SDK's own future)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-from conftest import tinker_served
+from conftest import tinker_served, wait_for
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -142,3 +145,60 @@ def test_the_rest_client_lists_reads_and_changes_only_its_own_runs_and_checkpoin
     assert sampler not in {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
     later = Runs(server.sessions, clock=lambda: 4e9)  # past the TTL: the checkpoint is gone when next listed
     assert state not in {c["tinker_path"] for c in later.checkpoints("ann", run_id)["checkpoints"]}
+
+
+def unload(server: RunningServer, model_id: str, user: str = "ann") -> httpx.Response:
+    body = types.UnloadModelRequest(model_id=model_id).model_dump()  # {"model_id", "type": "unload_model"}
+    return httpx.post(f"{server.url}/api/v1/unload_model", json=body, headers={"X-API-Key": f"tml-{user}"}, timeout=60)
+
+
+def unloaded(client: Any, answer: httpx.Response) -> types.UnloadModelResponse:
+    """The unload's future, retrieved as the SDK retrieves every future (`retrieve_future`, try_again and all)."""
+    from tinker.lib.api_future_impl import _APIFuture
+
+    assert answer.status_code == 200, answer.text
+    future = types.UntypedAPIFuture.model_validate(answer.json())
+    return _APIFuture(types.UnloadModelResponse, client.holder, future, request_start_time=time.time(),
+                      request_type="UnloadModel").result(timeout=60)  # fmt: skip
+
+
+def test_unload_model_ends_one_models_job_and_the_rest_of_its_session_goes_on(
+    server: RunningServer, service: Any, smol_tiny: Path
+) -> None:
+    one = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=3).result()
+    two = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=4).result()
+    sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()  # a job that only samples
+    datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT),
+                        loss_fn_inputs={"target_tokens": [*PROMPT[1:], PROMPT[0]]})  # fmt: skip
+    kept = one.save_state("kept").result().path
+
+    assert unload(server, one.model_id, "bob").status_code == 404  # another user's: the answer of none
+    assert unload(server, "s0000000000000000:train:9").status_code == 404
+    assert one.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0  # (bob's changed nothing)
+
+    model = server.sessions.models[one.model_id]
+    sent = len(model.seen)
+    pending = one.forward([datum], "cross_entropy")
+    wait_for(lambda: len(model.seen) > sent, "the forward to be passed on to the model's idle job")
+    answer = unloaded(one, unload(server, one.model_id))
+    assert (answer.model_id, answer.type) == (one.model_id, "unload_model")
+    assert model.status == "ended" and "unloaded by its client" in model.reason  # answered once its job ended
+    assert pending.result().metrics["loss:sum"] > 0  # (announced before the unload: its job ran it first)
+    again = unloaded(one, unload(server, one.model_id))  # ended already: answered at once
+    assert (again.model_id, again.type) == (one.model_id, "unload_model")
+    with pytest.raises(tinker.APIStatusError, match="410"):  # as any ended model's
+        one.forward([datum], "cross_entropy").result()
+
+    step = two.forward_backward([datum], "cross_entropy").result()  # its session's other model trains on
+    assert step.metrics["loss:sum"] > 0
+    assert two.optim_step(types.AdamParams(learning_rate=0.01)).result().metrics["grad_norm"] > 0  # type: ignore[index]
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-ann")  # the unloaded model's checkpoints stay
+    assert kept in {c.tinker_path for c in rest.list_checkpoints(one.model_id).result().checkpoints}
+    reloaded = service.create_training_client_from_state(kept).result()
+    assert reloaded.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+
+    sid = sampler._sampling_session_id
+    done = unloaded(sampler, unload(server, sid))
+    assert (done.model_id, done.type) == (sid, "unload_model")
+    with pytest.raises(tinker.APIStatusError, match="410"):
+        sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2)).result()

@@ -91,6 +91,30 @@ def get_server_capabilities(reg: Registry) -> dict[str, Any]:
     return {"supported_models": catalog.supported(reg.cfg.models)}
 
 
+def unload_model(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    """Tinker's `unload_model` (SDK 0.38 has no method that sends it): the model's session job closes as
+    `Registry.finish` closes each model of a session: its call in flight (or announced) runs, calls still queued
+    and requests held for their turn fail, and further calls get the ended model's 410. Its future completes once
+    the job ended (`Registry.job_ended`); at once for a model that ended already. The other models of its
+    session go on; its saved weights stay. 404 for an unknown model or another user's (a sampler made by
+    `save_weights_and_get_sampling_client` has no job of its own: it is no model here)."""
+    model_id = body.get("model_id")
+    with reg.lock:
+        m = reg.models.get(model_id) if isinstance(model_id, str) else None
+        if m is None or (user is not None and m.user != user):
+            raise Refused(404, f"no model {model_id!r}")
+        fut = reg.futures.new(m.user, "unload_model")
+        close = m.job_id if m.status in ("opening", "open") else ""  # ("": closed already, or `open` closes it)
+        if m.status == "ended":
+            reg.futures.complete(fut.request_id, "json", {"model_id": m.model_id, "type": "unload_model"})
+        else:
+            m.unloads.append(fut.request_id)
+            m.status, m.reason = "closing", "unloaded by its client"
+    if close:
+        reg.backend.close(close)
+    return {"request_id": fut.request_id, "model_id": m.model_id}
+
+
 def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
     out: list[str] = []
     if lora.get("train_attn", True):
@@ -251,7 +275,8 @@ def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, 
         if model_path is not None:
             src_model, kind, found = source(reg, user, model_path)
             live = reg.models.get(src_model)
-            if kind == "sampler_weights" and live is not None and live.status != "ended" and live.user == user:
+            live = live if live is not None and live.status in ("opening", "open") else None  # (not ended, closing)
+            if kind == "sampler_weights" and live is not None and live.user == user:
                 if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
                     raise Refused(400, "create_sampling_session needs a new sampling_session_seq_id")
                 s.seqs.add(f"sample:{seq}")
@@ -347,4 +372,5 @@ __all__ = [
     "save_for_sampler",
     "save_weights",
     "source",
+    "unload_model",
 ]

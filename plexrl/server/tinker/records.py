@@ -60,8 +60,8 @@ class ModelRecord:
     targets: tuple[str, ...] = ()
     seed: int = 0
     limits: ModelLimits | None = None
-    status: str = "opening"  # opening -> open -> ended
-    reason: str = ""  # why it ended, or what it waits for
+    status: str = "opening"  # opening -> open -> ended; closing (unloaded by its client, its job ending) -> ended
+    reason: str = ""  # why it ended (or is closing), or what it waits for
     next_seq: int | None = 1  # the next training request's seq id (None: adopt the first one seen)
     held: dict[int, Any] = field(default_factory=dict)  # seq id -> a request that came before its turn
     seen: dict[int, str] = field(default_factory=dict)  # seq id -> request id (a retried request)
@@ -70,6 +70,7 @@ class ModelRecord:
     saved: str | None = None  # where its state was saved as it ended (a session that timed out)
     # futures that complete (with their result) once its job is on its service; they fail if it ends first
     waiting: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    unloads: list[str] = field(default_factory=list)  # `unload_model` futures: they complete once its job ended
 
 
 @dataclass(slots=True)

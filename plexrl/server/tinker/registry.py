@@ -13,7 +13,8 @@ comes early waits for those before it, a repeated one gets the first one's futur
 order passed on (`plexrl.runtime.calls`).
 
 Lifetime: a session whose client sent nothing (no call, no heartbeat) for `session_timeout_s` is ended by
-`sweep` and its models' jobs close with a checkpoint; `finish` (the client's `close`) closes them at once. A
+`sweep` and its models' jobs close with a checkpoint; `finish` (the client's `close`) closes them at once;
+`unload_model` closes one model's job the same way (`handlers.unload_model`: status `closing` until it ended). A
 model's job that ends fails the requests still waiting for it.
 """
 
@@ -126,7 +127,7 @@ class Registry:
         m = self.models.get(model_id) if isinstance(model_id, str) else None
         if m is None or (user is not None and m.user != user):
             raise Refused(404, f"no model {model_id!r}")
-        if m.status == "ended":
+        if m.status in ("ended", "closing"):
             raise Refused(410, f"model {model_id} ended ({m.reason}); its saved weights stay loadable by path")
         self.session(user, m.session_id, live=False)
         return m
@@ -168,7 +169,8 @@ class Registry:
             if s.ended is not None:
                 return
             s.ended = reason
-            models = [self.models[m] for m in s.models if self.models[m].status != "ended" and self.models[m].job_id]
+            models = [self.models[m] for m in s.models
+                      if self.models[m].status not in ("ended", "closing") and self.models[m].job_id]  # fmt: skip
         durable.forget(self.root, s.session_id)
         for m in models:
             if not save or m.sampler_only:
@@ -211,7 +213,7 @@ class Registry:
         waits for (admission: shown in try_again), or that it ended before it came up."""
         self.sweep()
         with self.lock:
-            opening = [m for m in self.models.values() if m.status == "opening" and m.job_id]
+            opening = [m for m in self.models.values() if m.status in ("opening", "closing") and m.job_id]
         for m in opening:
             status, reason = self.backend.status(m.job_id)
             if status in ("done", "failed", "cancelled"):
@@ -303,13 +305,14 @@ class Registry:
             early = self._early.pop(job_id, [])
             s = self.sessions.get(m.session_id)
             ended = s.ended if s is not None else "forgotten"
+            ended = m.reason if ended is None and m.status == "closing" else ended  # (unloaded as it opened)
         for news in early:
             self.job_ready(job_id) if news[0] == "ready" else self.job_ended(job_id, news[1], news[2])
-        if ended is not None:  # its session ended while the job was submitted: no job outlives its session
-            log.warning("session model %s: its session ended (%s) as it opened; its job closes", m.model_id, ended)
+        if ended is not None:  # its session ended (or it was unloaded) while the job was submitted: it closes
+            log.warning("session model %s ended (%s) as it opened; its job closes", m.model_id, ended)
             self.backend.close(job_id)
             if first is not None:
-                first[1](None, f"the session ended ({ended}) before its model opened")
+                first[1](None, f"the model ended ({ended}) before it opened")
         elif first is not None:
             self.backend.call(job_id, first[0].kind, first[0], first[1])
 
@@ -317,6 +320,8 @@ class Registry:
         """A model that could not be opened leaves no trace (its seq id may be used again)."""
         with self.lock:
             self.models.pop(m.model_id, None)
+            for rid in m.unloads:  # (unloaded as it failed to open: nothing is left to unload)
+                self.futures.complete(rid, "json", {"model_id": m.model_id, "type": "unload_model"})
             s = self.sessions.get(m.session_id)
             if s is not None:
                 kind = m.model_id.split(":")[1]
@@ -360,15 +365,15 @@ class Registry:
                 return
             if m.status == "ended":
                 return
-            m.status, m.reason = (
-                "ended",
-                (reason or status) + (f"; its state was saved at {m.saved}" if m.saved else ""),
-            )
+            why = m.reason if m.status == "closing" else reason or status  # (unloaded: said so)
+            m.status, m.reason = "ended", why + (f"; its state was saved at {m.saved}" if m.saved else "")
             waiting = [h[2] for h in m.held.values() if h is not None] + [rid for rid, _ in m.waiting]
             m.held.clear()
-            m.waiting = []
+            m.waiting, unloads, m.unloads = [], m.unloads, []
         for rid in waiting:
             self.futures.fail(rid, f"the model's session job {status}: {reason}", "server")
+        for rid in unloads:  # (the unload's answer: its job has ended)
+            self.futures.complete(rid, "json", {"model_id": m.model_id, "type": "unload_model"})
 
     def waiting_reason(self, m: ModelRecord) -> str:
         return self.backend.reason(m.job_id) if m.job_id else "preparing the model"

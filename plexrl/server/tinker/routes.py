@@ -248,6 +248,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
     posting("/load_weights", handlers.load_weights, creates=True)
     posting("/create_sampling_session", handlers.create_sampler, creates=True)
     posting("/asample", handlers.asample)
+    posting("/unload_model", handlers.unload_model)
 
     @router.post("/get_info")
     async def get_info(request: Request) -> Any:
