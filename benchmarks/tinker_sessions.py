@@ -13,7 +13,10 @@ each on a fresh server with one service:
   forward_backward calls on an accelerator (one training pass, `plexrl/sessions/training.py`; on a CPU they run
   one after another, where one pass cost more); such a call that
   finds the service idle waits at most `--window` seconds (`cluster.batch_window_s`, default the config's) for
-  the sessions of its base idle between calls (`plexrl/planner/batches.py`, `gather_until`);
+  the sessions of its base idle between calls (`plexrl/planner/batches.py`, `gather_until`), and while sessions of
+  its base are busy on the service with calls after which they sample, other work goes first so that they sample
+  together (`keep_phase`, `cluster.phase_window_s`);
+- together, samples batched, phase not kept: the same with `cluster.phase_window_s: 0`;
 - together, one call per sample: the same N sessions with `batch_rollouts: false`.
 
 Every session first takes one warm-up step (not timed), then all start their `--steps` timed steps together. One
@@ -48,7 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def start(tmp: Path, model_dir: Path, batched: bool, window: float | None, bundle_window: float | None = None) -> Any:
+def start(
+    tmp: Path, model_dir: Path, batched: bool, window: float | None, bundle_window: float | None = None,
+    phase_window: float | None = None,
+) -> Any:  # fmt: skip
     from plexrl.server.api import start_server
     from plexrl.server.config import ServerConfig
 
@@ -59,6 +65,8 @@ def start(tmp: Path, model_dir: Path, batched: bool, window: float | None, bundl
         cluster["batch_window_s"] = window
     if bundle_window is not None:
         cluster["bundle_window_s"] = bundle_window
+    if phase_window is not None:
+        cluster["phase_window_s"] = phase_window
     cfg = ServerConfig(port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), cluster=cluster,
                        allowed_roots=[str(tmp), str(model_dir.parent)], mlflow=False)  # fmt: skip
     return start_server(cfg)
@@ -108,14 +116,15 @@ def session_loop(url: str, base: str, index: int, args: argparse.Namespace, read
 
 def arm(
     tmp: Path, model_dir: Path, base: str, n: int, batched: bool, args: argparse.Namespace,
-    bundle_window: float | None = None,
+    bundle_window: float | None = None, phase_window: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """N sessions at once on a fresh server: per session its timed steps' seconds, the wall of the timed part,
-    the planner's cohorts (sample calls that shared an engine call) and its waits for a cohort's partners.
-    `bundle_window`: the server's `cluster.bundle_window_s` (None: the config's default)."""
+    the planner's cohorts (sample calls that shared an engine call), its waits for a cohort's partners and the
+    calls it held so that their partners caught up. `bundle_window`, `phase_window`: the server's
+    `cluster.bundle_window_s`, `cluster.phase_window_s` (None: the config's defaults)."""
     from plexrl.sessions.calls import CALL_KINDS
 
-    srv = start(tmp, model_dir, batched, args.window, bundle_window)
+    srv = start(tmp, model_dir, batched, args.window, bundle_window, phase_window)
     ready = threading.Barrier(n)
     out: dict[int, list[float]] = {}
     errors: list[BaseException] = []
@@ -152,6 +161,7 @@ def arm(
     return {"times": out, "wall": wall, "cohorts": counts.get("cohorts_sent", 0),
             "fb": (round(sum(1.0 / v for v in shared)), len(shared)),
             "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0),
+            "kept": counts.get("phase_defers", 0),
             "service": {k: v for k, v in per_step.items() if v > 0}}  # fmt: skip
 
 
@@ -186,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         # the same session with its calls sent at once not waited for: the first of each burst runs alone
         unwaited = arm(tmp / "alone-unwaited", model_dir, base, 1, True, args, bundle_window=0.0)
         arms = {"together, samples batched": arm(tmp / "batched", model_dir, base, n, True, args),
+                "together, samples batched, phase not kept": arm(tmp / "unphased", model_dir, base, n, True, args,
+                                                                 phase_window=0.0),
                 "together, one call per sample": arm(tmp / "single", model_dir, base, n, False, args)}  # fmt: skip
     r1 = args.steps / alone["wall"]
     shape = f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens, LoRA r{args.rank}"
@@ -203,14 +215,14 @@ def main(argv: list[str] | None = None) -> None:
           f"sample seconds per step {unwaited['service'].get('sample', 0.0):.3f} against "
           f"{alone['service'].get('sample', 0.0):.3f}")  # fmt: skip
     print("| arm | sessions | total steps per accelerator-s | / alone | bound (N x alone) | cohorts (members) | "
-          "of them forward_backward passes (calls) | waits for partners |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "of them forward_backward passes (calls) | waits for partners | calls kept in phase |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     print(f"| alone | 1 | {r1:.3f} | 1.00 | 1.00 | {alone['cohorts']} ({alone['members']}) | {alone['fb'][0]} "
-          f"({alone['fb'][1]}) | {alone['waits']} |")  # fmt: skip
+          f"({alone['fb'][1]}) | {alone['waits']} | {alone['kept']} |")  # fmt: skip
     for name, a in arms.items():
         total = n * args.steps / a["wall"]
         print(f"| {name} | {n} | {total:.3f} | {total / r1:.2f} | {n:.2f} | {a['cohorts']} ({a['members']}) | "
-              f"{a['fb'][0]} ({a['fb'][1]}) | {a['waits']} |")  # fmt: skip
+              f"{a['fb'][0]} ({a['fb'][1]}) | {a['waits']} | {a['kept']} |")  # fmt: skip
     every = {"alone": alone, **arms}
     kinds = sorted({k for a in every.values() for k in a["service"]})
     print("service seconds per session-step by call (timed steps; a cohort member's: its share of the call):")
@@ -227,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         b, s = statistics.mean(batched["times"][i]), statistics.mean(single["times"][i])
         print(f"| {i} | {b:.2f} | {b / per:.2f} | {s:.2f} | {s / per:.2f} | 1.00 |")
     total_b = n * args.steps / batched["wall"]
-    print(f"total steps/s together / alone (samples batched): {total_b / r1:.2f} (bound {n}; one call per sample: "
+    unphased = arms["together, samples batched, phase not kept"]
+    print(f"total steps/s together / alone (samples batched): {total_b / r1:.2f} (bound {n}; phase not kept: "
+          f"{n * args.steps / unphased['wall'] / r1:.2f}; one call per sample: "
           f"{n * args.steps / single['wall'] / r1:.2f}; cohorts {batched['cohorts']} holding "
           f"{batched['members']} calls, {batched['fb'][1]} of them forward_backward)")  # fmt: skip
 
