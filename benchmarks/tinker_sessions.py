@@ -26,7 +26,7 @@ session's slowdown (its seconds per step over the alone arm's) has the bound 1.0
 call alone, one after another, would give about r1 / (the service's busy share of a step alone) in total.
 
     .venv/bin/python benchmarks/tinker_sessions.py [--sessions 8] [--steps 4] [--prompts 2] [--group 4] [--tokens 16]
-        [--window SECONDS]
+        [--window SECONDS] [--phase SECONDS]
     .venv/bin/python benchmarks/tinker_sessions.py --smoke   # tiny model, 2 sessions, seconds (the tests run it)
 
 The real run uses SmolLM2-135M-Instruct (converted at set-up) and takes the machine: run it alone.
@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--window", type=float, default=None,
                     help="cluster.batch_window_s of the batched arm (default: the config's)")  # fmt: skip
+    ap.add_argument("--phase", type=float, default=None,
+                    help="cluster.phase_window_s of the batched arm (default: the config's)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:  # (a generous window: a loaded test machine's SDK round trips, so that cohorts show)
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         alone = arm(tmp / "alone", model_dir, base, 1, True, args)
         # the same session with its calls sent at once not waited for: the first of each burst runs alone
         unwaited = arm(tmp / "alone-unwaited", model_dir, base, 1, True, args, bundle_window=0.0)
-        arms = {"together, samples batched": arm(tmp / "batched", model_dir, base, n, True, args),
+        arms = {"together, samples batched": arm(tmp / "batched", model_dir, base, n, True, args,
+                                                 phase_window=args.phase),
                 "together, samples batched, phase not kept": arm(tmp / "unphased", model_dir, base, n, True, args,
                                                                  phase_window=0.0),
                 "together, one call per sample": arm(tmp / "single", model_dir, base, n, False, args)}  # fmt: skip
@@ -206,8 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     from plexrl.runtime.config import RuntimeConfig
 
     window = RuntimeConfig.model_fields["batch_window_s"].default if args.window is None else args.window
+    phase = RuntimeConfig.model_fields["phase_window_s"].default if args.phase is None else args.phase
     print(f"alone: {r1:.3f} steps per accelerator-second ({alone['wall'] / args.steps:.2f} s/step); the batched "
-          f"arm's wait for a cohort's partners: at most {window:g} s per sample call")  # fmt: skip
+          f"arm's wait for a cohort's partners: at most {window:g} s per sample call, kept in phase at most "
+          f"{phase:g} s")  # fmt: skip
     bw = RuntimeConfig.model_fields["bundle_window_s"].default
     r0 = args.steps / unwaited["wall"]
     print(f"alone, the first call of each burst not waited for (bundle_window_s 0 against {bw:g}): {r0:.3f} steps "
