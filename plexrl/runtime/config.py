@@ -230,7 +230,7 @@ class RuntimeConfig(DaskNetwork):
         "any other work queues there; a session alone on its base never waits. 0: never wait.",
     )  # fmt: skip
     phase_window_s: float = Field(
-        10.0, ge=0, le=600,
+        30.0, ge=0, le=600,
         description="With batch_rollouts: how long at most a session's sample call lets other runnable work on its "
         "service go first while sessions of its base are busy there with calls of other kinds (training, saving) "
         "after which their clients sample: they then sample in one engine call instead of each alone as it comes "
