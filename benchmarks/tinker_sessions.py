@@ -146,10 +146,12 @@ def arm(
         timed = args.steps * (args.prompts + 3)  # the calls of the timed steps: a session's last ones
         rows: list[dict[str, float]] = []
         every: list[dict[str, float]] = []
+        rounds: list[list[float]] = []  # per session: how many sessions each of its sample nodes' engine call served
         for j in srv.journal.jobs():
             if j.config.get("kind") == "session":
                 mine = [e.data["metrics"] for e in srv.journal.events(j.job_id) if e.kind == "iteration"]
                 rows, every = rows + mine[-timed:], every + mine
+                rounds.append([m["sample/call_sessions"] for m in mine if "sample/call_sessions" in m])
     finally:
         srv.stop(120)
     if errors:
@@ -162,6 +164,7 @@ def arm(
             "fb": (round(sum(1.0 / v for v in shared)), len(shared)),
             "members": counts.get("cohort_members", 0), "waits": counts.get("partner_waits", 0),
             "kept": counts.get("phase_defers", 0),
+            "rounds": [(min(r), max(r)) for r in zip(*rounds, strict=False)],
             "service": {k: v for k, v in per_step.items() if v > 0}}  # fmt: skip
 
 
@@ -243,6 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(n):
         b, s = statistics.mean(batched["times"][i]), statistics.mean(single["times"][i])
         print(f"| {i} | {b:.2f} | {b / per:.2f} | {s:.2f} | {s / per:.2f} | 1.00 |")
+    for name, a in arms.items():
+        if a["rounds"] and a["cohorts"]:
+            sizes = ", ".join(f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}" for lo, hi in a["rounds"])
+            print(f"{name}: sessions per sample engine call, round by round (fewest-most over the sessions): {sizes}")
     total_b = n * args.steps / batched["wall"]
     unphased = arms["together, samples batched, phase not kept"]
     print(f"total steps/s together / alone (samples batched): {total_b / r1:.2f} (bound {n}; phase not kept: "
