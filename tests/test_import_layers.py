@@ -258,7 +258,6 @@ OVER_NEW_LIMIT = {
     "plexrl.engines.torch_engine",
     "plexrl.engines.vllm_engine",
     "plexrl.planner.core",
-    "plexrl.planner.policies",
     "plexrl.runtime.dask",
     "plexrl.server.journal",
     "plexrl.server.tinker.registry",

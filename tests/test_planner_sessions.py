@@ -30,7 +30,7 @@ from plexrl.planner import (
     Tick,
 )
 from plexrl.planner.gaps import busy_fraction, next_use
-from plexrl.planner.policies import SpreadBackfill
+from plexrl.planner.placement import SpreadBackfill
 from plexrl.planner.sessions import CLIENT, only_idle_left
 
 KINDS = ("forward_backward", "optim_step", "sample")

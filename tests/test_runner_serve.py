@@ -11,7 +11,7 @@ import pytest
 from plexrl.hooks.base import Hook, RunSummary
 from plexrl.job.spec import JobRun
 from plexrl.planner import Planner
-from plexrl.planner.policies import placement_policy
+from plexrl.planner.placement import placement_policy
 from plexrl.runtime.runner import Runner
 from plexrl.runtime.sim import SeededCosts, SimExecutor, grpo_like_jobs
 

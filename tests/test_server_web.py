@@ -121,7 +121,7 @@ def test_snapshots_read_while_the_runner_runs_match_its_timeline(tmp_path: Path)
     """A simulated run of 12 jobs on 2 services (swaps, 3-4 GB states) in the runner's thread, snapshots taken
     meanwhile from this one: the totals only grow, and at the end equal the accounting of the run's timeline."""
     from plexrl.hooks.timeline import TimelineRecorder
-    from plexrl.planner.policies import placement_policy
+    from plexrl.planner.placement import placement_policy
     from plexrl.runtime.records import Budgets
     from plexrl.runtime.runner import Runner
     from plexrl.runtime.sim import SeededCosts, SimExecutor, grpo_like_jobs

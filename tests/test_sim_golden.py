@@ -28,7 +28,8 @@ from plexrl.accounting import JobFacts, account
 from plexrl.hooks.timeline import TimelineRecorder
 from plexrl.planner import Planner
 from plexrl.planner.events import NodePlan
-from plexrl.planner.policies import ORDERINGS, PLACEMENTS, placement_policy
+from plexrl.planner.placement import PLACEMENTS, placement_policy
+from plexrl.planner.policies import ORDERINGS
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import GB, SeededCosts, SimExecutor, SimJob, grpo_like_jobs
 

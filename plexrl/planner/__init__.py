@@ -26,19 +26,8 @@ from plexrl.planner.events import (
     StateMeasured,
     Tick,
 )
-from plexrl.planner.policies import (
-    ORDERINGS,
-    PLACEMENTS,
-    FairShare,
-    Fifo,
-    Hrrs,
-    Isolated,
-    Pack,
-    Slowdown,
-    Spread,
-    SpreadBackfill,
-    placement_policy,
-)
+from plexrl.planner.placement import PLACEMENTS, Isolated, Pack, Spread, SpreadBackfill, placement_policy
+from plexrl.planner.policies import ORDERINGS, FairShare, Fifo, Hrrs, Slowdown
 from plexrl.planner.records import InvalidTransition, JobRecord
 from plexrl.planner.state import Move, NoRoom, StateManager, Tier
 

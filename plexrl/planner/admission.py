@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from plexrl.planner import sessions
 from plexrl.planner.events import Instruction, JobHeld
+from plexrl.planner.placement import PlacementPolicy
 from plexrl.planner.placing import admissions
-from plexrl.planner.policies import PlacementPolicy
 from plexrl.planner.records import InvalidTransition, JobRecord, ServiceRecord
 from plexrl.planner.shares import Usage
 from plexrl.planner.state import Tier

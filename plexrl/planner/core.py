@@ -54,14 +54,9 @@ from plexrl.planner.events import (
     Transition,
 )
 from plexrl.planner.gaps import busy_fraction, gap_after
+from plexrl.planner.placement import PlacementPolicy, Spread
 from plexrl.planner.placing import emptied, leave
-from plexrl.planner.policies import (
-    Fifo,
-    OrderingPolicy,
-    OrderingView,
-    PlacementPolicy,
-    Spread,
-)
+from plexrl.planner.policies import Fifo, OrderingPolicy, OrderingView
 from plexrl.planner.progress import Progress
 from plexrl.planner.records import (
     JOB_TRANSITIONS,

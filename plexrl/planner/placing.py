@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from plexrl.planner import checkpoints
 from plexrl.planner.batches import advance, leave_cohorts
-from plexrl.planner.policies import PlacementPolicy, ServiceView
+from plexrl.planner.placement import PlacementPolicy, ServiceView
 from plexrl.planner.records import JobRecord, ServiceRecord
 from plexrl.planner.state import Tier
 
@@ -86,7 +86,7 @@ def waiting_reason(job_load: float, views: Sequence[ServiceView], placement: Pla
     """Why a job the placement kept queued waits, in words: each service, its jobs and predicted load (busy
     fraction), and the condition that lets the job in.
 
-    >>> from plexrl.planner.policies import SpreadBackfill
+    >>> from plexrl.planner.placement import SpreadBackfill
     >>> why = waiting_reason(0.4, [ServiceView("service-0", 2, 0.93, True)], SpreadBackfill(1.0))
     >>> "service-0 holds 2 jobs at a predicted load of 0.93; this job adds 0.40" in why
     True

@@ -17,7 +17,8 @@ from plexrl.planner import checkpoints, sessions
 from plexrl.planner.admission import Admitter
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import Instruction, IterationDone, RunNode
-from plexrl.planner.policies import PlacementPolicy, QueuedNode
+from plexrl.planner.placement import PlacementPolicy
+from plexrl.planner.policies import QueuedNode
 from plexrl.planner.records import JobRecord, JobStatus, NodeStatus, ServiceRecord
 
 

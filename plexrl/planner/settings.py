@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from plexrl.planner.admission import UserLimits
-from plexrl.planner.policies import ORDERINGS, FairShare, placement_policy
+from plexrl.planner.placement import placement_policy
+from plexrl.planner.policies import ORDERINGS, FairShare
 from plexrl.planner.shares import Usage
 
 INLINE_BELOW_S = 0.01  # on Dask, a cpu node observed shorter than this runs next to its inputs (a round trip)

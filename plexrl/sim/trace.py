@@ -37,7 +37,7 @@ from typing import Any
 
 from plexrl.hooks.base import Hook
 from plexrl.planner import ORDERINGS, Planner, placement_policy
-from plexrl.planner.policies import PlacementPolicy, ServiceView
+from plexrl.planner.placement import PlacementPolicy, ServiceView
 from plexrl.runtime.runner import Budgets, Runner
 from plexrl.runtime.sim import SimExecutor, SimJob
 from plexrl.sim.config import GB, JobClass, Trace, TrainLayout
