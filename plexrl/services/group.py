@@ -154,16 +154,13 @@ class RankService(Service):
             with _quiet_dcp():
                 dcp.load(raw, storage_reader=dcp.FileSystemReader(str(state.dcp_dir)), no_dist=True)
         live = self.engines[job_id].state_tensors()
-        kept = {k: t.data for k, t in live.items()}
-        try:
-            for k, t in live.items():
-                if k in state.owner:  # as_strided's offset counts from the start of the buffer's storage
-                    v = raw[state.owner[k]].view(t.dtype)
-                    t.data = v.as_strided(t.shape, t.stride(), v.storage_offset() + t.storage_offset())
+        views = {}
+        for k, t in live.items():
+            if k in state.owner:  # as_strided's offset counts from the start of the buffer's storage
+                v = raw[state.owner[k]].view(t.dtype)
+                views[k] = v.as_strided(t.shape, t.stride(), v.storage_offset() + t.storage_offset())
+        with sw.pointed_at(live, views):
             yield
-        finally:
-            for k, t in live.items():
-                t.data = kept[k]
 
     def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
         """Write THIS rank's part of the job's checkpoint (`rank_part(path, rank)`: its shards; rank 0's also

@@ -297,15 +297,8 @@ class Service:
             yield
             return
         tensors = place.host.tensors() if place.host is not None else sw.read_spill(place.disk, place.layout)
-        live = self.engines[job_id].state_tensors()
-        kept = {k: t.data for k, t in live.items()}
-        try:
-            for k, t in live.items():
-                t.data = tensors[k]
+        with sw.pointed_at(self.engines[job_id].state_tensors(), tensors):
             yield
-        finally:
-            for k, t in live.items():
-                t.data = kept[k]
 
     def checkpoint(self, job_id: str, path: Path, extra: dict[str, Any]) -> Path:
         """Save the job's engine state (`export_state`: weights, optimizer with its step counts, reference,

@@ -15,8 +15,10 @@ and frees the old one, so budgets, accounting and bandwidth mean the same as on 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,6 +206,21 @@ def read_spill(path: Path | None, layout: Layout | None) -> dict[str, Tensor]:
     buf = torch.empty(layout.nbytes, dtype=torch.uint8)
     _read_into(path, buf)
     return layout.views(buf)
+
+
+@contextlib.contextmanager
+def pointed_at(live: dict[str, Tensor], tensors: dict[str, Tensor]) -> Iterator[None]:
+    """Point each live tensor named in `tensors` at that tensor's storage (same shape and dtype) while the body
+    runs, then back: a state read where it lies (a checkpoint, a save) without moving it. Not thread-safe with
+    a node or a move of the same job."""
+    kept = {k: live[k].data for k in tensors}
+    try:
+        for k, t in tensors.items():
+            live[k].data = t
+        yield
+    finally:
+        for k, t in kept.items():
+            live[k].data = t
 
 
 def carry_out(
