@@ -270,11 +270,11 @@ def test_a_partner_whose_client_never_samples_next_is_not_waited_for() -> None:
     assert p.wake_at == 1.5
 
 
-def loops(phase_window: float, rounds: int = 6) -> list[int]:
+def loops(phase_window: float, rounds: int = 6, users: str = "") -> list[int]:
     """Pure: three LoRA sessions of one base, each a client loop sample -> forward_backward -> sample ...
     sending its next call the moment the last one ends; a sample call (alone or as a cohort) takes 0.1 s, a
-    forward_backward 1.0 s, the ordering is the server's (HRRS: short calls go first). The sizes of the sample
-    cohorts sent, in order."""
+    forward_backward 1.0 s, the ordering is the server's (HRRS: short calls go first). `users`: the sessions'
+    users, one letter each ("": all one user's). The sizes of the sample cohorts sent, in order."""
     from plexrl.planner.policies import Hrrs
 
     nodes = {k: NodePlan("service", batchable=k == "sample") for k in ("forward_backward", "sample")}
@@ -282,9 +282,9 @@ def loops(phase_window: float, rounds: int = 6) -> list[int]:
     p = Planner(clock=clock, ordering=Hrrs(), validate=True, batch_rollouts=True, batch_window=0.05,
                 phase_window=phase_window)  # fmt: skip
     p.handle(ServiceJoined("s0"))
-    for j in "abc":
+    for i, j in enumerate("abc"):
         p.handle(JobSubmitted(j, JobPlan(nodes, 10**9, tuple(nodes), open=True, engine=("base", 10), batch=8,
-                                         state_bytes=1)))  # fmt: skip
+                                         state_bytes=1, user=users[i] if users else "")))  # fmt: skip
     ends: list[tuple[float, str, int, str]] = []  # (when, job, iteration, node) of what runs
     sizes: list[int] = []
 
@@ -321,6 +321,13 @@ def test_sessions_keep_in_phase_so_their_samples_stay_one_cohort() -> None:
     assert drift[0] == 3 and drift.count(1) > len(drift) // 2, drift
     kept = loops(phase_window=10.0)
     assert kept[0] == 3 and kept[2:] == [3] * len(kept[2:]), kept
+
+
+def test_another_users_busy_sessions_never_hold_a_sample_call() -> None:
+    """The same loops, each session another user's: no one's busy sessions hold anyone's sample call (a user
+    flooding training calls cannot stall another's sampling), so they run as with phase not kept."""
+    assert loops(phase_window=10.0, users="xyz") == loops(phase_window=0.0)
+    assert loops(phase_window=10.0, users="xxy") != loops(phase_window=0.0)  # (x's two keep phase together)
 
 
 def test_keeping_phase_is_bounded_by_its_window() -> None:

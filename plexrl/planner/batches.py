@@ -34,7 +34,8 @@ calls of other kinds (queued or running) and their clients were seen to come bac
 (`sessions.comes_to`: a loop that samples, trains, steps and saves). They then sample in the same cohort
 instead of each alone as it comes round: eight SDK loops on one base stay one cohort of eight instead of
 drifting into cohorts of two or three. It costs the service nothing (only other runnable work goes first) and
-the call at most `phase_window` seconds after it became ready; the cohort full, it goes.
+the call at most `phase_window` seconds after it became ready; the cohort full, it goes. Only sessions of the
+call's own user hold it: another user's busy sessions (a flood of training calls, say) never delay it.
 
 While the cohort runs, `ServiceRecord.cohort` holds every member and `running` one of them still running; each
 member ends with its own `NodeFinished`, and the service is free once all have (`member_finished`). The
@@ -174,8 +175,8 @@ def gather_until(
 
 def keep_phase(svc: ServiceRecord, jobs: Mapping[str, JobRecord], lead: QueuedNode, now: float, window: float) -> bool:
     """Whether `lead`, a session's batchable call the ordering picked, lets other queued work on `svc` go first
-    (see the module docstring): a session of its key has a call of another kind queued or running there and its
-    client was seen to come to lead's kind from it, the cohort that could form now is not full, and lead became
+    (see the module docstring): a session of its key and of its user has a call of another kind queued or running
+    there and its client was seen to come to lead's kind from it, the cohort that could form now is not full, and lead became
     ready less than `window` seconds ago. Reads only; the caller defers it only to work it can run now."""
     job = jobs[lead.job_id]
     key = batch_key(job, lead.node)
@@ -187,7 +188,8 @@ def keep_phase(svc: ServiceRecord, jobs: Mapping[str, JobRecord], lead: QueuedNo
     for job_id in sorted(svc.jobs - queued):
         other = jobs[job_id]
         busy = other.status == "running" and not other.closing and bool(other.nodes) and lead.node not in other.nodes
-        if busy and batch_key(other, lead.node) == key and comes_to(other, lead.node):
+        mine = other.plan.user == job.plan.user  # (another user's sessions never hold a call: no one can stall it)
+        if busy and mine and batch_key(other, lead.node) == key and comes_to(other, lead.node):
             return True  # it samples (say) after the call it has here: in phase, it joins lead's cohort
     return False
 
