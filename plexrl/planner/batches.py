@@ -176,8 +176,9 @@ def gather_until(
 def keep_phase(svc: ServiceRecord, jobs: Mapping[str, JobRecord], lead: QueuedNode, now: float, window: float) -> bool:
     """Whether `lead`, a session's batchable call the ordering picked, lets other queued work on `svc` go first
     (see the module docstring): a session of its key and of its user has a call of another kind queued or running
-    there and its client was seen to come to lead's kind from it, the cohort that could form now is not full, and lead became
-    ready less than `window` seconds ago. Reads only; the caller defers it only to work it can run now."""
+    there and its client was seen to come to lead's kind from it, the cohort that could form now is not full, and
+    lead became ready less than `window` seconds ago. Reads only; the caller defers it only to work it can run
+    now."""
     job = jobs[lead.job_id]
     key = batch_key(job, lead.node)
     if key is None or not job.plan.open or window <= 0.0 or now >= lead.ready_at + window:
