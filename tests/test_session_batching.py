@@ -270,14 +270,16 @@ def test_a_partner_whose_client_never_samples_next_is_not_waited_for() -> None:
     assert p.wake_at == 1.5
 
 
-def loops(phase_window: float, rounds: int = 6, users: str = "") -> list[int]:
+def loops(phase_window: float, rounds: int = 6, users: str = "", both: bool = False, first: str = "sss") -> list[int]:
     """Pure: three LoRA sessions of one base, each a client loop sample -> forward_backward -> sample ...
     sending its next call the moment the last one ends; a sample call (alone or as a cohort) takes 0.1 s, a
     forward_backward 1.0 s, the ordering is the server's (HRRS: short calls go first). `users`: the sessions'
-    users, one letter each ("": all one user's). The sizes of the sample cohorts sent, in order."""
+    users, one letter each ("": all one user's). `both`: forward_backward calls cohort too (one after another
+    inside, 1.0 s each, all replied at the cohort's end: a CPU's). `first`: each session's first call (s: sample,
+    f: forward_backward). The sizes of the sample cohorts sent, in order."""
     from plexrl.planner.policies import Hrrs
 
-    nodes = {k: NodePlan("service", batchable=k == "sample") for k in ("forward_backward", "sample")}
+    nodes = {k: NodePlan("service", batchable=both or k == "sample") for k in ("forward_backward", "sample")}
     clock = Clock()
     p = Planner(clock=clock, ordering=Hrrs(), validate=True, batch_rollouts=True, batch_window=0.05,
                 phase_window=phase_window)  # fmt: skip
@@ -293,11 +295,11 @@ def loops(phase_window: float, rounds: int = 6, users: str = "") -> list[int]:
             if isinstance(i, RunNode):
                 members = [(i.job_id, i.iteration, i.node), *i.cohort]
                 sizes.extend([len(members)] if i.node == "sample" else [])
-                end = clock.t + (0.1 if i.node == "sample" else 1.0)
+                end = clock.t + (0.1 if i.node == "sample" else 1.0 * len(members))
                 ends.extend((end, *m) for m in members)
 
-    for j in "abc":
-        take(p.handle(CallArrived(j, "sample")))
+    for j, kind in zip("abc", first, strict=True):
+        take(p.handle(CallArrived(j, "sample" if kind == "s" else "forward_backward")))
     while len(sizes) < rounds * 3 and (ends or p.wake_at is not None):
         if not ends:  # the service waits for partners: the window's end
             clock.t = p.wake_at
@@ -321,6 +323,18 @@ def test_sessions_keep_in_phase_so_their_samples_stay_one_cohort() -> None:
     assert drift[0] == 3 and drift.count(1) > len(drift) // 2, drift
     kept = loops(phase_window=10.0)
     assert kept[0] == 3 and kept[2:] == [3] * len(kept[2:]), kept
+
+
+def test_loops_out_of_step_are_brought_together_when_training_calls_cohort_too() -> None:
+    """As on a server (a LoRA session's forward_backward calls cohort too): loops that start in step stay so on
+    their own, as a forward_backward cohort replies to all at once; loops that start apart (b samples first, a
+    and c train) stay apart without keeping phase, and are brought into one cohort with it: each kind's calls
+    wait while partners are busy with the other, and when both kinds are held the ordering's pick goes."""
+    assert loops(phase_window=0.0, both=True) == [3] * 18
+    apart = loops(phase_window=0.0, both=True, first="fsf")
+    assert apart == [1] * len(apart), apart
+    kept = loops(phase_window=10.0, both=True, first="fsf")
+    assert kept[2:] == [3] * len(kept[2:]), kept
 
 
 def test_another_users_busy_sessions_never_hold_a_sample_call() -> None:
