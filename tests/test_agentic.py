@@ -167,7 +167,8 @@ def test_tool_output_tokens_get_exactly_zero_policy_gradient(tok: Any, tmp_path:
     """Build a Rollouts batch from finished episodes, run the `train` operator's loss through a real
     model, backprop: the gradient w.r.t. per-token log-probs, and w.r.t. the logits that predict them, is
     exactly zero at tool-output positions and non-zero at model-written ones."""
-    from plexrl.engines.torch_engine import TorchEngine, positions, token_logprobs
+    from plexrl.engines.logprobs import token_logprobs
+    from plexrl.engines.torch_engine import TorchEngine, positions
     from plexrl.operators.advantage import group_advantages
 
     build_model(ModelConfig(layers=1, hidden=32, heads=2, intermediate=64), tok, tmp_path, seed=0)

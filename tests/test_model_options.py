@@ -174,7 +174,8 @@ def test_a_bf16_engine_trains_fp32_masters_and_counts_their_bytes(model_dir: tup
 
 
 def gradients(engine: TorchEngine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from plexrl.engines.torch_engine import positions, token_logprobs
+    from plexrl.engines.logprobs import token_logprobs
+    from plexrl.engines.torch_engine import positions
 
     engine.policy.train()
     mask = batch["attention_mask"]

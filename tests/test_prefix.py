@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from plexrl.engines.logprobs import scored_logprobs, token_logprobs
 from plexrl.engines.prefix import prefix_groups
-from plexrl.engines.torch_engine import positions, scored_logprobs, token_logprobs
+from plexrl.engines.torch_engine import positions
 
 
 def _model() -> LlamaForCausalLM:

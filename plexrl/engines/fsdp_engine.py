@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from plexrl.engines.base import GenerationOutput, LossFn
-from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions, token_logprobs
+from plexrl.engines.logprobs import token_logprobs
+from plexrl.engines.torch_engine import OPTIMIZER_FILE, TorchEngine, positions
 from plexrl.ranks import RankState, guarded
 
 

@@ -201,7 +201,8 @@ class LoRAEngine(TorchEngine):
     def logprobs(
         self, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0, which: str = "policy"
     ) -> Tensor:
-        from plexrl.engines.torch_engine import positions, token_logprobs
+        from plexrl.engines.logprobs import token_logprobs
+        from plexrl.engines.torch_engine import positions
 
         self.shared.activate(self.adapter)
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
