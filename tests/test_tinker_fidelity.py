@@ -100,6 +100,29 @@ def test_no_seed_samples_afresh_and_a_seed_repeats(server: RunningServer, smol_t
             service.close("success").result()
 
 
+def test_one_sessions_sampling_clients_on_a_base_share_one_job(
+    server: RunningServer, smol_tiny: Path, tmp_path: Path
+) -> None:
+    """A loop that makes a sampling client of the base model again and again (more than the 8 open models a
+    user may have) is served by ONE job: each client samples, with its own seed; and each is recorded so that
+    it comes back with that job after a restart (its weights: the job's own)."""
+    from plexrl.server.tinker import durable
+
+    service = tinker.ServiceClient(base_url=server.url, api_key="tml-ann")
+    try:
+        samplers = [service.create_sampling_client(base_model=str(smol_tiny)).result() for _ in range(10)]
+        outs = [s.sample(PROMPT, 1, types.SamplingParams(max_tokens=6, seed=4)).result(timeout=120) for s in samplers]
+        assert all(o.sequences[0].tokens == outs[0].sequences[0].tokens for o in outs)  # one base, one seed
+        reg = server.sessions
+        ids = {reg.samplers[s._sampling_session_id].model_id for s in samplers}
+        assert len(ids) == 1 and reg.models[ids.pop()].sampler_only
+        session = samplers[0]._sampling_session_id.split(":")[0]
+        kept = durable.kept_samplers(reg.root, session, "ann")
+        assert len(kept) == 9 and all(r.weights is None for r in kept)  # (the first is its job's own model)
+    finally:
+        service.close("success").result()
+
+
 def test_saved_names_are_not_overwritten_silently_and_keep_their_ttl_and_metadata(
     server: RunningServer, smol_tiny: Path
 ) -> None:

@@ -167,7 +167,7 @@ def test_unload_model_ends_one_models_job_and_the_rest_of_its_session_goes_on(
 ) -> None:
     one = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=3).result()
     two = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=4).result()
-    sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()  # a job that only samples
+    sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()  # served by a job that only samples
     datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT),
                         loss_fn_inputs={"target_tokens": [*PROMPT[1:], PROMPT[0]]})  # fmt: skip
     kept = one.save_state("kept").result().path
@@ -197,7 +197,7 @@ def test_unload_model_ends_one_models_job_and_the_rest_of_its_session_goes_on(
     reloaded = service.create_training_client_from_state(kept).result()
     assert reloaded.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
 
-    sid = sampler._sampling_session_id
+    sid = server.sessions.samplers[sampler._sampling_session_id].model_id  # (the session's base-model job)
     done = unloaded(sampler, unload(server, sid))
     assert (done.model_id, done.type) == (sid, "unload_model")
     with pytest.raises(tinker.APIStatusError, match="410"):

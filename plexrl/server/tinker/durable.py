@@ -1,9 +1,9 @@
 """What the Tinker API keeps on disk so that a restarted `plexrl serve` knows its clients again:
 - a session (`create_session`) is written as `<root>/clients/<session>.json` (its user) before its client hears of
   it, and removed when it ends (`forget`);
-- a sampling client that reads a file through a live training model (`save_weights_and_get_sampling_client`'s
-  snapshot, or `create_sampling_client` on a model's named sampler weights) is written as
-  `<root>/clients/<session>/<seq>.json` before its client hears of it, and removed with its session.
+- a sampling client served by another client's live model (`save_weights_and_get_sampling_client`'s snapshot,
+  `create_sampling_client` on a model's named sampler weights, or on a base model its session samples already)
+  is written as `<root>/clients/<session>/<seq>.json` before its client hears of it, and removed with its session.
 Its models are the journal's session jobs (`recover`, from the entries the controller resumes); a session with no
 model yet has only its file. A sampler comes back when its session and its model both do."""
 
@@ -61,11 +61,13 @@ def kept(root: Path) -> list[tuple[str, str]]:
 
 
 def keep_sampler(root: Path, r: SamplerRecord) -> None:
-    """Record a sampling client that reads `r.weights` through its live model `r.model_id` (atomically)."""
+    """Record a sampling client served by its live model `r.model_id`'s job, reading `r.weights` (None: that
+    job's own weights: a client on a base model the session samples already), atomically."""
     seq = r.sampler_id.rsplit(":", 1)[1]
     _write(root / "clients" / r.session_id / f"{seq}.json", {
         "sampler_id": r.sampler_id, "user": r.user, "model_id": r.model_id, "base_model": r.base_model,
-        "model_path": r.model_path, "weights": str(r.weights), "weights_id": r.weights_id,
+        "model_path": r.model_path, "weights": None if r.weights is None else str(r.weights),
+        "weights_id": r.weights_id,
     })  # fmt: skip
 
 
@@ -75,8 +77,9 @@ def kept_samplers(root: Path, session_id: str, user: str) -> list[SamplerRecord]
     for path in (root / "clients" / session_id).glob("*.json"):
         try:
             v = json.loads(path.read_text())
+            weights = None if v["weights"] is None else Path(v["weights"])  # (None: its model's own weights)
             r = SamplerRecord(v["sampler_id"], session_id, v["user"], v["model_id"], v["base_model"], v["model_path"],
-                              Path(v["weights"]), v["weights_id"])  # fmt: skip
+                              weights, v["weights_id"])  # fmt: skip
             seq = int(path.stem)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("sampler record %s cannot be read (%s); skipped", path, exc)

@@ -96,8 +96,9 @@ def unload_model(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
     `Registry.finish` closes each model of a session: its call in flight (or announced) runs, calls still queued
     and requests held for their turn fail, and further calls get the ended model's 410. Its future completes once
     the job ended (`Registry.job_ended`); at once for a model that ended already. The other models of its
-    session go on; its saved weights stay. 404 for an unknown model or another user's (a sampler made by
-    `save_weights_and_get_sampling_client` has no job of its own: it is no model here)."""
+    session go on; its saved weights stay. 404 for an unknown model or another user's (a sampler with no job of
+    its own, made by `save_weights_and_get_sampling_client` or served by its session's first client on its
+    base model, is no model here)."""
     model_id = body.get("model_id")
     with reg.lock:
         m = reg.models.get(model_id) if isinstance(model_id, str) else None
@@ -265,27 +266,28 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
 # -- sampling ----------------------------------------------------------------------------------------
 def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
     """A sampling client: on the live model that saved its weights (reading them from the file), or on a job
-    opened for it (the base model through a zero adapter, or weights loaded from a path whose model ended)."""
+    opened for it (the base model through a zero adapter, or weights loaded from a path whose model ended).
+    Every client of one session on one base model is served by the first one's job (one open model, however
+    many such clients a loop makes)."""
     model_path, base = body.get("model_path"), body.get("base_model")
     seq = body.get("sampling_session_seq_id")
     load: Load | None = None
     owner: dict[str, Any] = {"lora_rank": 1, "targets": list(TARGETS["attn"])}  # a zero adapter: the base itself
     with reg.lock:
         s = reg.session(user, body.get("session_id"))
+        if model_path is None:
+            for other in (reg.models[m] for m in s.models if m in reg.models):
+                mine = reg.samplers.get(other.model_id)
+                if other.sampler_only and other.status in ("opening", "open") and other.base_model == str(base) and (
+                    mine is not None and mine.model_path is None
+                ):  # fmt: skip
+                    return _served_by(reg, s, seq, other, None, None)
         if model_path is not None:
             src_model, kind, found = source(reg, user, model_path)
             live = reg.models.get(src_model)
             live = live if live is not None and live.status in ("opening", "open") else None  # (not ended, closing)
             if kind == "sampler_weights" and live is not None and live.user == user:
-                if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
-                    raise Refused(400, "create_sampling_session needs a new sampling_session_seq_id")
-                s.seqs.add(f"sample:{seq}")
-                sid = f"{s.session_id}:sample:{seq}"
-                record = SamplerRecord(sid, s.session_id, user, live.model_id, live.base_model, model_path)
-                record.weights, record.weights_id = found, _weights_id(found)
-                reg.samplers[sid] = record
-                durable.keep_sampler(reg.root, record)
-                return {"type": "create_sampling_session", "sampling_session_id": sid}
+                return _served_by(reg, s, seq, live, model_path, found)
             owner = read_owner(reg.root, src_model) or {}
             base = base or owner.get("base_model")
             load = Load(str(found), False)
@@ -304,6 +306,21 @@ def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, 
 
     reg.open(m, None if load is None else (load, loaded))
     return {"type": "create_sampling_session", "sampling_session_id": m.model_id}
+
+
+def _served_by(reg: Registry, s: Any, seq: Any, m: Any, model_path: str | None, found: Path | None) -> dict[str, Any]:
+    """A sampling client of session `s` served by model `m`'s job (lock held), reading the sampler weights file
+    `found` (None: the job's own weights); recorded so that it comes back after a restart with its model."""
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
+        raise Refused(400, "create_sampling_session needs a new sampling_session_seq_id")
+    s.seqs.add(f"sample:{seq}")
+    sid = f"{s.session_id}:sample:{seq}"
+    record = SamplerRecord(sid, s.session_id, m.user, m.model_id, m.base_model, model_path)
+    if found is not None:
+        record.weights, record.weights_id = found, _weights_id(found)
+    reg.samplers[sid] = record
+    durable.keep_sampler(reg.root, record)
+    return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
 def get_sampler(reg: Registry, user: str | None, sampler_id: str) -> dict[str, Any]:
