@@ -143,6 +143,7 @@ def test_what_a_client_was_told_resumes_after_a_restart(
         trained = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=5).result()
         fresh = service.create_lora_training_client(base_model=str(smol_tiny), rank=4, seed=7).result()
         sampler = service.create_sampling_client(base_model=str(smol_tiny)).result()
+        shared = service.create_sampling_client(base_model=str(smol_tiny)).result()  # (served by sampler's job)
         job = srv.sessions.models[trained.model_id].job_id
         # the first step's checkpoint is held at its journal write: its optim_step is not answered meanwhile
         entered, write = threading.Event(), srv.journal.checkpoint
@@ -180,6 +181,8 @@ def test_what_a_client_was_told_resumes_after_a_restart(
     assert late.get_info().is_lora
     out = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=3, seed=1)).result(timeout=120)
     assert len(out.sequences) == 1 and 1 <= len(out.sequences[0].tokens) <= 3
+    also = shared.sample(PROMPT, 1, types.SamplingParams(max_tokens=3, seed=1)).result(timeout=120)
+    assert also.sequences[0].tokens == out.sequences[0].tokens  # one job, one base, one seed
 
 
 def test_a_new_session_gets_the_one_service_after_a_restart_at_the_default_max_load(
