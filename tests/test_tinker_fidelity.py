@@ -123,6 +123,44 @@ def test_one_sessions_sampling_clients_on_a_base_share_one_job(
         service.close("success").result()
 
 
+def test_a_models_metadata_seed_and_optimizer_are_as_the_client_asked(server: RunningServer, smol_tiny: Path) -> None:
+    """`user_metadata` given at creation comes back on the model's training run (the cookbook reads its renderer
+    name there); no seed is a random one, recorded (each unseeded model another); a client made from saved
+    state with another optimizer than AdamW is refused, as one made fresh is; a full disk refuses new
+    sampling clients and models made from saved state, as it refuses fresh ones."""
+    service = tinker.ServiceClient(base_url=server.url, api_key="tml-ann")
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-ann")
+    reg = server.sessions
+    try:
+        meta = {"renderer_name": "role_colon", "project": "x"}
+        named = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, user_metadata=meta).result()
+        assert rest.get_training_run(named.model_id).result().user_metadata == meta
+        unseeded = [service.create_lora_training_client(base_model=str(smol_tiny), rank=2).result() for _ in range(2)]
+        seeded = service.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=77).result()
+        seeds = [reg.models[c.model_id].seed for c in (*unseeded, seeded)]
+        assert seeds[0] != seeds[1] and seeds[2] == 77, seeds
+        assert all(
+            seed != int(c.model_id.split(":")[2]) for seed, c in zip(seeds, unseeded, strict=False)
+        )  # (not the seq id)
+        kept = seeded.save_state("kept").result().path
+        with pytest.raises(tinker.APIStatusError, match="AdamW"):
+            service.create_training_client_from_state(kept, optimizer=types.DimuonOptimizerConfig()).result()
+        session = named.model_id.split(":")[0]
+        reg.disk = lambda: "the disk is full (test)"
+        try:
+            asked = {
+                "/load_weights": {"path": kept, "model_seq_id": 90},
+                "/create_sampling_session": {"base_model": str(smol_tiny), "sampling_session_seq_id": 91},
+            }
+            for path, body in asked.items():
+                answer = post(server, path, {**body, "session_id": session})
+                assert answer.status_code == 503 and "full" in answer.json()["detail"], answer.text
+        finally:
+            reg.disk = None
+    finally:
+        service.close("success").result()
+
+
 def test_saved_names_are_not_overwritten_silently_and_keep_their_ttl_and_metadata(
     server: RunningServer, smol_tiny: Path
 ) -> None:

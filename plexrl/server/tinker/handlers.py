@@ -40,11 +40,9 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
     once its state is on a service."""
     cfg = reg.cfg
     lora = body.get("lora_config")
-    meta = body.get("user_metadata") or {}
-    full = isinstance(meta, dict) and str(meta.get(FULL_FINETUNE, "")).lower() == "true"
-    optimizer = body.get("optimizer_config") or {}
-    if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
-        raise Refused(400, "PlexRL serves the AdamW optimizer only (optimizer_config type 'adamw')")
+    meta = checkpoint_facts({"user_metadata": body.get("user_metadata")}, 0.0)["user_metadata"]  # (checked)
+    full = meta is not None and str(meta.get(FULL_FINETUNE, "")).lower() == "true"
+    _adamw_only(body)
     if full and not cfg.full_finetuning:
         raise Refused(400, "this server does not allow full fine-tuning sessions (tinker.full_finetuning: false)")
     rank: int | None = None
@@ -61,8 +59,10 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"), body.get("base_model"))
         m.lora_rank, m.targets, m.lora_alpha = rank, targets, None if full else cfg.lora_alpha  # (kept: owner.json)
-        if isinstance(lora, dict) and isinstance(lora.get("seed"), int) and not isinstance(lora["seed"], bool):
-            m.seed = lora["seed"] & 0x7FFFFFFF
+        m.metadata = meta
+        given = lora.get("seed") if isinstance(lora, dict) else None
+        # Tinker's: no seed, a random one (recorded with the session's config: a resumed model keeps it)
+        m.seed = given & 0x7FFFFFFF if isinstance(given, int) and not isinstance(given, bool) else secrets.randbits(31)
         fut = reg.futures.new(user, "create_model", "preparing the model")
         m.waiting.append((fut.request_id, {"model_id": m.model_id, "type": "create_model"}))
     try:
@@ -72,6 +72,13 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         raise
     reg.futures.set_reason(fut.request_id, reg.waiting_reason(m))
     return {"request_id": fut.request_id, "model_id": m.model_id}
+
+
+def _adamw_only(body: dict[str, Any]) -> None:
+    """Refuse an `optimizer_config` other than AdamW's (Tinker's default), which is all PlexRL serves."""
+    optimizer = body.get("optimizer_config") or {}
+    if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
+        raise Refused(400, "PlexRL serves the AdamW optimizer only (optimizer_config type 'adamw')")
 
 
 def get_info(reg: Registry, user: str | None, model_id: Any) -> dict[str, Any]:
@@ -248,13 +255,17 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
                 answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
                 load = Load(str(found), bool(body.get("optimizer")))
                 return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+    _adamw_only(body)
+    meta = checkpoint_facts({"user_metadata": body.get("user_metadata")}, 0.0)["user_metadata"]  # (checked)
     src_model, _, found = source(reg, user, body.get("path"))
     load = Load(str(found), bool(body.get("optimizer")))
     owner = read_owner(reg.root, src_model) or {}
+    reg.check_writes(user)  # (a new model: refused on a full disk, as `create_model`)
     with reg.lock:
         reg.futures.room(user)
         m = reg.new_model(user, body.get("session_id"), body.get("model_seq_id"),
                           body.get("base_model") or owner.get("base_model"))  # fmt: skip
+        m.metadata = meta
         m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
         m.lora_alpha = alpha_of(owner, reg.cfg.lora_alpha)  # (the weights' own, whatever this server's is now)
         fut = reg.futures.new(user, "load_weights", "preparing the model")
@@ -273,6 +284,7 @@ def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, 
     seq = body.get("sampling_session_seq_id")
     load: Load | None = None
     owner: dict[str, Any] = {"lora_rank": 1, "targets": list(TARGETS["attn"])}  # a zero adapter: the base itself
+    reg.check_writes(user)  # (every client writes its record, a new model its files: refused on a full disk)
     with reg.lock:
         s = reg.session(user, body.get("session_id"))
         if model_path is None:

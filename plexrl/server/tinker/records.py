@@ -59,6 +59,7 @@ class ModelRecord:
     lora_alpha: float | None = None  # its adapter's, fixed when it was created (None: the server's `lora_alpha`)
     targets: tuple[str, ...] = ()
     seed: int = 0
+    metadata: dict[str, str] | None = None  # the client's `user_metadata` at creation (its training run shows it)
     limits: ModelLimits | None = None
     status: str = "opening"  # opening -> open -> ended; closing (unloaded by its client, its job ending) -> ended
     reason: str = ""  # why it ended (or is closing), or what it waits for
@@ -128,7 +129,8 @@ def write_owner(root: Path, model: ModelRecord) -> None:
     folder = root / job_of(model.model_id)
     folder.mkdir(parents=True, exist_ok=True)
     facts = {"user": model.user, "model_id": model.model_id, "base_model": model.base_model,
-             "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "targets": list(model.targets)}  # fmt: skip
+             "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "targets": list(model.targets),
+             "user_metadata": model.metadata}  # fmt: skip
     tmp = folder / ".owner.json.tmp"
     tmp.write_text(json.dumps(facts))
     tmp.replace(folder / "owner.json")

@@ -136,7 +136,7 @@ class Runs:
             "training_run_id": run_id, "base_model": facts.get("base_model", ""), "model_owner": facts.get("user", ""),
             "is_lora": facts.get("lora_rank") is not None, "lora_rank": facts.get("lora_rank"),
             "last_request_time": _when(seen), "last_checkpoint": last["training"],
-            "last_sampler_checkpoint": last["sampler"], "corrupted": False,
+            "last_sampler_checkpoint": last["sampler"], "corrupted": False, "user_metadata": facts.get("user_metadata"),
         }  # fmt: skip
 
     def checkpoints(self, user: str | None, run_id: Any) -> dict[str, Any]:
