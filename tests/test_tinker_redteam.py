@@ -116,6 +116,33 @@ def test_a_refused_request_uses_its_turn_whenever_it_comes(server: RunningServer
     assert post(srv, f"/sessions/{session}/finish", ANN, {"reason": {"type": "success"}}).status_code == 200
 
 
+def test_a_request_refused_before_its_seq_id_was_read_does_not_hold_the_next_ones(
+    server: RunningServer, smol_tiny: Path
+) -> None:
+    """seq 1 never reaches the model (a body over the server's limit is refused before it is read); 2 and 3 wait
+    for it, `turn_wait_s`, then get their turn (the registry's tick); 1 coming after that is out of order."""
+    srv = server
+    session, model = raw_model(srv, ANN, smol_tiny)
+    reg, wait = srv.sessions, srv.sessions.cfg.turn_wait_s
+    huge = b"\0" * (reg.cfg.max_body_bytes + 1)
+    assert post(srv, "/forward_backward", ANN, raw=huge).status_code == 413  # (seq 1: never read)
+    second = post(srv, "/forward_backward", ANN, raw=fb_body(model, 2, [1, 5, 9])).json()["request_id"]
+    third = post(srv, "/optim_step", ANN, {"model_id": model, "seq_id": 3, "adam_params": {"learning_rate": 0.01}})
+    assert reg.futures._items[second].kind is None  # held: 1 has not come
+    reg.tick()
+    assert reg.futures._items[second].kind is None  # (not yet `turn_wait_s`)
+    reg.cfg.turn_wait_s = 0.0
+    try:
+        reg.tick()
+    finally:
+        reg.cfg.turn_wait_s = wait
+    assert isinstance(result(srv, ANN, second), bytes)
+    assert "metrics" in result(srv, ANN, third.json()["request_id"])
+    late = post(srv, "/forward_backward", ANN, raw=fb_body(model, 1, [1, 5, 9]))
+    assert late.status_code == 400 and "out of order" in late.json()["detail"]
+    assert post(srv, f"/sessions/{session}/finish", ANN, {"reason": {"type": "success"}}).status_code == 200
+
+
 def test_a_failed_sample_leaves_its_training_session_alive(server: RunningServer, smol_tiny: Path) -> None:
     ann = tinker.ServiceClient(base_url=server.url, api_key=f"tml-{ANN}")
     training = ann.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=3).result()

@@ -56,6 +56,14 @@ class TinkerConfig(BaseModel):
         description="A session whose client sent nothing (no call, no heartbeat) for this long is ended and its "
         "state checkpointed; the SDK heartbeats every 10 s while its program runs.",
     )
+    turn_wait_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="How long a training request that came before its turn waits for a missing earlier seq id (one "
+        "refused before its seq id was read, e.g. a body over max_body_bytes, or one the SDK gave up retrying) "
+        "before its turn comes anyway: the missing one is skipped, and gets 400 (out of order) if it still comes.",
+    )
     max_requests_per_user: int = Field(
         256,
         ge=1,

@@ -65,6 +65,7 @@ class ModelRecord:
     reason: str = ""  # why it ended (or is closing), or what it waits for
     next_seq: int | None = 1  # the next training request's seq id (None: adopt the first one seen)
     held: dict[int, Any] = field(default_factory=dict)  # seq id -> a request that came before its turn
+    gap_since: float | None = None  # since when `held` waits for a seq id that has not come (`turn_wait_s`)
     seen: dict[int, str] = field(default_factory=dict)  # seq id -> request id (a retried request)
     snapshots: list[Path] = field(default_factory=list)  # unnamed sampler snapshots, oldest first
     sampler_only: bool = False

@@ -209,9 +209,18 @@ class Registry:
         return [s.session_id for s in stale]
 
     def tick(self) -> None:
-        """Once a second or so: end abandoned sessions (`sweep`); models still opening learn what their job
-        waits for (admission: shown in try_again), or that it ended before it came up."""
+        """Once a second or so: end abandoned sessions (`sweep`); requests held `turn_wait_s` for a seq id that
+        never came get their turn (the missing ones skipped); models still opening learn what their job waits
+        for (admission: shown in try_again), or that it ended before it came up."""
         self.sweep()
+        now = self.clock()
+        with self.lock:
+            for m in self.models.values():
+                if m.gap_since is not None and now - m.gap_since >= self.cfg.turn_wait_s and m.held:
+                    log.warning("model %s: seq ids %d..%d never came in %.0f s; skipped", m.model_id, m.next_seq,
+                                min(m.held) - 1, now - m.gap_since)  # fmt: skip
+                    m.next_seq, m.gap_since = min(m.held), None  # (a further gap waits its own time)
+                    self._flush(m)
         with self.lock:
             opening = [m for m in self.models.values() if m.status in ("opening", "closing") and m.job_id]
         for m in opening:
@@ -397,13 +406,15 @@ class Registry:
             raise
 
     def _flush(self, m: ModelRecord) -> None:
-        """Pass on the held requests whose turn has come, skipping the turns of refused ones (lock held)."""
+        """Pass on the held requests whose turn has come, skipping the turns of refused ones (lock held); what is
+        still held then waits for a missing seq id, since now if it did not already (`tick`)."""
         while m.next_seq is not None and m.next_seq in m.held:
             held = m.held.pop(m.next_seq)
             if held is not None:
                 kind, c, rid, fin = held
                 self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
             m.next_seq += 1
+        m.gap_since = (self.clock() if m.gap_since is None else m.gap_since) if m.held else None
 
     def ordered(self, m: ModelRecord, seq: Any, call: Call, finish: Finish) -> dict[str, Any]:
         """Pass a training request on in seq-id order (lock held); its future's answer."""
