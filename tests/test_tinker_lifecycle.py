@@ -8,6 +8,7 @@ import os
 import socket
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import wait_for
 
@@ -18,6 +19,7 @@ from tinker import types  # noqa: E402
 
 from plexrl.server.api import start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
+from plexrl.server.tinker.records import FORGET_S  # noqa: E402
 
 DATUM = types.Datum(
     model_input=types.ModelInput.from_ints([1, 4, 9, 16]),
@@ -96,6 +98,21 @@ def test_a_silent_session_is_ended_and_its_state_saved_for_its_owner(tmp_path: P
         with pytest.raises(tinker.NotFoundError):
             other.create_training_client_from_state(model.saved).result()
         other.close("success").result()
+        # an hour on, the ended session's records are gone (a long-running server keeps no record of every client)
+        reg, real = srv.sessions, srv.sessions.clock
+        reg.clock = lambda: real() + FORGET_S + 60
+        try:
+            reg.sweep()
+        finally:
+            reg.clock = real
+        assert training.model_id not in reg.models and model.session_id not in reg.sessions
+        assert not [r for r in reg.samplers.values() if r.session_id == model.session_id]
+        asked = httpx.post(f"{srv.url}/api/v1/get_info", json={"model_id": training.model_id},
+                           headers={"X-API-Key": "tml-ann"}, timeout=60)  # fmt: skip
+        assert asked.status_code == 404  # (no longer known: 404, where it was 410)
+        last = tinker.ServiceClient(base_url=srv.url, api_key="tml-ann")  # its saved state still loads by path
+        assert loss(last.create_training_client_from_state_with_optimizer(model.saved).result()) == expected
+        last.close("success").result()
     finally:
         srv.stop(120)
 

@@ -66,6 +66,7 @@ class ModelRecord:
     next_seq: int | None = 1  # the next training request's seq id (None: adopt the first one seen)
     held: dict[int, Any] = field(default_factory=dict)  # seq id -> a request that came before its turn
     gap_since: float | None = None  # since when `held` waits for a seq id that has not come (`turn_wait_s`)
+    ended_at: float | None = None  # when it ended (on the registry's clock): its record goes `FORGET_S` later
     seen: dict[int, str] = field(default_factory=dict)  # seq id -> request id (a retried request)
     snapshots: list[Path] = field(default_factory=list)  # unnamed sampler snapshots, oldest first
     sampler_only: bool = False
@@ -124,6 +125,22 @@ def parse_path(path: Any) -> tuple[str, str, str]:
 def file_of(root: Path, model_id: str, kind: str, name: str) -> Path:
     folder, suffix = KINDS[kind]
     return root / job_of(model_id) / folder / f"{name}{suffix}"
+
+
+FORGET_S = 3600.0  # an ended model's record (its 410 answer) and its sampling clients' are kept this long
+
+
+def forget_ended(models: dict[str, ModelRecord], samplers: dict[str, SamplerRecord], by_job: dict[str, ModelRecord],
+                 live_sessions: set[str], now: float) -> None:  # fmt: skip
+    """Drop the records of models that ended `FORGET_S` ago whose session is gone, and the sampling clients they
+    served (a long-running server keeps no record of every client it ever had; their files stay, loadable by
+    path). Call with the registry's lock held."""
+    for m in [m for m in models.values() if m.ended_at is not None and now - m.ended_at > FORGET_S]:
+        if m.session_id not in live_sessions:
+            del models[m.model_id]
+            by_job.pop(m.job_id, None)
+    for k in [k for k, r in samplers.items() if r.model_id not in models]:
+        del samplers[k]
 
 
 def write_owner(root: Path, model: ModelRecord) -> None:
@@ -189,6 +206,7 @@ def read_owner(root: Path, model_id: str) -> dict[str, Any] | None:
 
 
 __all__ = [
+    "FORGET_S",
     "KEEP_SNAPSHOTS",
     "ClientSession",
     "ModelRecord",
@@ -197,6 +215,7 @@ __all__ = [
     "checked_name",
     "checkpoint_facts",
     "file_of",
+    "forget_ended",
     "job_of",
     "note_checkpoint",
     "parse_path",

@@ -41,6 +41,7 @@ from plexrl.server.tinker.records import (
     ModelRecord,
     SamplerRecord,
     file_of,
+    forget_ended,
     job_of,
     tinker_path,
     write_owner,
@@ -202,6 +203,7 @@ class Registry:
             for s in [s for s in self.sessions.values() if s.ended is not None and now - s.last_seen > limit]:
                 if all(self.models[m].status == "ended" for m in s.models if m in self.models):
                     del self.sessions[s.session_id]  # (ended long ago, nothing of it alive: forgotten)
+            forget_ended(self.models, self.samplers, self.by_job, set(self.sessions), now)
         for s in stale:
             log.warning("session %s of %r: no call or heartbeat for %.0f s; ending it, its state checkpointed",
                         s.session_id, s.user, now - s.last_seen)  # fmt: skip
@@ -376,6 +378,7 @@ class Registry:
                 return
             why = m.reason if m.status == "closing" else reason or status  # (unloaded: said so)
             m.status, m.reason = "ended", why + (f"; its state was saved at {m.saved}" if m.saved else "")
+            m.ended_at = self.clock()
             waiting = [h[2] for h in m.held.values() if h is not None] + [rid for rid, _ in m.waiting]
             m.held.clear()
             m.waiting, unloads, m.unloads = [], m.unloads, []
