@@ -162,8 +162,9 @@ def test_a_failed_sample_leaves_its_training_session_alive(server: RunningServer
     assert snapshots
     for f in snapshots:
         f.write_bytes(b"not a safetensors file")
-    with pytest.raises(tinker.RequestFailedError, match="sample call failed on its service"):
+    with pytest.raises(tinker.RequestFailedError, match="sample call failed on its service") as failed:
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result()
+    assert str(server.sessions.root) not in str(failed.value)  # (the server's paths are not shown)
     # more snapshots than a model keeps: the oldest sampler is refused up front, naming the remedy
     for _ in range(9):
         training.save_weights_and_get_sampling_client().result()

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from plexrl.sessions import losses, sampling
 from plexrl.sessions.calls import Call, ForwardBackward, Load, OptimStep, Reply, Sample, Samples, Save
-from plexrl.sessions.refused import CallRefused
+from plexrl.sessions.refused import CallRefused, failed_text
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class SessionEngine:
             log.exception("session call %s failed", call.kind)
             if isinstance(call, ForwardBackward):
                 return self.failed(call, exc)
-            return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}")
+            return Reply(error=failed_text(call.kind, exc))
         raise TypeError(f"not a session call: {type(call).__name__}")
 
     def forward_backward(self, call: ForwardBackward) -> Reply:
@@ -195,7 +195,7 @@ class SessionEngine:
         if call.backward and self.grads:
             self.grads = {}
             dropped = "; the gradients accumulated since the last optim_step were dropped"
-        return Reply(error=f"the {call.kind} call failed on its service: {type(exc).__name__}: {exc}{dropped}")
+        return Reply(error=failed_text(call.kind, exc) + dropped)
 
     def _target_logprobs(self, model: Any, data: list[Any]) -> list[Tensor]:
         """One forward over `data` (right-padded): per datum the log-prob [N] (or [N, K]) of each position's

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plexrl.sessions.calls import Reply, Sample
-from plexrl.sessions.refused import CallRefused
+from plexrl.sessions.refused import CallRefused, failed_text
 
 if TYPE_CHECKING:
     from plexrl.engines.base import GenerationOutput
@@ -165,7 +165,7 @@ def sample_many(sessions: Sequence[SessionEngine], generators: Sequence[Any], ca
         except Exception as exc:  # (weights are put back by the stack; the sessions go on)
             log.exception("sample calls of %d sessions failed", len(run))
             for i in run:
-                replies[i] = Reply(error=f"the sample call failed on its service: {type(exc).__name__}: {exc}")
+                replies[i] = Reply(error=failed_text("sample", exc))
     return [r if r is not None else Reply(error="not run") for r in replies]
 
 
