@@ -170,6 +170,8 @@ def test_a_failed_sample_leaves_its_training_session_alive(server: RunningServer
         training.save_weights_and_get_sampling_client().result()
     with pytest.raises(tinker.BadRequestError, match="snapshot was dropped"):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result()
+    session = sampler._sampling_session_id.split(":")[0]  # (only the kept snapshots' clients come back at a restart)
+    assert len(list((server.sessions.root / "clients" / session).glob("*.json"))) == 8
     assert training.forward([DATUM], "cross_entropy").result().metrics["loss:sum"] == before
     ann.close("success").result()
 

@@ -46,6 +46,11 @@ def forget(root: Path, session_id: str) -> None:
     shutil.rmtree(root / "clients" / session_id, ignore_errors=True)
 
 
+def drop_sampler(root: Path, session_id: str, seq: str) -> None:
+    """A sampling client whose snapshot was dropped (a model keeps its latest few) is not brought back."""
+    (root / "clients" / session_id / f"{seq}.json").unlink(missing_ok=True)
+
+
 def kept(root: Path) -> list[tuple[str, str]]:
     """The (session id, user) of every session recorded and not ended; unreadable records are skipped, logged."""
     out: list[tuple[str, str]] = []
@@ -130,4 +135,4 @@ def recover(
     return sessions, models, samplers
 
 
-__all__ = ["forget", "keep", "keep_sampler", "kept", "kept_samplers", "recover"]
+__all__ = ["drop_sampler", "forget", "keep", "keep_sampler", "kept", "kept_samplers", "recover"]

@@ -214,8 +214,9 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
                     reg.samplers[sampler_id] = record
                     durable.keep_sampler(reg.root, record)  # (before its client hears of it: a restart knows it)
                     m.snapshots.append(target)
-                    for old in m.snapshots[:-KEEP_SNAPSHOTS]:
+                    for old in m.snapshots[:-KEEP_SNAPSHOTS]:  # (named `<seq>-<hex>`: its client's seq id)
                         old.unlink(missing_ok=True)
+                        durable.drop_sampler(reg.root, s.session_id, old.name.split("-")[0])
                     m.snapshots = m.snapshots[-KEEP_SNAPSHOTS:]
                 return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
