@@ -143,6 +143,28 @@ def test_a_request_refused_before_its_seq_id_was_read_does_not_hold_the_next_one
     assert post(srv, f"/sessions/{session}/finish", ANN, {"reason": {"type": "success"}}).status_code == 200
 
 
+def test_a_users_inputs_waiting_to_run_are_bounded_in_bytes(server: RunningServer, smol_tiny: Path) -> None:
+    """Past `tinker.max_queued_bytes_per_user` a forward_backward gets 429 (the SDK sends it again with the same
+    seq id, which is then served); a call held for its turn counts until it runs, and nothing stays counted."""
+    srv = server
+    session, model = raw_model(srv, ANN, smol_tiny)
+    futures, user = srv.sessions.futures, srv.sessions.models[model].user
+    limit, futures.max_bytes = futures.max_bytes, 1
+    try:
+        r = post(srv, "/forward_backward", ANN, raw=fb_body(model, 1, [1, 5, 9]))
+        assert r.status_code == 429 and "max_queued_bytes_per_user" in r.json()["detail"], r.text
+    finally:
+        futures.max_bytes = limit
+    first = post(srv, "/forward_backward", ANN, raw=fb_body(model, 1, [1, 5, 9])).json()["request_id"]
+    assert isinstance(result(srv, ANN, first), bytes)
+    third = post(srv, "/forward_backward", ANN, raw=fb_body(model, 3, [1, 5, 9])).json()["request_id"]
+    assert futures.waiting_bytes(user) == 2 * 8 + 2 * 8 + 2 * 4  # (held for seq 2: 2 tokens, targets, weights)
+    second = post(srv, "/forward_backward", ANN, raw=fb_body(model, 2, [1, 5, 9])).json()["request_id"]
+    assert isinstance(result(srv, ANN, second), bytes) and isinstance(result(srv, ANN, third), bytes)
+    assert futures.waiting_bytes(user) == 0
+    assert post(srv, f"/sessions/{session}/finish", ANN, {"reason": {"type": "success"}}).status_code == 200
+
+
 def test_a_failed_sample_leaves_its_training_session_alive(server: RunningServer, smol_tiny: Path) -> None:
     ann = tinker.ServiceClient(base_url=server.url, api_key=f"tml-{ANN}")
     training = ann.create_lora_training_client(base_model=str(smol_tiny), rank=2, seed=3).result()

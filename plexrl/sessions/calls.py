@@ -136,6 +136,14 @@ class Reply:
 ARRAY = "__ndarray__"  # the key of an array packed by `pack`
 
 
+def call_bytes(call: Call) -> int:
+    """The bytes of a call's decoded arrays (a forward_backward's datums; 0 for the others, whose inputs are
+    small): what the server holds for it until it runs."""
+    if not isinstance(call, ForwardBackward):
+        return 0
+    return sum(d.tokens.nbytes + sum(a.nbytes for a in d.inputs.values()) for d in call.data)
+
+
 def pack(obj: Any) -> Any:
     """A reply as msgpack-able plain data (what a Dask worker's event may carry): every numpy array becomes
     `{ARRAY: [dtype, shape, bytes]}`; dicts, lists, numbers, strings and None stay. `unpack` reverses it."""
@@ -177,6 +185,7 @@ __all__ = [
     "Sample",
     "Samples",
     "Save",
+    "call_bytes",
     "pack",
     "unpack",
 ]

@@ -70,6 +70,13 @@ class TinkerConfig(BaseModel):
         description="Requests of one user not yet retrieved (in flight, held for their turn, queued, or done and "
         "never fetched); past it a request gets 429. A result never fetched is dropped after an hour.",
     )
+    max_queued_bytes_per_user: int = Field(
+        256 << 20,
+        ge=1,
+        description="Bytes of one user's decoded training inputs waiting to run (held for their turn or queued); "
+        "past it a request gets 429 (the SDK retries it) until some have run. Bounds what a user's calls hold in "
+        "the server's memory, however many are sent.",
+    )
     max_open_sessions_per_user: int = Field(
         64, ge=1, description="Client sessions (ServiceClients) of one user not yet finished or timed out."
     )

@@ -59,6 +59,7 @@ class Future:
     done_at: float | None = None
     fetched_at: float | None = None
     withdraw: Callable[[], bool] | None = None  # takes its call back while still queued (True: it was)
+    nbytes: int = 0  # its call's decoded inputs, counted against its user's until it completes
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
 
@@ -66,34 +67,47 @@ class Futures:
     """See the module docstring. Thread-safe."""
 
     def __init__(
-        self, keep_s: float = 120.0, max_age_s: float = 3600.0, max_open: int | None = None, max_polls: int = 64
-    ) -> None:
+        self, keep_s: float = 120.0, max_age_s: float = 3600.0, max_open: int | None = None, max_polls: int = 64,
+        max_bytes: int | None = None,
+    ) -> None:  # fmt: skip
         self.polls = LongPolls(max_polls)  # (the event loop's: `wait` is its only user here)
         self._lock = threading.Lock()
         self._items: dict[str, Future] = {}
         self._open: dict[str | None, int] = {}  # user -> futures not yet fetched (pending or done)
-        self.keep_s, self.max_age_s, self.max_open = keep_s, max_age_s, max_open
+        self._bytes: dict[str | None, int] = {}  # user -> bytes of the inputs of its calls not yet completed
+        self.keep_s, self.max_age_s, self.max_open, self.max_bytes = keep_s, max_age_s, max_open, max_bytes
 
-    def room(self, user: str | None) -> None:
+    def room(self, user: str | None, nbytes: int = 0) -> None:
         """Refused (429) when `user` holds `max_open` futures not yet fetched (calls in flight, held, queued or
-        done and never retrieved): check it before a request changes anything."""
+        done and never retrieved), or `nbytes` more of inputs would pass `max_bytes` of its calls not yet
+        completed: check it before a request changes anything."""
         with self._lock:
             self._sweep(time.monotonic())
-            held = self._open.get(user, 0)
+            held, waiting = self._open.get(user, 0), self._bytes.get(user, 0)
+        if self.max_bytes is not None and user is not None and nbytes and waiting + nbytes > self.max_bytes:
+            raise Refused(429, f"user {user!r} has {waiting} bytes of inputs waiting to run, this server's "
+                               "tinker.max_queued_bytes_per_user; wait for them to run")  # fmt: skip
         if self.max_open is not None and user is not None and held >= self.max_open:
             raise Refused(429, f"user {user!r} has {held} requests not yet retrieved, this server's "
                                "tinker.max_requests_per_user; retrieve their results first (or ask the server's "
                                "owner to raise it)")  # fmt: skip
 
-    def new(self, user: str | None, what: str, reason: str = "") -> Future:
-        """A pending future for a call of `user` (None: the administrator); `room` refused first."""
-        self.room(user)
+    def new(self, user: str | None, what: str, reason: str = "", nbytes: int = 0) -> Future:
+        """A pending future for a call of `user` (None: the administrator) whose inputs take `nbytes`; `room`
+        refused first."""
+        self.room(user, nbytes)
         now = time.monotonic()
-        fut = Future("r" + secrets.token_hex(12), user, what, now, reason)  # (random: ids cannot be guessed)
+        fut = Future("r" + secrets.token_hex(12), user, what, now, reason, nbytes=nbytes)  # (ids cannot be guessed)
         with self._lock:
             self._items[fut.request_id] = fut
             self._open[user] = self._open.get(user, 0) + 1
+            self._bytes[user] = self._bytes.get(user, 0) + nbytes
         return fut
+
+    def waiting_bytes(self, user: str | None) -> int:
+        """Bytes of `user`'s call inputs not yet completed (`max_bytes`)."""
+        with self._lock:
+            return self._bytes.get(user, 0)
 
     def complete(self, request_id: str, kind: Kind, payload: Any) -> None:
         """Set a future's result (the first one stands) and wake its waiters."""
@@ -103,6 +117,8 @@ class Futures:
                 return
             fut.kind, fut.payload, fut.done_at = kind, payload, time.monotonic()
             waiters, fut.waiters = fut.waiters, []
+            self._bytes[fut.user] = self._bytes.get(fut.user, 0) - fut.nbytes  # (its inputs are no longer held)
+            fut.nbytes = 0
         for loop, waiter in waiters:
             loop.call_soon_threadsafe(_wake, waiter)
 

@@ -46,7 +46,7 @@ from plexrl.server.tinker.records import (
     tinker_path,
     write_owner,
 )
-from plexrl.sessions.calls import Call, Save
+from plexrl.sessions.calls import Call, Save, call_bytes
 from plexrl.sessions.spec import SessionConfig
 from plexrl.sizes import count_parameters
 
@@ -105,7 +105,8 @@ class Registry:
         self.cfg, self.backend, self.root, self.roots, self.policy_of = cfg, backend, root, roots, policy_of
         self.run_dir = run_dir or root.parent  # the sessions' MLflow store and caches: the server's run_dir
         self.resolve_pretrained, self.clock, self.disk, self.admit = resolve_pretrained, clock, disk, admit
-        self.futures = Futures(max_open=cfg.max_requests_per_user, max_polls=cfg.max_polls_per_user)
+        self.futures = Futures(max_open=cfg.max_requests_per_user, max_polls=cfg.max_polls_per_user,
+                               max_bytes=cfg.max_queued_bytes_per_user)  # fmt: skip
         self.lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, ModelRecord] = {}
@@ -433,7 +434,7 @@ class Registry:
             raise Refused(400, f"seq_id {seq} was used by a refused request; send the next one")
         if seq < m.next_seq or seq > m.next_seq + MAX_AHEAD:
             raise Refused(400, f"seq_id {seq} is out of order (the next is {m.next_seq})")
-        fut = self.futures.new(m.user, call.kind)
+        fut = self.futures.new(m.user, call.kind, nbytes=call_bytes(call))
         m.seen[seq] = fut.request_id
         if len(m.seen) > 4 * MAX_AHEAD:
             for old in sorted(m.seen)[: len(m.seen) - 2 * MAX_AHEAD]:
