@@ -90,6 +90,7 @@ def test_a_silent_session_is_ended_and_its_state_saved_for_its_owner(tmp_path: P
         with pytest.raises(tinker.APIStatusError, match="410"):
             training.forward([DATUM], "cross_entropy").result()
         service.close("success").result()  # (its session ended: the SDK's heartbeat would go on otherwise)
+        srv.sessions.cfg.session_timeout_s = 600.0  # (the clients below: no sweep while a slow machine loads them)
         again = tinker.ServiceClient(base_url=srv.url, api_key="tml-ann")
         resumed = again.create_training_client_from_state_with_optimizer(model.saved).result()
         assert loss(resumed) == expected

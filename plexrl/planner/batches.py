@@ -32,8 +32,8 @@ Sessions keep in phase (`keep_phase`, `Planner(phase_window=...)`): a session's 
 picks while other work could run lets that work go first when sessions of its key are busy on the service with
 calls of other kinds (queued or running) and their clients were seen to come back to its kind from those
 (`sessions.comes_to`: a loop that samples, trains, steps and saves). They then sample in the same cohort
-instead of each alone as it comes round: eight SDK loops on one base stay one cohort of eight instead of
-drifting into cohorts of two or three. It costs the service nothing (only other runnable work goes first) and
+instead of each alone as it comes round: SDK loops on one base that drifted apart come back into one cohort,
+where without it they stay apart. It costs the service nothing (only other runnable work goes first) and
 the call at most `phase_window` seconds after it became ready; the cohort full, it goes. Only sessions of the
 call's own user hold it: another user's busy sessions (a flood of training calls, say) never delay it.
 

@@ -101,8 +101,9 @@ class Dispatcher:
     def in_phase(self, svc: ServiceRecord, candidates: list[int], now: float) -> tuple[list[int], list[int]]:
         """The candidates (queue indices) that may go now, and those held so that their partners catch up
         (`batches.keep_phase`), held only while something else may go. Counts the calls newly held."""
-        held = [i for i in candidates if self.batch_rollouts and keep_phase(svc, self.jobs, svc.queue[i], now,
-                                                                            self.phase_window)]  # fmt: skip
+        if not self.batch_rollouts or self.phase_window <= 0.0:
+            return candidates, []
+        held = [i for i in candidates if keep_phase(svc, self.jobs, svc.queue[i], now, self.phase_window)]
         if not held or len(held) == len(candidates):
             return candidates, []
         keys = {(q.job_id, q.iteration, q.node) for q in (svc.queue[i] for i in held)}

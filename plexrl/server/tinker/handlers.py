@@ -5,7 +5,6 @@ otherwise: nothing changed), and answers with what the SDK expects: an `UntypedA
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from plexrl.server.tinker.records import (
     KEEP_SNAPSHOTS,
     SamplerRecord,
     alpha_of,
+    checked_metadata,
     checked_name,
     checkpoint_facts,
     file_of,
@@ -40,7 +40,7 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
     once its state is on a service."""
     cfg = reg.cfg
     lora = body.get("lora_config")
-    meta = checkpoint_facts({"user_metadata": body.get("user_metadata")}, 0.0)["user_metadata"]  # (checked)
+    meta = checked_metadata(body.get("user_metadata"))
     full = meta is not None and str(meta.get(FULL_FINETUNE, "")).lower() == "true"
     _adamw_only(body)
     if full and not cfg.full_finetuning:
@@ -136,7 +136,7 @@ def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _limits_of(m: Any) -> dec.ModelLimits:
+def limits_of(m: Any) -> dec.ModelLimits:
     if m.limits is None:
         raise Refused(400, f"model {m.model_id} is still being prepared; wait for its client")
     limits: dec.ModelLimits = m.limits
@@ -151,7 +151,7 @@ def forward_backward(reg: Registry, user: str | None, wire: proto.WireForwardBac
     with reg.lock:
         m = reg.model(user, wire.model_id)
         with reg.turn(m, wire.seq_id):
-            call = dec.forward_backward(wire, _limits_of(m), reg.cfg)
+            call = dec.forward_backward(wire, limits_of(m), reg.cfg)
             return reg.ordered(m, wire.seq_id, call, finish)
 
 
@@ -257,7 +257,7 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
                 load = Load(str(found), bool(body.get("optimizer")))
                 return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
     _adamw_only(body)
-    meta = checkpoint_facts({"user_metadata": body.get("user_metadata")}, 0.0)["user_metadata"]  # (checked)
+    meta = checked_metadata(body.get("user_metadata"))
     src_model, _, found = source(reg, user, body.get("path"))
     load = Load(str(found), bool(body.get("optimizer")))
     owner = read_owner(reg.root, src_model) or {}
@@ -275,128 +275,14 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
     return {"request_id": fut.request_id, "model_id": m.model_id}
 
 
-# -- sampling ----------------------------------------------------------------------------------------
-def create_sampler(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A sampling client: on the live model that saved its weights (reading them from the file), or on a job
-    opened for it (the base model through a zero adapter, or weights loaded from a path whose model ended).
-    Every client of one session on one base model is served by the first one's job (one open model, however
-    many such clients a loop makes)."""
-    model_path, base = body.get("model_path"), body.get("base_model")
-    seq = body.get("sampling_session_seq_id")
-    load: Load | None = None
-    owner: dict[str, Any] = {"lora_rank": 1, "targets": list(TARGETS["attn"])}  # a zero adapter: the base itself
-    reg.check_writes(user)  # (every client writes its record, a new model its files: refused on a full disk)
-    with reg.lock:
-        s = reg.session(user, body.get("session_id"))
-        if model_path is None:
-            for other in (reg.models[m] for m in s.models if m in reg.models):
-                mine = reg.samplers.get(other.model_id)
-                if other.sampler_only and other.status in ("opening", "open") and other.base_model == str(base) and (
-                    mine is not None and mine.model_path is None
-                ):  # fmt: skip
-                    return _served_by(reg, s, seq, other, None, None)
-        if model_path is not None:
-            src_model, kind, found = source(reg, user, model_path)
-            live = reg.models.get(src_model)
-            live = live if live is not None and live.status in ("opening", "open") else None  # (not ended, closing)
-            if kind == "sampler_weights" and live is not None and live.user == user:
-                return _served_by(reg, s, seq, live, model_path, found)
-            owner = read_owner(reg.root, src_model) or {}
-            base = base or owner.get("base_model")
-            load = Load(str(found), False)
-        m = reg.new_model(user, s.session_id, seq, base, kind="sample")
-        m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
-        m.lora_alpha = alpha_of(owner, reg.cfg.lora_alpha)
-        if m.lora_rank is None and not reg.cfg.full_finetuning:
-            raise Refused(400, "that checkpoint is a full fine-tune, which this server does not load")
-        record = reg.samplers[m.model_id] = SamplerRecord(m.model_id, s.session_id, user, m.model_id, m.base_model,
-                                                           model_path)  # fmt: skip
-
-    def loaded(reply: dict[str, Any] | None, error: str | None) -> None:
-        why = error if reply is None else reply.get("error")
-        if why:
-            record.broken = f"loading {model_path} failed: {why}"
-
-    reg.open(m, None if load is None else (load, loaded))
-    return {"type": "create_sampling_session", "sampling_session_id": m.model_id}
-
-
-def _served_by(reg: Registry, s: Any, seq: Any, m: Any, model_path: str | None, found: Path | None) -> dict[str, Any]:
-    """A sampling client of session `s` served by model `m`'s job (lock held), reading the sampler weights file
-    `found` (None: the job's own weights); recorded so that it comes back after a restart with its model."""
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or f"sample:{seq}" in s.seqs:
-        raise Refused(400, "create_sampling_session needs a new sampling_session_seq_id")
-    s.seqs.add(f"sample:{seq}")
-    sid = f"{s.session_id}:sample:{seq}"
-    record = SamplerRecord(sid, s.session_id, m.user, m.model_id, m.base_model, model_path)
-    if found is not None:
-        record.weights, record.weights_id = found, _weights_id(found)
-    reg.samplers[sid] = record
-    durable.keep_sampler(reg.root, record)
-    return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-
-def get_sampler(reg: Registry, user: str | None, sampler_id: str) -> dict[str, Any]:
-    with reg.lock:
-        s = reg.sampler(user, sampler_id)
-    return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
-
-
-def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
-    """One sample request of a sampling client: a call of the job that serves it, with the sampler's weights;
-    its seed, when the request names none, a fresh random one (Tinker's; a request that names one samples the
-    same tokens every time). A call still queued may be cancelled by its client (`Futures.cancel`)."""
-    sid = body.get("sampling_session_id")
-    if sid is None:
-        raise Refused(400, "sample without a sampling client is not served; create_sampling_client first")
-    seq = body.get("seq_id") or 0
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise Refused(400, "seq_id must be a non-negative integer")
-    with reg.lock:
-        s = reg.sampler(user, sid)
-        if s.broken is not None:
-            raise Refused(400, f"sampling session {sid}: {s.broken}")
-        if s.weights is not None and not s.weights.is_file():
-            why = f"its weights snapshot was dropped (a model keeps its latest {KEEP_SNAPSHOTS}); make a new one"
-            raise Refused(
-                400, f"sampling session {sid}: {why}; make a new one with save_weights_and_get_sampling_client"
-            )
-        m = reg.model(user, s.model_id)
-        call = dec.sample(body, _limits_of(m), reg.cfg, secrets.randbits(31))
-        if s.weights is not None:
-            call = dataclasses.replace(call, weights=str(s.weights), weights_id=s.weights_id)
-        fut = reg.futures.new(m.user, "sample")
-        job_id = m.job_id
-
-    def finish(value: dict[str, Any]) -> tuple[str, Any]:
-        return "proto", proto.encode_sample_response(value["sequences"], value.get("prompt_logprobs"),
-                                                     value.get("topk_prompt_logprobs"))  # fmt: skip
-
-    done = replying(reg.futures, fut.request_id, finish)
-    fut.withdraw = lambda: reg.backend.withdraw(job_id, done)  # (`cancel_future`: while it is still queued)
-    reg.backend.call(job_id, "sample", call, done)
-    ids = [f"{sid}/{seq}/{i}" for i in range(call.num_samples)]
-    return {"request_id": fut.request_id, "model_id": None, "sample_sequence_ids": ids}
-
-
-def _weights_id(path: Path) -> str | None:
-    """The weights id a sampler file was saved with (its safetensors metadata)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "np") as f:
-        meta = f.metadata() or {}
-    return meta.get("weights_id")
-
-
 __all__ = [
     "FULL_FINETUNE",
-    "asample",
+    "TARGETS",
     "create_model",
-    "create_sampler",
     "forward_backward",
     "get_info",
-    "get_sampler",
     "get_server_capabilities",
+    "limits_of",
     "load_weights",
     "optim_step",
     "save_for_sampler",

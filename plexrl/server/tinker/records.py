@@ -161,17 +161,23 @@ MAX_METADATA = 32  # entries of a checkpoint's user_metadata (keys up to 64 char
 def checkpoint_facts(body: dict[str, Any], now: float) -> dict[str, Any]:
     """What a save request asks to keep with its checkpoint (`<root>/<job>/meta.json`, which the RestClient's
     routes read): `expires_at` from `ttl_seconds`, and `user_metadata`; Refused (400) for bad ones."""
-    ttl, meta = body.get("ttl_seconds"), body.get("user_metadata")
+    ttl = body.get("ttl_seconds")
     if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_TTL_S):
         raise Refused(400, f"ttl_seconds must be 1..{MAX_TTL_S} (or null: no expiry)")
+    meta = checked_metadata(body.get("user_metadata"))
+    when = None if ttl is None else dt.datetime.fromtimestamp(now + ttl, dt.UTC).isoformat()
+    return {"expires_at": when, "user_metadata": meta}
+
+
+def checked_metadata(meta: Any) -> dict[str, str] | None:
+    """A request's `user_metadata` (a save's, a new model's) as kept; Refused (400) for one out of bounds."""
     if meta is not None and (
         not isinstance(meta, dict) or len(meta) > MAX_METADATA
         or any(not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in meta.items())
     ):  # fmt: skip
         raise Refused(400, f"user_metadata must map at most {MAX_METADATA} strings (keys <= 64, values <= 512 "
                            "characters) to strings")  # fmt: skip
-    when = None if ttl is None else dt.datetime.fromtimestamp(now + ttl, dt.UTC).isoformat()
-    return {"expires_at": when, "user_metadata": meta}
+    return meta
 
 
 def note_checkpoint(root: Path, model_id: str, checkpoint: str, facts: dict[str, Any]) -> None:
@@ -212,6 +218,7 @@ __all__ = [
     "ModelRecord",
     "SamplerRecord",
     "alpha_of",
+    "checked_metadata",
     "checked_name",
     "checkpoint_facts",
     "file_of",

@@ -24,7 +24,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from plexrl.server.tinker import exports, handlers, proto, rest
+from plexrl.server.tinker import exports, handlers, proto, rest, samplers
 from plexrl.server.tinker.decode import Refused
 from plexrl.server.tinker.futures import GONE
 from plexrl.server.tinker.registry import Registry
@@ -246,8 +246,8 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
     posting("/save_weights_for_sampler", handlers.save_for_sampler)
     posting("/save_weights_external", exports.save_external)
     posting("/load_weights", handlers.load_weights, creates=True)
-    posting("/create_sampling_session", handlers.create_sampler, creates=True)
-    posting("/asample", handlers.asample)
+    posting("/create_sampling_session", samplers.create_sampler, creates=True)
+    posting("/asample", samplers.asample)
     posting("/unload_model", handlers.unload_model)
 
     @router.post("/get_info")
@@ -278,7 +278,7 @@ def add_tinker_routes(app: FastAPI, registry: Registry, *, open_server: bool) ->
     @router.get("/samplers/{sampler_id}")
     async def sampler(sampler_id: str, request: Request) -> Any:
         async def go() -> Any:
-            return await run(handlers.get_sampler, registry, who(request), sampler_id)
+            return await run(samplers.get_sampler, registry, who(request), sampler_id)
 
         return await guarded(go())
 
