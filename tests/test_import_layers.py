@@ -260,7 +260,6 @@ OVER_NEW_LIMIT = {
     "plexrl.planner.core",
     "plexrl.runtime.dask",
     "plexrl.server.journal",
-    "plexrl.server.tinker.registry",
     "plexrl.services.group",
     "plexrl.services.service",
     "plexrl.sessions.engine",

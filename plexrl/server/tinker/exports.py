@@ -128,7 +128,7 @@ def save_external(reg: Registry, user: str | None, body: dict[str, Any]) -> dict
     400), with `ttl_seconds` and `age_encryption_recipients`. A future of `{path, size_bytes}`."""
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        with reg.turn(m, body.get("seq_id")):
+        with reg.turns.turn(m, body.get("seq_id")):
             reg.check_writes(m.user)
             name = checked_name(body.get("path"), "the external weights name")
             keys = recipients_of(body.get("age_encryption_recipients"))
@@ -147,7 +147,7 @@ def save_external(reg: Registry, user: str | None, body: dict[str, Any]) -> dict
             def finish(value: dict[str, Any]) -> Future[tuple[str, Any]]:  # (on a worker: the reply thread goes on)
                 return WORKERS.submit(publish, reg, spec, keys, facts)
 
-            return reg.ordered(m, body.get("seq_id"), Save(str(staging / RAW), "sampler"), finish)
+            return reg.turns.ordered(m, body.get("seq_id"), Save(str(staging / RAW), "sampler"), finish)
 
 
 def publish(reg: Registry, spec: Export, keys: list[Any], facts: dict[str, Any]) -> tuple[str, Any]:

@@ -150,24 +150,26 @@ def forward_backward(reg: Registry, user: str | None, wire: proto.WireForwardBac
 
     with reg.lock:
         m = reg.model(user, wire.model_id)
-        with reg.turn(m, wire.seq_id):
+        with reg.turns.turn(m, wire.seq_id):
             call = dec.forward_backward(wire, limits_of(m), reg.cfg)
-            return reg.ordered(m, wire.seq_id, call, finish)
+            return reg.turns.ordered(m, wire.seq_id, call, finish)
 
 
 def optim_step(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        with reg.turn(m, body.get("seq_id")):
+        with reg.turns.turn(m, body.get("seq_id")):
             call = dec.optim_step(body.get("adam_params", body.get("optim_params", body.get("optimizer_params"))))
-            return reg.ordered(m, body.get("seq_id"), call, lambda v: ("json", {"metrics": v.get("metrics") or {}}))
+            return reg.turns.ordered(
+                m, body.get("seq_id"), call, lambda v: ("json", {"metrics": v.get("metrics") or {}})
+            )
 
 
 def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """save_state: the model's state under a name (`tinker://<model>/weights/<name>`)."""
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        with reg.turn(m, body.get("seq_id")):
+        with reg.turns.turn(m, body.get("seq_id")):
             reg.check_writes(m.user)
             name = checked_name(body.get("path"), "the checkpoint name")
             target = file_of(reg.root, m.model_id, "weights", name)
@@ -175,7 +177,7 @@ def save_weights(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
                 raise Refused(400, f"checkpoint {name!r} exists; pass overwrite=True or another name")
             facts = checkpoint_facts(body, time.time())
             answer = {"path": tinker_path(m.model_id, "weights", name), "type": "save_weights"}
-            return reg.ordered(m, body.get("seq_id"), Save(str(target), "state"),
+            return reg.turns.ordered(m, body.get("seq_id"), Save(str(target), "state"),
                                _noting(reg, m.model_id, f"weights/{name}", facts, answer))  # fmt: skip
 
 
@@ -185,7 +187,7 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
     `KEEP_SNAPSHOTS` of a model are kept)."""
     with reg.lock:
         m = reg.model(user, body.get("model_id"))
-        with reg.turn(m, body.get("seq_id")):
+        with reg.turns.turn(m, body.get("seq_id")):
             reg.check_writes(m.user)
             if body.get("kind", "snapshot") != "snapshot":
                 raise Refused(400, "inflight sampling clients are not served by PlexRL; use kind='snapshot'")
@@ -197,7 +199,7 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
                                        "first: RestClient.delete_checkpoint_from_tinker_path)")  # fmt: skip
                 facts = checkpoint_facts(body, time.time())
                 answer = {"path": tinker_path(m.model_id, "sampler_weights", name), "type": "save_weights_for_sampler"}
-                return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"),
+                return reg.turns.ordered(m, body.get("seq_id"), Save(str(target), "sampler"),
                                    _noting(reg, m.model_id, f"sampler_weights/{name}", facts, answer))  # fmt: skip
             s = reg.session(user, m.session_id)
             seq = body.get("sampling_session_seq_id")
@@ -220,7 +222,7 @@ def save_for_sampler(reg: Registry, user: str | None, body: dict[str, Any]) -> d
                     m.snapshots = m.snapshots[-KEEP_SNAPSHOTS:]
                 return "json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-            return reg.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
+            return reg.turns.ordered(m, body.get("seq_id"), Save(str(target), "sampler"), bind)
 
 
 def _noting(reg: Registry, model_id: str, checkpoint: str, facts: dict[str, Any], answer: dict[str, Any]) -> Any:
@@ -251,11 +253,11 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
     if body.get("model_id") is not None:
         with reg.lock:
             m = reg.model(user, body.get("model_id"))
-            with reg.turn(m, body.get("seq_id")):  # (a refused path uses its turn like any refusal)
+            with reg.turns.turn(m, body.get("seq_id")):  # (a refused path uses its turn like any refusal)
                 _, _, found = source(reg, user, body.get("path"))
                 answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
                 load = Load(str(found), bool(body.get("optimizer")))
-                return reg.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
+                return reg.turns.ordered(m, body.get("seq_id"), load, lambda v: ("json", answer))
     _adamw_only(body)
     meta = checked_metadata(body.get("user_metadata"))
     src_model, _, found = source(reg, user, body.get("path"))

@@ -8,9 +8,9 @@ Who may see what: every session, model, sampler, saved path and future belongs t
 it; another user's gets the answer of one that does not exist (404), so ids do not leak. The administrator
 (`user` None) reaches everything.
 
-Order: a training client's requests carry consecutive `seq_id`s; they are passed on in that order (one that
-comes early waits for those before it, a repeated one gets the first one's future). Calls of one job run in the
-order passed on (`plexrl.runtime.calls`).
+Order: a training client's requests carry consecutive `seq_id`s; they are passed on in that order (`turns.py`,
+the registry's `turns`: one that comes early waits for those before it, a repeated one gets the first one's
+future). Calls of one job run in the order passed on (`plexrl.runtime.calls`).
 
 Lifetime: a session whose client sent nothing (no call, no heartbeat) for `session_timeout_s` is ended by
 `sweep` and its models' jobs close with a checkpoint; `finish` (the client's `close`) closes them at once;
@@ -20,12 +20,11 @@ model's job that ends fails the requests still waiting for it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,14 +45,14 @@ from plexrl.server.tinker.records import (
     tinker_path,
     write_owner,
 )
-from plexrl.sessions.calls import Call, Save, call_bytes
+from plexrl.server.tinker.turns import Turns
+from plexrl.sessions.calls import Call, Save
 from plexrl.sessions.spec import SessionConfig
 from plexrl.sizes import count_parameters
 
 log = logging.getLogger(__name__)
 
 Refused = dec.Refused
-MAX_AHEAD = 1024  # a training request may come at most this many seq ids before its turn
 
 
 class Backend(Protocol):
@@ -107,6 +106,7 @@ class Registry:
         self.resolve_pretrained, self.clock, self.disk, self.admit = resolve_pretrained, clock, disk, admit
         self.futures = Futures(max_open=cfg.max_requests_per_user, max_polls=cfg.max_polls_per_user,
                                max_bytes=cfg.max_queued_bytes_per_user)  # fmt: skip
+        self.turns = Turns(self.futures, backend, clock)  # (training requests in seq-id order: `turns.py`)
         self.lock = threading.Lock()
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, ModelRecord] = {}
@@ -216,14 +216,8 @@ class Registry:
         never came get their turn (the missing ones skipped); models still opening learn what their job waits
         for (admission: shown in try_again), or that it ended before it came up."""
         self.sweep()
-        now = self.clock()
         with self.lock:
-            for m in self.models.values():
-                if m.gap_since is not None and now - m.gap_since >= self.cfg.turn_wait_s and m.held:
-                    log.warning("model %s: seq ids %d..%d never came in %.0f s; skipped", m.model_id, m.next_seq,
-                                min(m.held) - 1, now - m.gap_since)  # fmt: skip
-                    m.next_seq, m.gap_since = min(m.held), None  # (a further gap waits its own time)
-                    self._flush(m)
+            self.turns.skip_gaps(self.models.values(), self.cfg.turn_wait_s)
         with self.lock:
             opening = [m for m in self.models.values() if m.status in ("opening", "closing") and m.job_id]
         for m in opening:
@@ -390,58 +384,6 @@ class Registry:
 
     def waiting_reason(self, m: ModelRecord) -> str:
         return self.backend.reason(m.job_id) if m.job_id else "preparing the model"
-
-    # -- calls -----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def turn(self, m: ModelRecord, seq: Any) -> Iterator[None]:
-        """The checks of the owner's training request `seq` (lock held): one that refuses it still uses its turn,
-        as the SDK counts it sent (its next request carries the next seq id); but not a refusal the SDK retries
-        with the same seq id (429, 5xx: a full disk, a busy server), whose turn waits for the retry."""
-        try:
-            yield
-        except Refused as e:
-            if e.retried or not isinstance(seq, int) or isinstance(seq, bool) or m.next_seq is None or seq in m.seen:
-                raise
-            if seq == m.next_seq:
-                m.next_seq += 1
-                self._flush(m)
-            elif m.next_seq < seq <= m.next_seq + MAX_AHEAD and seq not in m.held:
-                m.held[seq] = None  # refused before its turn: its turn is skipped when it comes
-            raise
-
-    def _flush(self, m: ModelRecord) -> None:
-        """Pass on the held requests whose turn has come, skipping the turns of refused ones (lock held); what is
-        still held then waits for a missing seq id, since now if it did not already (`tick`)."""
-        while m.next_seq is not None and m.next_seq in m.held:
-            held = m.held.pop(m.next_seq)
-            if held is not None:
-                kind, c, rid, fin = held
-                self.backend.call(m.job_id, kind, c, replying(self.futures, rid, fin))
-            m.next_seq += 1
-        m.gap_since = (self.clock() if m.gap_since is None else m.gap_since) if m.held else None
-
-    def ordered(self, m: ModelRecord, seq: Any, call: Call, finish: Finish) -> dict[str, Any]:
-        """Pass a training request on in seq-id order (lock held); its future's answer."""
-        if seq is None:
-            seq = m.next_seq if m.next_seq is not None else 0
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-            raise Refused(400, "seq_id must be a non-negative integer")
-        if m.next_seq is None:
-            m.next_seq = seq  # (a model resumed after a restart: its client's numbering goes on)
-        if seq in m.seen:
-            return {"request_id": m.seen[seq], "model_id": m.model_id}
-        if seq in m.held:  # (only a refused request's skipped turn is held without being seen)
-            raise Refused(400, f"seq_id {seq} was used by a refused request; send the next one")
-        if seq < m.next_seq or seq > m.next_seq + MAX_AHEAD:
-            raise Refused(400, f"seq_id {seq} is out of order (the next is {m.next_seq})")
-        fut = self.futures.new(m.user, call.kind, nbytes=call_bytes(call))
-        m.seen[seq] = fut.request_id
-        if len(m.seen) > 4 * MAX_AHEAD:
-            for old in sorted(m.seen)[: len(m.seen) - 2 * MAX_AHEAD]:
-                del m.seen[old]
-        m.held[seq] = (call.kind, call, fut.request_id, finish)
-        self._flush(m)
-        return {"request_id": fut.request_id, "model_id": m.model_id}
 
 
 __all__ = ["Backend", "Done", "Finish", "Refused", "Registry", "replying"]
