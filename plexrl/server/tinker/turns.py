@@ -47,7 +47,7 @@ class Turns:
 
     def flush(self, m: ModelRecord) -> None:
         """Pass on the held requests whose turn has come, skipping the turns of refused ones (lock held); what is
-        still held then waits for a missing seq id, since now if it did not already (`tick`)."""
+        still held then waits for a missing seq id, since now if it did not already (`skip_gaps`)."""
         while m.next_seq is not None and m.next_seq in m.held:
             held = m.held.pop(m.next_seq)
             if held is not None:
