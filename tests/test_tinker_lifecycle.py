@@ -19,6 +19,7 @@ from tinker import types  # noqa: E402
 
 from plexrl.server.api import start_server  # noqa: E402
 from plexrl.server.config import ServerConfig  # noqa: E402
+from plexrl.server.tinker.futures import Futures  # noqa: E402
 from plexrl.server.tinker.records import FORGET_S  # noqa: E402
 
 DATUM = types.Datum(
@@ -43,6 +44,21 @@ def step(training: object) -> float:
 
 def loss(training: object) -> float:
     return float(training.forward([DATUM], "cross_entropy").result().metrics["loss:sum"])  # type: ignore[attr-defined]
+
+
+def test_a_client_waiting_on_its_call_is_not_silent() -> None:
+    """A session's call still running (a model loading on a busy machine, a long sample), or one completed or
+    fetched within the timeout, keeps its session from the sweep; an old one does not."""
+    futures = Futures()
+    running = futures.new("ann", "create_model", session="s1")
+    futures.new("ann", "forward")  # (no session: never counted)
+    assert futures.busy(1.0) == {"s1"}
+    futures.complete(running.request_id, "json", {})
+    assert futures.busy(1.0) == {"s1"}  # completed just now: its client is about to fetch it
+    running.done_at -= 5.0  # type: ignore[operator]  # (as if it completed five seconds ago, never fetched)
+    assert futures.busy(1.0) == set() and futures.busy(10.0) == {"s1"}
+    running.fetched_at = running.done_at + 4.5  # type: ignore[operator]  # fetched half a second ago
+    assert futures.busy(1.0) == {"s1"}
 
 
 @pytest.mark.slow
@@ -82,7 +98,8 @@ def test_a_silent_session_is_ended_and_its_state_saved_for_its_owner(tmp_path: P
         step(training)
         expected = loss(training)
         model = srv.sessions.models[training.model_id]
-        # no call and (under 10 s, the SDK's period) no heartbeat for a second: the sweep ends it
+        # no call and (under 10 s, the SDK's period) no heartbeat for a second: the sweep ends it (not before:
+        # while a call of its runs, e.g. its model loading on a busy machine, its client polls for it)
         wait_for(lambda: model.status == "ended", "the silent session to end", 60)
         assert model.saved is not None and model.saved.startswith(f"tinker://{training.model_id}/weights/ended-")
         # (the registry hears of the end from the runner's hooks, just before the journal records it)

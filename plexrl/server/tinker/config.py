@@ -53,8 +53,9 @@ class TinkerConfig(BaseModel):
     session_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="A session whose client sent nothing (no call, no heartbeat) for this long is ended and its "
-        "state checkpointed; the SDK heartbeats every 10 s while its program runs.",
+        description="A session whose client sent nothing (no call, no heartbeat) for this long, and has no call "
+        "running or just answered, is ended and its state checkpointed; the SDK heartbeats every 10 s while its "
+        "program runs.",
     )
     turn_wait_s: float = Field(
         60.0,

@@ -60,6 +60,7 @@ class Future:
     fetched_at: float | None = None
     withdraw: Callable[[], bool] | None = None  # takes its call back while still queued (True: it was)
     nbytes: int = 0  # its call's decoded inputs, counted against its user's until it completes
+    session: str = ""  # the client session it serves ("": none): while it runs, that client is not silent
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
 
@@ -92,12 +93,13 @@ class Futures:
                                "tinker.max_requests_per_user; retrieve their results first (or ask the server's "
                                "owner to raise it)")  # fmt: skip
 
-    def new(self, user: str | None, what: str, reason: str = "", nbytes: int = 0) -> Future:
-        """A pending future for a call of `user` (None: the administrator) whose inputs take `nbytes`; `room`
-        refused first."""
+    def new(self, user: str | None, what: str, reason: str = "", nbytes: int = 0, session: str = "") -> Future:
+        """A pending future for a call of `user` (None: the administrator) whose inputs take `nbytes`, sent in
+        client session `session`; `room` refused first."""
         self.room(user, nbytes)
         now = time.monotonic()
-        fut = Future("r" + secrets.token_hex(12), user, what, now, reason, nbytes=nbytes)  # (ids cannot be guessed)
+        # (ids cannot be guessed)
+        fut = Future("r" + secrets.token_hex(12), user, what, now, reason, nbytes=nbytes, session=session)
         with self._lock:
             self._items[fut.request_id] = fut
             self._open[user] = self._open.get(user, 0) + 1
@@ -185,6 +187,15 @@ class Futures:
                 fut.fetched_at = time.monotonic()
                 self._gone(fut)
         return fut
+
+    def busy(self, within_s: float) -> set[str]:
+        """The sessions a client is still waiting on: a call of theirs runs (or waits for its turn or a
+        service), or one completed or was fetched in the last `within_s` seconds. A client that sent a long
+        call is polling for it, not silent (`registry.sweep`)."""
+        since = time.monotonic() - within_s
+        with self._lock:
+            return {f.session for f in self._items.values()
+                    if f.session and (f.kind is None or max(f.done_at or 0, f.fetched_at or 0) >= since)}  # fmt: skip
 
     def pending(self) -> int:
         with self._lock:

@@ -63,7 +63,7 @@ def create_model(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         given = lora.get("seed") if isinstance(lora, dict) else None
         # Tinker's: no seed, a random one (recorded with the session's config: a resumed model keeps it)
         m.seed = given & 0x7FFFFFFF if isinstance(given, int) and not isinstance(given, bool) else secrets.randbits(31)
-        fut = reg.futures.new(user, "create_model", "preparing the model")
+        fut = reg.futures.new(user, "create_model", "preparing the model", session=m.session_id)
         m.waiting.append((fut.request_id, {"model_id": m.model_id, "type": "create_model"}))
     try:
         reg.open(m)
@@ -111,7 +111,7 @@ def unload_model(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[
         m = reg.models.get(model_id) if isinstance(model_id, str) else None
         if m is None or (user is not None and m.user != user):
             raise Refused(404, f"no model {model_id!r}")
-        fut = reg.futures.new(m.user, "unload_model")
+        fut = reg.futures.new(m.user, "unload_model", session=m.session_id)
         close = m.job_id if m.status in ("opening", "open") else ""  # ("": closed already, or `open` closes it)
         if m.status == "ended":
             reg.futures.complete(fut.request_id, "json", {"model_id": m.model_id, "type": "unload_model"})
@@ -271,7 +271,7 @@ def load_weights(reg: Registry, user: str, body: dict[str, Any]) -> dict[str, An
         m.metadata = meta
         m.lora_rank, m.targets = owner.get("lora_rank"), tuple(owner.get("targets") or ())
         m.lora_alpha = alpha_of(owner, reg.cfg.lora_alpha)  # (the weights' own, whatever this server's is now)
-        fut = reg.futures.new(user, "load_weights", "preparing the model")
+        fut = reg.futures.new(user, "load_weights", "preparing the model", session=m.session_id)
     answer = {"path": body["path"], "model_id": m.model_id, "type": "load_weights"}
     reg.open(m, (load, replying(reg.futures, fut.request_id, lambda v: ("json", answer))))
     return {"request_id": fut.request_id, "model_id": m.model_id}

@@ -195,12 +195,14 @@ class Registry:
             self.backend.call(m.job_id, "save", Save(str(target), "state"), saved)
 
     def sweep(self) -> list[str]:
-        """End the sessions whose client sent nothing for `session_timeout_s`, checkpointing their models;
-        returns their ids."""
+        """End the sessions whose client sent nothing for `session_timeout_s` and waits on no call of theirs
+        (`Futures.busy`), checkpointing their models; returns their ids."""
         now = self.clock()
         limit = self.cfg.session_timeout_s
+        busy = self.futures.busy(limit)  # (a client polling for its long call is not silent)
         with self.lock:
-            stale = [s for s in self.sessions.values() if s.ended is None and now - s.last_seen > limit]
+            stale = [s for s in self.sessions.values()
+                     if s.ended is None and now - s.last_seen > limit and s.session_id not in busy]  # fmt: skip
             for s in [s for s in self.sessions.values() if s.ended is not None and now - s.last_seen > limit]:
                 if all(self.models[m].status == "ended" for m in s.models if m in self.models):
                     del self.sessions[s.session_id]  # (ended long ago, nothing of it alive: forgotten)

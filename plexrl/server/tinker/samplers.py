@@ -109,7 +109,7 @@ def asample(reg: Registry, user: str | None, body: dict[str, Any]) -> dict[str, 
         call = dec.sample(body, limits_of(m), reg.cfg, secrets.randbits(31))
         if s.weights is not None:
             call = dataclasses.replace(call, weights=str(s.weights), weights_id=s.weights_id)
-        fut = reg.futures.new(m.user, "sample")
+        fut = reg.futures.new(m.user, "sample", session=s.session_id)
         job_id = m.job_id
 
     def finish(value: dict[str, Any]) -> tuple[str, Any]:

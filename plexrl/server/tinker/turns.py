@@ -70,7 +70,7 @@ class Turns:
             raise Refused(400, f"seq_id {seq} was used by a refused request; send the next one")
         if seq < m.next_seq or seq > m.next_seq + MAX_AHEAD:
             raise Refused(400, f"seq_id {seq} is out of order (the next is {m.next_seq})")
-        fut = self.futures.new(m.user, call.kind, nbytes=call_bytes(call))
+        fut = self.futures.new(m.user, call.kind, nbytes=call_bytes(call), session=m.session_id)
         m.seen[seq] = fut.request_id
         if len(m.seen) > 4 * MAX_AHEAD:
             for old in sorted(m.seen)[: len(m.seen) - 2 * MAX_AHEAD]:
