@@ -144,6 +144,21 @@ def test_without_bundling_each_call_runs_alone() -> None:
     assert board.call_of("a", "sample") == (True, MINE[0])
 
 
+def test_a_call_the_planner_runs_alone_takes_none_of_the_calls_behind_it() -> None:
+    """`RunNode.alone` (another user's work waits): the board hands the node its head call only; the calls
+    behind it wait for the next node, and the session still counts as one that sends at once."""
+    board = CallBoard()
+    board.bind(lambda job, kind: None, bundle=True)
+    board.open("a")
+    for c in MINE:
+        board.put("a", c.kind, c, lambda reply, error: None)
+    board.started("a")
+    assert board.call_of("a", "sample", alone=True) == (True, MINE[0])
+    board.finished("a", {"value": {}}, None)
+    found, bundle = board.call_of("a", "sample")
+    assert found and isinstance(bundle, Samples) and bundle.calls == MINE[1:]
+
+
 def test_a_servers_runner_bundles_by_default_and_its_section_can_turn_it_off() -> None:
     """`plexrl serve` builds its runner from its `cluster:` section (`build_runner`): a client's sample calls sent
     at once run as one engine call there by default (`bundle_calls`), whether or not rollouts are batched."""

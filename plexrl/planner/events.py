@@ -183,10 +183,13 @@ class CheckpointFinished:
 @dataclass(frozen=True, slots=True)
 class CallArrived:
     """A session's next call is waiting: `node`, its kind (a node of the job's open plan). One at a time: the next
-    comes only after the previous call's node finished (`sessions.py`)."""
+    comes only after the previous call's node finished (`sessions.py`). `at`: when it came, on the planner's
+    clock, where that is earlier than the planner hears of it (a runner busy running a node in-process); the
+    client's time is learnt up to then."""
 
     job_id: str
     node: str
+    at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +246,8 @@ class RunNode:
     # co-scheduled rollouts (`batches.py`): the other members (job, iteration, node) run in the same engine
     # call as this node; `swaps` make every member resident
     cohort: tuple[tuple[str, int, str], ...] = ()
+    # a session's call runs without the calls its client sent behind it (no bundle: `sessions.runs_alone`)
+    alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

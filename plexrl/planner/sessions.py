@@ -16,13 +16,13 @@ checkpoint after every k-th. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import CallArrived, Instruction, SessionClosing
-from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord, JobStatus
+from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord, JobStatus, ServiceRecord
 
 CALL = "<call>"  # pseudo node: a call's time, every kind together
 
@@ -50,11 +50,12 @@ class Sessions:
         job = self.jobs.get(ev.job_id)
         if job is None or job.status in TERMINAL:
             return  # a late call of a session that already ended (the runtime fails it)
-        problem = call_arrived(job, ev.node, self.costs, self.clock())
+        now = self.clock()
+        problem = call_arrived(job, ev.node, self.costs, min(ev.at, now) if ev.at is not None else now)
         if problem is not None:
             raise InvalidTransition(self.history(problem))
         if job.status == "running" and job.checkpoint is None:  # (queued, or held: it starts when that ends)
-            job.start_iteration(self.clock())
+            job.start_iteration(now)
             self.advance(job, out)
 
     def closing(self, ev: SessionClosing, out: list[Instruction]) -> None:
@@ -72,7 +73,8 @@ class Sessions:
 
 
 def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str | None:
-    """Record a session's next call (its kind `node`); a problem, described, if it cannot come now."""
+    """Record a session's next call (its kind `node`) that came at `now`; a problem, described, if it cannot
+    come now."""
     if not job.plan.open:
         return f"a call arrived for {job.job_id}, which is not a session"
     if node not in job.plan.nodes:
@@ -81,8 +83,9 @@ def call_arrived(job: JobRecord, node: str, costs: CostModel, now: float) -> str
         return f"a call {node!r} arrived for {job.job_id} while another is pending or running"
     away = job.cpu_started.pop(CLIENT, None)
     if away is not None:
-        costs.observe(job.job_id, CLIENT, now - away)
-        job.work_done += now - away
+        away = max(now - away, 0.0)  # (a call that came as the previous one's end was being reported: none)
+        costs.observe(job.job_id, CLIENT, away)
+        job.work_done += away
     if job.last_call is not None:  # (what its client sends after each kind: `batches.gather_until`)
         job.follows.setdefault(job.last_call, set()).add(node)
     job.call = job.last_call = node
@@ -134,6 +137,30 @@ def comes_to(job: JobRecord, kind: str) -> bool:
     return False
 
 
+def runs_alone(job: JobRecord, svc: ServiceRecord, jobs: Mapping[str, JobRecord], due: Mapping[str, float],
+               window: float) -> bool:  # fmt: skip
+    """Whether a session's call, about to run on `svc`, should run without the calls its client sent behind it
+    (`RunNode.alone`; the runtime would otherwise take up to `BUNDLE` of them into one engine call): a job of
+    another user on `svc` has a node queued there, or due within `window` seconds (`OrderingView.due`; the
+    call's predicted time; overdue by more than that: a client gone quiet, not counted). A bundle is one call
+    the service cannot preempt: alone, the call keeps that user's wait at one call of this one's (fair share's
+    bound), where a flood of calls sent at once would make it up to `BUNDLE` of them.
+
+    >>> from plexrl.planner.events import JobPlan, NodePlan
+    >>> plan = lambda user: JobPlan({"sample": NodePlan("service")}, 10, ("sample",), open=True, user=user)
+    >>> jobs = {"a": JobRecord("a", plan("ann")), "b": JobRecord("b", plan("bob")), "c": JobRecord("c", plan("bob"))}
+    >>> svc = ServiceRecord("svc", jobs=set(jobs))
+    >>> [runs_alone(jobs["b"], svc, jobs, due, 4.0) for due in ({}, {"c": 1.0}, {"a": 1.0}, {"a": -9.0})]
+    [False, False, True, False]
+    """
+    if not job.plan.open:
+        return False
+    user = job.plan.user
+    near = [j for j, rest in due.items() if -window <= rest <= window]
+    return any(j != job.job_id and j in jobs and jobs[j].plan.user != user
+               for j in (*(q.job_id for q in svc.queue), *near))  # fmt: skip
+
+
 def away(job: JobRecord) -> bool:
     """An idle session whose client is away (its load falls with time: `busy_fraction`)."""
     return idle(job) and CLIENT in job.cpu_started
@@ -177,4 +204,5 @@ __all__ = [
     "idle",
     "observe_call",
     "only_idle_left",
+    "runs_alone",
 ]

@@ -170,33 +170,33 @@ class CallBoard:
             self._announced.add(job_id)
             return queue[0].kind
 
-    def take(self, job_id: str, kind: str) -> list[Ticket] | None:
+    def take(self, job_id: str, kind: str, alone: bool = False) -> list[Ticket] | None:
         """The runner starts the session's announced call (of `kind`), with the waiting calls right behind it
-        that join it (see the module docstring): they leave the queue and run; None if the head of the queue is
-        not such a call (a bug: the caller fails the job)."""
+        that join it (see the module docstring; none with `alone`, the planner's `RunNode.alone`): they leave
+        the queue and run; None if the head of the queue is not such a call (a bug: the caller fails the job)."""
         with self._lock:
             queue = self._queues.get(job_id)
             if not queue or queue[0].kind != kind or job_id in self._running:
                 return None
             tickets = [queue.popleft()]
-            joins = getattr(tickets[0].call, "joins", None) if self._bundle else None
+            joins = getattr(tickets[0].call, "joins", None) if self._bundle and not alone else None
             while joins is not None and queue and len(tickets) < BUNDLE and joins(queue[0].call):
                 tickets.append(queue.popleft())
             if len(tickets) > 1:
                 self._bursts.add(job_id)
-            elif job_id in self._waited:
+            elif job_id in self._waited and not alone:
                 self._bursts.discard(job_id)  # it waited and gathered nothing: not a client that sends at once
             self._waited.discard(job_id)
             self._running[job_id] = tickets
             return tickets
 
-    def call_of(self, job_id: str, kind: str) -> tuple[bool, Any]:
+    def call_of(self, job_id: str, kind: str, alone: bool = False) -> tuple[bool, Any]:
         """(True, the call) a node of kind `kind` of `job_id` runs (`take`: several calls run together are one
         call, `bundle`; None for a job that is no session here), or (False, None) when a session has no such
         call waiting (a bug: the caller fails the job)."""
         if not self.has(job_id):
             return True, None
-        tickets = self.take(job_id, kind)
+        tickets = self.take(job_id, kind, alone)
         if tickets is None:
             return False, None
         if len(tickets) == 1:

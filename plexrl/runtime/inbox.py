@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from plexrl.planner import JobCancelled
@@ -23,7 +23,8 @@ from plexrl.planner.events import CallArrived, SessionClosing
 class Inbox:
     """See the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock  # the runner's: a session's call is stamped with when it came (`CallArrived.at`)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # an idle loop waits on it for a request
         self._cancels: deque[JobCancelled] = deque()
@@ -49,7 +50,7 @@ class Inbox:
     def call_arrived(self, job_id: str, node: str) -> None:
         """An idle session's next call is waiting (`calls.CallBoard.put`)."""
         with self._wake:
-            self._calls.append(CallArrived(job_id, node))
+            self._calls.append(CallArrived(job_id, node, self._clock() if self._clock is not None else None))
             self._wake.notify_all()
 
     def close_session(self, job_id: str) -> None:

@@ -85,7 +85,7 @@ class Runner:
         self.services: list[str] = []
         self.service_reports: dict[str, dict[str, Any]] = {}
         self.events_handled, self._arrivals = 0, Arrivals()  # (arrivals: jobs not yet submitted, the loop's alone)
-        self._inbox = Inbox()  # what other threads ask: submit, cancel, stop (the only lock)
+        self._inbox = Inbox(self.clock)  # what other threads ask: submit, cancel, stop (the only lock)
         self.calls = calls
         if calls is not None:
             # a session's own sample calls sent at once run as one (`CallBoard.take`) with `bundle_calls` (a
