@@ -272,6 +272,37 @@ def test_through_a_runner_a_clients_sample_calls_sent_at_once_run_as_one_node(
         svc.close()
 
 
+def test_through_a_runner_calls_the_planner_runs_alone_run_one_per_node(
+    smol_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planner's `RunNode.alone` (another user's work waiting: `sessions.runs_alone`, tested on its own in
+    tests/test_planner_sessions.py) reaches the board: the same burst runs one call per node and engine call."""
+    from plexrl.engines import mixed
+    from plexrl.planner import dispatch
+    from plexrl.runtime import InlineExecutor, Runner
+
+    engine_calls = count_calls(monkeypatch, mixed, "generate_mixed")
+    monkeypatch.setattr(dispatch, "runs_alone", lambda *args: True)
+    board = CallBoard()
+    executor = InlineExecutor(services=1, validate=True)
+    runner = Runner(executor, Planner(clock=executor.clock, validate=True), calls=board, bundle_calls=True)
+    got: list[str | None] = []
+
+    def done(reply: dict[str, Any] | None, error: str | None) -> None:
+        got.append(error if reply is None else reply["error"])
+        if len(got) == len(MINE):
+            runner.close_session("a")
+
+    board.open("a")
+    for c in MINE:
+        board.put("a", c.kind, c, done)
+    (run,) = runner.run([spec(smol_tiny, "a", tmp_path / "runner")])
+    assert run.status == "done", run.error
+    # three nodes, each its one call (a bundle would be one node: the test above)
+    assert got == [None] * len(MINE) and runner.planner.counts()["kept_alone"] == 3
+    assert runner.planner.jobs["a"].iteration == 3 and not engine_calls  # (a call alone: the engine's own loop)
+
+
 def test_a_sample_joins_only_a_sample_of_its_weights() -> None:
     a = Sample((1, 2), num_samples=1, max_tokens=2, seed=1)
     assert a.joins(dataclasses.replace(a, seed=2)) and not a.joins(dataclasses.replace(a, weights_id="x"))
