@@ -16,7 +16,7 @@ alone plus one of bob's calls alone (his second: the first opens his sampler job
 running when hers comes (the planner takes turns between users, it does not preempt a call, and a finished
 call's reply goes out before the next call runs); the bound of memory is what bob's accepted requests hold.
 
-    .venv/bin/python benchmarks/tinker_flood.py [--samples 2000] [--polls 530] [--calls 8] [--tokens 256]
+    .venv/bin/python benchmarks/tinker_flood.py [--samples 2000] [--polls 530] [--calls 8] [--tokens 256] [--driver dask]
     .venv/bin/python benchmarks/tinker_flood.py --smoke   # small counts, seconds (the tests run it)
 
 It takes the machine: run it alone.
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--polls", type=int, default=530, help="bob's parked retrieve_future connections")
     ap.add_argument("--calls", type=int, default=8, help="ann's calls per arm")
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens of each of bob's sample calls")
+    ap.add_argument("--driver", choices=("local", "dask"), default="local",
+                    help="the server's cluster.driver (dask: its default, a local Dask cluster; nodes sent ahead)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             tinker_cfg.update(max_requests_per_user=8, max_polls_per_user=4)
         cfg = ServerConfig(
             port=0, journal=str(tmp / "journal.db"), run_dir=str(tmp / "runs"), mlflow=False,
-            cluster={"driver": "local", "services": {"count": 1}, "max_load": 64}, users={"ann": ANN, "bob": BOB},
+            cluster={"driver": args.driver, "services": {"count": 1}, "max_load": 64}, users={"ann": ANN, "bob": BOB},
             allowed_roots=[str(tmp)], tinker=tinker_cfg,
         )  # fmt: skip
         srv = start_server(cfg)
