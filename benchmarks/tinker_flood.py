@@ -16,7 +16,8 @@ alone plus one of bob's calls alone (his second: the first opens his sampler job
 running when hers comes (the planner takes turns between users, it does not preempt a call, and a finished
 call's reply goes out before the next call runs); the bound of memory is what bob's accepted requests hold.
 
-    .venv/bin/python benchmarks/tinker_flood.py [--samples 2000] [--polls 530] [--calls 8] [--tokens 256] [--driver dask]
+    .venv/bin/python benchmarks/tinker_flood.py [--samples 2000] [--polls 530] [--calls 8] [--tokens 256]
+    .venv/bin/python benchmarks/tinker_flood.py --samples 300 --polls 10 --tokens 64 --driver dask
     .venv/bin/python benchmarks/tinker_flood.py --smoke   # small counts, seconds (the tests run it)
 
 It takes the machine: run it alone.

@@ -179,7 +179,8 @@ class Dispatcher:
             if prefetch:
                 svc.prefetching = nxt
         chunks = job.plan.nodes[q.node].chunks
-        alone = not members and runs_alone(job, svc, self.jobs, view.due(), self.costs.predict(q.job_id, q.node))
+        alone = job.plan.open and not members and runs_alone(job, svc, self.jobs, view.due(),
+                                                            self.costs.predict(q.job_id, q.node))  # fmt: skip
         self.kept_alone += alone
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
                            chunk=job.chunk.get(q.node, 0), chunks=chunks,
