@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--polls", type=int, default=530, help="bob's parked retrieve_future connections")
     ap.add_argument("--calls", type=int, default=8, help="ann's calls per arm")
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens of each of bob's sample calls")
-    ap.add_argument("--driver", choices=("local", "dask"), default="local",
-                    help="the server's cluster.driver (dask: its default, a local Dask cluster; nodes sent ahead)")
+    ap.add_argument(
+        "--driver",
+        choices=("local", "dask"),
+        default="local",
+        help="the server's cluster.driver (dask: its default, a local Dask cluster; nodes sent ahead)",
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
