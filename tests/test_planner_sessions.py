@@ -5,7 +5,6 @@ instructions out."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -89,31 +88,6 @@ def test_a_session_and_a_dag_job_interleave_on_one_service_by_the_ordering() -> 
     assert sent(out) == []
     out = p.handle(NodeFinished("s", 0, "sample", duration=1.0))
     assert sent(out) == [("d", 1, "roll")]
-
-
-def test_a_call_runs_without_its_bundle_while_another_users_work_is_waiting_or_due() -> None:
-    """A session's call that could take its client's waiting calls along (one engine call the service cannot
-    preempt) runs alone while another user's session is due back within the call's time: that user then waits
-    for one call, not a bundle. Alone, or beside its own user's sessions, or beside a client gone quiet, it
-    bundles."""
-    p, clock = planner()
-    bob = dataclasses.replace(session(), user="bob")
-    p.handle(JobSubmitted("b", bob))
-    p.handle(JobSubmitted("b2", bob))
-    p.costs.observe("b", "sample", 5.0)  # bob's calls take 5 s
-    first = [i for i in p.handle(CallArrived("b", "sample")) if isinstance(i, RunNode)]
-    assert first[0].alone is False  # only bob's own sessions here (b2 is idle, his too)
-    clock.t = 5.0
-    p.handle(NodeFinished("b", 0, "sample", duration=5.0))
-    p.handle(JobSubmitted("a", session()))  # ann's session: idle, her client away, back in ~0.1 s
-    p.costs.observe("a", CLIENT, 0.1)
-    runs = [i for i in p.handle(CallArrived("b", "sample")) if isinstance(i, RunNode)]
-    assert runs[0].alone is True and p.counts()["kept_alone"] == 1
-    clock.t = 10.0
-    p.handle(NodeFinished("b", 1, "sample", duration=5.0))
-    clock.t = 60.0  # ann's client has been away 55 s: gone quiet, no longer counted
-    runs = [i for i in p.handle(CallArrived("b", "sample")) if isinstance(i, RunNode)]
-    assert runs[0].alone is False
 
 
 def test_an_idle_session_is_away_on_its_client_which_the_cost_model_learns() -> None:

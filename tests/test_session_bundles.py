@@ -18,7 +18,7 @@ from test_session_batching import CALLS, perturb, same
 from test_session_engine import call, datum, spec
 
 from plexrl.planner import Planner
-from plexrl.runtime.calls import CallBoard
+from plexrl.runtime.calls import BUNDLE, BUNDLE_ROWS, CallBoard
 from plexrl.services.batched import Member, run_cohort
 from plexrl.services.service import Service
 from plexrl.sessions.calls import ForwardBackward, Reply, Sample, Samples, pack, unpack
@@ -144,19 +144,25 @@ def test_without_bundling_each_call_runs_alone() -> None:
     assert board.call_of("a", "sample") == (True, MINE[0])
 
 
-def test_a_call_the_planner_runs_alone_takes_none_of_the_calls_behind_it() -> None:
-    """`RunNode.alone` (another user's work waits): the board hands the node its head call only; the calls
-    behind it wait for the next node, and the session still counts as one that sends at once."""
+def test_a_bundle_stops_at_its_samples_in_all_so_a_flood_of_big_calls_runs_one_per_node() -> None:
+    """A bundle is one call another user's call waits for whole: it takes calls while their samples stay within
+    `BUNDLE_ROWS` (a loop's eight 8-sample calls: one node), so calls that each fill a batch run one per node."""
     board = CallBoard()
     board.bind(lambda job, kind: None, bundle=True)
     board.open("a")
-    for c in MINE:
+    small = [dataclasses.replace(CALLS["a"], num_samples=BUNDLE_ROWS // BUNDLE, seed=i) for i in range(BUNDLE)]
+    big = [dataclasses.replace(CALLS["a"], num_samples=BUNDLE_ROWS, seed=i) for i in range(3)]
+    half = [dataclasses.replace(CALLS["a"], num_samples=BUNDLE_ROWS // 2 + 1, seed=i) for i in range(2)]
+    for c in (*small, *big, *half):
         board.put("a", c.kind, c, lambda reply, error: None)
     board.started("a")
-    assert board.call_of("a", "sample", alone=True) == (True, MINE[0])
-    board.finished("a", {"value": {}}, None)
-    found, bundle = board.call_of("a", "sample")
-    assert found and isinstance(bundle, Samples) and bundle.calls == MINE[1:]
+    taken = []
+    for _ in range(6):
+        found, got = board.call_of("a", "sample")
+        assert found
+        taken.append(got.calls if isinstance(got, Samples) else (got,))
+        board.finished("a", {"value": {}}, None)
+    assert taken == [tuple(small), (big[0],), (big[1],), (big[2],), (half[0],), (half[1],)]
 
 
 def test_a_servers_runner_bundles_by_default_and_its_section_can_turn_it_off() -> None:
@@ -270,37 +276,6 @@ def test_through_a_runner_a_clients_sample_calls_sent_at_once_run_as_one_node(
             same(got["value"], call(svc, "a", i, c)["value"])
     finally:
         svc.close()
-
-
-def test_through_a_runner_calls_the_planner_runs_alone_run_one_per_node(
-    smol_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The planner's `RunNode.alone` (another user's work waiting: `sessions.runs_alone`, tested on its own in
-    tests/test_planner_sessions.py) reaches the board: the same burst runs one call per node and engine call."""
-    from plexrl.engines import mixed
-    from plexrl.planner import dispatch
-    from plexrl.runtime import InlineExecutor, Runner
-
-    engine_calls = count_calls(monkeypatch, mixed, "generate_mixed")
-    monkeypatch.setattr(dispatch, "runs_alone", lambda *args: True)
-    board = CallBoard()
-    executor = InlineExecutor(services=1, validate=True)
-    runner = Runner(executor, Planner(clock=executor.clock, validate=True), calls=board, bundle_calls=True)
-    got: list[str | None] = []
-
-    def done(reply: dict[str, Any] | None, error: str | None) -> None:
-        got.append(error if reply is None else reply["error"])
-        if len(got) == len(MINE):
-            runner.close_session("a")
-
-    board.open("a")
-    for c in MINE:
-        board.put("a", c.kind, c, done)
-    (run,) = runner.run([spec(smol_tiny, "a", tmp_path / "runner")])
-    assert run.status == "done", run.error
-    # three nodes, each its one call (a bundle would be one node: the test above)
-    assert got == [None] * len(MINE) and runner.planner.counts()["kept_alone"] == 3
-    assert runner.planner.jobs["a"].iteration == 3 and not engine_calls  # (a call alone: the engine's own loop)
 
 
 def test_a_sample_joins_only_a_sample_of_its_weights() -> None:

@@ -22,7 +22,6 @@ from plexrl.planner.events import Instruction, RunNode
 from plexrl.planner.gaps import Lazy, next_use
 from plexrl.planner.policies import OrderingPolicy, OrderingView
 from plexrl.planner.records import InvalidTransition, JobRecord, NodeStatus, ServiceRecord
-from plexrl.planner.sessions import runs_alone
 from plexrl.planner.slices import paused_jobs, slices_done
 from plexrl.planner.state import Move, NoRoom
 from plexrl.planner.views import next_job
@@ -34,8 +33,7 @@ class Dispatcher:
     (`set_node`), the ordering view of a service, the history for an error, and its counters: nodes sent ahead
     (lookahead), times a pick was held back (`hold_ahead`), cohorts sent and their members, times an idle
     service waited for a cohort's partners (`batch_window` seconds at most: `batches.gather_until`), calls that
-    let other work go first so that their partners catch up (`phase_window` at most: `batches.keep_phase`),
-    session calls sent to run without the calls behind them while another user's work waits (`runs_alone`)."""
+    let other work go first so that their partners catch up (`phase_window` at most: `batches.keep_phase`)."""
 
     jobs: dict[str, JobRecord]
     services: dict[str, ServiceRecord]
@@ -58,12 +56,10 @@ class Dispatcher:
     cohort_members: int = 0
     partner_waits: int = 0
     phase_defers: int = 0
-    kept_alone: int = 0
 
     def counts(self) -> dict[str, int]:
         """Its counters, by name."""
-        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members", "partner_waits", "phase_defers",
-                 "kept_alone")  # fmt: skip
+        names = ("sent_ahead", "held_ahead", "cohorts_sent", "cohort_members", "partner_waits", "phase_defers")
         return {name: getattr(self, name) for name in names}
 
     def wake_at(self) -> float | None:
@@ -179,13 +175,10 @@ class Dispatcher:
             if prefetch:
                 svc.prefetching = nxt
         chunks = job.plan.nodes[q.node].chunks
-        alone = job.plan.open and not members and runs_alone(job, svc, self.jobs, view.due(),
-                                                            self.costs.predict(q.job_id, q.node))  # fmt: skip
-        self.kept_alone += alone
         out.append(RunNode(q.job_id, q.iteration, q.node, "service", svc.service_id, tuple(swaps), tuple(prefetch),
                            chunk=job.chunk.get(q.node, 0), chunks=chunks,
                            slice=slices_done(job, q.node),
-                           cohort=tuple((m.job_id, m.iteration, m.node) for m in members), alone=alone))  # fmt: skip
+                           cohort=tuple((m.job_id, m.iteration, m.node) for m in members)))  # fmt: skip
 
 
 __all__ = ["Dispatcher"]

@@ -246,8 +246,6 @@ class RunNode:
     # co-scheduled rollouts (`batches.py`): the other members (job, iteration, node) run in the same engine
     # call as this node; `swaps` make every member resident
     cohort: tuple[tuple[str, int, str], ...] = ()
-    # a session's call runs without the calls its client sent behind it (no bundle: `sessions.runs_alone`)
-    alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

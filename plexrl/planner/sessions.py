@@ -16,13 +16,13 @@ checkpoint after every k-th. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from plexrl.planner.costs import CostModel
 from plexrl.planner.events import CallArrived, Instruction, SessionClosing
-from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord, JobStatus, ServiceRecord
+from plexrl.planner.records import CLIENT, TERMINAL, InvalidTransition, JobRecord, JobStatus
 
 CALL = "<call>"  # pseudo node: a call's time, every kind together
 
@@ -137,30 +137,6 @@ def comes_to(job: JobRecord, kind: str) -> bool:
     return False
 
 
-def runs_alone(job: JobRecord, svc: ServiceRecord, jobs: Mapping[str, JobRecord], due: Mapping[str, float],
-               window: float) -> bool:  # fmt: skip
-    """Whether a session's call, about to run on `svc`, should run without the calls its client sent behind it
-    (`RunNode.alone`; the runtime would otherwise take up to `BUNDLE` of them into one engine call): a job of
-    another user on `svc` has a node queued there, or due within `window` seconds (`OrderingView.due`; the
-    call's predicted time; overdue by more than that: a client gone quiet, not counted). A bundle is one call
-    the service cannot preempt: alone, the call keeps that user's wait at one call of this one's (fair share's
-    bound), where a flood of calls sent at once would make it up to `BUNDLE` of them.
-
-    >>> from plexrl.planner.events import JobPlan, NodePlan
-    >>> plan = lambda user: JobPlan({"sample": NodePlan("service")}, 10, ("sample",), open=True, user=user)
-    >>> jobs = {"a": JobRecord("a", plan("ann")), "b": JobRecord("b", plan("bob")), "c": JobRecord("c", plan("bob"))}
-    >>> svc = ServiceRecord("svc", jobs=set(jobs))
-    >>> [runs_alone(jobs["b"], svc, jobs, due, 4.0) for due in ({}, {"c": 1.0}, {"a": 1.0}, {"a": -9.0})]
-    [False, False, True, False]
-    """
-    if not job.plan.open:
-        return False
-    user = job.plan.user
-    near = [j for j, rest in due.items() if -window <= rest <= window]
-    return any(j != job.job_id and j in jobs and jobs[j].plan.user != user
-               for j in (*(q.job_id for q in svc.queue), *near))  # fmt: skip
-
-
 def away(job: JobRecord) -> bool:
     """An idle session whose client is away (its load falls with time: `busy_fraction`)."""
     return idle(job) and CLIENT in job.cpu_started
@@ -204,5 +180,4 @@ __all__ = [
     "idle",
     "observe_call",
     "only_idle_left",
-    "runs_alone",
 ]

@@ -20,9 +20,9 @@ One call of a session is announced at a time (`announced`): the next only once t
 finished, so a session's calls run in the order they came, and the planner holds at most one per job. With
 `bind(..., bundle=True)` (a runner with `bundle_calls`, a server's default, or whose planner batches rollouts),
 a call that can run together with the calls waiting right behind it (`call.joins(next)`, e.g. a client's
-sample calls sent at once, of the same weights) takes up to `BUNDLE` of them along (`take`): the node runs
-them as one call (`call.bundle(calls)`), whose reply holds one reply per call (`value["replies"]`), each
-handed to its own call.
+sample calls sent at once, of the same weights) takes up to `BUNDLE` of them along, `BUNDLE_ROWS` samples in
+all (`take`): the node runs them as one call (`call.bundle(calls)`), whose reply holds one reply per call
+(`value["replies"]`), each handed to its own call.
 A client that sends its calls at once sends them over a few milliseconds: the first finds its session idle and
 would run alone, the rest together after it (two engine calls for one burst). With a `window` (`bind`), a
 session seen sending at once (its last node ran several calls together, or a call of it came while a call it
@@ -42,6 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 BUNDLE = 8  # the most waiting calls of one session that one node runs together (`take`)
+# ... and the most samples they make in all (a call of more runs alone): a bundle is one call the service cannot
+# preempt, every other user's call waits for all of it, and past a batch this size an engine call gains little
+# from more rows on a CPU (eight 64-sample calls bundled took eight times one: docs/benchmarks.md, the flood)
+BUNDLE_ROWS = 64
 
 Timer = Callable[[float, Callable[[], None]], None]
 """`timer(seconds, fn)`: call `fn()` (from any thread) once `seconds` have passed (`thread_timer`)."""
@@ -170,33 +174,37 @@ class CallBoard:
             self._announced.add(job_id)
             return queue[0].kind
 
-    def take(self, job_id: str, kind: str, alone: bool = False) -> list[Ticket] | None:
+    def take(self, job_id: str, kind: str) -> list[Ticket] | None:
         """The runner starts the session's announced call (of `kind`), with the waiting calls right behind it
-        that join it (see the module docstring; none with `alone`, the planner's `RunNode.alone`): they leave
-        the queue and run; None if the head of the queue is not such a call (a bug: the caller fails the job)."""
+        that join it (see the module docstring): they leave the queue and run; None if the head of the queue is
+        not such a call (a bug: the caller fails the job)."""
         with self._lock:
             queue = self._queues.get(job_id)
             if not queue or queue[0].kind != kind or job_id in self._running:
                 return None
             tickets = [queue.popleft()]
-            joins = getattr(tickets[0].call, "joins", None) if self._bundle and not alone else None
+            joins = getattr(tickets[0].call, "joins", None) if self._bundle else None
+            rows = _rows(tickets[0].call)
             while joins is not None and queue and len(tickets) < BUNDLE and joins(queue[0].call):
+                if rows + _rows(queue[0].call) > BUNDLE_ROWS:
+                    break
+                rows += _rows(queue[0].call)
                 tickets.append(queue.popleft())
             if len(tickets) > 1:
                 self._bursts.add(job_id)
-            elif job_id in self._waited and not alone:
+            elif job_id in self._waited:
                 self._bursts.discard(job_id)  # it waited and gathered nothing: not a client that sends at once
             self._waited.discard(job_id)
             self._running[job_id] = tickets
             return tickets
 
-    def call_of(self, job_id: str, kind: str, alone: bool = False) -> tuple[bool, Any]:
+    def call_of(self, job_id: str, kind: str) -> tuple[bool, Any]:
         """(True, the call) a node of kind `kind` of `job_id` runs (`take`: several calls run together are one
         call, `bundle`; None for a job that is no session here), or (False, None) when a session has no such
         call waiting (a bug: the caller fails the job)."""
         if not self.has(job_id):
             return True, None
-        tickets = self.take(job_id, kind, alone)
+        tickets = self.take(job_id, kind)
         if tickets is None:
             return False, None
         if len(tickets) == 1:
@@ -254,4 +262,10 @@ class CallBoard:
             ticket.done(None, reason)
 
 
-__all__ = ["BUNDLE", "CallBoard", "Done", "Ticket", "Timer", "thread_timer"]
+def _rows(call: Any) -> int:
+    """The samples a call makes (`BUNDLE_ROWS`; a call of another kind: one)."""
+    n = getattr(call, "num_samples", 1)
+    return n if isinstance(n, int) else 1
+
+
+__all__ = ["BUNDLE", "BUNDLE_ROWS", "CallBoard", "Done", "Ticket", "Timer", "thread_timer"]

@@ -119,7 +119,7 @@ class Carrier:
         inputs = {port: outputs[src] for port, src in run.spec.inputs(ins.node).items() if src in outputs}
         last = ins.chunks > 1 and ins.chunk == ins.chunks - 1
         parts = tuple(it.parts.get(ins.node, ())) if last else ()  # the earlier chunks, joined by the last
-        found, call = self.calls.call_of(run.job_id, ins.node, ins.alone) if self.calls is not None else (True, None)
+        found, call = self.calls.call_of(run.job_id, ins.node) if self.calls is not None else (True, None)
         if not found:  # (a session's node runs its next call)
             return [self.fail(run, f"starting call {ins.node!r}", "no such call is waiting (runtime bug)")]
         task = NodeTask(
